@@ -1,0 +1,44 @@
+"""RL algorithms in pure torch (no Megatron import): policy losses, advantages, KL, TIS."""
+
+from megatron_gspo.algo.advantages import group_advantages
+from megatron_gspo.algo.kl import kl_estimate, kl_k1, kl_k2, kl_k3
+from megatron_gspo.algo.loss_stats import combine_stats, stat_reduce_op, summarize_stats
+from megatron_gspo.algo.mismatch import (
+    logprob_abs_diff,
+    mismatch_weights,
+    sequence_mismatch_mask,
+    sequence_tis_weights,
+    token_mismatch_mask,
+    token_tis_weights,
+)
+from megatron_gspo.algo.policy_loss import (
+    AGGS,
+    DEFAULT_AGG,
+    KINDS,
+    loss_denominator,
+    policy_loss,
+    resolve_agg,
+)
+
+__all__ = [
+    "AGGS",
+    "DEFAULT_AGG",
+    "KINDS",
+    "combine_stats",
+    "group_advantages",
+    "kl_estimate",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "logprob_abs_diff",
+    "loss_denominator",
+    "mismatch_weights",
+    "policy_loss",
+    "resolve_agg",
+    "sequence_mismatch_mask",
+    "sequence_tis_weights",
+    "stat_reduce_op",
+    "summarize_stats",
+    "token_mismatch_mask",
+    "token_tis_weights",
+]

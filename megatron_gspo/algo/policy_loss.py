@@ -1,0 +1,227 @@
+"""Clipped policy-gradient losses: GSPO, GSPO-token and GRPO, as one function.
+
+The three kinds differ only in the importance ratio; the clipped objective, the aggregation and
+the denominator are shared:
+
+    GRPO        w_{i,t} = exp(logp_{i,t} - old_{i,t})                              (per token)
+    GSPO        s_i     = exp( (1/|y_i|) sum_t m_{i,t} (logp_{i,t} - old_{i,t}) )  (per sequence)
+    GSPO-token  s_{i,t} = sg[s_i] * exp(logp_{i,t} - sg[logp_{i,t}])   (value s_i, d/dlogp_t = s_i)
+
+    objective o = min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A),   loss = -agg(o)
+
+For GSPO the per-sequence term o_i is broadcast to the sequence's tokens before aggregation, so
+seq-mean-token-mean gives the paper's L = -(1/G) sum_i o_i (arXiv 2507.18071), and GSPO-token with
+A_{i,t} = A_i equals GSPO in value and gradient under every aggregation.
+
+Denominators. The loss of a microbatch is SUM(its objective) / D, D counted once per step over all
+microbatches and data-parallel ranks (`loss_scale_denominator`, counted with `loss_denominator`).
+Summing microbatch losses (gradient accumulation; SUM, not mean, across data-parallel ranks, or
+multiply by the DP size where the gradient all-reduce averages) then gives exactly the full-batch
+loss and gradient, whatever the split. Without it the local count is used (a plain mean).
+
+Legend: B = sequences in the microbatch, T = padded tokens per sequence; m = mask, |y_i| = its
+number of masked-in tokens. Suffixes name shapes: logprobs_BT is [B, T], advantages_B is [B].
+"""
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from megatron_gspo.algo.loss_stats import ratio_stats, token_stats
+from megatron_gspo.algo.mismatch import logprob_abs_diff
+
+Kind = Literal["gspo", "gspo_token", "grpo"]
+Agg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"]
+KINDS: tuple[str, ...] = ("gspo", "gspo_token", "grpo")
+AGGS: tuple[str, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+
+# Published defaults. GRPO (DeepSeekMath): mean over each sequence's tokens, then over sequences.
+# GSPO: (1/G) sum_i of one clipped term per sequence, which is seq-mean-token-mean of that term
+# broadcast over the tokens. So both defaults carry the same name.
+DEFAULT_AGG: dict[str, Agg] = {kind: "seq-mean-token-mean" for kind in KINDS}
+
+
+def resolve_agg(kind: str, agg: str | None) -> Agg:
+    """The aggregation to use: `agg`, or the kind's published default when None."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown loss kind {kind!r}; expected one of {KINDS}")
+    agg = DEFAULT_AGG[kind] if agg is None else agg
+    if agg not in AGGS:
+        raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGS}")
+    return agg  # type: ignore[return-value]
+
+
+def loss_denominator(mask_BT: Tensor, agg: str | None = None, kind: str = "gspo") -> Tensor:
+    """What this microbatch adds to the step's loss denominator (0-d float32 tensor).
+
+    token-mean: masked-in tokens. seq-mean-*: sequences with at least one token (an empty row is
+    padding: it adds nothing to the loss sum, so it must not add to the count either).
+    Sum it over microbatches and data-parallel ranks; pass the total as loss_scale_denominator.
+    """
+    agg = resolve_agg(kind, agg)
+    mask_BT = mask_BT.bool()
+    if agg == "token-mean":
+        return mask_BT.sum().float()
+    return mask_BT.any(dim=-1).sum().float()
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    kind: Kind,
+    clip_low: float,
+    clip_high: float,
+    agg: Agg | None = None,
+    rollout_logprobs: Tensor | None = None,
+    tis_weights: Tensor | None = None,
+    loss_scale_denominator: float | Tensor | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped policy loss of the given kind; returns (loss, stats).
+
+    logprobs, old_logprobs, mask, rollout_logprobs: [B, T] (mask: bool or 0/1, nonzero = token).
+    advantages: [B] (per sequence), or [B, T] for gspo_token and grpo (GSPO needs [B]).
+    agg: "seq-mean-token-mean", "token-mean" or "seq-mean-token-sum"; None = the kind's published
+        default, seq-mean-token-mean for all three (for GSPO that is the paper's sequence mean of
+        one clipped term per sequence; for GRPO the original token-mean-then-sequence-mean).
+    tis_weights: [B, T] or [B], detached, multiply the per-token (per-sequence) objective
+        (see megatron_gspo.algo.mismatch).
+    loss_scale_denominator: the step's global count from `loss_denominator` (sequences for
+        seq-mean-*, tokens for token-mean); None = this microbatch's count.
+    log_ratio_clamp: log-ratios are clamped to [-c, c] before exp (zero gradient beyond).
+
+    Ratios are computed from log differences in fp32 (fp64 stays fp64); the loss has that dtype.
+    Masked-out tokens and empty rows contribute nothing; the result is finite for finite inputs.
+    stats: detached 0-d tensors of sums, counts, min and max (see loss_stats; combine across
+    microbatches with combine_stats, turn into floats with summarize_stats).
+    """
+    agg = resolve_agg(kind, agg)
+    _check_args(logprobs, old_logprobs, mask, clip_low, clip_high, log_ratio_clamp)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    mask_BT = mask.bool()
+    logp_BT = logprobs.to(dtype)
+    old_BT = old_logprobs.detach().to(dtype)
+    adv_BT = _token_advantages(advantages, mask_BT, kind).to(dtype)
+    # log pi - log pi_old per token, clamped, zero at masked-out tokens.
+    log_ratio_BT = _masked_log_ratio_BT(logp_BT, old_BT, mask_BT, log_ratio_clamp)
+    log_rho_BT = log_ratio_BT.detach()  # for the metrics
+
+    if kind == "grpo":
+        ratio_BT = torch.exp(log_ratio_BT)
+        report = ratio_stats(log_rho_BT, mask_BT)
+    else:
+        seq_log_ratio_B = _seq_log_ratio_B(logp_BT, old_BT, mask_BT, log_ratio_clamp)
+        ratio_BT = _gspo_ratio_BT(seq_log_ratio_B, logp_BT, mask_BT, token_level=kind != "gspo")
+        report = ratio_stats(seq_log_ratio_B.detach(), mask_BT.any(-1))
+
+    objective_BT = _clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
+    tis_BT = None if tis_weights is None else _per_token(tis_weights, mask_BT).to(dtype)
+    if tis_BT is not None:
+        objective_BT = objective_BT * tis_BT
+    objective_BT = torch.where(mask_BT, objective_BT, 0.0)
+
+    denominator = _denominator(mask_BT, agg, kind, loss_scale_denominator, objective_BT)
+    loss = -_objective_sum(objective_BT, mask_BT, agg) / denominator
+
+    ratio_d_BT = ratio_BT.detach()
+    clipped_low_BT = mask_BT & (adv_BT < 0) & (ratio_d_BT < 1.0 - clip_low)
+    clipped_high_BT = mask_BT & (adv_BT > 0) & (ratio_d_BT > 1.0 + clip_high)
+    stats = token_stats(mask_BT, clipped_low_BT, clipped_high_BT, log_rho_BT) | report
+    if rollout_logprobs is not None:
+        stats["mismatch_abs_sum"] = logprob_abs_diff(old_BT, rollout_logprobs, mask_BT).sum()
+    if tis_BT is not None:
+        stats["tis_weight_sum"] = torch.where(mask_BT, tis_BT, 0.0).sum()
+    return loss, stats
+
+
+def _masked_log_ratio_BT(logp_BT: Tensor, old_BT: Tensor, mask_BT: Tensor, c: float) -> Tensor:
+    """clamp(logp - old) at masked-in tokens, 0 elsewhere (so padding never makes inf or nan)."""
+    return torch.where(mask_BT, logp_BT - old_BT, 0.0).clamp(-c, c)
+
+
+def _seq_log_ratio_B(logp_BT: Tensor, old_BT: Tensor, mask_BT: Tensor, c: float) -> Tensor:
+    """clamp( (1/|y_i|) sum_t m (logp - old) ); 0 for an empty row."""
+    diff_BT = torch.where(mask_BT, logp_BT - old_BT, 0.0)
+    return (diff_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).clamp(-c, c)
+
+
+def _gspo_ratio_BT(
+    seq_log_ratio_B: Tensor, logp_BT: Tensor, mask_BT: Tensor, *, token_level: bool
+) -> Tensor:
+    """GSPO: s_i broadcast over tokens. GSPO-token: sg[s_i] * exp(logp_t - sg[logp_t])."""
+    if not token_level:
+        return torch.exp(seq_log_ratio_B).unsqueeze(-1).expand_as(logp_BT)
+    token_part_BT = torch.where(mask_BT, logp_BT - logp_BT.detach(), 0.0)  # value 0, grad 1
+    return torch.exp(seq_log_ratio_B.detach().unsqueeze(-1) + token_part_BT)
+
+
+def _clipped_objective(
+    ratio_BT: Tensor, adv_BT: Tensor, clip_low: float, clip_high: float
+) -> Tensor:
+    """o = min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)."""
+    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
+
+
+def _objective_sum(objective_BT: Tensor, mask_BT: Tensor, agg: Agg) -> Tensor:
+    """The numerator of the aggregation (objective_BT is already zero at masked-out tokens)."""
+    if agg == "seq-mean-token-mean":
+        # Average each sequence over its own tokens so every sequence weighs 1 whatever its
+        # length; the sum over sequences is then divided by the step's sequence count.
+        return (objective_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).sum()
+    # token-mean: every token weighs 1; divided by the step's token count (DAPO).
+    # seq-mean-token-sum: each sequence's token sum, divided by the step's sequence count (longer
+    # sequences weigh more). Same sum, different denominator.
+    return objective_BT.sum()
+
+
+def _denominator(
+    mask_BT: Tensor, agg: Agg, kind: str, given: float | Tensor | None, like: Tensor
+) -> Tensor:
+    if given is None:
+        given = loss_denominator(mask_BT, agg, kind)  # local count: a plain mean
+    elif not isinstance(given, Tensor) and given < 0:
+        raise ValueError(f"loss_scale_denominator must be >= 0, got {given}")
+    d = torch.as_tensor(given, device=like.device).detach().to(like.dtype)
+    # Nothing counted means an all-zero numerator: divide by 1 rather than 0.
+    return torch.where(d > 0, d, torch.ones_like(d))
+
+
+def _token_advantages(advantages: Tensor, mask_BT: Tensor, kind: str) -> Tensor:
+    """Advantages as [B, T], detached, zero at masked-out tokens."""
+    adv = advantages.detach()
+    if adv.dim() == 1 and adv.shape[0] == mask_BT.shape[0]:
+        adv = adv.unsqueeze(-1).expand_as(mask_BT)
+    elif adv.shape != mask_BT.shape:
+        raise ValueError(f"advantages {tuple(adv.shape)} must be [B] or [B, T] for {kind}")
+    elif kind == "gspo":
+        raise ValueError("gspo takes one advantage per sequence; use gspo_token for [B, T]")
+    return torch.where(mask_BT, adv, 0.0)
+
+
+def _per_token(weights: Tensor, mask_BT: Tensor) -> Tensor:
+    """TIS weights [B] or [B, T] as [B, T], detached."""
+    w = weights.detach()
+    if w.dim() == 1:
+        w = w.unsqueeze(-1)
+    if w.shape not in (mask_BT.shape, (mask_BT.shape[0], 1)):
+        raise ValueError(f"tis_weights {tuple(weights.shape)} must be [B] or [B, T]")
+    return w.expand_as(mask_BT)
+
+
+def _check_args(
+    logprobs: Tensor, old: Tensor, mask: Tensor, clip_low: float, clip_high: float, c: float
+) -> None:
+    if logprobs.dim() != 2 or logprobs.shape != old.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old.shape)} and mask "
+            f"{tuple(mask.shape)} must all be [B, T]"
+        )
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if c <= 0:
+        raise ValueError(f"log_ratio_clamp must be > 0, got {c}")

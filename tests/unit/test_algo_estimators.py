@@ -1,0 +1,101 @@
+"""Group advantages, KL estimators and mismatch weights against hand-computed numbers."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_gspo.algo import (
+    group_advantages,
+    kl_estimate,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    logprob_abs_diff,
+    mismatch_weights,
+    sequence_mismatch_mask,
+    sequence_tis_weights,
+    token_mismatch_mask,
+    token_tis_weights,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_group_advantages_unbiased_std():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    # mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735: A = +-0.5 / 0.57735 = +-0.866025.
+    expected = torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025], [0.0, 0.0, 0.0, 0.0]])
+    assert torch.allclose(group_advantages(rewards), expected, atol=1e-5)
+    flat = group_advantages(rewards.flatten(), group_size=4)
+    assert flat.shape == (8,) and torch.allclose(flat, expected.flatten(), atol=1e-5)
+
+
+def test_group_advantages_dr_grpo_and_edge_cases():
+    rewards = torch.tensor([1, 0, 0, 1, 3, 1])  # int rewards, groups of 3
+    dr = group_advantages(rewards, group_size=3, scale_by_std=False)
+    assert torch.allclose(dr, torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 4 / 3, -2 / 3]))
+    assert torch.equal(group_advantages(torch.tensor([[5.0], [1.0]])), torch.zeros(2, 1))
+    with pytest.raises(ValueError):
+        group_advantages(torch.ones(6), group_size=4)
+
+
+def test_kl_estimators():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    # log r = log(0.25 / 0.5) = -log 2.
+    assert kl_k1(logp, ref).item() == pytest.approx(math.log(2))
+    assert kl_k2(logp, ref).item() == pytest.approx(0.5 * math.log(2) ** 2)
+    assert kl_k3(logp, ref).item() == pytest.approx(0.5 - 1 + math.log(2))
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 - 1 + math.log(2))
+    assert kl_k3(logp, logp).item() == 0.0
+
+
+def test_kl_k3_is_clamped_and_finite():
+    logp = torch.tensor([0.0, 0.0], requires_grad=True)
+    ref = torch.tensor([1e4, -1e4])
+    k3 = kl_k3(logp, ref)
+    assert torch.equal(k3, torch.tensor([10.0, 10.0]))
+    k3.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    unclamped = kl_k3(logp.detach(), ref, max_value=None)
+    assert torch.isfinite(unclamped).all()
+
+
+OLD = torch.tensor([[0.0, math.log(3), math.log(0.5)], [0.1, 0.2, 0.3]])
+ROLLOUT = torch.zeros(2, 3)
+MASK = torch.tensor([[1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+
+
+def test_token_tis_and_mask():
+    w = token_tis_weights(OLD, ROLLOUT, MASK, cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, 0.5], [0.0, 0.0, 0.0]]))
+    keep = token_mismatch_mask(OLD, ROLLOUT, MASK, cap=2.0)
+    assert torch.equal(keep, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert torch.equal(mismatch_weights(OLD, ROLLOUT, MASK, mode="mask", cap=2.0), keep)
+
+
+def test_sequence_tis_and_mask():
+    # Row 0: sum of log-ratios = log 3 + log 0.5 = log 1.5; the empty row 1 gets ratio 1.
+    w = sequence_tis_weights(OLD, ROLLOUT, MASK, cap=2.0, reduce="sum")
+    assert torch.allclose(w, torch.tensor([1.5, 1.0]))
+    w_mean = sequence_tis_weights(OLD, ROLLOUT, MASK, cap=2.0, reduce="mean")
+    assert torch.allclose(w_mean, torch.tensor([1.5 ** (1 / 3), 1.0]))
+    assert torch.allclose(
+        sequence_tis_weights(OLD, ROLLOUT, MASK, cap=1.2), torch.tensor([1.2, 1.0])
+    )
+    keep = sequence_mismatch_mask(OLD, ROLLOUT, MASK, cap=1.4)
+    assert torch.equal(keep, torch.tensor([0.0, 1.0]))
+    assert torch.equal(
+        mismatch_weights(OLD, ROLLOUT, MASK, level="sequence", mode="mask", cap=1.4), keep
+    )
+
+
+def test_mismatch_extremes_and_abs_diff():
+    old = torch.tensor([[1e4, -1e4]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert torch.isfinite(token_tis_weights(old, torch.zeros(1, 2), mask)).all()
+    assert torch.isfinite(sequence_tis_weights(old, torch.zeros(1, 2), mask)).all()
+    diff = logprob_abs_diff(OLD, ROLLOUT, MASK)
+    assert torch.allclose(diff, torch.tensor([[0.0, math.log(3), math.log(2)], [0, 0, 0]]))
+    with pytest.raises(ValueError):
+        token_mismatch_mask(OLD, ROLLOUT, MASK, cap=0.5)
