@@ -1,0 +1,171 @@
+"""Build a Megatron `TransformerConfig` + `GPTModel` chunks from an HF config (`ModelSpec`).
+
+Our config meets megatron-core's here, at the edge. Qwen3-MoE maps as: RMSNorm, QK-norm per head,
+RoPE (non-interleaved, theta from the config), GQA via `num_query_groups`, SwiGLU experts and dense
+MLPs, softmax top-k router (`norm_topk_prob=True` is megatron's softmax over the top-k logits,
+False is softmax over all experts then top-k), dense layers from `mlp_only_layers` /
+`decoder_sparse_step` as `moe_layer_freq`, tied or untied embeddings. Dense Qwen3 / Qwen2 go
+through the same function (Qwen2: qkv bias, no QK-norm).
+
+Fusions that need CUDA kernels are off on a CPU; the Transformer Engine layer spec is used when TE
+imports and the run is on a GPU, the local (pure torch) spec otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.hf_config import ModelSpec
+from megatron_gspo.model.norm import use_local_rmsnorm
+from megatron_gspo.model.parallel import ParallelDims, device_type
+
+VOCAB_PAD_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    params_dtype: torch.dtype = torch.float32
+    padded_vocab_size: int | None = None  # None: round vocab up to VOCAB_PAD_MULTIPLE
+    token_dispatcher: str = "alltoall"  # alltoall | allgather
+    recompute: str | None = None  # None | "full" | "selective"
+    routing_replay: bool = False
+    init_weights: bool = False  # random init (False: weights are loaded right after)
+    sequence_parallel: bool | None = None  # None: on when tp > 1 (MoE needs it)
+    use_transformer_engine: bool | None = None  # None: when importable and on a GPU
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """Vocab rounded up so every TP rank holds an equal slice; independent of tp when possible."""
+    step = math.lcm(multiple, tp)
+    return -(-vocab_size // step) * step
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = device_type() == "cuda"
+    sp = dims.tp > 1 if opts.sequence_parallel is None else opts.sequence_parallel
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        qk_layernorm=spec.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=opts.params_dtype,
+        pipeline_dtype=opts.params_dtype,
+        bf16=opts.params_dtype == torch.bfloat16,
+        fp16=opts.params_dtype == torch.float16,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if (dims.vpp or 1) > 1 else None,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.expert_tp,
+        sequence_parallel=sp,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=opts.init_weights,
+        # Kernels that exist only with CUDA / TE / apex.
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        variable_seq_lengths=True,
+    )
+    if opts.recompute:
+        kwargs.update(recompute_granularity=opts.recompute)
+        if opts.recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    if spec.is_moe:
+        kwargs.update(
+            num_moe_experts=spec.num_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.topk,
+            moe_router_score_function="softmax",
+            # HF norm_topk_prob=False: softmax over all experts, then top-k (unnormalized).
+            moe_router_pre_softmax=not spec.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_layer_freq=[int(m) for m in spec.moe_layers],
+            moe_token_dispatcher_type=opts.token_dispatcher,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,  # it silently skips routing replay
+            moe_enable_routing_replay=opts.routing_replay,
+        )
+    return TransformerConfig(**_known_fields(TransformerConfig, kwargs))
+
+
+def _known_fields(cls, kwargs: dict) -> dict:
+    """Drop options this megatron-core version does not have (feature detection, not pins)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    missing = {k for k in kwargs if k not in names}
+    required = {"num_layers", "hidden_size", "num_attention_heads", "moe_enable_routing_replay"}
+    if missing & required and any(kwargs[k] for k in missing & required):
+        raise UserError(f"this megatron-core lacks {sorted(missing & required)}; upgrade it")
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildOptions()):
+    """Build this rank's model chunks (one per virtual pipeline stage). Parallel state must exist."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    dims.validate(spec)
+    config = transformer_config(spec, dims, opts)
+    use_te = opts.use_transformer_engine
+    if use_te is None:
+        use_te = device_type() == "cuda" and have_transformer_engine()
+    vocab = opts.padded_vocab_size or padded_vocab_size(spec.vocab_size, dims.tp)
+    if vocab % dims.tp:
+        raise UserError(f"--tp {dims.tp} does not divide the padded vocabulary {vocab}")
+    chunks = []
+    for vp_stage in range(dims.chunks):
+        vp = vp_stage if dims.chunks > 1 else None
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp
+        )
+        if not use_te:
+            use_local_rmsnorm(layer_spec)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta),
+            vp_stage=vp,
+        )
+        model.model_spec = spec
+        model.padded_vocab_size = vocab
+        chunks.append(model)
+    return chunks

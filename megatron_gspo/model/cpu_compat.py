@@ -1,0 +1,214 @@
+"""Make megatron-core run on a CPU (gloo), without a GPU or Transformer Engine.
+
+Applied by `apply()` only when the run's device is the CPU (`model.parallel.init_distributed`
+decides); a GPU run never imports this module. It patches process-wide state, which is why it is
+never applied next to CUDA work.
+
+What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
+
+- `torch.cuda.current_device()` -> the CPU device. Used as `device=` by the router, rotary
+  embeddings, attention's global memory buffer, p2p shape exchange, DDP's grad buffers and the
+  distributed optimizer.
+- `device="cuda"` literals -> "cpu", in the modules that create tensors with them: the causal-mask
+  helper (`transformer/utils.py`), the schedules' token counter (`pipeline_parallel/schedules.py`),
+  the MoE aux-loss tracker (`moe_utils.py`), DDP's warm-up tensor (`param_and_grad_buffer.py`).
+  Done by giving those modules a `torch` namespace whose tensor factories map the device; the real
+  `torch` is untouched elsewhere.
+- `Tensor.cuda()` -> the tensor itself (embedding sharing in `language_module.py`, tests).
+- The CUDA RNG state (`torch.cuda.get_rng_state/set_rng_state/manual_seed` and the tracker's
+  `_get_cuda_rng_state/_set_cuda_rng_state` in `tensor_parallel/random.py`) -> the CPU generator,
+  so `model_parallel_cuda_manual_seed` and the tracker's `fork()` keep their meaning.
+- CUDA streams and events (alltoall token dispatcher, DDP overlap, `torch.cuda.synchronize`) ->
+  no-op objects: on a CPU every op is already synchronous.
+- Optimizer dtype checks on `param.type()` strings ('torch.cuda.FloatTensor'...) in
+  `optimizer.py`, `distrib_optimizer.py` and `clip_grads.py` -> `Tensor.type()` reports the CUDA
+  name for CPU tensors of those dtypes when called with no argument.
+
+Upstream bugs worked around (they bite only without Transformer Engine, i.e. always on a CPU):
+
+- `moe_utils.te_general_gemm` is undefined when TE is missing (0.16.1): NameError in router
+  gating with `moe_router_dtype`. Defined as None, which selects the torch path.
+- `CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None`, i.e. True, and then
+  needs TE's FP8 state manager: selective recompute fails. Fixed to `bool(fp8)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import torch
+
+_APPLIED = False
+_CPU = torch.device("cpu")
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "eye", "triu", "tril",
+)  # fmt: skip
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+# Modules that create tensors with a literal device="cuda".
+_LITERAL_CUDA_MODULES = (
+    "megatron.core.transformer.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.tensor_parallel.random",
+)
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+def apply() -> None:
+    """Patch torch.cuda and megatron-core for CPU execution. Idempotent."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_compat must not be applied on a machine with a usable GPU")
+    _patch_torch_cuda()
+    _patch_tensor_methods()
+    import importlib
+
+    for name in _LITERAL_CUDA_MODULES:
+        module = importlib.import_module(name)
+        module.torch = _CpuTorchNamespace()
+    _patch_rng()
+    _patch_upstream_bugs()
+    _APPLIED = True
+
+
+def _map_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+class _CpuTorchNamespace(types.ModuleType):
+    """`torch` as seen by a module that hard-codes device="cuda": factories land on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+
+            def factory(*args, __f=attr, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _map_device(kwargs["device"])
+                return __f(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullEvent(_NullStream):
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.set_device = lambda *a, **k: None
+    cuda.device_count = lambda: 0
+    if not hasattr(cuda, "nvtx") or not hasattr(cuda.nvtx, "range_push"):
+        cuda.nvtx = types.SimpleNamespace(range_push=lambda *a: None, range_pop=lambda: None)
+
+
+def _patch_tensor_methods() -> None:
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.Tensor.record_stream = lambda self, *args, **kwargs: None
+    orig_type = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return _CUDA_TYPE_NAMES.get(self.dtype) or orig_type(self)
+        return orig_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device=None, clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = torch.cuda.manual_seed
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+
+
+def _patch_upstream_bugs() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    cwo = getattr(mrandom, "CheckpointWithoutOutput", None)
+    if cwo is not None:
+        orig_init = cwo.__init__
+
+        def init(self, fp8=False):
+            orig_init(self, fp8=fp8)
+            self.fp8 = bool(fp8)
+
+        cwo.__init__ = init
+
+
+def loaded_cuda_only_modules() -> list[str]:
+    """For tests: modules that must never be imported on a CPU run."""
+    return [m for m in ("transformer_engine", "apex") if m in sys.modules]

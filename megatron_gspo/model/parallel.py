@@ -1,0 +1,150 @@
+"""Parallelism set up in one place, in a fixed order, over named axes.
+
+`ParallelDims` names the axes (tp, pp, vpp, ep, etp; dp derived from the world size) and checks
+them against the model before anything is built. `init_distributed` starts torch.distributed
+(gloo on a CPU, NCCL on a GPU), applies the CPU compatibility layer on a CPU run only, and
+initializes megatron-core's parallel state in megatron's order "tp-cp-ep-dp-pp".
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.errors import UserError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None = same as tp
+    vpp: int | None = None  # virtual pipeline chunks per rank; None = no interleaving
+    world_size: int = 1
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def chunks(self) -> int:
+        return self.vpp or 1
+
+    def validate(self, spec=None) -> None:
+        """Raise UserError for a layout that cannot work, naming the fix."""
+        for name in ("tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be >= 1")
+        if self.world_size % (self.tp * self.pp):
+            raise UserError(
+                f"world size {self.world_size} is not divisible by tp*pp={self.tp * self.pp}; "
+                "change --tp/--pp or the number of processes"
+            )
+        if self.world_size % (self.expert_tp * self.ep * self.pp):
+            raise UserError(
+                f"world size {self.world_size} is not divisible by etp*ep*pp="
+                f"{self.expert_tp * self.ep * self.pp}; change --ep/--etp"
+            )
+        if self.vpp is not None and self.vpp > 1 and self.pp < 2:
+            raise UserError("--vpp needs --pp >= 2")
+        if spec is not None:
+            self._validate_model(spec)
+
+    def _validate_model(self, spec) -> None:
+        if spec.num_heads % self.tp or spec.num_kv_heads % self.tp:
+            raise UserError(
+                f"--tp {self.tp} does not divide the model's {spec.num_heads} attention heads and "
+                f"{spec.num_kv_heads} key/value heads; choose a --tp that divides both"
+            )
+        if spec.ffn_hidden_size % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide intermediate_size {spec.ffn_hidden_size}")
+        if spec.is_moe and spec.num_experts % self.ep:
+            raise UserError(
+                f"--ep {self.ep} does not divide the model's {spec.num_experts} experts; "
+                "choose an --ep that divides it"
+            )
+        if not spec.is_moe and self.ep > 1:
+            raise UserError(f"--ep {self.ep} needs an MoE model; this {spec.architecture} is dense")
+        if spec.is_moe and spec.moe_ffn_hidden_size % self.expert_tp:
+            raise UserError(
+                f"--etp {self.expert_tp} does not divide moe_intermediate_size "
+                f"{spec.moe_ffn_hidden_size}"
+            )
+        stages = self.pp * self.chunks
+        if spec.num_layers % stages:
+            raise UserError(
+                f"{spec.num_layers} layers cannot be split into pp*vpp={stages} equal stages; "
+                "change --pp/--vpp"
+            )
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int = 10) -> None:
+    """Start torch.distributed and megatron's parallel state for `dims` (idempotent)."""
+    if device_type() == "cpu":
+        from megatron_gspo.model import cpu_compat
+
+        cpu_compat.apply()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        _init_process_group(timeout_min)
+    if dist.get_world_size() != dims.world_size:
+        raise UserError(
+            f"layout expects {dims.world_size} processes but {dist.get_world_size()} were started"
+        )
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if (dims.vpp or 1) > 1 else None,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.expert_tp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _init_process_group(timeout_min: int) -> None:
+    backend = "nccl" if device_type() == "cuda" else "gloo"
+    if "RANK" not in os.environ:  # a plain single process: a private loopback rendezvous
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
