@@ -94,7 +94,6 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
-        variable_seq_lengths=True,
     )
     if opts.recompute:
         kwargs.update(recompute_granularity=opts.recompute)

@@ -18,6 +18,12 @@ What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
 - The CUDA RNG state (`torch.cuda.get_rng_state/set_rng_state/manual_seed` and the tracker's
   `_get_cuda_rng_state/_set_cuda_rng_state` in `tensor_parallel/random.py`) -> the CPU generator,
   so `model_parallel_cuda_manual_seed` and the tracker's `fork()` keep their meaning.
+- `moe_utils.maybe_move_tensor_to_cpu` (alltoall token dispatcher) converts split sizes to numpy
+  only for CUDA tensors; on a CPU they stayed tensors and `all_to_all_single` rejects them. The
+  dispatcher's copy converts CPU tensors too.
+- Uneven all-gather / reduce-scatter along the first dim (`tensor_parallel/mappings.py`, used by
+  the alltoall dispatcher when TP x EP > 1): gloo only gathers equal sizes. The CPU versions pad
+  to the largest split and trim (gather), or all-reduce and slice (reduce-scatter).
 - CUDA streams and events (alltoall token dispatcher, DDP overlap, `torch.cuda.synchronize`) ->
   no-op objects: on a CPU every op is already synchronous.
 - Optimizer dtype checks on `param.type()` strings ('torch.cuda.FloatTensor'...) in
@@ -80,6 +86,8 @@ def apply() -> None:
         module = importlib.import_module(name)
         module.torch = _CpuTorchNamespace()
     _patch_rng()
+    _patch_token_dispatcher()
+    _patch_uneven_collectives()
     _patch_upstream_bugs()
     _APPLIED = True
 
@@ -190,6 +198,48 @@ def _patch_rng() -> None:
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     mrandom._get_cuda_rng_state = get_state
     mrandom._set_cuda_rng_state = set_state
+
+
+def _patch_token_dispatcher() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+def _patch_uneven_collectives() -> None:
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather = mappings._gather_along_first_dim
+    orig_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig_gather(input_, group, None, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return orig_reduce_scatter(input_, group, None, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        rank = dist.get_rank(group)
+        start = sum(sizes[:rank])
+        return total[start : start + sizes[rank]].contiguous()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
 def _patch_upstream_bugs() -> None:

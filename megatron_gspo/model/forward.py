@@ -1,0 +1,113 @@
+"""Run the policy over a batch of token sequences with megatron's pipeline schedules.
+
+Sequences are right-padded to one length (a multiple of TP, as sequence parallelism requires);
+causal attention makes right padding invisible to the real tokens, so no attention mask is needed.
+`score` returns, for each sequence, the log-probability of every token given its prefix (the
+first entry None), computed on the last pipeline stage and sent to every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.model.logprobs import tp_vocab_logprobs
+
+
+@dataclass
+class Microbatch:
+    tokens: torch.Tensor  # [b, s] int64, right-padded
+    lengths: torch.Tensor  # [b] real lengths
+    index: torch.Tensor  # [b] position of each sequence in the caller's list
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        b, s = self.tokens.shape
+        return torch.arange(s).unsqueeze(0).expand(b, s)
+
+
+def padded_length(max_len: int, tp: int, multiple: int = 1) -> int:
+    step = tp * multiple
+    return -(-max_len // step) * step
+
+
+def make_microbatches(seqs: list[list[int]], micro_batch_size: int, seq_len: int, pad_id: int = 0):
+    out = []
+    for start in range(0, len(seqs), micro_batch_size):
+        part = seqs[start : start + micro_batch_size]
+        tokens = torch.full((len(part), seq_len), pad_id, dtype=torch.long)
+        for i, s in enumerate(part):
+            tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        lengths = torch.tensor([len(s) for s in part])
+        out.append(Microbatch(tokens, lengths, torch.arange(start, start + len(part))))
+    return out
+
+
+def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
+                        with_entropy: bool = False):  # fmt: skip
+    """logits [b, s, V_local] -> log p(tokens[:, t+1] | ..t) as [b, s-1] (and entropy [b, s-1])."""
+    return tp_vocab_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, with_entropy)
+
+
+def _score_loss(mb: Microbatch, vocab_size: int, logits: torch.Tensor):
+    lp, _ = next_token_logprobs(logits, mb.tokens, vocab_size)
+    return torch.zeros((), device=lp.device), {"logprobs": lp.detach(), "mb": mb}
+
+
+def _forward_step(vocab_size: int, data_iterator, model):
+    mb = next(data_iterator)
+    logits = model(mb.tokens, mb.position_ids, None)
+    return logits, partial(_score_loss, mb, vocab_size)
+
+
+def _iterators(microbatches, chunks):
+    if len(chunks) == 1:
+        return iter(microbatches)
+    return [iter(microbatches) for _ in chunks]
+
+
+@torch.no_grad()
+def score(chunks, seqs: list[list[int]], *, micro_batch_size: int = 8) -> list[list[float | None]]:
+    """Per-token log-probs of `seqs` (each rank passes the same list; every rank gets the result)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    spec = chunks[0].model_spec
+    tp = mpu.get_tensor_model_parallel_world_size()
+    seq_len = padded_length(max(len(s) for s in seqs), tp)
+    mbs = make_microbatches(seqs, micro_batch_size, seq_len)
+    for c in chunks:
+        c.eval()
+    outputs = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, spec.vocab_size),
+        data_iterator=_iterators(mbs, chunks),
+        model=chunks,
+        num_microbatches=len(mbs),
+        seq_length=seq_len,
+        micro_batch_size=micro_batch_size,
+        forward_only=True,
+    )
+    result: list = [None] * len(seqs)
+    for out in outputs:
+        mb = out["mb"]
+        for row, i in enumerate(mb.index.tolist()):
+            n = int(mb.lengths[row])
+            result[i] = [None] + out["logprobs"][row, : n - 1].tolist()
+    return _from_last_stage(result)
+
+
+def _from_last_stage(result: list):
+    """Broadcast the last pipeline stage's result to every rank of the pipeline group."""
+    from megatron.core import parallel_state as mpu
+
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return result
+    group = mpu.get_pipeline_model_parallel_group()
+    src = dist.get_global_rank(group, pp - 1)
+    box = [result]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -1,0 +1,152 @@
+"""SGLang 0.5.23's /generate JSON: parse a request into engine `Request`s, format the answer.
+
+A request holds one prompt (`input_ids` as a list of ints, or `text`) or a batch (a list of lists,
+or a list of strings). With `sampling_params.n` > 1 each prompt becomes n requests, prompt-major,
+with ids `{rid}_{j}`; the answer is a list whenever the request was a batch or n > 1.
+Log-prob entries are `[logprob, token_id, null]`; the first prompt token's is `[null, id, null]`.
+`routed_experts` is base64 of int32 [prompt + output - 1 - routed_experts_start_len, L, k].
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from megatron_gspo.rollout.engine import Engine, Request
+from megatron_gspo.rollout.sampling import BadRequest, parse_sampling_params
+
+
+def error_body(message: str) -> dict:
+    """The failure shape of both SGLang families: weight endpoints read {success, message},
+    /generate clients read {error: {message}}; one body satisfies both."""
+    return {"success": False, "message": message, "error": {"message": message}}
+
+
+def parse_generate(
+    body: object, vocab_size: int, encode: Callable[[str], list[int]] | None
+) -> tuple[list[Request], bool, dict]:
+    """Requests for a /generate body, whether the answer is a list, and response options."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by the built-in server")
+    prompts, batched = _prompts(body, encode)
+    for ids in prompts:
+        _check_ids(ids, vocab_size)
+    sps = body.get("sampling_params")
+    sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+    if len(sps) != len(prompts):
+        raise BadRequest("sampling_params is a list of another length than the batch")
+    params = [parse_sampling_params(sp, vocab_size) for sp in sps]
+    rids = body.get("rid")
+    if isinstance(rids, list):
+        if len(rids) != len(prompts) or len(set(map(str, rids))) != len(rids):
+            raise BadRequest("rid must be a list of distinct strings, one per prompt")
+    elif rids is not None and len(prompts) > 1:
+        raise BadRequest("a batch needs a list of rids, one per prompt")
+    else:
+        rids = [rids] * len(prompts)
+    return_logprob = _per_item(body, "return_logprob", False, len(prompts))
+    start_len = _per_item(body, "logprob_start_len", -1, len(prompts))
+    routed = bool(body.get("return_routed_experts", False))
+    requests: list[Request] = []
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
+        group = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
+        for j in range(sp.n):
+            requests.append(
+                Request(
+                    input_ids=ids,
+                    params=sp,
+                    rid=group if sp.n == 1 else f"{group}_{j}",
+                    group=group,
+                    return_logprob=bool(return_logprob[i]),
+                    logprob_start_len=int(start_len[i]),
+                    return_routed=routed,
+                )
+            )
+    options = {"routed_start": _int(body.get("routed_experts_start_len", 0) or 0, "routed")}
+    return requests, batched or params[0].n > 1, options
+
+
+def _prompts(body: dict, encode) -> tuple[list[list[int]], bool]:
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise BadRequest("give exactly one of input_ids or text")
+    if text is not None:
+        if encode is None:
+            raise BadRequest("this checkpoint has no tokenizer.json; send input_ids")
+        if isinstance(text, str):
+            return [encode(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [encode(t) for t in text], True
+        raise BadRequest("text must be a string or a non-empty list of strings")
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        return ids, True
+    if isinstance(ids, list):
+        return [ids], False
+    raise BadRequest("input_ids must be a list of token ids or a list of such lists")
+
+
+def _check_ids(ids: list, vocab_size: int) -> None:
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise BadRequest(f"input_ids holds {t!r}, not a token id in [0, {vocab_size})")
+
+
+def _per_item(body: dict, key: str, default, n: int) -> list:
+    v = body.get(key, default)
+    v = default if v is None else v
+    if isinstance(v, list):
+        if len(v) != n:
+            raise BadRequest(f"{key} is a list of another length than the batch")
+        return v
+    return [v] * n
+
+
+def _int(v: object, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{key} must be an integer")
+    return v
+
+
+def format_result(
+    req: Request,
+    engine: Engine,
+    decode: Callable[[list[int], bool], str] | None,
+    routed_start: int,
+) -> dict:
+    sp = req.params
+    out_ids = req.output_ids
+    text_ids = out_ids
+    matched = (req.finish_reason or {}).get("matched")
+    if isinstance(matched, int) and not sp.no_stop_trim and out_ids and out_ids[-1] == matched:
+        text_ids = out_ids[:-1]
+    text = decode(text_ids, sp.skip_special_tokens) if decode else ""
+    if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
+        text = text[: text.index(matched)]
+    meta = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(out_ids),
+        "cached_tokens": 0,
+        "weight_version": req.weight_version,
+        "e2e_latency": req.finished - req.created,
+    }
+    if req.return_logprob:
+        ids = req.input_ids[max(req.logprob_start_len, 0) :] if req.input_logprobs else []
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.input_logprobs, ids)]
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(req.output_logprobs, out_ids)
+        ]
+    if req.return_routed and engine.record_routing:
+        routed = engine.routed_experts(req, routed_start)
+        if routed is not None:
+            raw = np.ascontiguousarray(routed.numpy().astype(np.int32)).tobytes()
+            meta["routed_experts"] = base64.b64encode(raw).decode("ascii")
+    return {"text": text, "output_ids": list(out_ids), "meta_info": meta}

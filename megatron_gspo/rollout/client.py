@@ -1,0 +1,314 @@
+"""Async client for a set of SGLang-compatible rollout servers (SGLang or the built-in server).
+
+`generate` sends one /generate request per sample (G per prompt), each with its own rid, so
+samples spread over servers and can be aborted one by one. The samples of one prompt go to the
+same server (the least loaded when the prompt is scheduled), so SGLang's radix cache shares the
+prompt. Each server takes at most `max_concurrency` requests at a time. Connection errors, time-outs
+and 5xx answers are retried on another server with exponential back-off; a 4xx is the caller's
+error and is raised at once (`RolloutError`). `abort()` aborts every outstanding request of this
+client: those come back with their partial output and finish_reason "abort".
+
+With `sampling_seed` in the sampling params, sample j of prompt i gets seed + i * n + j, so the
+G samples of a prompt differ and a rerun reproduces them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """A request that failed for good: refused (4xx) or out of retries."""
+
+
+@dataclass
+class Sample:
+    """One response. routed_experts is int32 [prompt + len(tokens) - 1, moe_layers, topk]."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str = "abort"  # length | stop | abort
+    weight_version: str = ""
+    routed_experts: np.ndarray | None = None
+    rid: str = ""
+    server: str = ""
+    latency_s: float = 0.0
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+@dataclass
+class _Server:
+    url: str
+    sem: asyncio.Semaphore
+    load: int = 0  # requests assigned and not yet answered
+    failures: int = 0  # consecutive failures: such servers are chosen last
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        urls: list[str] | str,
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        topk: int | None = None,
+    ):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("RolloutClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.max_concurrency = max_concurrency
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.topk = topk
+        self._servers: list[_Server] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._outstanding: dict[str, str] = {}  # rid -> server url
+        self._epoch = 0  # bumped by abort(): requests of older epochs are not sent
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _state(self) -> tuple[aiohttp.ClientSession, list[_Server]]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self.headers, connector=aiohttp.TCPConnector(limit=0)
+            )
+            self._servers = [_Server(u, asyncio.Semaphore(self.max_concurrency)) for u in self.urls]
+        return self._session, self._servers
+
+    # ---- generation ----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        sampling_params: dict | None = None,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+    ) -> list[list[Sample]]:
+        """n samples for each token-id prompt; result[i][j] is sample j of prompt i."""
+        _, servers = self._state()
+        if return_routed_experts and self.topk is None:
+            info = await self.get(servers[0].url, "/model_info")
+            self.topk = int(info.get("num_experts_per_tok") or 0) or None
+            if self.topk is None:
+                raise RolloutError("the server did not say its top-k; pass RolloutClient(topk=K)")
+        epoch = self._epoch
+        tasks = []
+        for i, prompt in enumerate(prompts):
+            server = min(servers, key=lambda s: (s.failures > 0, s.load))
+            server.load += n
+            for j in range(n):
+                sp = dict(sampling_params or {})
+                if sp.get("sampling_seed") is not None:
+                    sp["sampling_seed"] = int(sp["sampling_seed"]) + i * n + j
+                sample = Sample(i, j, list(prompt), rid=f"{uuid.uuid4().hex}-{i}-{j}")
+                body = {
+                    "input_ids": list(prompt),
+                    "sampling_params": sp,
+                    "return_logprob": return_logprob,
+                    "return_routed_experts": return_routed_experts,
+                    "rid": sample.rid,
+                }
+                tasks.append(self._one(sample, body, server, epoch))
+        done = await asyncio.gather(*tasks)
+        out: list[list[Sample]] = [[] for _ in prompts]
+        for s in done:
+            out[s.prompt_index].append(s)
+        return out
+
+    async def _one(self, sample: Sample, body: dict, server: _Server, epoch: int) -> Sample:
+        session, servers = self._state()
+        tried: list[_Server] = []
+        first = server
+        try:
+            for attempt in range(self.retries + 1):
+                if epoch != self._epoch:
+                    return sample  # aborted before it was sent
+                if attempt:
+                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                    server = self._pick_other(servers, tried)
+                tried.append(server)
+                try:
+                    result = await self._post_generate(session, server, sample.rid, body, epoch)
+                except _Retryable as e:
+                    server.failures += 1
+                    log.warning("rollout request %s failed on %s: %s", sample.rid, server.url, e)
+                    continue
+                server.failures = 0
+                return sample if result is None else self._fill(sample, result, server.url)
+            raise RolloutError(
+                f"request {sample.rid} failed on {', '.join(s.url for s in tried)} "
+                f"after {self.retries + 1} attempts; check that the servers are up"
+            )
+        finally:
+            first.load -= 1
+
+    def _pick_other(self, servers: list[_Server], tried: list[_Server]) -> _Server:
+        fresh = [s for s in servers if s not in tried] or servers
+        return min(fresh, key=lambda s: (s.failures, s.load))
+
+    async def _post_generate(
+        self, session, server: _Server, rid: str, body: dict, epoch: int
+    ) -> dict | None:
+        async with server.sem:
+            if epoch != self._epoch:
+                return None  # aborted while it waited for a slot
+            self._outstanding[rid] = server.url
+            t0 = time.perf_counter()
+            try:
+                async with session.post(
+                    server.url + "/generate", json=body, timeout=self.timeout
+                ) as resp:
+                    data = await _read_json(resp)
+                    if resp.status >= 500:
+                        raise _Retryable(f"HTTP {resp.status}: {_message(data)}")
+                    if resp.status != 200:
+                        raise RolloutError(f"{server.url} refused the request: {_message(data)}")
+            except TimeoutError:
+                await self._abort_rid(server.url, rid)
+                raise _Retryable("timed out") from None
+            except aiohttp.ClientError as e:
+                raise _Retryable(f"{type(e).__name__}: {e}") from None
+            finally:
+                self._outstanding.pop(rid, None)
+            data["_latency"] = time.perf_counter() - t0
+            return data
+
+    def _fill(self, sample: Sample, data: dict, url: str) -> Sample:
+        meta = data["meta_info"]
+        sample.tokens = list(data["output_ids"])
+        sample.finish_reason = (meta.get("finish_reason") or {}).get("type", "abort")
+        sample.weight_version = str(meta.get("weight_version", ""))
+        sample.server, sample.latency_s = url, data["_latency"]
+        if "output_token_logprobs" in meta:
+            sample.logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
+        if meta.get("routed_experts") is not None:
+            sample.routed_experts = decode_routed_experts(
+                meta["routed_experts"], len(sample.prompt_ids) + len(sample.tokens) - 1, self.topk
+            )
+        return sample
+
+    # ---- control -------------------------------------------------------------------------
+
+    async def abort(self) -> None:
+        """Abort every outstanding request of this client; unsent ones are not sent."""
+        self._epoch += 1
+        await asyncio.gather(
+            *(self._abort_rid(url, rid) for rid, url in list(self._outstanding.items()))
+        )
+
+    async def _abort_rid(self, url: str, rid: str) -> None:
+        try:
+            await self.post(url, "/abort_request", {"rid": rid})
+        except (RolloutError, aiohttp.ClientError, TimeoutError) as e:
+            log.warning("could not abort %s on %s: %s", rid, url, e)
+
+    async def get(self, url: str, path: str) -> dict:
+        session, _ = self._state()
+        async with session.get(url + path, timeout=self.timeout) as resp:
+            data = await _read_json(resp)
+            if resp.status != 200:
+                raise RolloutError(f"GET {url}{path}: HTTP {resp.status}: {_message(data)}")
+            return data
+
+    async def post(self, url: str, path: str, body: dict | None = None) -> dict:
+        session, _ = self._state()
+        async with session.post(url + path, json=body or {}, timeout=self.timeout) as resp:
+            data = await _read_json(resp)
+            if resp.status != 200:
+                raise RolloutError(f"POST {url}{path}: HTTP {resp.status}: {_message(data)}")
+            return data
+
+    async def broadcast(self, path: str, body: dict | None = None) -> list[dict]:
+        """POST the same body to every server; raises if any refuses."""
+        return list(await asyncio.gather(*(self.post(u, path, body) for u in self.urls)))
+
+    async def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        session, _ = self._state()
+        deadline = time.monotonic() + timeout_s
+        for url in self.urls:
+            while True:
+                try:
+                    async with session.get(url + "/health", timeout=self.timeout) as resp:
+                        if resp.status == 200:
+                            break
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RolloutError(f"{url} did not become healthy in {timeout_s:.0f} s")
+                await asyncio.sleep(0.2)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        body = {"model_path": model_path, "weight_version": weight_version}
+        await self.broadcast("/update_weights_from_disk", body)
+
+    async def update_weight_version(self, version: str) -> None:
+        await self.broadcast("/update_weight_version", {"new_version": version})
+
+    async def pause(self, mode: str = "in_place") -> None:
+        await self.broadcast("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self.broadcast("/continue_generation", {})
+
+
+class _Retryable(Exception):
+    pass
+
+
+def decode_routed_experts(b64: str, num_tokens: int, topk: int | None) -> np.ndarray:
+    """SGLang's base64 int32 payload as [num_tokens, layers, topk]."""
+    flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
+    if not topk or num_tokens <= 0 or flat.size % (num_tokens * topk):
+        raise RolloutError(
+            f"routed_experts holds {flat.size} ids, not a multiple of {num_tokens} tokens x top-{topk}"
+        )
+    return flat.reshape(num_tokens, -1, topk).copy()
+
+
+async def _read_json(resp: aiohttp.ClientResponse) -> dict:
+    try:
+        data = await resp.json(content_type=None)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        return data
+    return {"message": (await resp.text())[:500]} if data is None else {"data": data}
+
+
+def _message(data: dict) -> str:
+    err = data.get("error")
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    return str(data.get("message") or err or data)

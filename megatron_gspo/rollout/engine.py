@@ -1,0 +1,299 @@
+"""The scheduler of the built-in rollout server: continuous batching over a `RolloutModel`.
+
+One engine thread owns the model, the KV cache and every running request. Other threads talk to
+it only through `submit`, `abort`, `pause`, `resume` and `call`, which post messages to an inbox;
+so no lock guards the request state. Each loop iteration: read the inbox, finish aborted requests,
+run commands (weight updates) that are due, admit waiting requests into free cache slots, and run
+one forward over every running request (prefills and decode steps in one batch).
+
+A command marked `needs_idle` (a weight update while generation is not paused) waits until the
+running requests finish and holds new ones back meanwhile, so no request sees two weight versions,
+as SGLang's model-update lock does. While paused (`/pause_generation`) commands run at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_gspo.rollout.model import Chunk, RolloutModel
+from megatron_gspo.rollout.sampling import SamplingParams, adjust_logits, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    group: str = ""  # the rid the client sent, shared by the n samples of one prompt
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_routed: bool = False
+    on_done: Callable[[Request], None] | None = None
+    # Filled in by the engine.
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # [n, L, k] per forward chunk
+    finish_reason: dict | None = None
+    error: str | None = None  # set when the engine failed on this request (HTTP 500)
+    weight_version: str = ""
+    created: float = field(default_factory=time.perf_counter)
+    finished: float = 0.0
+    slot: int | None = None
+    fed: int = 0  # tokens whose k/v are in the cache
+    generator: torch.Generator | None = None
+    abort_message: str | None = None
+
+
+@dataclass
+class _Command:
+    fn: Callable[[Engine], object]
+    future: Future
+    needs_idle: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        model: RolloutModel,
+        eos_ids: set[int],
+        decode: Callable[[list[int]], str] | None = None,
+        max_running: int = 64,
+        max_prefill_tokens: int = 8192,
+        record_routing: bool = False,
+        seed: int = 0,
+        weight_version: str = "default",
+    ):
+        self.model = model
+        self.eos_ids = set(eos_ids)
+        self.decode = decode
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.record_routing = record_routing
+        self.weight_version = weight_version
+        self.context_len = model.spec.max_position_embeddings
+        self.cache = model.new_cache(min(max_running, 8), 256)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.commands: deque[_Command] = deque()
+        self.paused = False
+        self.free_slots = list(range(max_running - 1, -1, -1))
+        self._inbox: deque[tuple] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+
+    # ---- API for other threads -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._post(("stop",))
+        self._thread.join(timeout=10)
+
+    def submit(self, req: Request) -> None:
+        self._post(("submit", req))
+
+    def abort(self, rid: str | None = None, message: str = "Abort request") -> None:
+        """Abort one request by rid, or all (rid None); they finish with partial output."""
+        self._post(("abort", rid, message))
+
+    def pause(self, mode: str = "abort") -> None:
+        self._post(("pause", mode))
+
+    def resume(self) -> None:
+        self._post(("resume",))
+
+    def call(self, fn: Callable[[Engine], object], needs_idle: bool = False) -> Future:
+        """Run fn(engine) on the engine thread between steps; the Future holds its result."""
+        fut: Future = Future()
+        self._post(("call", _Command(fn, fut, needs_idle)))
+        return fut
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def _post(self, msg: tuple) -> None:
+        with self._wake:
+            self._inbox.append(msg)
+            self._wake.notify()
+
+    # ---- the engine thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._wake:
+                while not self._inbox and not self._has_work():
+                    self._wake.wait()
+                inbox, self._inbox = self._inbox, deque()
+            for msg in inbox:
+                if msg[0] == "stop":
+                    self._abort_all("Server shutting down")
+                    return
+                self._handle(msg)
+            self._run_commands()
+            if self.paused:
+                continue
+            self._admit()
+            if self.running:
+                self._step()
+
+    def _has_work(self) -> bool:
+        if self.commands and (self.paused or not self.commands[0].needs_idle or not self.running):
+            return True
+        return not self.paused and bool(self.running or (self.waiting and not self._holding()))
+
+    def _holding(self) -> bool:
+        return any(c.needs_idle for c in self.commands) and not self.paused
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "submit":
+            self.waiting.append(msg[1])
+        elif kind == "abort":
+            self._abort(msg[1], msg[2])
+        elif kind == "pause":
+            self.paused = True
+            if msg[1] == "abort":
+                self._abort_all("Abort by pause_generation")
+        elif kind == "resume":
+            self.paused = False
+        elif kind == "call":
+            self.commands.append(msg[1])
+
+    def _abort(self, rid: str | None, message: str) -> None:
+        for req in [*self.running, *self.waiting]:
+            if rid is None or rid in (req.rid, req.group):
+                self._finish(req, {"type": "abort", "message": message})
+
+    def _abort_all(self, message: str) -> None:
+        self._abort(None, message)
+
+    def _run_commands(self) -> None:
+        while self.commands:
+            cmd = self.commands[0]
+            if cmd.needs_idle and self.running and not self.paused:
+                return
+            self.commands.popleft()
+            try:
+                cmd.future.set_result(cmd.fn(self))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                cmd.future.set_exception(e)
+
+    def _admit(self) -> None:
+        if self._holding():
+            return
+        budget = self.max_prefill_tokens
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if budget < len(req.input_ids) and budget != self.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            budget -= len(req.input_ids)
+            req.slot = self.free_slots.pop()
+            if req.params.sampling_seed is not None:
+                req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
+            self.running.append(req)
+
+    def _chunk(self, req: Request) -> Chunk:
+        if req.fed == 0:
+            first = -1
+            if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
+                first = max(req.logprob_start_len - 1, 0)
+            return Chunk(req.slot, 0, list(req.input_ids), logits_from=first)
+        return Chunk(req.slot, req.fed, [req.output_ids[-1]])
+
+    def _step(self) -> None:
+        batch = list(self.running)
+        chunks = [self._chunk(r) for r in batch]
+        try:
+            out = self.model.forward(chunks, self.cache, record_routing=self.record_routing)
+        except Exception as e:  # a bug or an out-of-memory: fail these requests, keep serving
+            log.exception("forward failed")
+            for req in batch:
+                req.error = f"forward failed: {type(e).__name__}: {e}"
+                self._finish(req, {"type": "abort", "message": req.error})
+            return
+        for i, (req, chunk) in enumerate(zip(batch, chunks)):
+            req.fed += len(chunk.tokens)
+            if out.routed is not None and req.return_routed:
+                req.routed.append(out.routed[i])
+            if chunk.start == 0 and chunk.logits_from >= 0:
+                self._input_logprobs(req, out.logits[i])
+            self._advance(req, out.logits[i][-1])
+
+    def _input_logprobs(self, req: Request, logits_NV: torch.Tensor) -> None:
+        start, first = req.logprob_start_len, max(req.logprob_start_len - 1, 0)
+        sp = req.params
+        scale = 1.0 if sp.greedy else sp.temperature
+        logp = torch.log_softmax(logits_NV[:-1] / scale, -1)
+        ids = req.input_ids
+        targets = torch.tensor(ids[first + 1 :], dtype=torch.long)
+        vals = logp.gather(1, targets[:, None])[:, 0].tolist() if len(targets) else []
+        req.input_logprobs = ([None] if start == 0 else []) + vals
+
+    def _advance(self, req: Request, logits_V: torch.Tensor) -> None:
+        sp = req.params
+        if sp.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        logits_V = adjust_logits(logits_V, sp, req.input_ids, req.output_ids, self.eos_ids)
+        token, logprob = sample(logits_V, sp, req.generator or self.generator)
+        req.output_ids.append(token)
+        req.output_logprobs.append(logprob)
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _stop_reason(self, req: Request, token: int) -> dict | None:
+        sp, n = req.params, len(req.output_ids)
+        if n >= sp.min_new_tokens:
+            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+                return {"type": "stop", "matched": token}
+            if sp.stop and self.decode is not None:
+                text = self.decode(req.output_ids)
+                for s in sp.stop:
+                    if s and s in text:
+                        return {"type": "stop", "matched": s}
+        if n >= sp.max_new_tokens or len(req.input_ids) + n >= self.context_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        req.finished = time.perf_counter()
+        req.weight_version = self.weight_version
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+        if req.on_done is not None:
+            try:
+                req.on_done(req)
+            except Exception:  # noqa: BLE001 - a closed event loop must not stop the engine
+                log.exception("on_done callback failed for %s", req.rid)
+
+    def routed_experts(self, req: Request, start: int = 0) -> torch.Tensor | None:
+        """[prompt + output - 1 - start, L, k] int32 for a finished request (None if not kept)."""
+        if not req.routed:
+            return None
+        fed = len(req.input_ids) + len(req.output_ids) - 1
+        return torch.cat(req.routed)[:fed][start:]

@@ -1,0 +1,346 @@
+"""A plain-torch Qwen3-MoE / Qwen3 / Qwen2 causal LM for inference, with a slotted KV cache.
+
+This is the compute of the built-in rollout server. It computes exactly what HF transformers
+computes for these architectures (RMSNorm statistics in fp32, router softmax in fp32, top-k in
+descending order, optional renormalisation), so its log-probs and routed experts can be checked
+against an HF forward.
+
+One `forward` call runs a batch of *chunks*: each chunk is a run of new tokens for one sequence,
+which owns a slot of the KV cache and already has `start` tokens cached. A prefill is a chunk of
+the whole prompt, a decode step a chunk of one token; both mix freely in a batch (continuous
+batching). Tokens travel packed ([T, ...] over all chunks); attention pads queries per chunk.
+
+Weights are held under their HF checkpoint names, except that experts are stacked per layer
+(gate/up [E, F, D], down [E, D, F]); `load_weights` takes HF names (per expert, or the fused
+transformers-5 `experts.gate_up_proj` / `experts.down_proj`) so weight updates use the names the
+trainer's bridge exports.
+
+Shape legend: T packed tokens, B chunks, Q longest chunk, K longest cached length, D hidden,
+H heads, G kv heads, Dh head dim, E experts, F expert ffn, V vocab, L MoE layers, k top-k.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.hf_config import ModelSpec, load_hf_config, model_spec
+from megatron_gspo.model.hf_io import HFReader
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+@dataclass
+class Chunk:
+    """New tokens for one sequence: `tokens` go at positions start, start+1, ... of `slot`."""
+
+    slot: int
+    start: int
+    tokens: list[int]
+    logits_from: int = -1  # first index in `tokens` whose logits are wanted (-1: only the last)
+
+
+@dataclass
+class StepOutput:
+    logits: list[torch.Tensor]  # per chunk, [n_i - logits_from_i, V] in fp32
+    routed: list[torch.Tensor] | None  # per chunk, [n_i, L, k] int32 (None when not recorded)
+
+
+class KVCache:
+    """Per layer k/v tensors [slots, G, capacity, Dh]; grown (copied) on demand."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, slots: int = 8, capacity: int = 256):
+        self.spec, self.dtype = spec, dtype
+        self.slots, self.capacity = 0, 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(slots, capacity)
+
+    def ensure(self, slots: int, capacity: int) -> None:
+        if slots <= self.slots and capacity <= self.capacity:
+            return
+        new_s = max(slots, self.slots)
+        new_c = max(capacity, self.capacity)
+        if capacity > self.capacity:
+            new_c = max(capacity, 2 * self.capacity)
+        shape = (new_s, self.spec.num_kv_heads, new_c, self.spec.head_dim)
+        layers = self.spec.num_layers
+        k = [torch.zeros(shape, dtype=self.dtype) for _ in range(layers)]
+        v = [torch.zeros(shape, dtype=self.dtype) for _ in range(layers)]
+        for old, new in ((self.k, k), (self.v, v)):
+            for o, n in zip(old, new):
+                n[: o.shape[0], :, : o.shape[2]] = o
+        self.k, self.v, self.slots, self.capacity = k, v, new_s, new_c
+
+
+class RolloutModel:
+    """Inference-only causal LM over HF-named weights. Not an nn.Module: no autograd, no hooks."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
+        self.spec = spec
+        self.dtype = dtype or spec.dtype
+        self.params: dict[str, torch.Tensor] = {}
+        self.experts: dict[int, dict[str, torch.Tensor]] = {}
+        self._alloc()
+        self.moe_layer_ids = spec.moe_layer_ids
+        hd = spec.head_dim
+        self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> RolloutModel:
+        model = cls(model_spec(load_hf_config(path)), dtype)
+        model.load_checkpoint(path)
+        return model
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def _alloc(self) -> None:
+        s, dt = self.spec, self.dtype
+        d, hd = s.hidden_size, s.head_dim
+
+        def new(name: str, *shape: int) -> None:
+            self.params[name] = torch.zeros(shape, dtype=dt)
+
+        new("model.embed_tokens.weight", s.vocab_size, d)
+        new("model.norm.weight", d)
+        if not s.tie_embeddings:
+            new("lm_head.weight", s.vocab_size, d)
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            new(p + "input_layernorm.weight", d)
+            new(p + "post_attention_layernorm.weight", d)
+            for proj, heads in (("q", s.num_heads), ("k", s.num_kv_heads), ("v", s.num_kv_heads)):
+                new(p + f"self_attn.{proj}_proj.weight", heads * hd, d)
+                if s.qkv_bias:
+                    new(p + f"self_attn.{proj}_proj.bias", heads * hd)
+            new(p + "self_attn.o_proj.weight", d, s.num_heads * hd)
+            if s.qk_norm:
+                new(p + "self_attn.q_norm.weight", hd)
+                new(p + "self_attn.k_norm.weight", hd)
+            if s.moe_layers[i]:
+                e, f = s.num_experts, s.moe_ffn_hidden_size
+                new(p + "mlp.gate.weight", e, d)
+                self.experts[i] = {
+                    "gate": torch.zeros(e, f, d, dtype=dt),
+                    "up": torch.zeros(e, f, d, dtype=dt),
+                    "down": torch.zeros(e, d, f, dtype=dt),
+                }
+            else:
+                new(p + "mlp.gate_proj.weight", s.ffn_hidden_size, d)
+                new(p + "mlp.up_proj.weight", s.ffn_hidden_size, d)
+                new(p + "mlp.down_proj.weight", d, s.ffn_hidden_size)
+
+    def hf_names(self) -> list[str]:
+        """Every HF tensor name a full checkpoint of this model holds (experts one by one)."""
+        names = list(self.params)
+        for i, ex in self.experts.items():
+            for j in range(ex["gate"].shape[0]):
+                names += [f"model.layers.{i}.mlp.experts.{j}.{w}_proj.weight" for w in ex]
+        return names
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The tensor (or expert slice) an HF name loads into; UserError for unknown names."""
+        if name in self.params:
+            return self.params[name]
+        m = _EXPERT.fullmatch(name)
+        if m and int(m[1]) in self.experts and int(m[2]) < self.spec.num_experts:
+            return self.experts[int(m[1])][m[3]][int(m[2])]
+        m = _FUSED.fullmatch(name)
+        if m and int(m[1]) in self.experts:
+            ex = self.experts[int(m[1])]
+            return torch.cat([ex["gate"], ex["up"]], 1) if m[2] == "gate_up_proj" else ex["down"]
+        raise UserError(f"weight {name!r} does not belong to this {self.spec.architecture} model")
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors in; all shapes are checked before any is written. Returns count."""
+        items = list(named)
+        for name, t in items:
+            want = self._target(name).shape
+            if tuple(t.shape) != tuple(want):
+                raise UserError(
+                    f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(want)}"
+                )
+        with torch.no_grad():
+            for name, t in items:
+                m = _FUSED.fullmatch(name)
+                if m and m[2] == "gate_up_proj":
+                    ex, f = self.experts[int(m[1])], self.spec.moe_ffn_hidden_size
+                    ex["gate"].copy_(t[:, :f])
+                    ex["up"].copy_(t[:, f:])
+                else:
+                    self._target(name).copy_(t)
+        return len(items)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Read every weight of an HF checkpoint directory (the same architecture and sizes)."""
+        spec = model_spec(load_hf_config(path))
+        if spec != self.spec and _shape_key(spec) != _shape_key(self.spec):
+            raise UserError(f"{path} holds a different model ({spec.architecture}); cannot load it")
+        reader = HFReader(path)
+        self.load_weights((name, reader.get(name)) for name in self.hf_names())
+
+    # ---- compute -------------------------------------------------------------------------
+
+    def new_cache(self, slots: int = 8, capacity: int = 256) -> KVCache:
+        return KVCache(self.spec, self.dtype, slots, capacity)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk], cache: KVCache, record_routing: bool = False):
+        """Run one batch of chunks, writing their k/v into `cache`. Returns a StepOutput."""
+        s = self.spec
+        lens = [len(c.tokens) for c in chunks]
+        need = max(c.start + n for c, n in zip(chunks, lens))
+        cache.ensure(max(c.slot for c in chunks) + 1, need)
+        ids_T = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
+        b_T = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens))
+        j_T = torch.cat([torch.arange(n) for n in lens])
+        start_B = torch.tensor([c.start for c in chunks])
+        pos_T = start_B[b_T] + j_T
+        meta = _Batch(
+            slot_T=torch.tensor([c.slot for c in chunks])[b_T],
+            slot_B=torch.tensor([c.slot for c in chunks]),
+            b_T=b_T,
+            j_T=j_T,
+            pos_T=pos_T,
+            q_len=max(lens),
+            k_len=need,
+            mask_BQK=_mask(start_B, max(lens), need),
+            rope=self._rope(pos_T),
+        )
+        x = self.params["model.embed_tokens.weight"][ids_T]
+        routed: list[torch.Tensor] = []
+        for i in range(s.num_layers):
+            x = x + self._attention(
+                i,
+                _rms(x, self.params[f"model.layers.{i}.input_layernorm.weight"], s.rms_norm_eps),
+                cache,
+                meta,
+            )
+            h = _rms(
+                x, self.params[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps
+            )
+            if s.moe_layers[i]:
+                out, topk_Tk = self._moe(i, h)
+                routed.append(topk_Tk)
+            else:
+                out = self._mlp(f"model.layers.{i}.mlp.", h)
+            x = x + out
+        x = _rms(x, self.params["model.norm.weight"], s.rms_norm_eps)
+        head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        logits = []
+        for c, n, o in zip(chunks, lens, offsets):
+            first = n - 1 if c.logits_from < 0 else c.logits_from
+            logits.append(F.linear(x[o + first : o + n], head).float())
+        routed_out = None
+        if record_routing and routed:
+            all_TLk = torch.stack(routed, 1).to(torch.int32)
+            routed_out = [all_TLk[o : o + n] for n, o in zip(lens, offsets)]
+        return StepOutput(logits, routed_out)
+
+    def full_logits(self, tokens: list[int], record_routing: bool = False) -> StepOutput:
+        """Logits at every position of one sequence (a fresh cache); for tests and scoring."""
+        cache = self.new_cache(1, len(tokens))
+        return self.forward([Chunk(0, 0, list(tokens), logits_from=0)], cache, record_routing)
+
+    def _rope(self, pos_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos_T.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], -1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _attention(self, i: int, x: torch.Tensor, cache: KVCache, m: _Batch) -> torch.Tensor:
+        s, p = self.spec, self.params
+        pre = f"model.layers.{i}.self_attn."
+        T, hd = x.shape[0], s.head_dim
+
+        def proj(name: str, heads: int) -> torch.Tensor:
+            y = F.linear(x, p[pre + f"{name}_proj.weight"], p.get(pre + f"{name}_proj.bias"))
+            return y.view(T, heads, hd)
+
+        q, k, v = proj("q", s.num_heads), proj("k", s.num_kv_heads), proj("v", s.num_kv_heads)
+        if s.qk_norm:
+            q = _rms(q, p[pre + "q_norm.weight"], s.rms_norm_eps)
+            k = _rms(k, p[pre + "k_norm.weight"], s.rms_norm_eps)
+        cos, sin = m.rope[0][:, None, :], m.rope[1][:, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.k[i][m.slot_T, :, m.pos_T] = k
+        cache.v[i][m.slot_T, :, m.pos_T] = v
+        q_BQHd = q.new_zeros(len(m.slot_B), m.q_len, s.num_heads, hd)
+        q_BQHd[m.b_T, m.j_T] = q
+        k_BGKd = cache.k[i][m.slot_B, :, : m.k_len]
+        v_BGKd = cache.v[i][m.slot_B, :, : m.k_len]
+        o = F.scaled_dot_product_attention(
+            q_BQHd.transpose(1, 2), k_BGKd, v_BGKd, attn_mask=m.mask_BQK[:, None], enable_gqa=True
+        )
+        o_T = o.transpose(1, 2)[m.b_T, m.j_T].reshape(T, s.num_heads * hd)
+        return F.linear(o_T, p[pre + "o_proj.weight"])
+
+    def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        gate = F.linear(x, p[pre + "gate_proj.weight"])
+        return F.linear(
+            F.silu(gate) * F.linear(x, p[pre + "up_proj.weight"]), p[pre + "down_proj.weight"]
+        )
+
+    def _moe(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, ex = self.spec, self.experts[i]
+        logits_TE = F.linear(x, self.params[f"model.layers.{i}.mlp.gate.weight"])
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
+        w_Tk, idx_Tk = torch.topk(probs_TE, s.topk, dim=-1)
+        if s.norm_topk_prob:
+            w_Tk = w_Tk / w_Tk.sum(-1, keepdim=True)
+        w_Tk = w_Tk.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx_Tk).tolist():
+            tok, slot = torch.where(idx_Tk == e)
+            h = x[tok]
+            h = F.silu(F.linear(h, ex["gate"][e])) * F.linear(h, ex["up"][e])
+            out.index_add_(0, tok, F.linear(h, ex["down"][e]) * w_Tk[tok, slot, None])
+        return out, idx_Tk
+
+
+@dataclass
+class _Batch:
+    slot_T: torch.Tensor
+    slot_B: torch.Tensor
+    b_T: torch.Tensor
+    j_T: torch.Tensor
+    pos_T: torch.Tensor
+    q_len: int
+    k_len: int
+    mask_BQK: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+
+def _mask(start_B: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """Causal mask over cached keys: query j of chunk b (position start_b + j) sees keys <= it."""
+    qpos_BQ = start_B[:, None] + torch.arange(q_len)[None, :]
+    return torch.arange(k_len)[None, None, :] <= qpos_BQ[:, :, None]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def _shape_key(spec: ModelSpec) -> tuple:
+    d = dict(spec.__dict__)
+    d.pop("dtype")
+    d.pop("max_position_embeddings")
+    return tuple(sorted(d.items()))

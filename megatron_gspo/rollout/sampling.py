@@ -1,0 +1,189 @@
+"""SGLang's `sampling_params`: parsing with SGLang's defaults, and sampling from logits.
+
+Log-probs follow SGLang's default: for temperature > 0 they are taken from the
+temperature-scaled distribution (after penalties and logit bias, before top-k/top-p/min-p
+filtering); for greedy requests (temperature 0) from the raw logits.
+Constrained decoding (json_schema, regex, ebnf) is not implemented: such requests get a 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+KNOWN_KEYS = {
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "sampling_seed",
+    "min_new_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "spaces_between_special_tokens",
+    "stream_interval",
+    "custom_params",
+}
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with HTTP 400; the message says what to change."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
+
+
+def parse_sampling_params(raw: object, vocab_size: int) -> SamplingParams:
+    """Validate a request's `sampling_params` dict as SGLang does: unknown keys are a 400."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be a JSON object")
+    unknown = sorted(set(raw) - KNOWN_KEYS)
+    if unknown:
+        raise BadRequest(f"unknown sampling_params keys: {', '.join(unknown)}")
+    for key in ("json_schema", "regex", "ebnf"):
+        if raw.get(key) is not None:
+            raise BadRequest(
+                f"{key} (constrained decoding) is not supported by the built-in server"
+            )
+    sp = SamplingParams()
+    try:
+        _fill(sp, {k: v for k, v in raw.items() if v is not None}, vocab_size)
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"invalid sampling_params: {e}") from None
+    return sp
+
+
+def _fill(sp: SamplingParams, raw: dict, vocab_size: int) -> None:
+    for key in ("max_new_tokens", "top_k", "n", "min_new_tokens"):
+        if key in raw:
+            setattr(sp, key, _int(raw[key], key))
+    for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
+        if key in raw:
+            setattr(sp, key, float(raw[key]))
+    if "repetition_penalty" in raw:
+        sp.repetition_penalty = float(raw["repetition_penalty"])
+    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        if key in raw:
+            setattr(sp, key, bool(raw[key]))
+    if "sampling_seed" in raw:
+        sp.sampling_seed = _int(raw["sampling_seed"], "sampling_seed")
+    stop = raw.get("stop", [])
+    sp.stop = [stop] if isinstance(stop, str) else [str(s) for s in stop]
+    sp.stop_token_ids = [_int(t, "stop_token_ids") for t in raw.get("stop_token_ids", [])]
+    sp.logit_bias = {int(k): float(v) for k, v in dict(raw.get("logit_bias", {})).items()}
+    checks = [
+        (sp.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
+        (sp.temperature >= 0, "temperature must be >= 0"),
+        (0 < sp.top_p <= 1, "top_p must be in (0, 1]"),
+        (sp.top_k == -1 or sp.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+        (0 <= sp.min_p <= 1, "min_p must be in [0, 1]"),
+        (sp.n >= 1, "n must be >= 1"),
+        (0 <= sp.min_new_tokens, "min_new_tokens must be >= 0"),
+        (sp.repetition_penalty > 0, "repetition_penalty must be > 0"),
+        (-2 <= sp.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+        (-2 <= sp.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    for t in [*sp.stop_token_ids, *sp.logit_bias]:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"token id {t} is outside the vocabulary (size {vocab_size})")
+
+
+def _int(v: object, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
+        raise ValueError(f"{key} must be an integer, got {v!r}")
+    return int(v)
+
+
+def adjust_logits(
+    logits_V: torch.Tensor, sp: SamplingParams, context: list[int], output: list[int], eos: set[int]
+) -> torch.Tensor:
+    """Penalties, logit bias and min_new_tokens on one row of fp32 logits (a new tensor)."""
+    x = logits_V.clone()
+    if sp.penalised and (output or sp.repetition_penalty != 1.0):
+        if output:
+            ids, counts = torch.tensor(output).unique(return_counts=True)
+            x[ids] -= sp.frequency_penalty * counts.float() + sp.presence_penalty
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(context) | set(output)))
+            vals = x[seen]
+            x[seen] = torch.where(
+                vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty
+            )
+    for t, b in sp.logit_bias.items():
+        x[t] += b
+    if len(output) < sp.min_new_tokens:
+        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos)
+        if banned:
+            x[torch.tensor(sorted(banned))] = float("-inf")
+    return x
+
+
+def sample(
+    logits_V: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, float]:
+    """Pick the next token from one row of adjusted fp32 logits; returns (token, logprob)."""
+    if sp.greedy:
+        token = int(torch.argmax(logits_V))
+        return token, float(torch.log_softmax(logits_V, -1)[token])
+    logp_V = torch.log_softmax(logits_V / sp.temperature, -1)
+    probs_V = logp_V.exp()
+    keep_V = torch.ones_like(probs_V, dtype=torch.bool)
+    sorted_p, order = torch.sort(probs_V, descending=True)
+    drop_sorted = torch.zeros_like(sorted_p, dtype=torch.bool)
+    if sp.top_k > 0:
+        drop_sorted[sp.top_k :] = True
+    if sp.top_p < 1.0:
+        drop_sorted |= (torch.cumsum(sorted_p, 0) - sorted_p) > sp.top_p
+    keep_V[order[drop_sorted]] = False
+    if sp.min_p > 0:
+        keep_V &= probs_V >= sp.min_p * sorted_p[0]
+    keep_V[order[0]] = True
+    filtered = torch.where(keep_V, probs_V, torch.zeros_like(probs_V))
+    token = int(torch.multinomial(filtered, 1, generator=generator))
+    return token, float(logp_V[token])

@@ -1,0 +1,416 @@
+"""The built-in rollout server: SGLang 0.5.23's HTTP API (the subset an RL trainer uses) over the
+plain-torch `RolloutModel`, for CPU runs and tests. A product component, not a test double:
+everything above it talks to it exactly as to SGLang.
+
+    megatron-gspo serve --model HF_DIR [--host 127.0.0.1 --port 30000 --api-key KEY
+                                        --enable-return-routed-experts]
+    python -m megatron_gspo.rollout.server --model HF_DIR --port 0   # prints the bound URL
+
+Security: it binds 127.0.0.1 by default and refuses a non-loopback --host without an API key;
+with a key every endpoint but GET /health requires `Authorization: Bearer KEY`.
+Not implemented yet (404): the tensor and distributed weight-update endpoints, memory release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.hf_config import load_hf_config
+from megatron_gspo.rollout.api import error_body, format_result, parse_generate
+from megatron_gspo.rollout.engine import Engine, Request
+from megatron_gspo.rollout.model import RolloutModel
+from megatron_gspo.rollout.sampling import BadRequest, SamplingParams
+
+log = logging.getLogger("megatron_gspo.rollout.server")
+API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
+VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
+STATE = web.AppKey("state", object)
+
+
+class ServerState:
+    """What the handlers share: the engine (which owns the model) and the served paths."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.model_path = str(Path(args.model).resolve())
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = RolloutModel.from_pretrained(self.model_path, dtype)
+        self.spec = model.spec
+        self.hf_config = load_hf_config(self.model_path)
+        self.tokenizer = _load_tokenizer(Path(self.model_path))
+        self.engine = Engine(
+            model,
+            eos_ids=_eos_ids(Path(self.model_path), self.hf_config),
+            decode=self.decode if self.tokenizer else None,
+            max_running=args.max_running_requests,
+            record_routing=args.enable_return_routed_experts,
+            seed=args.random_seed,
+            weight_version=args.weight_version,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def _eos_ids(path: Path, cfg: dict) -> set[int]:
+    gen = path / "generation_config.json"
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    eos = cfg.get("eos_token_id") if eos is None else eos
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+def bad(message: str, status: int = 400) -> web.Response:
+    return web.json_response(error_body(message), status=status)
+
+
+async def _json(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+async def _run(engine: Engine, fn, needs_idle: bool = False):
+    return await asyncio.wrap_future(engine.call(fn, needs_idle))
+
+
+# ---- generation ----------------------------------------------------------------------------
+
+
+async def generate(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    body = await _json(request)
+    encode = st.encode if st.tokenizer else None
+    reqs, as_list, opts = parse_generate(body, st.spec.vocab_size, encode)
+    done = await _submit_and_wait(st.engine, reqs)
+    failed = [r.error for r in done if r.error]
+    if failed:
+        return bad(failed[0], status=500)
+    decode = st.decode if st.tokenizer else None
+    out = [format_result(r, st.engine, decode, opts["routed_start"]) for r in done]
+    return web.json_response(out if as_list else out[0])
+
+
+async def _submit_and_wait(engine: Engine, reqs: list[Request]) -> list[Request]:
+    loop = asyncio.get_running_loop()
+    futures = []
+    for req in reqs:
+        fut = loop.create_future()
+        req.on_done = lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r)
+        futures.append(fut)
+        engine.submit(req)
+    try:
+        return list(await asyncio.gather(*futures))
+    except asyncio.CancelledError:  # the client went away: stop spending compute on it
+        for req in reqs:
+            engine.abort(req.rid, "client disconnected")
+        raise
+
+
+def _resolve(fut: asyncio.Future, req: Request) -> None:
+    if not fut.done():
+        fut.set_result(req)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    req = Request(input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    try:
+        [done] = await asyncio.wait_for(_submit_and_wait(st.engine, [req]), timeout=60)
+    except TimeoutError:
+        return bad("health generation timed out", status=503)
+    if done.error:
+        return bad(done.error, status=503)
+    return web.Response(status=200)
+
+
+# ---- information ---------------------------------------------------------------------------
+
+
+async def model_info(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    return web.json_response(
+        {
+            "model_path": st.model_path,
+            "tokenizer_path": st.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": st.engine.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": st.hf_config.get("model_type"),
+            "architectures": st.hf_config.get("architectures"),
+            "num_moe_layers": len(st.spec.moe_layer_ids),
+            "num_experts_per_tok": st.spec.topk if st.spec.is_moe else 0,
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    a, e = st.args, st.engine
+    return web.json_response(
+        {
+            "version": VERSION,
+            "model_path": st.model_path,
+            "host": a.host,
+            "port": a.port,
+            "dtype": str(e.model.dtype).removeprefix("torch."),
+            "enable_return_routed_experts": e.record_routing,
+            "max_running_requests": e.max_running,
+            "context_length": e.context_len,
+            "random_seed": a.random_seed,
+            "weight_version": e.weight_version,
+            "internal_states": [
+                {"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting)}
+            ],
+        }
+    )
+
+
+# ---- control -------------------------------------------------------------------------------
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    idle = await _run(st.engine, lambda e: e.num_requests == 0)
+    if not idle:
+        return bad("Cache not flushed because there are pending requests.")
+    return web.json_response({"success": True, "message": "Cache flushed."})
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body = await _json(request)
+    mode = body.get("mode", "abort")
+    if mode not in ("abort", "retract", "in_place"):
+        raise BadRequest(f"mode must be abort, retract or in_place, not {mode!r}")
+    request.app[STATE].engine.pause(mode)
+    return web.json_response({"success": True, "message": "Generation paused."})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    request.app[STATE].engine.resume()
+    return web.json_response({"success": True, "message": "Generation continued."})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await _json(request)
+    engine = request.app[STATE].engine
+    if body.get("abort_all"):
+        engine.abort(None)
+    elif isinstance(body.get("rid"), str) and body["rid"]:
+        engine.abort(body["rid"])
+    else:
+        raise BadRequest("give rid (a string) or abort_all: true")
+    return web.json_response({"success": True})
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    body = await _json(request)
+    version = body.get("new_version")
+    if not isinstance(version, str) or not version:
+        raise BadRequest("new_version must be a non-empty string")
+    engine = request.app[STATE].engine
+    if body.get("abort_all_requests"):
+        engine.abort(None, "Abort by update_weight_version")
+    await _run(engine, lambda e: setattr(e, "weight_version", version))
+    return web.json_response({"success": True, "message": f"Weight version set to {version}."})
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    body = await _json(request)
+    path, version = body.get("model_path"), body.get("weight_version")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("model_path must be a checkpoint directory")
+    if version is not None and not isinstance(version, str):
+        raise BadRequest("weight_version must be a string")
+    if body.get("load_format") not in (None, "auto", "safetensors"):
+        raise BadRequest(f"load_format {body['load_format']!r} is not supported; use auto")
+    if body.get("abort_all_requests"):
+        st.engine.abort(None, "Abort by update_weights_from_disk")
+
+    def load(engine: Engine) -> int:
+        paused = len(engine.running) if engine.paused else 0
+        engine.model.load_checkpoint(path)
+        st.model_path = str(Path(path).resolve())
+        if version is not None:
+            engine.weight_version = version
+        return paused
+
+    try:
+        paused = await _run(st.engine, load, needs_idle=True)
+    except UserError as e:
+        return bad(f"Failed to update weights: {e}")
+    return web.json_response(
+        {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": paused,
+        }
+    )
+
+
+# ---- the app -------------------------------------------------------------------------------
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    key = request.app[STATE].args.api_key
+    if key and not (request.method == "GET" and request.path == "/health"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return bad(str(e))
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return bad(f"{e.reason}: {request.method} {request.path}", status=e.status)
+        raise
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=256 * 2**20)
+    app[STATE] = state
+    r = app.router
+    r.add_post("/generate", generate)
+    for path, fn in (
+        ("/health", health),
+        ("/health_generate", health_generate),
+        ("/model_info", model_info),
+        ("/get_model_info", model_info),
+        ("/server_info", server_info),
+        ("/get_server_info", server_info),
+        ("/flush_cache", flush_cache),
+    ):
+        r.add_get(path, fn)
+    for path, fn in (
+        ("/flush_cache", flush_cache),
+        ("/pause_generation", pause_generation),
+        ("/continue_generation", continue_generation),
+        ("/abort_request", abort_request),
+        ("/update_weight_version", update_weight_version),
+        ("/update_weights_from_disk", update_weights_from_disk),
+    ):
+        r.add_post(path, fn)
+    return app
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "--model-path", dest="model", required=True, help="HF dir")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' (default ${API_KEY_ENV})",
+    )
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    parser.add_argument("--log-level", default="warning")
+
+
+def check_host(host: str, api_key: str | None) -> None:
+    if api_key or _is_loopback(host):
+        return
+    raise UserError(
+        f"refusing to serve on non-loopback host {host!r} without an API key; "
+        f"pass --api-key (or set ${API_KEY_ENV}) or bind 127.0.0.1"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    check_host(args.host, args.api_key)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.max_running_requests < 1:
+        raise UserError("--max-running-requests must be >= 1")
+    state = ServerState(args)
+    asyncio.run(_serve(state))
+
+
+async def _serve(state: ServerState) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(build_app(state))
+    await runner.setup()
+    site = web.TCPSite(runner, state.args.host, state.args.port)
+    await site.start()
+    state.args.port = runner.addresses[0][1]
+    state.engine.start()
+    print(f"serving {state.model_path} on http://{state.args.host}:{state.args.port}", flush=True)
+    started = time.monotonic()
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down after %.0f s", time.monotonic() - started)
+        state.engine.stop()
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megatron_gspo.rollout.server")
+    add_serve_args(parser)
+    try:
+        serve_main(parser.parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
