@@ -1,0 +1,114 @@
+"""The built-in server's plain-torch model against an HF transformers forward of the same tiny
+checkpoint: log-probs, routed experts, KV-cache decoding, weight loading by HF name."""
+
+import pytest
+import torch
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.hf_io import HFReader
+from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.rollout.model import Chunk, RolloutModel
+
+pytestmark = pytest.mark.unit
+
+SPECS = {
+    "qwen3_moe": TinySpec(arch="qwen3_moe", layers=3, dense_layers=[0], init_std=0.2),
+    "qwen3": TinySpec(arch="qwen3", init_std=0.2),
+    "qwen2": TinySpec(arch="qwen2", init_std=0.2, tie_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: make_tiny_model(spec, root / arch) for arch, spec in SPECS.items()}
+
+
+def hf_forward(path, tokens: list[int], model: RolloutModel | None = None):
+    """HF logits (and router logits); Qwen2's zero-initialised q/k/v biases are randomised first
+    and copied into `model` by name, so the bias path is checked too."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        biases = [(n, p.normal_(std=0.5)) for n, p in hf.named_parameters() if n.endswith("bias")]
+        if model is not None:
+            model.load_weights(biases)
+        out = hf(torch.tensor([tokens]), output_router_logits=hf.config.model_type == "qwen3_moe")
+    return hf, out
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(5, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_full_logprobs_equal_hf(ckpts, arch):
+    tokens = prompt(24)
+    model = RolloutModel.from_pretrained(ckpts[arch])
+    _, out = hf_forward(ckpts[arch], tokens, model)
+    ref = torch.log_softmax(out.logits[0].float(), -1)
+    mine = torch.log_softmax(model.full_logits(tokens).logits[0], -1)
+    assert ref.std() > 0.5  # a model whose predictions vary, so the check means something
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+
+
+def test_routed_experts_equal_hf_router_topk(ckpts):
+    tokens = prompt(32, seed=1)
+    hf, out = hf_forward(ckpts["qwen3_moe"], tokens)
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"])
+    routed_TLk = model.full_logits(tokens, record_routing=True).routed[0]
+    assert model.moe_layer_ids == [1, 2]
+    assert routed_TLk.shape == (32, 2, 2) and routed_TLk.dtype == torch.int32
+    for layer, router_logits in enumerate(out.router_logits):  # MoE layers only
+        want = torch.topk(router_logits.float(), hf.config.num_experts_per_tok, -1).indices
+        assert torch.equal(routed_TLk[:, layer].sort(-1).values, want.sort(-1).values.int())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
+def test_kv_cache_decoding_equals_full_forward(ckpts, arch):
+    """Two sequences in one cache, prefilled and decoded in mixed batches (continuous batching)."""
+    model = RolloutModel.from_pretrained(ckpts[arch])
+    a, b = prompt(20, seed=2), prompt(13, seed=3)
+    full_a = model.full_logits(a).logits[0]
+    full_b = model.full_logits(b).logits[0]
+    cache = model.new_cache(slots=1, capacity=4)  # both grow during the test
+    got_a, got_b = [], []
+    out = model.forward([Chunk(slot=3, start=0, tokens=a[:6], logits_from=0)], cache)
+    got_a.append(out.logits[0])
+    # b's prefill joins a's decode steps; then both decode one token per step.
+    out = model.forward([Chunk(3, 6, a[6:7]), Chunk(0, 0, b[:9], logits_from=0)], cache)
+    got_a.append(out.logits[0])
+    got_b.append(out.logits[1])
+    for i in range(9, 13):
+        out = model.forward([Chunk(0, i, b[i : i + 1]), Chunk(3, i - 2, a[i - 2 : i - 1])], cache)
+        got_b.append(out.logits[0])
+        got_a.append(out.logits[1])
+    out = model.forward([Chunk(3, 11, a[11:], logits_from=0)], cache)
+    got_a.append(out.logits[0])
+    torch.testing.assert_close(torch.cat(got_a), full_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat(got_b), full_b, atol=1e-4, rtol=0)
+
+
+def test_load_weights_by_hf_name(ckpts, tmp_path):
+    other = make_tiny_model(TinySpec(**{**SPECS["qwen3_moe"].__dict__, "seed": 7}), tmp_path / "o")
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"])
+    want = RolloutModel.from_pretrained(other).full_logits(prompt(10)).logits[0]
+    reader = HFReader(other)
+    assert model.load_weights((n, reader.get(n)) for n in reader.keys()) == len(reader.keys())
+    torch.testing.assert_close(model.full_logits(prompt(10)).logits[0], want, atol=0, rtol=0)
+
+    # The transformers-5 fused expert layout loads into the same experts.
+    gate = torch.stack(
+        [reader.get(f"model.layers.1.mlp.experts.{j}.gate_proj.weight") for j in range(8)]
+    )
+    up = torch.stack(
+        [reader.get(f"model.layers.1.mlp.experts.{j}.up_proj.weight") for j in range(8)]
+    )
+    model.load_weights([("model.layers.1.mlp.experts.gate_up_proj", torch.cat([up, gate], 1))])
+    assert torch.equal(model.experts[1]["gate"], up) and torch.equal(model.experts[1]["up"], gate)
+
+    with pytest.raises(UserError, match="does not belong"):
+        model.load_weights([("model.layers.0.mlp.experts.0.up_proj.weight", up[0])])
+    with pytest.raises(UserError, match="shape"):
+        model.load_weights([("model.norm.weight", torch.zeros(3))])
