@@ -1,0 +1,230 @@
+"""The built-in rollout server as a subprocess, driven by the async client and raw HTTP:
+log-probs and routed experts against a teacher-forced HF forward, SGLang's error shape on every
+endpoint, abort, flush, weight updates from disk, and the API key."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.rollout.client import RolloutClient, RolloutError
+
+pytestmark = pytest.mark.e2e
+
+KEY = "test-key"
+SPEC = TinySpec(arch="qwen3_moe", layers=3, dense_layers=[0], init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    other = TinySpec(**{**SPEC.__dict__, "seed": 5})
+    return make_tiny_model(SPEC, root / "a"), make_tiny_model(other, root / "b")
+
+
+@pytest.fixture(scope="module")
+def server(ckpts):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_GSPO_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(ckpts[0])]
+    cmd += ["--port", "0", "--threads", "1", "--enable-return-routed-experts"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # "serving DIR on http://127.0.0.1:PORT"
+        assert " on http://127.0.0.1:" in line, f"server did not start: {line!r}"
+        yield line.split()[-1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def with_client(url, fn, **kw):
+    async with RolloutClient([url], api_key=KEY, **kw) as client:
+        return await fn(client)
+
+
+async def raw(url, method, path, body=None, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        async with s.request(method, url + path, json=body) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def hf_teacher_forced(path, tokens):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), output_router_logits=True)
+    logp = torch.log_softmax(out.logits[0].float(), -1)
+    topk = [torch.topk(r.float(), 2, -1).indices.sort(-1).values for r in out.router_logits]
+    return logp, torch.stack(topk, 1)  # [T, V], [T, L, k]
+
+
+def check_against_hf(path, samples):
+    for s in samples:
+        full = s.prompt_ids + s.tokens
+        logp, topk_TLk = hf_teacher_forced(path, full)
+        p = len(s.prompt_ids)
+        want = logp[p - 1 : -1].gather(1, torch.tensor(s.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s.logprobs), want, atol=1e-4, rtol=0)
+        assert s.routed_experts.shape == (len(full) - 1, 2, 2)
+        got = torch.from_numpy(s.routed_experts).sort(-1).values.long()
+        assert torch.equal(got, topk_TLk[:-1])
+
+
+def test_generate_logprobs_and_routing_equal_hf(server, ckpts):
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 11, "ignore_eos": True}
+
+    async def go(c):
+        return await c.generate(prompts, n=3, sampling_params=sp, return_routed_experts=True)
+
+    groups = run(with_client(server, go))
+    assert [len(g) for g in groups] == [3, 3]
+    samples = [s for g in groups for s in g]
+    assert all(len(s.tokens) == 8 and s.finish_reason == "length" for s in samples)
+    assert all(s.weight_version == "default" for s in samples)
+    assert len({tuple(s.tokens) for s in groups[0]}) > 1  # seeds differ per sample
+    check_against_hf(ckpts[0], samples)
+    again = run(with_client(server, go))  # seeded: reproducible
+    assert [s.tokens for g in again for s in g] == [s.tokens for s in samples]
+
+
+def test_raw_generate_shapes(server):
+    body = {
+        "input_ids": [[5, 6, 7], [8, 9]],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "rid": ["r1", "r2"],
+    }
+    status, out = run(raw(server, "POST", "/generate", body))
+    assert status == 200 and [o["meta_info"]["id"] for o in out] == ["r1", "r2"]
+    meta = out[0]["meta_info"]
+    assert meta["input_token_logprobs"][0] == [None, 5, None]
+    assert [e[1] for e in meta["input_token_logprobs"]] == [5, 6, 7]
+    assert [e[1] for e in meta["output_token_logprobs"]] == out[0]["output_ids"]
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
+    assert "routed_experts" not in meta  # not asked for
+    status, out = run(raw(server, "POST", "/generate", {"text": "1 + 2 =", "sampling_params": {}}))
+    assert status == 200 and isinstance(out["text"], str) and out["meta_info"]["prompt_tokens"] == 4
+
+
+BAD_REQUESTS = [
+    ("POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokenz": 3}}),
+    ("POST", "/generate", {"sampling_params": {}}),
+    ("POST", "/generate", {"input_ids": [5, 100000]}),
+    ("POST", "/generate", {"input_ids": [5], "sampling_params": {"temperature": -1}}),
+    ("POST", "/abort_request", {}),
+    ("POST", "/pause_generation", {"mode": "sideways"}),
+    ("POST", "/update_weight_version", {}),
+    ("POST", "/update_weights_from_disk", {}),
+    ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}),
+    ("POST", "/update_weights_from_disk", {"model_path": "/tmp", "load_format": "gguf"}),
+]
+
+
+@pytest.mark.parametrize("method,path,body", BAD_REQUESTS)
+def test_bad_requests_get_sglang_error_shape(server, method, path, body):
+    status, out = run(raw(server, method, path, body))
+    assert status == 400, out
+    assert out["success"] is False and out["message"] and out["error"]["message"] == out["message"]
+
+
+def test_info_endpoints_and_api_key(server, ckpts):
+    status, info = run(raw(server, "GET", "/model_info"))
+    assert status == 200 and info["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert info["model_path"] == str(ckpts[0].resolve()) and info["weight_version"]
+    status, info = run(raw(server, "GET", "/server_info"))
+    assert status == 200 and info["enable_return_routed_experts"] is True
+    assert "api_key" not in str(info) and KEY not in str(info)
+    assert run(raw(server, "GET", "/health_generate"))[0] == 200
+    assert run(raw(server, "GET", "/health", key=None))[0] == 200
+    assert run(raw(server, "GET", "/model_info", key=None))[0] == 401
+    assert run(raw(server, "POST", "/generate", {"input_ids": [5]}, key="wrong"))[0] == 401
+    status, out = run(raw(server, "GET", "/no_such_endpoint"))
+    assert status == 404 and out["success"] is False
+
+
+def test_abort_returns_partial_output_and_flush_refuses_while_busy(server):
+    sp = {"max_new_tokens": 1500, "ignore_eos": True}
+
+    async def go(c):
+        task = asyncio.create_task(c.generate([[5, 6]], n=2, sampling_params=sp))
+        while (await c.get(server, "/server_info"))["internal_states"][0]["num_running_reqs"] < 2:
+            await asyncio.sleep(0.02)
+        flush = await raw(server, "POST", "/flush_cache")
+        await c.abort()
+        return flush, await task
+
+    (flush_status, flush_body), [group] = run(with_client(server, go))
+    assert flush_status == 400 and flush_body["success"] is False
+    assert all(s.aborted and 0 < len(s.tokens) < 1500 for s in group)
+    assert all(len(s.logprobs) == len(s.tokens) for s in group)
+
+    async def abort_all(c):
+        task = asyncio.create_task(c.generate([[7]], sampling_params=sp))
+        while (await c.get(server, "/server_info"))["internal_states"][0]["num_running_reqs"] < 1:
+            await asyncio.sleep(0.02)
+        assert (await raw(server, "POST", "/abort_request", {"abort_all": True}))[0] == 200
+        return await task
+
+    [[sample]] = run(with_client(server, abort_all))
+    assert sample.aborted and len(sample.tokens) < 1500
+    assert run(raw(server, "POST", "/flush_cache"))[0] == 200
+
+
+def test_update_weights_from_disk_changes_outputs_and_version(server, ckpts):
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def gen(c):
+        return await c.generate([[5, 6, 7]], sampling_params=sp, return_routed_experts=True)
+
+    [[before]] = run(with_client(server, gen))
+
+    async def update(c, path, version):
+        await c.update_weights_from_disk(str(path), version)
+        return await gen(c)
+
+    [[after]] = run(with_client(server, lambda c: update(c, ckpts[1], "v2")))
+    assert after.weight_version == "v2" and after.logprobs != before.logprobs
+    check_against_hf(ckpts[1], [after])
+    assert run(raw(server, "GET", "/model_info"))[1]["weight_version"] == "v2"
+    status, _ = run(raw(server, "POST", "/update_weight_version", {"new_version": "v3"}))
+    assert status == 200 and run(raw(server, "GET", "/model_info"))[1]["weight_version"] == "v3"
+    [[restored]] = run(with_client(server, lambda c: update(c, ckpts[0], "v4")))
+    assert restored.tokens == before.tokens and restored.weight_version == "v4"
+
+
+def test_client_retries_on_another_server_and_reports_dead_ones(server):
+    dead = "http://127.0.0.1:9"  # discard port: connection refused
+
+    async def go(c):
+        t0 = time.monotonic()
+        [[s]] = await c.generate([[5]], sampling_params={"max_new_tokens": 2})
+        return s, time.monotonic() - t0
+
+    # The dead server is tried first (both have load 0; it comes first), then the live one.
+    async def both():
+        async with RolloutClient([dead, server], api_key=KEY, backoff_s=0.01) as c:
+            return await go(c)
+
+    s, _ = run(both())
+    assert s.server == server and len(s.tokens) == 2
+
+    async def only_dead():
+        async with RolloutClient([dead], retries=1, backoff_s=0.01) as c:
+            await c.generate([[5]], sampling_params={"max_new_tokens": 2})
+
+    with pytest.raises(RolloutError, match="after 2 attempts"):
+        run(only_dead())
