@@ -30,7 +30,7 @@ VOCAB_PAD_MULTIPLE = 128
 
 @dataclass(frozen=True)
 class BuildOptions:
-    params_dtype: torch.dtype = torch.float32
+    params_dtype: torch.dtype | None = None  # None: the checkpoint's dtype (fp32 for new models)
     padded_vocab_size: int | None = None  # None: round vocab up to VOCAB_PAD_MULTIPLE
     token_dispatcher: str = "alltoall"  # alltoall | allgather
     recompute: str | None = None  # None | "full" | "selective"
@@ -58,6 +58,7 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = device_type() == "cuda"
+    dtype = opts.params_dtype or torch.float32
     sp = dims.tp > 1 if opts.sequence_parallel is None else opts.sequence_parallel
     kwargs = dict(
         num_layers=spec.num_layers,
@@ -75,10 +76,10 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
         add_qkv_bias=spec.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=opts.params_dtype,
-        pipeline_dtype=opts.params_dtype,
-        bf16=opts.params_dtype == torch.bfloat16,
-        fp16=opts.params_dtype == torch.float16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp if (dims.vpp or 1) > 1 else None,

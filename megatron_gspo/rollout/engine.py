@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_gspo.rollout.model import Chunk, RolloutModel
-from megatron_gspo.rollout.sampling import SamplingParams, adjust_logits, sample
+from megatron_gspo.rollout.sampling import (
+    SamplingParams,
+    adjust_logits,
+    needs_adjust,
+    sample_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +240,7 @@ class Engine:
                 req.routed.append(out.routed[i])
             if chunk.start == 0 and chunk.logits_from >= 0:
                 self._input_logprobs(req, out.logits[i])
-            self._advance(req, out.logits[i][-1])
+        self._sample([(r, lg[-1]) for r, lg in zip(batch, out.logits)])
 
     def _input_logprobs(self, req: Request, logits_NV: torch.Tensor) -> None:
         start, first = req.logprob_start_len, max(req.logprob_start_len - 1, 0)
@@ -247,18 +252,32 @@ class Engine:
         vals = logp.gather(1, targets[:, None])[:, 0].tolist() if len(targets) else []
         req.input_logprobs = ([None] if start == 0 else []) + vals
 
-    def _advance(self, req: Request, logits_V: torch.Tensor) -> None:
-        sp = req.params
-        if sp.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
+    def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> None:
+        """Sample one token for each request from its last logits; finish those that stop."""
+        for req, _ in rows:
+            if req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+        rows = [(r, lg) for r, lg in rows if r.params.max_new_tokens > 0]
+        if not rows:
             return
-        logits_V = adjust_logits(logits_V, sp, req.input_ids, req.output_ids, self.eos_ids)
-        token, logprob = sample(logits_V, sp, req.generator or self.generator)
-        req.output_ids.append(token)
-        req.output_logprobs.append(logprob)
-        reason = self._stop_reason(req, token)
-        if reason is not None:
-            self._finish(req, reason)
+        logits = []
+        for req, lg in rows:
+            if needs_adjust(req.params, len(req.output_ids)):
+                lg = adjust_logits(lg, req.params, req.input_ids, req.output_ids, self.eos_ids)
+            logits.append(lg)
+        reqs = [r for r, _ in rows]
+        tokens, logprobs = sample_batch(
+            torch.stack(logits),
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            self.generator,
+        )
+        for req, token, logprob in zip(reqs, tokens, logprobs):
+            req.output_ids.append(token)
+            req.output_logprobs.append(logprob)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
 
     def _stop_reason(self, req: Request, token: int) -> dict | None:
         sp, n = req.params, len(req.output_ids)

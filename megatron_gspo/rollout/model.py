@@ -199,8 +199,10 @@ class RolloutModel:
         need = max(c.start + n for c, n in zip(chunks, lens))
         cache.ensure(max(c.slot for c in chunks) + 1, need)
         ids_T = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        b_T = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens))
-        j_T = torch.cat([torch.arange(n) for n in lens])
+        lens_B = torch.tensor(lens)
+        offsets_B = torch.cumsum(lens_B, 0) - lens_B
+        b_T = torch.repeat_interleave(torch.arange(len(chunks)), lens_B)
+        j_T = torch.arange(len(ids_T)) - offsets_B[b_T]
         start_B = torch.tensor([c.start for c in chunks])
         pos_T = start_B[b_T] + j_T
         meta = _Batch(
@@ -234,18 +236,16 @@ class RolloutModel:
             x = x + out
         x = _rms(x, self.params["model.norm.weight"], s.rms_norm_eps)
         head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
-        offsets = [0]
-        for n in lens:
-            offsets.append(offsets[-1] + n)
-        logits = []
-        for c, n, o in zip(chunks, lens, offsets):
-            first = n - 1 if c.logits_from < 0 else c.logits_from
-            logits.append(F.linear(x[o + first : o + n], head).float())
+        firsts = [n - 1 if c.logits_from < 0 else c.logits_from for c, n in zip(chunks, lens)]
+        rows = torch.cat(
+            [torch.arange(o + f, o + n) for o, f, n in zip(offsets_B.tolist(), firsts, lens)]
+        )
+        logits = F.linear(x[rows], head).float().split([n - f for f, n in zip(firsts, lens)])
         routed_out = None
         if record_routing and routed:
             all_TLk = torch.stack(routed, 1).to(torch.int32)
-            routed_out = [all_TLk[o : o + n] for n, o in zip(lens, offsets)]
-        return StepOutput(logits, routed_out)
+            routed_out = list(all_TLk.split(lens))
+        return StepOutput(list(logits), routed_out)
 
     def full_logits(self, tokens: list[int], record_routing: bool = False) -> StepOutput:
         """Logits at every position of one sequence (a fresh cache); for tests and scoring."""

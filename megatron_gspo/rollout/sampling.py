@@ -164,26 +164,62 @@ def adjust_logits(
     return x
 
 
+def needs_adjust(sp: SamplingParams, num_output: int) -> bool:
+    return sp.penalised or bool(sp.logit_bias) or num_output < sp.min_new_tokens
+
+
 def sample(
     logits_V: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None
 ) -> tuple[int, float]:
     """Pick the next token from one row of adjusted fp32 logits; returns (token, logprob)."""
-    if sp.greedy:
-        token = int(torch.argmax(logits_V))
-        return token, float(torch.log_softmax(logits_V, -1)[token])
-    logp_V = torch.log_softmax(logits_V / sp.temperature, -1)
-    probs_V = logp_V.exp()
-    keep_V = torch.ones_like(probs_V, dtype=torch.bool)
-    sorted_p, order = torch.sort(probs_V, descending=True)
-    drop_sorted = torch.zeros_like(sorted_p, dtype=torch.bool)
-    if sp.top_k > 0:
-        drop_sorted[sp.top_k :] = True
-    if sp.top_p < 1.0:
-        drop_sorted |= (torch.cumsum(sorted_p, 0) - sorted_p) > sp.top_p
-    keep_V[order[drop_sorted]] = False
-    if sp.min_p > 0:
-        keep_V &= probs_V >= sp.min_p * sorted_p[0]
-    keep_V[order[0]] = True
-    filtered = torch.where(keep_V, probs_V, torch.zeros_like(probs_V))
-    token = int(torch.multinomial(filtered, 1, generator=generator))
-    return token, float(logp_V[token])
+    tokens, logprobs = sample_batch(logits_V[None], [sp], [generator], None)
+    return tokens[0], logprobs[0]
+
+
+def sample_batch(
+    logits_BV: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    fallback: torch.Generator | None,
+) -> tuple[list[int], list[float]]:
+    """Next tokens for a batch of adjusted fp32 logit rows, by the Gumbel-max trick.
+
+    A row with its own generator (a `sampling_seed`) draws its noise from it alone, so its tokens
+    do not depend on what else is in the batch; other rows share `fallback`.
+    """
+    greedy_B = torch.tensor([sp.greedy for sp in params])
+    temp_B = torch.tensor([1.0 if sp.greedy else sp.temperature for sp in params])
+    logp_BV = torch.log_softmax(logits_BV / temp_B[:, None], -1)
+    tokens_B = logp_BV.argmax(-1)
+    rows = (~greedy_B).nonzero()[:, 0].tolist()
+    if rows:
+        lp = logp_BV[rows]
+        keep = _keep_mask(lp.exp(), [params[i] for i in rows])
+        noise = torch.empty_like(lp)
+        shared = [k for k, i in enumerate(rows) if generators[i] is None]
+        if shared:
+            noise[shared] = torch.rand(len(shared), lp.shape[1], generator=fallback)
+        for k, i in enumerate(rows):
+            if generators[i] is not None:
+                noise[k] = torch.rand(lp.shape[1], generator=generators[i])
+        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1 - 1e-7)))
+        score = torch.where(keep, lp + gumbel, torch.full_like(lp, float("-inf")))
+        tokens_B[rows] = score.argmax(-1)
+    logprobs = logp_BV.gather(1, tokens_B[:, None])[:, 0]
+    return tokens_B.tolist(), logprobs.tolist()
+
+
+def _keep_mask(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p and min-p filters (the most likely token always stays)."""
+    B, V = probs_BV.shape
+    if all(sp.top_k <= 0 and sp.top_p >= 1 and sp.min_p <= 0 for sp in params):
+        return torch.ones(B, V, dtype=torch.bool)
+    top_k = torch.tensor([sp.top_k if sp.top_k > 0 else V for sp in params])
+    top_p = torch.tensor([sp.top_p for sp in params])
+    min_p = torch.tensor([sp.min_p for sp in params])
+    sorted_p, order = torch.sort(probs_BV, -1, descending=True)
+    keep_sorted = torch.arange(V)[None, :] < top_k[:, None]
+    keep_sorted &= (torch.cumsum(sorted_p, -1) - sorted_p) <= top_p[:, None]
+    keep_sorted &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)

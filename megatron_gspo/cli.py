@@ -1,0 +1,143 @@
+"""`megatron-gspo` command line: one subcommand per job.
+
+Bad input raises `UserError`; it is printed as one line starting with "error:" and the process
+exits with status 2, with nothing half-written left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from megatron_gspo.errors import UserError
+
+
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallel layout (the number of processes must be a multiple)")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    g.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per rank")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    g.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default tp)")
+
+
+def _dims(args):
+    from megatron_gspo.model.parallel import ParallelDims, world_size_from_env
+
+    dims = ParallelDims(args.tp, args.pp, args.ep, args.etp, args.vpp, world_size_from_env())
+    dims.validate()
+    return dims
+
+
+def _cmd_convert(args) -> None:
+    from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
+
+    if args.direction == "hf-to-megatron":
+        hf_to_megatron(args.hf, args.out, _dims(args))
+    else:
+        megatron_to_hf(args.megatron, args.out, _dims(args))
+
+
+def _cmd_score(args) -> None:
+    from megatron_gspo.model.score_cmd import run_score
+
+    run_score(args.checkpoint, args.input, args.output, _dims(args), args.micro_batch_size)
+
+
+def _cmd_make_tiny(args) -> None:
+    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+
+    fields = {k: v for k, v in vars(args).items() if k in TinySpec.__dataclass_fields__}
+    fields["dense_layers"] = [int(x) for x in args.dense_layers.split(",") if x.strip()]
+    try:
+        make_tiny_model(TinySpec(**fields), args.out)
+    except (FileExistsError, ValueError) as e:
+        raise UserError(str(e)) from None
+    print(f"wrote {args.out}")
+
+
+def _add_make_tiny(sub) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint with a tokenizer")
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2"])
+    for name, default in [("vocab_size", 128), ("hidden", 64), ("layers", 2), ("heads", 4),
+                          ("kv_heads", 2), ("head_dim", 16), ("ffn", 128), ("moe_ffn", 32),
+                          ("experts", 8), ("topk", 2), ("seed", 0)]:  # fmt: skip
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    p.add_argument("--dense-layers", default="", help="comma-separated dense layer ids, e.g. 0")
+    p.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false")
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=_cmd_make_tiny)
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert checkpoints between HF and Megatron")
+    csub = p.add_subparsers(dest="direction", required=True)
+    a = csub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron dist-checkpoint")
+    a.add_argument("--hf", required=True, help="HF checkpoint directory")
+    a.add_argument("--out", required=True, help="new directory for the Megatron checkpoint")
+    _layout_args(a)
+    b = csub.add_parser("megatron-to-hf", help="Megatron dist-checkpoint -> HF safetensors")
+    b.add_argument("--megatron", required=True, help="Megatron checkpoint directory")
+    b.add_argument("--out", required=True, help="new directory for the HF checkpoint")
+    _layout_args(b)
+    p.set_defaults(func=_cmd_convert)
+
+
+def _add_score(sub) -> None:
+    p = sub.add_parser("score", help="per-token log-probs of JSONL token sequences")
+    p.add_argument("--checkpoint", required=True, help="HF or Megatron checkpoint directory")
+    p.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
+    p.add_argument("--output", required=True, help="JSONL with \"logprobs\" added")
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    _layout_args(p)
+    p.set_defaults(func=_cmd_score)
+
+
+def _add_serve(sub) -> None:
+    try:
+        from megatron_gspo.rollout.server import add_serve_args, serve_main
+    except ImportError:
+        return
+    p = sub.add_parser("serve", help="the built-in SGLang-compatible rollout server")
+    add_serve_args(p)
+    p.set_defaults(func=serve_main)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_tiny(sub)
+    _add_convert(sub)
+    _add_score(sub)
+    _add_serve(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # megatron-core announces at import that optional CUDA extensions are missing; on a CPU run
+    # that is expected (model/cpu_compat.py), so keep the console for our own messages.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+    try:
+        args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        _shutdown()
+
+
+def _shutdown() -> None:
+    if "torch.distributed" in sys.modules:
+        from megatron_gspo.model.parallel import shutdown
+
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Megatron checkpoints of the policy: a torch_dist dist-checkpoint plus the HF files that say
+what model it is. Resharding is megatron's: save under one layout, load under any other.
+
+    DIR/
+      megatron_gspo.json   format, architecture, dtype, padded vocab size
+      hf/                  config.json, tokenizer and generation files of the source model
+      model/               torch_dist dist-checkpoint of the model chunks
+
+`_extra_state` entries (Transformer Engine fp8 metadata; None in the local spec) are not saved, so
+a checkpoint moves between the local and TE layer specs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.errors import UserError
+
+META = "megatron_gspo.json"
+FORMAT = "megatron-gspo/dist-v1"
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / META).is_file()
+
+
+def read_meta(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / META} is unreadable ({e}); re-copy the checkpoint") from None
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if not (path / "model" / "metadata.json").is_file():
+        raise UserError(f"{path}/model is not a complete dist-checkpoint (no metadata.json)")
+    return meta
+
+
+def write_meta(path: Path, *, spec, padded_vocab: int, dtype: torch.dtype, extra=None) -> None:
+    meta = {
+        "format": FORMAT,
+        "architecture": spec.architecture,
+        "dtype": str(dtype).removeprefix("torch."),
+        "padded_vocab_size": padded_vocab,
+        **(extra or {}),
+    }
+    (path / META).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def sharded_model_state(chunks) -> dict:
+    """{"model<i>": sharded state dict of chunk i}, without `_extra_state`. Keys inside are
+    global (layer offsets applied), so the chunk numbering does not tie a checkpoint to a layout."""
+    out = {}
+    for i, chunk in enumerate(chunks):
+        sd = chunk.sharded_state_dict()
+        out[f"model{i}"] = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+    return out
+
+
+def save_model(chunks, directory: str | Path) -> None:
+    """Collective: every rank calls it with the same (existing, empty) directory."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(sharded_model_state(chunks), str(directory))
+
+
+def load_model(chunks, directory: str | Path) -> None:
+    """Collective: load a dist-checkpoint saved under any layout into this layout's chunks."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        state = dist_checkpointing.load(sharded_model_state(chunks), str(directory))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read dist-checkpoint {directory} ({first}); re-copy it") from e
+    for i, chunk in enumerate(chunks):
+        missing, unexpected = chunk.load_state_dict(state[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise UserError(
+                f"checkpoint {directory} does not fit the model: missing {missing[:3]}, "
+                f"unexpected {list(unexpected)[:3]}; was it made from another config?"
+            )

@@ -1,0 +1,143 @@
+"""Checkpoint conversion HF <-> Megatron dist-checkpoint, under any TP/PP/EP/expert-TP layout.
+
+Both directions run on every rank of the layout (torchrun converts large checkpoints in parallel:
+each rank reads or writes only its own slices). Output goes to a temporary directory beside the
+target and is renamed into place only when every rank has finished, so a failed conversion
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model import checkpoint as mckpt
+from megatron_gspo.model import hf_io
+from megatron_gspo.model.parallel import ParallelDims, init_distributed
+from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir, load_policy
+
+SHARD_BYTES = 4 << 30  # largest HF shard file a rank writes
+
+
+def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool):
+    spec, meta = checkpoint_spec(src)
+    if want_megatron != (meta is not None):
+        kind = "a Megatron" if want_megatron else "an HF"
+        raise UserError(f"{src} is not {kind} checkpoint; check --hf / --megatron")
+    if out.exists():
+        raise UserError(f"output path {out} exists; remove it or choose another --out")
+    dims.validate(spec)
+    if meta is None:
+        hf_io.HFReader(src)  # a missing or truncated weight file fails here, before any work
+    return spec
+
+
+def _shared_tmpdir(out: Path) -> Path:
+    """Rank 0 makes a temporary directory beside `out`; every rank learns its path."""
+    box = [None]
+    if dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _finish(tmp: Path, out: Path, ok: bool) -> None:
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    if dist.get_rank() == 0:
+        if all(flags):
+            for f in tmp.rglob("*"):
+                f.chmod(0o755 if f.is_dir() else 0o644)
+            tmp.chmod(0o755)
+            os.replace(tmp, out)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> None:
+    hf_dir, out = Path(hf_dir), Path(out)
+    spec = _check_inputs(hf_dir, out, dims, want_megatron=False)
+    init_distributed(dims)
+    tmp = _shared_tmpdir(out)
+    ok = False
+    try:
+        chunks = load_policy(hf_dir, dims)
+        (tmp / "model").mkdir(exist_ok=True)
+        dist.barrier()
+        mckpt.save_model(chunks, tmp / "model")
+        if dist.get_rank() == 0:
+            (tmp / "hf").mkdir()
+            hf_io.copy_non_weight_files(hf_dir, tmp / "hf")
+            dtype = chunks[0].config.params_dtype
+            mckpt.write_meta(tmp, spec=spec, padded_vocab=chunks[0].padded_vocab_size, dtype=dtype)
+        ok = True
+    finally:
+        _finish(tmp, out, ok)
+
+
+def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> None:
+    meg_dir, out = Path(meg_dir), Path(out)
+    _check_inputs(meg_dir, out, dims, want_megatron=True)
+    init_distributed(dims)
+    tmp = _shared_tmpdir(out)
+    ok = False
+    try:
+        chunks = load_policy(meg_dir, dims)
+        written = _write_rank_shards(chunks, tmp)
+        _name_shards(tmp, written)
+        if dist.get_rank() == 0:
+            hf_io.copy_non_weight_files(hf_files_dir(meg_dir), tmp)
+        ok = True
+    finally:
+        _finish(tmp, out, ok)
+
+
+def _write_rank_shards(chunks, tmp: Path) -> list[tuple[str, list[str], int]]:
+    """Each writer rank saves its tensors in files of at most SHARD_BYTES; returns
+    [(filename, tensor names, bytes)] for this rank."""
+    from megatron_gspo.model.weights import iter_hf
+
+    rank = dist.get_rank()
+    files, pending, size = [], {}, 0
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            name = f"rank{rank:05d}-{len(files):05d}.safetensors"
+            hf_io.write_shard(tmp / name, pending)
+            files.append((name, list(pending), size))
+            pending, size = {}, 0
+
+    for name, tensor in iter_hf(chunks):
+        pending[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    return files
+
+
+def _name_shards(tmp: Path, written) -> None:
+    """Rank 0 renames every rank's files to HF's model-0000i-of-0000N and writes the index."""
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, written)
+    if dist.get_rank() != 0:
+        return
+    files = [f for per_rank in everything for f in per_rank]
+    total = sum(f[2] for f in files)
+    if len(files) == 1:
+        os.replace(tmp / files[0][0], tmp / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (name, tensors, _) in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.replace(tmp / name, tmp / final)
+        weight_map.update({t: final for t in tensors})
+    hf_io.write_index(tmp, weight_map, total)
