@@ -26,7 +26,10 @@ def error_body(message: str) -> dict:
 
 
 def parse_generate(
-    body: object, vocab_size: int, encode: Callable[[str], list[int]] | None
+    body: object,
+    vocab_size: int,
+    encode: Callable[[str], list[int]] | None,
+    context_len: int,
 ) -> tuple[list[Request], bool, dict]:
     """Requests for a /generate body, whether the answer is a list, and response options."""
     if not isinstance(body, dict):
@@ -36,6 +39,10 @@ def parse_generate(
     prompts, batched = _prompts(body, encode)
     for ids in prompts:
         _check_ids(ids, vocab_size)
+        if len(ids) >= context_len:
+            raise BadRequest(
+                f"the prompt has {len(ids)} tokens; the model's context length is {context_len}"
+            )
     sps = body.get("sampling_params")
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     if len(sps) != len(prompts):

@@ -166,7 +166,9 @@ class RolloutClient:
                     log.warning("rollout request %s failed on %s: %s", sample.rid, server.url, e)
                     continue
                 server.failures = 0
-                return sample if result is None else self._fill(sample, result, server.url)
+                if result is None:
+                    return sample
+                return self._fill(sample, result, server.url, body["return_routed_experts"])
             raise RolloutError(
                 f"request {sample.rid} failed on {', '.join(s.url for s in tried)} "
                 f"after {self.retries + 1} attempts; check that the servers are up"
@@ -205,7 +207,7 @@ class RolloutClient:
             data["_latency"] = time.perf_counter() - t0
             return data
 
-    def _fill(self, sample: Sample, data: dict, url: str) -> Sample:
+    def _fill(self, sample: Sample, data: dict, url: str, want_routed: bool) -> Sample:
         meta = data["meta_info"]
         sample.tokens = list(data["output_ids"])
         sample.finish_reason = (meta.get("finish_reason") or {}).get("type", "abort")
@@ -216,6 +218,11 @@ class RolloutClient:
         if meta.get("routed_experts") is not None:
             sample.routed_experts = decode_routed_experts(
                 meta["routed_experts"], len(sample.prompt_ids) + len(sample.tokens) - 1, self.topk
+            )
+        elif want_routed and not sample.aborted:
+            raise RolloutError(
+                f"{url} returned no routed_experts for {sample.rid}; start the server with "
+                "--enable-return-routed-experts (SGLang drops the field silently without it)"
             )
         return sample
 

@@ -30,15 +30,16 @@ from aiohttp import web
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_config import load_hf_config
-from megatron_gspo.rollout.api import error_body, format_result, parse_generate
+from megatron_gspo.rollout import control
+from megatron_gspo.rollout.api import format_result, parse_generate
 from megatron_gspo.rollout.engine import Engine, Request
+from megatron_gspo.rollout.http_common import STATE, bad, read_json
 from megatron_gspo.rollout.model import RolloutModel
 from megatron_gspo.rollout.sampling import BadRequest, SamplingParams
 
 log = logging.getLogger("megatron_gspo.rollout.server")
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
-STATE = web.AppKey("state", object)
 
 
 class ServerState:
@@ -84,34 +85,14 @@ def _eos_ids(path: Path, cfg: dict) -> set[int]:
     return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
-def bad(message: str, status: int = 400) -> web.Response:
-    return web.json_response(error_body(message), status=status)
-
-
-async def _json(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
-
-
-async def _run(engine: Engine, fn, needs_idle: bool = False):
-    return await asyncio.wrap_future(engine.call(fn, needs_idle))
-
-
 # ---- generation ----------------------------------------------------------------------------
 
 
 async def generate(request: web.Request) -> web.Response:
     st: ServerState = request.app[STATE]
-    body = await _json(request)
+    body = await read_json(request)
     encode = st.encode if st.tokenizer else None
-    reqs, as_list, opts = parse_generate(body, st.spec.vocab_size, encode)
+    reqs, as_list, opts = parse_generate(body, st.spec.vocab_size, encode, st.engine.context_len)
     done = await _submit_and_wait(st.engine, reqs)
     failed = [r.error for r in done if r.error]
     if failed:
@@ -205,86 +186,6 @@ async def server_info(request: web.Request) -> web.Response:
 # ---- control -------------------------------------------------------------------------------
 
 
-async def flush_cache(request: web.Request) -> web.Response:
-    st: ServerState = request.app[STATE]
-    idle = await _run(st.engine, lambda e: e.num_requests == 0)
-    if not idle:
-        return bad("Cache not flushed because there are pending requests.")
-    return web.json_response({"success": True, "message": "Cache flushed."})
-
-
-async def pause_generation(request: web.Request) -> web.Response:
-    body = await _json(request)
-    mode = body.get("mode", "abort")
-    if mode not in ("abort", "retract", "in_place"):
-        raise BadRequest(f"mode must be abort, retract or in_place, not {mode!r}")
-    request.app[STATE].engine.pause(mode)
-    return web.json_response({"success": True, "message": "Generation paused."})
-
-
-async def continue_generation(request: web.Request) -> web.Response:
-    request.app[STATE].engine.resume()
-    return web.json_response({"success": True, "message": "Generation continued."})
-
-
-async def abort_request(request: web.Request) -> web.Response:
-    body = await _json(request)
-    engine = request.app[STATE].engine
-    if body.get("abort_all"):
-        engine.abort(None)
-    elif isinstance(body.get("rid"), str) and body["rid"]:
-        engine.abort(body["rid"])
-    else:
-        raise BadRequest("give rid (a string) or abort_all: true")
-    return web.json_response({"success": True})
-
-
-async def update_weight_version(request: web.Request) -> web.Response:
-    body = await _json(request)
-    version = body.get("new_version")
-    if not isinstance(version, str) or not version:
-        raise BadRequest("new_version must be a non-empty string")
-    engine = request.app[STATE].engine
-    if body.get("abort_all_requests"):
-        engine.abort(None, "Abort by update_weight_version")
-    await _run(engine, lambda e: setattr(e, "weight_version", version))
-    return web.json_response({"success": True, "message": f"Weight version set to {version}."})
-
-
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    st: ServerState = request.app[STATE]
-    body = await _json(request)
-    path, version = body.get("model_path"), body.get("weight_version")
-    if not isinstance(path, str) or not path:
-        raise BadRequest("model_path must be a checkpoint directory")
-    if version is not None and not isinstance(version, str):
-        raise BadRequest("weight_version must be a string")
-    if body.get("load_format") not in (None, "auto", "safetensors"):
-        raise BadRequest(f"load_format {body['load_format']!r} is not supported; use auto")
-    if body.get("abort_all_requests"):
-        st.engine.abort(None, "Abort by update_weights_from_disk")
-
-    def load(engine: Engine) -> int:
-        paused = len(engine.running) if engine.paused else 0
-        engine.model.load_checkpoint(path)
-        st.model_path = str(Path(path).resolve())
-        if version is not None:
-            engine.weight_version = version
-        return paused
-
-    try:
-        paused = await _run(st.engine, load, needs_idle=True)
-    except UserError as e:
-        return bad(f"Failed to update weights: {e}")
-    return web.json_response(
-        {
-            "success": True,
-            "message": "Succeeded to update model weights.",
-            "num_paused_requests": paused,
-        }
-    )
-
-
 # ---- the app -------------------------------------------------------------------------------
 
 
@@ -317,17 +218,10 @@ def build_app(state: ServerState) -> web.Application:
         ("/get_model_info", model_info),
         ("/server_info", server_info),
         ("/get_server_info", server_info),
-        ("/flush_cache", flush_cache),
+        ("/flush_cache", control.flush_cache),
     ):
         r.add_get(path, fn)
-    for path, fn in (
-        ("/flush_cache", flush_cache),
-        ("/pause_generation", pause_generation),
-        ("/continue_generation", continue_generation),
-        ("/abort_request", abort_request),
-        ("/update_weight_version", update_weight_version),
-        ("/update_weights_from_disk", update_weights_from_disk),
-    ):
+    for path, fn in control.ROUTES:
         r.add_post(path, fn)
     return app
 

@@ -125,6 +125,8 @@ BAD_REQUESTS = [
     ("POST", "/generate", {"sampling_params": {}}),
     ("POST", "/generate", {"input_ids": [5, 100000]}),
     ("POST", "/generate", {"input_ids": [5], "sampling_params": {"temperature": -1}}),
+    ("POST", "/generate", {"input_ids": [5] * 2048}),  # no room left in the context
+    ("POST", "/generate", {"input_ids": [[5], [6]], "rid": "same-for-both"}),
     ("POST", "/abort_request", {}),
     ("POST", "/pause_generation", {"mode": "sideways"}),
     ("POST", "/update_weight_version", {}),

@@ -1,0 +1,44 @@
+"""The rollout client's decoding of SGLang answers, without a server."""
+
+import base64
+
+import numpy as np
+import pytest
+
+from megatron_gspo.rollout.client import RolloutClient, RolloutError, Sample, decode_routed_experts
+
+pytestmark = pytest.mark.unit
+
+
+def answer(tokens, routed=None, reason="length"):
+    meta = {
+        "finish_reason": {"type": reason},
+        "weight_version": "v7",
+        "output_token_logprobs": [[-0.5, t, None] for t in tokens],
+    }
+    if routed is not None:
+        meta["routed_experts"] = base64.b64encode(routed.astype(np.int32).tobytes()).decode()
+    return {"output_ids": tokens, "meta_info": meta, "_latency": 0.1}
+
+
+def test_fill_decodes_routed_experts_as_tokens_layers_topk():
+    client = RolloutClient("http://127.0.0.1:1", topk=2)
+    routed = np.arange(4 * 3 * 2).reshape(4, 3, 2)  # prompt 3 + output 2 - 1 tokens
+    s = client._fill(Sample(0, 0, [1, 2, 3]), answer([4, 5], routed), "u", want_routed=True)
+    assert s.tokens == [4, 5] and s.logprobs == [-0.5, -0.5] and s.weight_version == "v7"
+    assert s.finish_reason == "length" and not s.aborted
+    np.testing.assert_array_equal(s.routed_experts, routed)
+
+
+def test_missing_routed_experts_is_an_error_unless_aborted():
+    client = RolloutClient("http://127.0.0.1:1", topk=2)
+    with pytest.raises(RolloutError, match="enable-return-routed-experts"):
+        client._fill(Sample(0, 0, [1]), answer([4]), "u", want_routed=True)
+    s = client._fill(Sample(0, 0, [1]), answer([], reason="abort"), "u", want_routed=True)
+    assert s.aborted and s.routed_experts is None
+
+
+def test_decode_routed_experts_checks_the_size():
+    raw = base64.b64encode(np.zeros(10, np.int32).tobytes()).decode()
+    with pytest.raises(RolloutError, match="not a multiple"):
+        decode_routed_experts(raw, num_tokens=3, topk=2)
