@@ -230,3 +230,30 @@ def test_client_retries_on_another_server_and_reports_dead_ones(server):
 
     with pytest.raises(RolloutError, match="after 2 attempts"):
         run(only_dead())
+
+
+def test_weight_update_waits_for_running_requests_unless_paused(server, ckpts):
+    sp = {"max_new_tokens": 300, "ignore_eos": True}
+
+    async def running(c, n=1):
+        while (await c.get(server, "/server_info"))["internal_states"][0]["num_running_reqs"] < n:
+            await asyncio.sleep(0.02)
+
+    async def go(c):
+        task = asyncio.create_task(c.generate([[5, 6]], sampling_params=sp))
+        await running(c)
+        await c.update_weights_from_disk(str(ckpts[0]), "w-idle")  # waits for the request
+        [[waited]] = await task
+        task = asyncio.create_task(c.generate([[5, 6]], sampling_params=sp))
+        await running(c)
+        await c.pause("in_place")
+        body = {"model_path": str(ckpts[0]), "weight_version": "w-paused"}
+        [answer] = await c.broadcast("/update_weights_from_disk", body)
+        await c.resume()
+        [[paused]] = await task
+        return waited, answer, paused
+
+    waited, answer, paused = run(with_client(server, go))
+    assert waited.finish_reason == "length" and waited.weight_version != "w-idle"
+    assert answer["success"] and answer["num_paused_requests"] == 1
+    assert paused.finish_reason == "length" and paused.weight_version == "w-paused"
