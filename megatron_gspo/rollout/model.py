@@ -181,7 +181,7 @@ class RolloutModel:
     def load_checkpoint(self, path: str | Path) -> None:
         """Read every weight of an HF checkpoint directory (the same architecture and sizes)."""
         spec = model_spec(load_hf_config(path))
-        if spec != self.spec and _shape_key(spec) != _shape_key(self.spec):
+        if _shape_key(spec) != _shape_key(self.spec):
             raise UserError(f"{path} holds a different model ({spec.architecture}); cannot load it")
         reader = HFReader(path)
         self.load_weights((name, reader.get(name)) for name in self.hf_names())
@@ -194,8 +194,26 @@ class RolloutModel:
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], cache: KVCache, record_routing: bool = False):
         """Run one batch of chunks, writing their k/v into `cache`. Returns a StepOutput."""
-        s = self.spec
         lens = [len(c.tokens) for c in chunks]
+        meta = self._batch(chunks, lens, cache)
+        x = self.params["model.embed_tokens.weight"][meta.ids_T]
+        routed: list[torch.Tensor] = []
+        for i in range(self.spec.num_layers):
+            x, topk_Tk = self._layer(i, x, cache, meta)
+            if topk_Tk is not None:
+                routed.append(topk_Tk)
+        x = _rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps)
+        head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
+        firsts = [n - 1 if c.logits_from < 0 else c.logits_from for c, n in zip(chunks, lens)]
+        offsets = meta.offsets_B.tolist()
+        rows = torch.cat([torch.arange(o + f, o + n) for o, f, n in zip(offsets, firsts, lens)])
+        logits = F.linear(x[rows], head).float().split([n - f for f, n in zip(firsts, lens)])
+        routed_out = None
+        if record_routing and routed:
+            routed_out = list(torch.stack(routed, 1).to(torch.int32).split(lens))
+        return StepOutput(list(logits), routed_out)
+
+    def _batch(self, chunks: list[Chunk], lens: list[int], cache: KVCache) -> _Batch:
         need = max(c.start + n for c, n in zip(chunks, lens))
         cache.ensure(max(c.slot for c in chunks) + 1, need)
         ids_T = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
@@ -204,10 +222,13 @@ class RolloutModel:
         b_T = torch.repeat_interleave(torch.arange(len(chunks)), lens_B)
         j_T = torch.arange(len(ids_T)) - offsets_B[b_T]
         start_B = torch.tensor([c.start for c in chunks])
+        slot_B = torch.tensor([c.slot for c in chunks])
         pos_T = start_B[b_T] + j_T
-        meta = _Batch(
-            slot_T=torch.tensor([c.slot for c in chunks])[b_T],
-            slot_B=torch.tensor([c.slot for c in chunks]),
+        return _Batch(
+            ids_T=ids_T,
+            offsets_B=offsets_B,
+            slot_T=slot_B[b_T],
+            slot_B=slot_B,
             b_T=b_T,
             j_T=j_T,
             pos_T=pos_T,
@@ -216,36 +237,18 @@ class RolloutModel:
             mask_BQK=_mask(start_B, max(lens), need),
             rope=self._rope(pos_T),
         )
-        x = self.params["model.embed_tokens.weight"][ids_T]
-        routed: list[torch.Tensor] = []
-        for i in range(s.num_layers):
-            x = x + self._attention(
-                i,
-                _rms(x, self.params[f"model.layers.{i}.input_layernorm.weight"], s.rms_norm_eps),
-                cache,
-                meta,
-            )
-            h = _rms(
-                x, self.params[f"model.layers.{i}.post_attention_layernorm.weight"], s.rms_norm_eps
-            )
-            if s.moe_layers[i]:
-                out, topk_Tk = self._moe(i, h)
-                routed.append(topk_Tk)
-            else:
-                out = self._mlp(f"model.layers.{i}.mlp.", h)
-            x = x + out
-        x = _rms(x, self.params["model.norm.weight"], s.rms_norm_eps)
-        head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
-        firsts = [n - 1 if c.logits_from < 0 else c.logits_from for c, n in zip(chunks, lens)]
-        rows = torch.cat(
-            [torch.arange(o + f, o + n) for o, f, n in zip(offsets_B.tolist(), firsts, lens)]
+
+    def _layer(self, i: int, x: torch.Tensor, cache: KVCache, meta: _Batch):
+        """One decoder layer; returns the new residual and the top-k experts (MoE layers)."""
+        p, eps = f"model.layers.{i}.", self.spec.rms_norm_eps
+        x = x + self._attention(
+            i, _rms(x, self.params[p + "input_layernorm.weight"], eps), cache, meta
         )
-        logits = F.linear(x[rows], head).float().split([n - f for f, n in zip(firsts, lens)])
-        routed_out = None
-        if record_routing and routed:
-            all_TLk = torch.stack(routed, 1).to(torch.int32)
-            routed_out = list(all_TLk.split(lens))
-        return StepOutput(list(logits), routed_out)
+        h = _rms(x, self.params[p + "post_attention_layernorm.weight"], eps)
+        if self.spec.moe_layers[i]:
+            out, topk_Tk = self._moe(i, h)
+            return x + out, topk_Tk
+        return x + self._mlp(p + "mlp.", h), None
 
     def full_logits(self, tokens: list[int], record_routing: bool = False) -> StepOutput:
         """Logits at every position of one sequence (a fresh cache); for tests and scoring."""
@@ -311,6 +314,8 @@ class RolloutModel:
 
 @dataclass
 class _Batch:
+    ids_T: torch.Tensor
+    offsets_B: torch.Tensor
     slot_T: torch.Tensor
     slot_B: torch.Tensor
     b_T: torch.Tensor
