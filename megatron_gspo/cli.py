@@ -26,9 +26,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
 def _dims(args):
     from megatron_gspo.model.parallel import ParallelDims, world_size_from_env
 
-    dims = ParallelDims(args.tp, args.pp, args.ep, args.etp, args.vpp, world_size_from_env())
-    dims.validate()
-    return dims
+    return ParallelDims(args.tp, args.pp, args.ep, args.etp, args.vpp, world_size_from_env())
 
 
 def _cmd_convert(args) -> None:

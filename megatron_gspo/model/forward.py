@@ -35,14 +35,18 @@ def padded_length(max_len: int, tp: int, multiple: int = 1) -> int:
 
 
 def make_microbatches(seqs: list[list[int]], micro_batch_size: int, seq_len: int, pad_id: int = 0):
+    """Full microbatches only: pipeline stages exchange [seq_len, micro_batch_size, hidden]
+    tensors, so a short last microbatch is filled with empty rows (length 0, index -1)."""
     out = []
     for start in range(0, len(seqs), micro_batch_size):
         part = seqs[start : start + micro_batch_size]
-        tokens = torch.full((len(part), seq_len), pad_id, dtype=torch.long)
+        tokens = torch.full((micro_batch_size, seq_len), pad_id, dtype=torch.long)
         for i, s in enumerate(part):
             tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        lengths = torch.tensor([len(s) for s in part])
-        out.append(Microbatch(tokens, lengths, torch.arange(start, start + len(part))))
+        fill = micro_batch_size - len(part)
+        lengths = torch.tensor([len(s) for s in part] + [0] * fill)
+        index = torch.tensor(list(range(start, start + len(part))) + [-1] * fill)
+        out.append(Microbatch(tokens, lengths, index))
     return out
 
 
@@ -94,6 +98,8 @@ def score(chunks, seqs: list[list[int]], *, micro_batch_size: int = 8) -> list[l
     for out in outputs:
         mb = out["mb"]
         for row, i in enumerate(mb.index.tolist()):
+            if i < 0:
+                continue
             n = int(mb.lengths[row])
             result[i] = [None] + out["logprobs"][row, : n - 1].tolist()
     return _from_last_stage(result)

@@ -44,6 +44,8 @@ class ParallelDims:
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1")
+        if spec is not None:
+            self._validate_model(spec)
         if self.world_size % (self.tp * self.pp):
             raise UserError(
                 f"world size {self.world_size} is not divisible by tp*pp={self.tp * self.pp}; "
@@ -56,8 +58,6 @@ class ParallelDims:
             )
         if self.vpp is not None and self.vpp > 1 and self.pp < 2:
             raise UserError("--vpp needs --pp >= 2")
-        if spec is not None:
-            self._validate_model(spec)
 
     def _validate_model(self, spec) -> None:
         if spec.num_heads % self.tp or spec.num_kv_heads % self.tp:

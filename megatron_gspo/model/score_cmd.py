@@ -60,7 +60,11 @@ def run_score(checkpoint: str, input_path: str, output_path: str, dims: Parallel
     chunks = load_policy(checkpoint, dims)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     mine = list(range(dp_rank, len(rows), dp))
-    logprobs = score(chunks, [rows[i]["input_ids"] for i in mine], micro_batch_size=micro_batch_size)
+    # Every replica runs the same number of microbatches: expert-parallel collectives span
+    # replicas, so a replica with fewer lines scores copies of line 0 and drops them.
+    per_rank = -(-len(rows) // dp)
+    seqs = [rows[i]["input_ids"] for i in mine] + [rows[0]["input_ids"]] * (per_rank - len(mine))
+    logprobs = score(chunks, seqs, micro_batch_size=micro_batch_size)[: len(mine)]
     gathered = [None] * dp
     dist.all_gather_object(gathered, list(zip(mine, logprobs)), group=mpu.get_data_parallel_group())
     if dist.get_rank() == 0:

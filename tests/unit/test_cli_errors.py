@@ -1,0 +1,83 @@
+"""Bad input to the CLI: a one-line error naming the fix, exit status 2, no partial output."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import random_sequences, run_cli, write_jsonl
+
+pytestmark = pytest.mark.unit
+
+
+def assert_clean_failure(proc, pattern, parent):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and pattern in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not list(parent.glob(".*tmp*")), "temporary output left behind"
+
+
+def test_missing_checkpoint(tmp_path):
+    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert_clean_failure(proc, "does not exist", tmp_path)
+    assert not (tmp_path / "o").exists()
+
+
+def test_truncated_checkpoint(tmp_path, tiny_models):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["moe"], bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(bad), "--out", str(tmp_path / "o")])
+    assert_clean_failure(proc, "truncated or corrupt", tmp_path)
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_weight_file(tmp_path, tiny_models):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["moe"], bad)
+    (bad / "model.safetensors").unlink()
+    proc = run_cli(["score", "--checkpoint", str(bad), "--input", "x", "--output", str(tmp_path / "o")])
+    assert_clean_failure(proc, "no model.safetensors", tmp_path)
+
+
+def test_unknown_architecture(tmp_path, tiny_models):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["moe"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["MysteryForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(bad), "--out", str(tmp_path / "o")])
+    assert_clean_failure(proc, "unsupported architecture", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "flags, pattern",
+    [(["--tp", "3"], "does not divide the model's 4 attention heads"),
+     (["--ep", "3"], "does not divide the model's 8 experts")],  # fmt: skip
+)
+def test_layout_that_does_not_divide_the_model(tmp_path, tiny_models, flags, pattern):
+    out = tmp_path / "o"
+    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out), *flags])
+    assert_clean_failure(proc, pattern, tmp_path)
+    assert not out.exists()
+
+
+def test_existing_output_is_kept(tmp_path, tiny_models):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out)])
+    assert_clean_failure(proc, "exists; remove it or choose another --out", tmp_path)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_score_rejects_bad_input_lines(tmp_path, tiny_models):
+    inp = write_jsonl(tmp_path / "in.jsonl", random_sequences(100, lengths=(4,)))
+    with open(inp, "a") as f:
+        f.write('{"input_ids": [1, 999999]}\n')
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(["score", "--checkpoint", str(tiny_models["moe"]), "--input", str(inp), "--output", str(out)])
+    assert_clean_failure(proc, "in.jsonl:2: token id outside the vocabulary", tmp_path)
+    assert not out.exists()

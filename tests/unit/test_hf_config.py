@@ -1,0 +1,44 @@
+import json
+
+import pytest
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.hf_config import load_hf_config, model_spec
+from megatron_gspo.model.parallel import ParallelDims
+
+pytestmark = pytest.mark.unit
+
+
+def test_spec_of_tiny_moe_with_dense_first_layer(tiny_models):
+    spec = model_spec(load_hf_config(tiny_models["moe"]))
+    assert spec.arch == "qwen3_moe" and spec.moe_layers == (False, True)
+    assert (spec.num_experts, spec.topk, spec.norm_topk_prob, spec.qk_norm) == (8, 2, True, True)
+
+
+def test_decoder_sparse_step_and_v4_field_names():
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "num_attention_heads": 4,
+           "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100, "num_experts": 8,
+           "decoder_sparse_step": 2, "mlp_only_layers": [3], "rope_theta": 1e6}  # fmt: skip
+    spec = model_spec(cfg)
+    assert spec.moe_layers == (False, True, False, False) and spec.rope_theta == 1e6
+
+
+def test_unknown_architecture_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(UserError, match="unsupported architecture.*Qwen3MoeForCausalLM"):
+        model_spec(load_hf_config(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "dims, message",
+    [
+        (ParallelDims(tp=3, world_size=1), "does not divide the model's 4 attention heads"),
+        (ParallelDims(ep=3, world_size=1), "does not divide the model's 8 experts"),
+        (ParallelDims(pp=2, vpp=2, world_size=2), "cannot be split into pp\\*vpp=4"),
+        (ParallelDims(tp=2, world_size=3), "not divisible by tp\\*pp=2"),
+    ],
+)
+def test_layouts_that_cannot_work_are_refused(tiny_models, dims, message):
+    spec = model_spec(load_hf_config(tiny_models["moe"]))
+    with pytest.raises(UserError, match=message):
+        dims.validate(spec)
