@@ -71,7 +71,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
         chunks = load_policy(hf_dir, dims)
         (tmp / "model").mkdir(exist_ok=True)
         dist.barrier()
-        mckpt.save_model(chunks, tmp / "model")
+        mckpt.save_model(chunks, tmp / "model", fsync=False)
         if dist.get_rank() == 0:
             (tmp / "hf").mkdir()
             hf_io.copy_non_weight_files(hf_dir, tmp / "hf")

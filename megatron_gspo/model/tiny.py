@@ -120,7 +120,8 @@ def make_tiny_model(spec: TinySpec, out: str | os.PathLike) -> Path:
     config = hf_config(spec)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent or "."))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         _save_tokenizer(spec, tmp)

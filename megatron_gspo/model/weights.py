@@ -76,7 +76,7 @@ def _geometry(chunks) -> dict:
 
 @torch.no_grad()
 def load_hf(chunks, reader) -> None:
-    """Copy HF tensors into this rank's parameters (exact: a dtype cast only if they differ)."""
+    """Fill this rank's parameters from HF tensors (exact: a dtype cast only if they differ)."""
     geo = _geometry(chunks)
     padded = chunks[0].padded_vocab_size
     for lp in local_params(chunks):
@@ -88,7 +88,10 @@ def load_hf(chunks, reader) -> None:
                 f"{lp.map.hf_names} give {tuple(local.shape)} for {lp.map.megatron_name} "
                 f"{tuple(lp.param.shape)}: checkpoint and config disagree"
             )
-        lp.param.copy_(local)
+        # Take the tensor over instead of copying into the freshly built one (a checkpoint-sized
+        # copy saved); a slice of a larger tensor is copied so it does not pin the rest.
+        owns_storage = local.untyped_storage().nbytes() == local.numel() * local.element_size()
+        lp.param.data = local.to(lp.param.dtype) if owns_storage else local.to(lp.param.dtype, copy=True)
 
 
 @torch.no_grad()
