@@ -11,7 +11,9 @@ What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
   distributed optimizer.
 - `device="cuda"` literals -> "cpu", in the modules that create tensors with them: the causal-mask
   helper (`transformer/utils.py`), the schedules' token counter (`pipeline_parallel/schedules.py`),
-  the MoE aux-loss tracker (`moe_utils.py`), DDP's warm-up tensor (`param_and_grad_buffer.py`).
+  the MoE aux-loss tracker (`moe_utils.py`), DDP's warm-up tensor (`param_and_grad_buffer.py`),
+  the optimizers' overflow and scale flags (`optimizer.py`, `grad_scaler.py`, `clip_grads.py`),
+  the local multi-tensor l2 norm (`utils.py`), the rerun state machine, checkpoint exchange.
   Done by giving those modules a `torch` namespace whose tensor factories map the device; the real
   `torch` is untouched elsewhere.
 - `Tensor.cuda()` -> the tensor itself (embedding sharing in `language_module.py`, tests).
@@ -64,6 +66,15 @@ _LITERAL_CUDA_MODULES = (
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.tensor_parallel.random",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 
 

@@ -1,0 +1,211 @@
+"""The Megatron actor: old log-probs and one optimizer step over a batch of RL samples.
+
+The step runs megatron's `forward_backward_func` (no pipelining, 1F1B, or interleaved 1F1B) over
+microbatches, under TP (+ sequence parallel), EP and DP (megatron DDP + distributed optimizer).
+
+Loss denominators. The batch's denominator D (sequences for seq-mean aggregations, tokens for
+token-mean) is counted once per step over the WHOLE batch, which every rank holds, so it is the
+same number on every rank and needs no collective. Each microbatch returns
+sum(objective in microbatch) / D, so summing microbatches and replicas gives the full-batch
+loss. Megatron then divides each microbatch loss by the number of microbatches M and DDP averages
+gradients over the dp data-parallel replicas; the loss function multiplies by M * dp to undo both.
+The gradient therefore does not depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algo import combine_stats, loss_denominator, policy_loss, stat_reduce_op, summarize_stats
+from megatron_gspo.model.forward import next_token_logprobs, padded_length
+from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    use_distributed_optimizer: bool = True
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    kind: str = "gspo"  # gspo | gspo_token | grpo
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    agg: str | None = None  # None: the kind's published default
+
+
+class Actor:
+    """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
+
+    def __init__(self, chunks, optim: OptimConfig = OptimConfig()):
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig, finalize_model_grads)  # fmt: skip
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.spec = chunks[0].model_spec
+        self.config = chunks[0].config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+        )
+        self.chunks = [
+            DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c)
+            for c in chunks
+        ]
+        self.config.finalize_model_grads_func = finalize_model_grads
+        dtype = self.config.params_dtype
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
+                weight_decay=optim.weight_decay, clip_grad=optim.clip_grad,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+                use_distributed_optimizer=optim.use_distributed_optimizer,
+            ),  # fmt: skip
+            self.chunks,
+        )
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _layout(self, batch: RLBatch, micro_batch_size: int):
+        from megatron.core import parallel_state as mpu
+
+        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        tp = mpu.get_tensor_model_parallel_world_size()
+        seq_len = padded_length(max(len(t) for t in batch.tokens), tp)
+        # Same number of microbatches on every replica (expert-parallel collectives span them).
+        per_rank = -(-len(batch) // dp)
+        index = list(range(dp_rank, len(batch), dp))
+        mbs = microbatches(batch, index, micro_batch_size, seq_len)
+        n_micro = max(1, -(-per_rank // micro_batch_size))
+        while len(mbs) < n_micro:
+            mbs += microbatches(batch, [], micro_batch_size, seq_len)
+        return mbs, seq_len, dp
+
+    def _run(self, mbs, seq_len, micro_batch_size, forward_step, forward_only):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iters = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters, model=self.chunks,
+            num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )  # fmt: skip
+
+    # ---- old log-probs -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(self, batch: RLBatch, micro_batch_size: int = 8) -> list[list[float | None]]:
+        """Token-aligned log-probs of every sample under the current weights (entry 0 None)."""
+        for c in self.chunks:
+            c.eval()
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+        vocab = self.spec.vocab_size
+
+        def loss(mb, logits):
+            lp, _ = next_token_logprobs(logits, mb.tokens, vocab)
+            return torch.zeros(()), {"lp": lp, "mb": mb}
+
+        def step(it, model):
+            mb = next(it)
+            return model(mb.tokens, mb.position_ids, None), partial(loss, mb)
+
+        outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=True)
+        mine = []
+        for out in outputs:
+            for row, i in enumerate(out["mb"].index.tolist()):
+                if i >= 0:
+                    n = int(out["mb"].lengths[row])
+                    mine.append((i, [None] + out["lp"][row, : n - 1].tolist()))
+        return _gather_rows(mine, len(batch))
+
+    # ---- one optimizer step ------------------------------------------------------------------
+
+    def train_step(self, batch: RLBatch, loss_cfg: LossConfig, micro_batch_size: int = 8) -> dict:
+        """Forward/backward over all microbatches, then one optimizer step. Returns metrics."""
+        if batch.old_logprobs is None:
+            raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs, seq_len, dp = self._layout(batch, micro_batch_size)
+        denom = float(loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind))
+        scale = len(mbs) * dp
+        vocab = self.spec.vocab_size
+
+        def loss(mb, logits):
+            lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
+            value, stats = policy_loss(
+                lp, mb.old_logprobs, mb.advantages, mb.mask, kind=loss_cfg.kind,
+                clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, agg=loss_cfg.agg,
+                rollout_logprobs=mb.rollout_logprobs, loss_scale_denominator=denom,
+            )  # fmt: skip
+            stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
+            return value * scale, stats
+
+        def step(it, model):
+            mb = next(it)
+            return model(mb.tokens, mb.position_ids, None), partial(loss, mb)
+
+        outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics = _reduce_stats(outputs)
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       update_ok=bool(ok), lr=self.optimizer.param_groups[0]["lr"])  # fmt: skip
+        return metrics
+
+
+def _gather_rows(mine: list, n: int) -> list:
+    """Every rank gets every row: gather (row, value) pairs over the whole world."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out = [None] * n
+    for part in parts:
+        for i, v in part:
+            out[i] = v
+    return out
+
+
+def _reduce_stats(outputs: list[dict]) -> dict:
+    """Sum/min/max the microbatch stats over the data-parallel replicas (on the last pipeline
+    stage), then share them with every rank."""
+    from megatron.core import parallel_state as mpu
+
+    local = combine_stats(outputs) if outputs else {}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: float(v) for k, v in local.items()})
+    total: dict[str, float] = {}
+    for part in parts:
+        if not part:
+            continue
+        for k, v in part.items():
+            op = stat_reduce_op(k)
+            if k not in total:
+                total[k] = v
+            elif op == "min":
+                total[k] = min(total[k], v)
+            elif op == "max":
+                total[k] = max(total[k], v)
+            else:
+                total[k] += v
+    # Every TP rank of a replica reports the same numbers: count one TP rank per replica.
+    tp = mpu.get_tensor_model_parallel_world_size()
+    sums = {k: v / tp for k, v in total.items() if stat_reduce_op(k) == "sum"}
+    total.update(sums)
+    metrics = summarize_stats({k: torch.tensor(v) for k, v in total.items()})
+    metrics["loss"] = total.get("loss_sum", 0.0)
+    metrics["entropy"] = total.get("entropy_sum", 0.0) / max(total.get("num_tokens", 0.0), 1.0)
+    return metrics

@@ -1,0 +1,89 @@
+"""A batch of RL samples as the actor trains on it, and its split into microbatches.
+
+Legend: b microbatch rows, s padded sequence length, S = s - 1 next-token positions.
+Token-aligned fields follow `tokens`: entry t belongs to token t (its log-prob given tokens < t);
+entry 0 is never trained on. Every rank holds the whole batch; `shard` picks a data-parallel
+replica's rows, and every replica gets the same number of full microbatches (empty rows have an
+all-zero mask), since pipeline stages and expert-parallel collectives need equal shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RLBatch:
+    tokens: list[list[int]]  # prompt + response
+    loss_mask: list[list[int]]  # 1 on the response tokens that are trained on
+    advantages: list[float] | list[list[float]]  # per sequence, or per token
+    old_logprobs: list[list[float]] | None = None  # token-aligned; None until computed
+    rollout_logprobs: list[list[float]] | None = None  # token-aligned, from the rollout server
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def rows(self, index: list[int]) -> RLBatch:
+        def pick(x):
+            return None if x is None else [x[i] for i in index]
+
+        return RLBatch(pick(self.tokens), pick(self.loss_mask), pick(self.advantages),
+                       pick(self.old_logprobs), pick(self.rollout_logprobs))  # fmt: skip
+
+
+@dataclass
+class TrainMicrobatch:
+    tokens: torch.Tensor  # [b, s]
+    mask: torch.Tensor  # [b, S] float, next-token loss mask
+    advantages: torch.Tensor  # [b] or [b, S]
+    old_logprobs: torch.Tensor | None  # [b, S]
+    rollout_logprobs: torch.Tensor | None  # [b, S]
+    index: torch.Tensor  # [b] row in the caller's batch, -1 for an empty row
+    lengths: torch.Tensor = field(default=None)  # [b]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        b, s = self.tokens.shape
+        return torch.arange(s).unsqueeze(0).expand(b, s)
+
+
+def _token_field(rows, b: int, s: int, fill: float = 0.0) -> torch.Tensor:
+    out = torch.full((b, s), fill, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor([fill if v is None else v for v in r], dtype=torch.float32)
+    return out[:, 1:]
+
+
+def microbatches(batch: RLBatch, index: list[int], micro_batch_size: int, seq_len: int):
+    """Full microbatches over `index` rows of `batch`, padded to [micro_batch_size, seq_len]."""
+    out = []
+    n_micro = max(1, -(-len(index) // micro_batch_size))
+    per_token_adv = bool(batch.advantages) and isinstance(batch.advantages[0], list)
+    for m in range(n_micro):
+        idx = index[m * micro_batch_size : (m + 1) * micro_batch_size]
+        part = batch.rows(idx)
+        b = micro_batch_size
+        tokens = torch.zeros((b, seq_len), dtype=torch.long)
+        for i, t in enumerate(part.tokens):
+            tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        mask = _token_field(part.loss_mask, b, seq_len)
+        if per_token_adv:
+            adv = _token_field(part.advantages, b, seq_len)
+        else:
+            adv = torch.zeros(b)
+            adv[: len(idx)] = torch.tensor(part.advantages, dtype=torch.float32)
+        old = None if part.old_logprobs is None else _token_field(part.old_logprobs, b, seq_len)
+        roll = None if part.rollout_logprobs is None else _token_field(part.rollout_logprobs, b, seq_len)
+        fill = b - len(idx)
+        lengths = torch.tensor([len(t) for t in part.tokens] + [0] * fill)
+        index_t = torch.tensor(list(idx) + [-1] * fill)
+        out.append(TrainMicrobatch(tokens, mask, adv, old, roll, index_t, lengths))
+    return out
+
+
+def loss_mask_tensor(batch: RLBatch) -> torch.Tensor:
+    """The whole batch's next-token loss mask [B, S], for counting the step's denominator."""
+    s = max(len(t) for t in batch.tokens)
+    return _token_field(batch.loss_mask, len(batch), s)
