@@ -167,5 +167,30 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
         )
         model.model_spec = spec
         model.padded_vocab_size = vocab
+        _mark_tensor_parallel(model)
         chunks.append(model)
     return chunks
+
+
+def _mark_tensor_parallel(model) -> None:
+    """Tag TP-split weights the way megatron's initializers do.
+
+    megatron-core sets `tensor_model_parallel` / `partition_dim` on parallel linear weights only
+    inside its weight initializers, so a model built with `perform_initialization=False` (weights
+    loaded right after) lacks them; the optimizer then treats every shard as a TP duplicate and
+    the grad norm counts TP rank 0 alone.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)  # fmt: skip
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)

@@ -1,29 +1,39 @@
 """Token log-probabilities and entropy from vocab-parallel logits, never gathering the vocabulary.
 
 Each TP rank holds logits for a slice [v0, v1) of the (padded) vocabulary. With m the global max
-(detached; log-softmax is shift invariant), e = exp(l - m), S = sum_v e_v (all-reduced):
+(log-softmax is shift invariant, so m carries no gradient), e = exp(l - m), S = sum_v e_v
+(all-reduced), p = e / S:
 
     log p(y) = l_y - m - log S                  l_y all-reduced from the rank that owns y
     H        = m + log S - (sum_v e_v l_v) / S   (= log Z - E_p[l])
 
-The all-reduces go through megatron's `reduce_from_tensor_model_parallel_region` (sum forward,
-identity backward), which is the correct gradient because every rank then computes the same
-replicated function of the reduced values. Padded vocabulary entries (>= the true vocab) are
-excluded. Extra memory: one fp32 copy of the local logits slice.
+    d log p(y) / d l_v = 1[v = y] - p_v
+    d H / d l_v        = p_v (E_p[l - m] - (l_v - m))      (= -p_v (log p_v + H))
+
+Deviation from a plain autograd graph, on purpose: the vocabulary is the largest dimension in the
+step (151,936 for Qwen3), and autograd through `exp(logits - m)` keeps two to four fp32
+full-vocabulary copies alive (shifted logits, exp, their product for the entropy, the gradients).
+`_ChunkedLogprobs` instead walks the tokens in chunks of about `_CHUNK_ELEMENTS` logits, saves
+only the logits (which the caller holds anyway) and three numbers per token, and recomputes the
+softmax of each chunk in backward. Beyond the logits the only full-vocabulary tensor is their
+gradient. Forward values equal the plain graph's (same ops per row); gradients agree to rounding.
+
+TP: the max is all-reduced (MAX) before the sums, then S, l_y and sum e l are all-reduced (SUM) in
+one call. Backward needs no communication: every rank computes the same replicated function of the
+reduced values, so the gradient of its local logits uses the reduced S and E_p[l] directly (what
+megatron's `reduce_from_tensor_model_parallel_region`, identity in backward, gives autograd).
+Padded vocabulary entries (>= the true vocab) are excluded and get zero gradient.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
-
-def _reduce(t: torch.Tensor, group) -> torch.Tensor:
-    if group is None or dist.get_world_size(group) == 1:
-        return t
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    return reduce_from_tensor_model_parallel_region(t, group=group)
+_CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 32 MiB of fp32 per temporary
 
 
 def vocab_parallel_logprobs(
@@ -40,32 +50,14 @@ def vocab_parallel_logprobs(
     `vocab_start` is this rank's first vocabulary id, `vocab_size` the true (unpadded) size.
     Returns fp32 tensors shaped like `targets`.
     """
-    logits = logits.float()
     v_local = logits.shape[-1]
-    ids = torch.arange(vocab_start, vocab_start + v_local, device=logits.device)
-    valid = ids < (vocab_size if vocab_size is not None else vocab_start + v_local)
-    if not bool(valid.all()):
-        logits = logits.masked_fill(~valid, float("-inf"))
-
-    with torch.no_grad():
-        m = logits.max(dim=-1).values
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - m.unsqueeze(-1)
-    e = shifted.exp()
-    log_s = _reduce(e.sum(dim=-1), tp_group).log()
-
-    local_t = targets - vocab_start
-    owned = (local_t >= 0) & (local_t < v_local)
-    picked = shifted.gather(-1, local_t.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-    target_shifted = _reduce(torch.where(owned, picked, torch.zeros_like(picked)), tp_group)
-    logprobs = target_shifted - log_s
-
-    entropy = None
-    if with_entropy:
-        el = torch.where(valid, e * shifted, torch.zeros_like(e)).sum(dim=-1)
-        entropy = log_s - _reduce(el, tp_group) / log_s.exp()
-    return logprobs, entropy
+    n_valid = v_local if vocab_size is None else min(max(vocab_size - vocab_start, 0), v_local)
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    logprobs, entropy = _ChunkedLogprobs.apply(
+        logits, targets, vocab_start, n_valid, tp_group, with_entropy
+    )
+    return logprobs, (entropy if with_entropy else None)
 
 
 def tp_vocab_logprobs(logits, targets, vocab_size: int, with_entropy: bool = False):
@@ -81,3 +73,96 @@ def tp_vocab_logprobs(logits, targets, vocab_size: int, with_entropy: bool = Fal
         tp_group=mpu.get_tensor_model_parallel_group(),
         with_entropy=with_entropy,
     )
+
+
+def _chunks(token_shape: torch.Size, v_local: int):
+    """Index tuples covering `token_shape`, each selecting about _CHUNK_ELEMENTS logits as a view."""
+    if len(token_shape) == 0:
+        yield ()
+        return
+    rows = max(1, _CHUNK_ELEMENTS // max(v_local, 1))
+    for lead in itertools.product(*map(range, token_shape[:-1])):
+        for t0 in range(0, token_shape[-1], rows):
+            yield (*lead, slice(t0, t0 + rows))
+
+
+def _local_fp32(chunk: torch.Tensor, n_valid: int) -> torch.Tensor:
+    """The chunk's logits in fp32 with padded vocabulary entries at -inf."""
+    x = chunk.float()
+    if n_valid < x.shape[-1]:
+        x = x.clone() if x is chunk else x
+        x[..., n_valid:] = float("-inf")
+    return x
+
+
+def _target_index(targets: torch.Tensor, vocab_start: int, v_local: int):
+    local_t = targets - vocab_start
+    owned = (local_t >= 0) & (local_t < v_local)
+    return local_t.clamp(0, v_local - 1).unsqueeze(-1), owned
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """(logits [..., V_local], targets [...]) -> (log p(targets), entropy), both fp32 [...]."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, n_valid, tp_group, with_entropy):
+        v_local = logits.shape[-1]
+        shape, dev = targets.shape, logits.device
+        m = torch.empty(shape, dtype=torch.float32, device=dev)
+        for idx in _chunks(shape, v_local):
+            m[idx] = _local_fp32(logits[idx], n_valid).max(dim=-1).values
+        if tp_group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+
+        sums = torch.zeros((3, *shape), dtype=torch.float32, device=dev)  # S, l_y - m, sum e(l-m)
+        for idx in _chunks(shape, v_local):
+            shifted = _local_fp32(logits[idx], n_valid) - m[idx].unsqueeze(-1)
+            e = shifted.exp()
+            sums[0][idx] = e.sum(dim=-1)
+            index, owned = _target_index(targets[idx], vocab_start, v_local)
+            picked = shifted.gather(-1, index).squeeze(-1)
+            sums[1][idx] = torch.where(owned, picked, torch.zeros_like(picked))
+            if with_entropy:
+                el = e[..., :n_valid] * shifted[..., :n_valid]  # padded: 0 * -inf would be nan
+                sums[2][idx] = el.sum(dim=-1)
+        if tp_group is not None:
+            dist.all_reduce(sums, group=tp_group)
+
+        log_s = sums[0].log()
+        logprobs = sums[1] - log_s
+        mean_shifted = sums[2] / log_s.exp()  # E_p[l - m]
+        entropy = log_s - mean_shifted if with_entropy else torch.zeros_like(logprobs)
+        ctx.save_for_backward(logits, targets, m, log_s, mean_shifted)
+        ctx.vocab_start, ctx.n_valid = vocab_start, n_valid
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logprobs, g_entropy):
+        logits, targets, m, log_s, mean_shifted = ctx.saved_tensors
+        if g_logprobs is None and g_entropy is None:
+            return None, None, None, None, None, None
+        v_local = logits.shape[-1]
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for idx in _chunks(targets.shape, v_local):
+            shifted = _local_fp32(logits[idx], ctx.n_valid) - m[idx].unsqueeze(-1)
+            p = shifted.exp() / log_s[idx].exp().unsqueeze(-1)
+            target = _target_index(targets[idx], ctx.vocab_start, v_local)
+            g_lp, g_ent = (None if g is None else g[idx].float() for g in (g_logprobs, g_entropy))
+            grad_chunk = _chunk_grad(p, shifted, mean_shifted[idx], g_lp, g_ent, *target)
+            grad_chunk[..., ctx.n_valid :] = 0.0  # padded entries (their nan from 0 * inf too)
+            grad[idx] = grad_chunk
+        return grad, None, None, None, None, None
+
+
+def _chunk_grad(p, shifted, mean_shifted, g_lp, g_ent, index, owned):
+    """g_ent p_v (E_p[l - m] - (l_v - m)) + g_lp (1[v = y] - p_v) for one chunk, in fp32."""
+    if g_ent is None:
+        grad = torch.zeros_like(p)
+    else:
+        grad = p * (mean_shifted.unsqueeze(-1) - shifted) * g_ent.unsqueeze(-1)
+    if g_lp is not None:
+        grad.sub_(p * g_lp.unsqueeze(-1))
+        grad.scatter_add_(-1, index, torch.where(owned, g_lp, torch.zeros_like(g_lp)).unsqueeze(-1))
+    return grad

@@ -7,8 +7,8 @@ everything above it talks to it exactly as to SGLang.
     python -m megatron_gspo.rollout.server --model HF_DIR --port 0   # prints the bound URL
 
 Security: it binds 127.0.0.1 by default and refuses a non-loopback --host without an API key;
-with a key every endpoint but GET /health requires `Authorization: Bearer KEY`.
-Not implemented yet (404): the tensor and distributed weight-update endpoints, memory release.
+with a key every endpoint but GET /health requires `Authorization: Bearer KEY`. Weight payloads
+are accepted only as tensors (see safe_unpickle); distributed weight updates use gloo.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from aiohttp import web
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_config import load_hf_config
-from megatron_gspo.rollout import control
+from megatron_gspo.rollout import control, weight_endpoints
 from megatron_gspo.rollout.api import format_result, parse_generate
 from megatron_gspo.rollout.engine import Engine, Request
 from megatron_gspo.rollout.http_common import STATE, bad, read_json
@@ -62,6 +62,7 @@ class ServerState:
             seed=args.random_seed,
             weight_version=args.weight_version,
         )
+        self.weights = weight_endpoints.WeightUpdates()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -221,7 +222,7 @@ def build_app(state: ServerState) -> web.Application:
         ("/flush_cache", control.flush_cache),
     ):
         r.add_get(path, fn)
-    for path, fn in control.ROUTES:
+    for path, fn in control.ROUTES + weight_endpoints.ROUTES:
         r.add_post(path, fn)
     return app
 
@@ -293,6 +294,7 @@ async def _serve(state: ServerState) -> None:
     finally:
         log.info("shutting down after %.0f s", time.monotonic() - started)
         state.engine.stop()
+        state.weights.close()
         await runner.cleanup()
 
 

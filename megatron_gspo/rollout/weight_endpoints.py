@@ -1,0 +1,267 @@
+"""Weight-transfer and memory endpoints of the built-in server, as SGLang 0.5.23 answers them:
+/begin_weight_update, /end_weight_update, /update_weights_from_tensor, /init_weights_update_group,
+/update_weights_from_distributed, /destroy_weights_update_group, /release_memory_occupation,
+/resume_memory_occupation.
+
+Tensor payloads are decoded by `safe_unpickle` (tensors only, never arbitrary pickle). The server
+is one TP rank: it reads `serialized_named_tensors[0]` and joins a distributed group as rank
+`rank_offset`. Received tensors load on the engine thread between steps, with the same rule as
+/update_weights_from_disk: wait for running requests unless generation is paused. Distributed
+receives run on a worker thread, so generation goes on while the trainer broadcasts.
+
+On CPU, releasing memory drops the KV cache (it is rebuilt on resume, or on demand); the weights
+stay, as on a GPU without --enable-memory-saver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from aiohttp import web
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.rollout import safe_unpickle, weight_payload
+from megatron_gspo.rollout.engine import Engine
+from megatron_gspo.rollout.http_common import STATE, bad, read_json, run_on_engine
+from megatron_gspo.rollout.sampling import BadRequest
+
+if TYPE_CHECKING:
+    from megatron_gspo.rollout.server import ServerState
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass
+class WeightUpdates:
+    """What the weight endpoints keep between requests."""
+
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transfer at a time
+    released: set[str] = field(default_factory=set)
+    group_timeout_s: float = 300.0
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            dist.destroy_process_group(group)
+        self.groups.clear()
+
+
+def _ok(message: str, **extra) -> web.Response:
+    return web.json_response({"success": True, "message": message, **extra})
+
+
+def _updates(request: web.Request) -> WeightUpdates:
+    return request.app[STATE].weights
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    selector = body.get("selector", "target")
+    if selector not in ("target", "draft", "all"):
+        raise BadRequest(f"selector must be target, draft or all, not {selector!r}")
+    if selector == "draft":
+        raise BadRequest("this server has no draft model")
+    return _ok("Weight update begun.")
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    await read_json(request)
+    return _ok("Weight update ended.")
+
+
+# ---- loading received tensors --------------------------------------------------------------
+
+
+def _options(body: dict) -> tuple[str | None, bool]:
+    version = body.get("weight_version")
+    if version is not None and (not isinstance(version, str) or not version):
+        raise BadRequest("weight_version must be a non-empty string")
+    for key in ("flush_cache", "abort_all_requests"):
+        if not isinstance(body.get(key, False), bool):
+            raise BadRequest(f"{key} must be true or false")
+    return version, bool(body.get("abort_all_requests", False))
+
+
+async def _load(st: ServerState, named: list, version: str | None, how: str) -> web.Response:
+    def load(engine: Engine) -> int:
+        engine.model.load_weights(named)
+        if version is not None:
+            engine.weight_version = version
+        return len(engine.running) if engine.paused else 0
+
+    try:
+        paused = await run_on_engine(st.engine, load, needs_idle=True)
+    except UserError as e:
+        return bad(f"Failed to update weights from {how}: {e}")
+    message = f"Succeeded to update model weights from {how}."
+    if version is not None:
+        message += f" Weight version updated to {version}."
+    return _ok(message, num_paused_requests=paused)
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    body = await read_json(request)
+    payloads = body.get("serialized_named_tensors")
+    if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
+        raise BadRequest(
+            "serialized_named_tensors must be a list of base64 strings, one per TP rank"
+        )
+    load_format = body.get("load_format")
+    if load_format not in (None, "direct", "flattened_bucket"):
+        raise BadRequest(f"load_format must be null, direct or flattened_bucket: {load_format!r}")
+    version, abort_all = _options(body)
+    named = await asyncio.to_thread(safe_unpickle.decode_named_tensors, payloads[0], load_format)
+    if abort_all:
+        st.engine.abort(None, "Abort by update_weights_from_tensor")
+    return await _load(st, named, version, "tensor")
+
+
+# ---- distributed groups --------------------------------------------------------------------
+
+
+def _field(body: dict, key: str, kind: type, what: str):
+    v = body.get(key)
+    if isinstance(v, bool) or not isinstance(v, kind) or (kind is str and not v):
+        raise BadRequest(f"{key} must be {what}")
+    return v
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    updates = _updates(request)
+    body = await read_json(request)
+    address = _field(body, "master_address", str, "a host name or address")
+    port = _field(body, "master_port", int, "a port number")
+    offset = _field(body, "rank_offset", int, "this server's first rank (>= 1)")
+    world = _field(body, "world_size", int, "the group's size")
+    name = _field(body, "group_name", str, "a non-empty string")
+    backend = body.get("backend", "nccl")
+    if not 0 < port < 65536 or not 1 <= offset < world:
+        raise BadRequest("need 0 < master_port < 65536 and 1 <= rank_offset < world_size")
+    if backend != "gloo":
+        raise BadRequest(f"backend {backend!r} is not available on this CPU server; use gloo")
+    if name in updates.groups:
+        raise BadRequest(f"a weights update group named {name!r} already exists")
+    try:
+        group = await asyncio.to_thread(
+            weight_payload.open_update_group,
+            address, port, world, offset, name, backend, updates.group_timeout_s,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a failed rendezvous is reported, not raised
+        return bad(f"Failed to init process group {name!r}: {type(e).__name__}: {e}")
+    updates.groups[name] = group
+    return _ok(f"Initialized weights update group {name!r} as rank {offset} of {world}.")
+
+
+def _distributed_spec(body: dict) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not (
+        len(names) == len(dtypes) == len(shapes)
+    ):
+        raise BadRequest("names, dtypes and shapes must be lists of the same length")
+    torch_dtypes = []
+    for d in dtypes:
+        t = getattr(torch, d, None) if isinstance(d, str) else None
+        if not isinstance(t, torch.dtype):
+            raise BadRequest(f"dtype {d!r} is not a torch dtype name")
+        torch_dtypes.append(t)
+    for n, s in zip(names, shapes):
+        if not isinstance(n, str) or not isinstance(s, list):
+            raise BadRequest("names must be strings and shapes lists of sizes")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+            raise BadRequest(f"shape of {n!r} must be a list of non-negative ints: {s}")
+    return names, torch_dtypes, shapes
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    updates = st.weights
+    body = await read_json(request)
+    name = body.get("group_name")
+    if name not in updates.groups:
+        raise BadRequest(f"no weights update group named {name!r}; call /init_weights_update_group")
+    load_format = body.get("load_format")
+    if load_format not in (None, "flattened_bucket"):
+        raise BadRequest(f"load_format must be null or flattened_bucket: {load_format!r}")
+    names, dtypes, shapes = _distributed_spec(body)
+    version, abort_all = _options(body)
+    async with updates.lock:
+        try:
+            named = await asyncio.to_thread(
+                weight_payload.receive_named,
+                updates.groups[name], names, dtypes, shapes, load_format,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a failed broadcast is reported, not raised
+            return bad(f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}")
+    if abort_all:
+        st.engine.abort(None, "Abort by update_weights_from_distributed")
+    return await _load(st, named, version, "distributed")
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    updates = _updates(request)
+    body = await read_json(request)
+    name = body.get("group_name")
+    if name not in updates.groups:
+        raise BadRequest(f"no weights update group named {name!r}")
+    async with updates.lock:
+        dist.destroy_process_group(updates.groups.pop(name))
+    return _ok(f"Destroyed weights update group {name!r}.")
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+
+def _tags(body: dict) -> list[str]:
+    tags = body.get("tags")
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
+        raise BadRequest(f"tags must be a list of {', '.join(MEMORY_TAGS)}: {tags!r}")
+    return tags
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    tags = _tags(await read_json(request))
+
+    def release(engine: Engine) -> bool:
+        if engine.num_requests:
+            return False
+        if "kv_cache" in tags:
+            engine.cache = engine.model.new_cache(0, 0)
+        st.weights.released.update(tags)
+        return True
+
+    if not await run_on_engine(st.engine, release):
+        return bad("Cannot release memory while requests are running; pause or abort them first.")
+    return _ok(f"Released memory: {', '.join(tags)}.")
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    st: ServerState = request.app[STATE]
+    tags = _tags(await read_json(request))
+
+    def resume(engine: Engine) -> None:
+        if "kv_cache" in tags and "kv_cache" in st.weights.released:
+            engine.cache = engine.model.new_cache(min(engine.max_running, 8), 256)
+        st.weights.released.difference_update(tags)
+
+    await run_on_engine(st.engine, resume)
+    return _ok(f"Resumed memory: {', '.join(tags)}.")
+
+
+ROUTES = [
+    ("/begin_weight_update", begin_weight_update),
+    ("/end_weight_update", end_weight_update),
+    ("/update_weights_from_tensor", update_weights_from_tensor),
+    ("/init_weights_update_group", init_weights_update_group),
+    ("/update_weights_from_distributed", update_weights_from_distributed),
+    ("/destroy_weights_update_group", destroy_weights_update_group),
+    ("/release_memory_occupation", release_memory_occupation),
+    ("/resume_memory_occupation", resume_memory_occupation),
+]

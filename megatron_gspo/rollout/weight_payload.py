@@ -1,0 +1,251 @@
+"""The trainer's side of SGLang's weight-update API: the payloads of /update_weights_from_tensor,
+the request bodies of /update_weights_from_distributed, and the process group both sides open.
+
+    with TensorSharing():                                    # file_system strategy on CPU
+        body = tensor_update_body(named, load_format="flattened_bucket", weight_version="v3")
+        POST /begin_weight_update {} ; POST /update_weights_from_tensor body ; /end_weight_update
+
+    # distributed: the trainer is rank 0 of a group with the servers' TP ranks after it
+    POST /init_weights_update_group {...} (in flight) ; group = open_update_group(..., rank=0)
+    POST /update_weights_from_distributed distributed_update_body(named) (in flight)
+    broadcast_named(group, named) ; then await both answers
+
+Payload formats (SGLang 0.5.23, `MultiprocessingSerializer`): base64 of a torch multiprocessing
+(ForkingPickler) pickle of `[(name, tensor), ...]`, or for load_format "flattened_bucket"
+`{"flattened_tensor": uint8 [bytes], "metadata": [obj(name, shape, dtype, start_idx, end_idx,
+numel)]}` with byte offsets. The metadata objects are `types.SimpleNamespace`: SGLang reads them by
+attribute, and they unpickle in a process that has neither SGLang nor this package.
+
+CPU tensors travel as shared-memory file names: the sender must use torch's "file_system" sharing
+strategy (the default "fd" strategy passes file descriptors that the server cannot receive over
+HTTP). On GPU they travel as CUDA IPC handles (same node only).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import types
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+class TensorSharing:
+    """Context manager: torch multiprocessing's "file_system" sharing strategy inside."""
+
+    def __enter__(self) -> TensorSharing:
+        import torch.multiprocessing as mp
+
+        self._old = mp.get_sharing_strategy()
+        mp.set_sharing_strategy("file_system")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.multiprocessing as mp
+
+        mp.set_sharing_strategy(self._old)
+
+
+# ---- /update_weights_from_tensor ----------------------------------------------------------
+
+
+def serialize(obj: object) -> str:
+    """base64 of a torch multiprocessing pickle, as SGLang's MultiprocessingSerializer makes it."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+
+    if mp.get_sharing_strategy() != "file_system" and not _all_cuda(obj):
+        raise RuntimeError(
+            "CPU tensors must be shared with the 'file_system' strategy; wrap the update in "
+            "`with TensorSharing():` (torch.multiprocessing.set_sharing_strategy('file_system'))"
+        )
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _all_cuda(obj: object) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.is_cuda
+    if isinstance(obj, dict):
+        return all(_all_cuda(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_all_cuda(v) for v in obj)
+    return True
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    # Sharing a CPU tensor moves its storage into shared memory in place: copy, so the trainer's
+    # parameters (and whatever else shares their storage) stay where they are.
+    return t.detach() if t.is_cuda else t.detach().clone()
+
+
+def flatten_bucket(named: NamedTensors) -> dict:
+    """SGLang's flattened bucket: every tensor's bytes in one uint8 tensor, plus metadata."""
+    chunks, metadata, start = [], [], 0
+    for name, t in named:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        chunks.append(flat)
+        n = flat.numel()
+        metadata.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=torch.Size(t.shape),
+                dtype=t.dtype,
+                start_idx=start,
+                end_idx=start + n,
+                numel=n,
+            )
+        )
+        start += n
+    flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def unflatten_bucket(flat: torch.Tensor, metadata: Iterable) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a flattened bucket (views into `flat`)."""
+    out = []
+    for m in metadata:
+        t = flat[m.start_idx : m.end_idx].view(m.dtype).reshape(tuple(m.shape))
+        out.append((m.name, t))
+    return out
+
+
+def tensor_update_body(
+    named: NamedTensors,
+    *,
+    load_format: str | None = None,
+    weight_version: str | None = None,
+    flush_cache: bool = True,
+    abort_all_requests: bool = False,
+    tp_size: int = 1,
+) -> dict:
+    """The JSON body of /update_weights_from_tensor. Call it inside `TensorSharing()` on CPU.
+
+    Every server TP rank reads its own entry of `serialized_named_tensors`; with full (not
+    TP-sharded) HF tensors the same payload serves them all.
+    """
+    if load_format == "flattened_bucket":
+        payload = serialize(flatten_bucket(named))
+    elif load_format in (None, "direct"):
+        payload = serialize([(name, _detached(t)) for name, t in named])
+    else:
+        raise ValueError(f"load_format must be None, 'direct' or 'flattened_bucket': {load_format}")
+    return {
+        "serialized_named_tensors": [payload] * tp_size,
+        "load_format": load_format,
+        "flush_cache": flush_cache,
+        "abort_all_requests": abort_all_requests,
+        "weight_version": weight_version,
+    }
+
+
+# ---- /update_weights_from_distributed -----------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def distributed_update_body(
+    named: NamedTensors,
+    group_name: str,
+    *,
+    load_format: str | None = None,
+    weight_version: str | None = None,
+    flush_cache: bool = True,
+) -> dict:
+    """The JSON body of /update_weights_from_distributed for `named`, in broadcast order."""
+    if load_format not in (None, "flattened_bucket"):
+        raise ValueError(f"load_format must be None or 'flattened_bucket': {load_format}")
+    return {
+        "names": [name for name, _ in named],
+        "dtypes": [dtype_name(t.dtype) for _, t in named],
+        "shapes": [list(t.shape) for _, t in named],
+        "group_name": group_name,
+        "load_format": load_format,
+        "flush_cache": flush_cache,
+        "weight_version": weight_version,
+    }
+
+
+def init_group_body(
+    master_address: str, master_port: int, world_size: int, group_name: str,
+    backend: str = "gloo", rank_offset: int = 1,
+) -> dict:  # fmt: skip
+    """The JSON body of /init_weights_update_group: the server's TP ranks from rank_offset on."""
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def open_update_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
+    """A process group of its own (no default group needed), as SGLang's
+    `init_custom_process_group` builds it: a TCPStore hosted by rank 0, wrapped in
+    PrefixStore(group_name) — a plain init_process_group on the trainer side hangs.
+    Rank 0 (the trainer) must call this while the servers join (their HTTP call is in flight).
+    """
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+    )
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def close_update_group(group: dist.ProcessGroup) -> None:
+    dist.destroy_process_group(group)
+
+
+def broadcast_named(
+    group: dist.ProcessGroup, named: NamedTensors, load_format: str | None = None
+) -> None:
+    """Rank 0's side of /update_weights_from_distributed: one broadcast per tensor in order,
+    or one uint8 broadcast of the flattened bucket."""
+    if load_format == "flattened_bucket":
+        dist.broadcast(flatten_bucket(named)["flattened_tensor"], src=0, group=group)
+        return
+    for _, t in named:
+        dist.broadcast(t.detach().contiguous(), src=0, group=group)
+
+
+def receive_named(
+    group: dist.ProcessGroup,
+    names: list[str],
+    dtypes: list[torch.dtype],
+    shapes: list[list[int]],
+    load_format: str | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """A server rank's side of broadcast_named: fresh tensors, received in the same order."""
+    empty = [(n, torch.empty(s, dtype=d)) for n, d, s in zip(names, dtypes, shapes)]
+    if load_format == "flattened_bucket":
+        bucket = flatten_bucket(empty)
+        dist.broadcast(bucket["flattened_tensor"], src=0, group=group)
+        return unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"])
+    for _, t in empty:
+        dist.broadcast(t, src=0, group=group)
+    return empty
