@@ -1,0 +1,250 @@
+"""Weight transfer into the built-in server, driven as a trainer drives SGLang: tensors through
+shared memory (direct and flattened bucket), a gloo broadcast group, memory release/resume, a
+pickle that tries to run code, and SGLang's error shape for every wrong request."""
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_gspo.model.parallel import free_port
+from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.rollout import weight_payload as wp
+from megatron_gspo.rollout.client import RolloutClient
+
+pytestmark = pytest.mark.e2e
+
+SPEC = TinySpec(arch="qwen3_moe", layers=2, dense_layers=[0], init_std=0.2)
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wckpt")
+    other = TinySpec(**{**SPEC.__dict__, "seed": 7})
+    return make_tiny_model(SPEC, root / "a"), make_tiny_model(other, root / "b")
+
+
+@pytest.fixture(scope="module")
+def server(ckpts):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(ckpts[0])]
+    proc = subprocess.Popen(cmd + ["--port", "0", "--threads", "1"], env=env,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert " on http://127.0.0.1:" in line, f"server did not start: {line!r}"
+        yield line.split()[-1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def named_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
+    return sorted(load_file(str(path / "model.safetensors")).items())
+
+
+async def post(url, path, body=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, json=body or {}) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def call(url, path, body=None):
+    return asyncio.run(post(url, path, body))
+
+
+def greedy_tokens(url) -> tuple[list[int], str]:
+    async def go():
+        async with RolloutClient([url]) as c:
+            [[s]] = await c.generate([PROMPT], sampling_params=GREEDY)
+            return s.tokens, s.weight_version
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def reference(server, ckpts):
+    """Greedy outputs on checkpoint b (loaded from disk), then the server back on a."""
+    assert call(server, "/update_weights_from_disk", {"model_path": str(ckpts[1])})[0] == 200
+    on_b = greedy_tokens(server)[0]
+    assert call(server, "/update_weights_from_disk", {"model_path": str(ckpts[0])})[0] == 200
+    on_a = greedy_tokens(server)[0]
+    assert on_a != on_b
+    return on_a, on_b
+
+
+def load_by_tensor(url, named, load_format, version):
+    with wp.TensorSharing():
+        body = wp.tensor_update_body(named, load_format=load_format, weight_version=version)
+    assert call(url, "/begin_weight_update", {"selector": "target"})[0] == 200
+    status, out = call(url, "/update_weights_from_tensor", body)
+    assert call(url, "/end_weight_update", {})[0] == 200
+    assert status == 200 and out["success"], out
+
+
+@pytest.mark.parametrize("load_format", [None, "direct", "flattened_bucket"])
+def test_update_weights_from_tensor(server, ckpts, reference, load_format):
+    on_a, on_b = reference
+    load_by_tensor(server, named_tensors(ckpts[1]), load_format, f"b-{load_format}")
+    assert greedy_tokens(server) == (on_b, f"b-{load_format}")
+    mixed = [(n, t.to(torch.bfloat16)) for n, t in named_tensors(ckpts[0])]  # cast on load
+    load_by_tensor(server, mixed[:3], load_format, None)  # a partial update keeps the version
+    load_by_tensor(server, named_tensors(ckpts[0]), load_format, "a")
+    assert greedy_tokens(server) == (on_a, "a")
+
+
+def test_update_weights_from_distributed(server, ckpts, reference):
+    on_a, on_b = reference
+    port, group = free_port(), "wsync-test"
+
+    async def go():
+        named = named_tensors(ckpts[1])
+        init = asyncio.create_task(
+            post(
+                server,
+                "/init_weights_update_group",
+                wp.init_group_body("127.0.0.1", port, 2, group),
+            )
+        )
+        pg = await asyncio.to_thread(wp.open_update_group, "127.0.0.1", port, 2, 0, group)
+        assert (await init)[0] == 200
+        answers = []
+        for fmt, version in (("flattened_bucket", "b-dist"), (None, "b-dist2")):
+            body = wp.distributed_update_body(named, group, load_format=fmt, weight_version=version)
+            upd = asyncio.create_task(post(server, "/update_weights_from_distributed", body))
+            await asyncio.to_thread(wp.broadcast_named, pg, named, fmt)
+            answers.append(await upd)
+        status, out = await post(server, "/destroy_weights_update_group", {"group_name": group})
+        wp.close_update_group(pg)
+        return answers, status
+
+    answers, destroyed = asyncio.run(go())
+    assert [a[0] for a in answers] == [200, 200] and destroyed == 200, answers
+    assert greedy_tokens(server) == (on_b, "b-dist2")
+    load_by_tensor(server, named_tensors(ckpts[0]), None, "a")
+
+
+def test_pickle_with_code_is_refused(server, tmp_path):
+    import base64
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = base64.b64encode(pickle.dumps([("model.norm.weight", Evil())])).decode()
+    body = {"serialized_named_tensors": [payload]}
+    status, out = call(server, "/update_weights_from_tensor", body)
+    assert status == 400 and "refused" in out["message"] and not marker.exists()
+
+    class Eval:
+        def __reduce__(self):
+            return (eval, (f"__import__('os').system('touch {marker}')",))
+
+    # builtins.eval, and tensors shared by the fd strategy: refused the same way
+    body = {"serialized_named_tensors": [base64.b64encode(pickle.dumps(Eval())).decode()]}
+    status, out = call(server, "/update_weights_from_tensor", body)
+    assert status == 400 and "builtins.eval" in out["message"] and not marker.exists()
+    import torch.multiprocessing as mp
+
+    mp.set_sharing_strategy("file_descriptor")
+    try:
+        from multiprocessing.reduction import ForkingPickler
+
+        raw = bytes(ForkingPickler.dumps([("model.norm.weight", torch.ones(SPEC.hidden))]))
+    finally:
+        mp.set_sharing_strategy("file_system")
+    status, out = call(
+        server, "/update_weights_from_tensor",
+        {"serialized_named_tensors": [base64.b64encode(raw).decode()]},
+    )  # fmt: skip
+    assert status == 400 and "file_system" in out["message"]
+
+
+def test_release_and_resume_memory(server, reference):
+    on_a, _ = reference
+    assert call(server, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})[0] == 200
+    assert call(server, "/resume_memory_occupation", {"tags": ["kv_cache", "weights"]})[0] == 200
+    assert greedy_tokens(server)[0] == on_a
+    assert call(server, "/release_memory_occupation", {})[0] == 200
+    assert greedy_tokens(server)[0] == on_a  # the cache comes back on demand
+    assert call(server, "/resume_memory_occupation", {})[0] == 200
+
+    async def busy():
+        async with RolloutClient([server]) as c:
+            sp = {"max_new_tokens": 1500, "ignore_eos": True}
+            task = asyncio.create_task(c.generate([[5]], sampling_params=sp))
+            while not (await c.get(server, "/server_info"))["internal_states"][0][
+                "num_running_reqs"
+            ]:
+                await asyncio.sleep(0.02)
+            answer = await post(server, "/release_memory_occupation", {})
+            await c.abort()
+            await task
+            return answer
+
+    status, out = asyncio.run(busy())
+    assert status == 400 and out["success"] is False
+
+
+def _garbage_b64() -> str:
+    return "bm90IGEgcGlja2xl"  # "not a pickle"
+
+
+BAD_REQUESTS = [
+    ("/begin_weight_update", {"selector": "everything"}),
+    ("/begin_weight_update", {"selector": "draft"}),
+    ("/update_weights_from_tensor", {}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": "x"}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": [_garbage_b64()]}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="], "load_format": "gguf"}),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="], "weight_version": 3}),
+    ("/init_weights_update_group", {}),
+    ("/init_weights_update_group", {**wp.init_group_body("127.0.0.1", 1234, 2, "g"), "backend": "nccl"}),
+    ("/init_weights_update_group", {**wp.init_group_body("127.0.0.1", 1234, 2, "g"), "rank_offset": 2}),
+    ("/update_weights_from_distributed", {"group_name": "nope", "names": [], "dtypes": [], "shapes": []}),
+    ("/destroy_weights_update_group", {"group_name": "nope"}),
+    ("/release_memory_occupation", {"tags": ["gpu"]}),
+    ("/resume_memory_occupation", {"tags": "kv_cache"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body", BAD_REQUESTS)
+def test_bad_requests_get_sglang_error_shape(server, path, body):
+    status, out = call(server, path, body)
+    assert status == 400, out
+    assert out["success"] is False and out["message"] and out["error"]["message"] == out["message"]
+
+
+def test_tensor_payload_with_wrong_names_or_shapes(server, ckpts, reference):
+    for named in ([("model.nope.weight", torch.ones(3))], [("model.norm.weight", torch.ones(3))]):
+        for fmt in (None, "flattened_bucket"):
+            with wp.TensorSharing():
+                body = wp.tensor_update_body(named, load_format=fmt)
+            status, out = call(server, "/update_weights_from_tensor", body)
+            assert status == 400 and out["success"] is False, out
+    assert greedy_tokens(server)[0] == reference[0]  # nothing was half-loaded
+
+
+def test_unflatten_round_trip():
+    named = [
+        ("a", torch.randn(3, 4)),
+        ("b", torch.arange(5)),
+        ("c", torch.ones(2, dtype=torch.bfloat16)),
+    ]
+    bucket = wp.flatten_bucket(named)
+    assert bucket["flattened_tensor"].dtype == torch.uint8
+    back = wp.unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"])
+    assert [n for n, _ in back] == ["a", "b", "c"]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(named, back))
