@@ -1,0 +1,360 @@
+"""Start, supervise and stop rollout servers: real SGLang or the built-in server.
+
+    cfg = ServerConfig(model_path=HF_DIR)                    # built-in; kind="sglang" for SGLang
+    with ServerGroup([cfg, cfg], log_dir=RUN / "servers") as servers:
+        client = RolloutClient(servers.urls)
+        ...
+        servers.set_current_weights(model_path=NEW_HF_DIR, weight_version="7")
+
+Each server is its own process group (start_new_session), tracked by PID, with its output in
+`log_dir/server-{i}.log`. `start` waits for /health. A monitor thread restarts a server that died
+(same port, so clients retrying after back-off find it again), waits for health, and brings it to
+the current weights: /update_weights_from_disk of the last HF dir given to `set_current_weights`,
+or the `on_restart(url)` callback (e.g. a tensor or distributed weight push). `stop` sends SIGTERM
+to each server's process group (its PID), then SIGKILL after a grace period; it runs on leaving
+the `with`, at interpreter exit (atexit) and on SIGTERM/SIGINT. Nothing is ever killed by name.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from megatron_gspo.model.parallel import free_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    """One rollout server. Fields left None are not passed (the server's default applies)."""
+
+    model_path: str
+    kind: Literal["builtin", "sglang"] = "builtin"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port, kept across restarts
+    python: str = sys.executable  # for SGLang: the python of its own venv
+    api_key: str | None = None
+    enable_return_routed_experts: bool = False
+    dtype: str | None = None
+    random_seed: int | None = None
+    max_running_requests: int | None = None
+    # SGLang only
+    tp_size: int = 1
+    device: str | None = None  # "cpu" for SGLang on a CPU-only host
+    disable_cuda_graph: bool = False
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    enable_memory_saver: bool = False
+    skip_server_warmup: bool = False
+    # built-in only
+    threads: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in ("builtin", "sglang"):
+            raise ValueError(f"ServerConfig.kind must be builtin or sglang, not {self.kind!r}")
+        if not self.model_path:
+            raise ValueError("ServerConfig.model_path is required")
+
+    def command(self, port: int) -> list[str]:
+        module = "sglang.launch_server" if self.kind == "sglang" else "megatron_gspo.rollout.server"
+        cmd = [self.python, "-m", module, "--model-path", str(self.model_path)]
+        cmd += ["--host", self.host, "--port", str(port)]
+        flags = {
+            "--dtype": self.dtype,
+            "--random-seed": self.random_seed,
+            "--max-running-requests": self.max_running_requests,
+        }
+        switches = {"--enable-return-routed-experts": self.enable_return_routed_experts}
+        if self.kind == "sglang":
+            flags |= {
+                "--tp-size": self.tp_size,
+                "--device": self.device,
+                "--max-total-tokens": self.max_total_tokens,
+                "--mem-fraction-static": self.mem_fraction_static,
+                "--api-key": self.api_key,
+            }
+            switches |= {
+                "--disable-cuda-graph": self.disable_cuda_graph,
+                "--enable-memory-saver": self.enable_memory_saver,
+                "--skip-server-warmup": self.skip_server_warmup,
+            }
+        else:
+            flags["--threads"] = self.threads or None
+        for flag, value in flags.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        cmd += [flag for flag, on in switches.items() if on]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.kind == "builtin" and self.api_key:
+            env["MEGATRON_GSPO_API_KEY"] = self.api_key  # not on the command line
+        return env
+
+
+class ServerFailed(RuntimeError):
+    """A server that did not come up (the message holds the end of its log)."""
+
+
+@dataclass
+class ManagedServer:
+    index: int
+    config: ServerConfig
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+_LIVE: set[ServerGroup] = set()  # groups to stop at exit or on a signal
+
+
+class ServerGroup:
+    def __init__(
+        self,
+        configs: list[ServerConfig],
+        log_dir: str | os.PathLike,
+        *,
+        health_timeout_s: float = 300.0,
+        stop_timeout_s: float = 15.0,
+        poll_s: float = 0.5,
+        max_restarts: int = 5,
+        on_restart: Callable[[str], None] | None = None,
+        monitor: bool = True,
+    ):
+        if not configs:
+            raise ValueError("ServerGroup needs at least one ServerConfig")
+        self.log_dir = Path(log_dir)
+        self.health_timeout_s, self.stop_timeout_s = health_timeout_s, stop_timeout_s
+        self.poll_s, self.max_restarts = poll_s, max_restarts
+        self.on_restart = on_restart
+        self.current: dict | None = None  # {model_path, weight_version} for restarted servers
+        self.servers = [
+            ManagedServer(i, c, c.port or free_port(), self.log_dir / f"server-{i}.log")
+            for i, c in enumerate(configs)
+        ]
+        self._monitor = monitor
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> ServerGroup:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> ServerGroup:
+        """Start every server, wait until all answer /health, then start the monitor."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        _LIVE.add(self)
+        _install_exit_handlers()
+        try:
+            for s in self.servers:
+                self._spawn(s)
+            for s in self.servers:
+                self._wait_healthy(s)
+        except BaseException:
+            self.stop()
+            raise
+        if self._monitor:
+            self._thread = threading.Thread(target=self._watch, name="rollout-monitor", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop every server by its PID (its process group): SIGTERM, then SIGKILL."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.health_timeout_s)
+        with self._lock:
+            procs = [s.proc for s in self.servers if s.proc is not None]
+            for p in procs:
+                _signal_group(p, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
+            for p in procs:
+                try:
+                    p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    log.warning("server pid %d ignored SIGTERM; sending SIGKILL", p.pid)
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait(timeout=10)
+                _signal_group(p, signal.SIGKILL)  # children it left behind in its group
+        _LIVE.discard(self)
+
+    def set_current_weights(
+        self, model_path: str | None = None, weight_version: str | None = None
+    ) -> None:
+        """What a restarted server is brought to (the trainer calls this after each sync)."""
+        self.current = {"model_path": model_path, "weight_version": weight_version}
+
+    # ---- processes -----------------------------------------------------------------------
+
+    def _spawn(self, s: ManagedServer) -> None:
+        cmd = s.config.command(s.port)
+        with open(s.log_path, "ab") as f:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            f.write(f"\n==== {stamp} start #{s.restarts}: {' '.join(cmd)}\n".encode())
+            f.flush()
+            s.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=s.config.environment(), start_new_session=True,
+            )  # fmt: skip
+        log.info("started %s server %d (pid %d) on %s", s.config.kind, s.index, s.pid, s.url)
+
+    def _wait_healthy(self, s: ManagedServer) -> None:
+        deadline = time.monotonic() + self.health_timeout_s
+        headers = {"Authorization": f"Bearer {s.config.api_key}"} if s.config.api_key else {}
+        while time.monotonic() < deadline:
+            if not s.alive():
+                raise ServerFailed(
+                    f"server {s.index} ({s.config.kind}, pid {s.pid}) exited with code "
+                    f"{s.proc.returncode} while starting; {s.log_path} ends with:\n{s.log_tail()}"
+                )
+            if self._stopping.is_set():
+                return
+            try:
+                req = urllib.request.Request(s.url + "/health", headers=headers)
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise ServerFailed(
+            f"server {s.index} ({s.config.kind}, pid {s.pid}) was not healthy after "
+            f"{self.health_timeout_s:.0f} s; {s.log_path} ends with:\n{s.log_tail()}"
+        )
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            for s in self.servers:
+                if self._stopping.is_set() or s.alive():
+                    continue
+                try:
+                    self.restart(s)
+                except Exception:  # noqa: BLE001 - keep watching the others
+                    log.exception("could not restart server %d", s.index)
+
+    def restart(self, s: ManagedServer) -> None:
+        """Start a dead server again on its port and bring it to the current weights."""
+        with self._lock:
+            if self._stopping.is_set() or s.alive():
+                return
+            if s.restarts >= self.max_restarts:
+                return  # given up on: logged once below
+            code = s.proc.returncode if s.proc else None
+            log.warning("server %d (pid %s) exited with %s; restarting", s.index, s.pid, code)
+            if s.proc is not None:
+                _signal_group(s.proc, signal.SIGKILL)  # what it left behind
+            s.restarts += 1
+            if s.restarts == self.max_restarts:
+                log.error("server %d restarted %d times; this is the last", s.index, s.restarts)
+            self._spawn(s)
+        self._wait_healthy(s)
+        self._bring_to_current(s)
+
+    def _bring_to_current(self, s: ManagedServer) -> None:
+        cur = self.current or {}
+        if cur.get("model_path"):
+            body = {"model_path": cur["model_path"], "weight_version": cur.get("weight_version")}
+            _post(s, "/update_weights_from_disk", body)
+        elif cur.get("weight_version"):
+            _post(s, "/update_weight_version", {"new_version": cur["weight_version"]})
+        if self.on_restart is not None:
+            self.on_restart(s.url)
+
+
+def _post(s: ManagedServer, path: str, body: dict) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if s.config.api_key:
+        headers["Authorization"] = f"Bearer {s.config.api_key}"
+    req = urllib.request.Request(s.url + path, json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the process group led by proc (started with start_new_session: pgid == pid)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---- exit handlers -------------------------------------------------------------------------
+
+_installed = False
+
+
+def stop_all() -> None:
+    for group in list(_LIVE):
+        group.stop()
+
+
+def _install_exit_handlers() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    atexit.register(stop_all)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; atexit still runs
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        signal.signal(sig, _make_handler(sig, previous))
+
+
+def _make_handler(sig: int, previous):
+    def handler(signum, frame):
+        stop_all()
+        if callable(previous):
+            previous(signum, frame)  # e.g. KeyboardInterrupt for SIGINT
+        elif previous == signal.SIG_IGN:
+            return
+        else:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+
+    return handler

@@ -1,0 +1,135 @@
+"""Server supervision: two built-in servers under a ServerGroup; one is SIGKILLed mid-batch and the
+batch still completes with every sample exactly once; the dead one is restarted on its port and
+brought to the current weights; leaving the group, SIGTERM and Ctrl-C stop every child."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.rollout.client import RolloutClient
+from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_model(TinySpec(init_std=0.2), tmp_path_factory.mktemp("lckpt") / "m")
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def builtin(ckpt, **kw) -> ServerConfig:
+    return ServerConfig(model_path=str(ckpt), threads=1, env={"OMP_NUM_THREADS": "1"}, **kw)
+
+
+def test_server_killed_mid_batch_batch_completes_and_server_restarts(ckpt, tmp_path):
+    prompts = [[5 + i, 6, 7] for i in range(4)]
+    sp = {"max_new_tokens": 64, "ignore_eos": True, "sampling_seed": 3}
+    group = ServerGroup([builtin(ckpt), builtin(ckpt)], tmp_path / "logs", poll_s=0.1)
+    with group:
+        group.set_current_weights(model_path=str(ckpt), weight_version="v7")
+        victim = group.servers[0]
+        first_pid = victim.pid
+
+        async def go():
+            async with RolloutClient(group.urls, backoff_s=0.2, retries=4) as c:
+                task = asyncio.create_task(c.generate(prompts, n=4, sampling_params=sp))
+                while True:  # kill once the victim is generating
+                    info = await c.get(victim.url, "/server_info")
+                    if info["internal_states"][0]["num_running_reqs"] > 0:
+                        break
+                    await asyncio.sleep(0.01)
+                os.kill(first_pid, signal.SIGKILL)
+                groups = await task
+                while victim.restarts == 0 or not victim.alive():
+                    await asyncio.sleep(0.1)
+                async with RolloutClient([victim.url]) as probe:
+                    await probe.wait_healthy(60)
+                for _ in range(100):  # the restart ends with the weight update
+                    info = await c.get(victim.url, "/model_info")
+                    if info["weight_version"] == "v7":
+                        break
+                    await asyncio.sleep(0.1)
+                return groups, info
+
+        groups, info = asyncio.run(go())
+        samples = [s for g in groups for s in g]
+        assert [(s.prompt_index, s.sample_index) for s in samples] == [
+            (i, j) for i in range(4) for j in range(4)
+        ]
+        assert len({s.rid for s in samples}) == 16
+        assert all(s.finish_reason == "length" and len(s.tokens) == 64 for s in samples)
+        assert all(len(s.logprobs) == 64 for s in samples)
+        assert victim.pid != first_pid and info["weight_version"] == "v7"
+        assert "start #1" in victim.log_path.read_text()
+        pids = [s.pid for s in group.servers]
+    assert all(gone(p) for p in [*pids, first_pid])
+
+
+def test_server_that_cannot_start_is_reported_with_its_log(tmp_path):
+    group = ServerGroup([ServerConfig(model_path=str(tmp_path / "nope"))], tmp_path / "logs")
+    with pytest.raises(ServerFailed, match="exited with code"):
+        group.start()
+    assert all(gone(s.pid) for s in group.servers)
+
+
+SCRIPT = """
+import json, sys, time
+from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
+group = ServerGroup([ServerConfig(model_path=sys.argv[1], threads=1)], sys.argv[2])
+group.start()
+print(json.dumps([s.pid for s in group.servers]), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_parent_stops_every_server(ckpt, tmp_path, sig):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(ckpt), str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        line = parent.stdout.readline()
+        assert line, parent.stderr.read()
+        pids = json.loads(line)
+        assert not any(gone(p) for p in pids)
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+        assert parent.returncode != 0
+        assert all(gone(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_sglang_command_from_config():
+    cfg = ServerConfig(
+        model_path="/m", kind="sglang", python="/venv/bin/python", device="cpu",
+        disable_cuda_graph=True, max_total_tokens=4096, enable_return_routed_experts=True,
+        api_key="k", extra_args=["--log-level", "warning"],
+    )  # fmt: skip
+    cmd = cfg.command(30001)
+    assert cmd[:4] == ["/venv/bin/python", "-m", "sglang.launch_server", "--model-path"]
+    for flag in ("--device cpu", "--max-total-tokens 4096", "--port 30001", "--api-key k"):
+        assert flag in " ".join(cmd)
+    assert "--disable-cuda-graph" in cmd and "--enable-return-routed-experts" in cmd
+    assert cmd[-2:] == ["--log-level", "warning"] and "--threads" not in cmd
+    with pytest.raises(ValueError):
+        ServerConfig(model_path="/m", kind="vllm")
+    assert "--api-key" not in builtin("/m", api_key="k").command(1)
