@@ -95,6 +95,11 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
+        # Batched isend/irecv post send_prev/recv_prev/send_next/recv_next in one order on every
+        # rank; with pp=2 "prev" and "next" are the same peer, and gloo matches messages by
+        # posting order, so an activation would land in a gradient buffer. The unbatched path
+        # orders operations by rank parity, which gloo matches correctly.
+        batch_p2p_comm=on_gpu,
     )
     if opts.recompute:
         kwargs.update(recompute_granularity=opts.recompute)
