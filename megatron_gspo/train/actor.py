@@ -20,7 +20,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo import combine_stats, loss_denominator, policy_loss, stat_reduce_op, summarize_stats
+from megatron_gspo.algo import (
+    combine_stats,
+    loss_denominator,
+    policy_loss,
+    stat_reduce_op,
+    summarize_stats,
+)
+from megatron_gspo.errors import UserError
 from megatron_gspo.model.forward import next_token_logprobs, padded_length
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
@@ -49,12 +56,16 @@ class Actor:
     """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
 
     def __init__(self, chunks, optim: OptimConfig = OptimConfig()):
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig, finalize_model_grads)  # fmt: skip
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,  # fmt: skip
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.spec = chunks[0].model_spec
         self.config = chunks[0].config
+        self.optim = optim
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -166,6 +177,44 @@ class Actor:
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        update_ok=bool(ok), lr=self.optimizer.param_groups[0]["lr"])  # fmt: skip
         return metrics
+
+
+    # ---- checkpoint -------------------------------------------------------------------------
+
+    def _sharded_state(self, is_loading: bool) -> dict:
+        from megatron_gspo.model.checkpoint import sharded_model_state
+        from megatron_gspo.train import optim_state
+
+        modules = [c.module for c in self.chunks]
+        model = sharded_model_state(modules)
+        if self.optim.use_distributed_optimizer:
+            optimizer = optim_state.sharded_state(self.optimizer, modules, model, is_loading)
+        else:
+            optimizer = self.optimizer.sharded_state_dict(model, is_loading)
+        return {"model": model, "optimizer": optimizer}
+
+    def save(self, directory) -> None:
+        """Model + optimizer state as one dist-checkpoint (collective; directory exists, empty)."""
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
+
+    def load(self, directory) -> None:
+        """Load a checkpoint saved by `save` under any layout (collective). The optimizer kind
+        (distributed or not) must match the one that saved it."""
+        from megatron.core import dist_checkpointing
+
+        from megatron_gspo.model.checkpoint import _take_over
+        from megatron_gspo.train import optim_state
+
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(directory))
+        modules = [c.module for c in self.chunks]
+        for i, c in enumerate(modules):
+            _take_over(c, state["model"][f"model{i}"], directory, copy=True)
+        if self.optim.use_distributed_optimizer:
+            optim_state.restore(self.optimizer, modules, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
 
 
 def _gather_rows(mine: list, n: int) -> list:

@@ -1,0 +1,73 @@
+"""Worker for the actor tests: two optimizer steps on a fixed batch, metrics as JSON on rank 0.
+
+torchrun --nproc-per-node N tests/distributed/actor_worker.py CKPT OUT.json KIND MBS [--tp ..]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
+from megatron_gspo.model.policy import load_policy
+from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.batch import RLBatch
+
+
+def fixed_batch(n: int = 8, vocab: int = 100) -> RLBatch:
+    g = torch.Generator().manual_seed(0)
+    tokens, masks = [], []
+    for _ in range(n):
+        length = int(torch.randint(6, 20, (1,), generator=g))
+        prompt = int(torch.randint(2, 5, (1,), generator=g))
+        tokens.append(torch.randint(0, vocab, (length,), generator=g).tolist())
+        masks.append([0] * prompt + [1] * (length - prompt))
+    return RLBatch(tokens, masks, torch.randn(n, generator=g).tolist())
+
+
+def off_policy(old: list) -> list:
+    """Shift the old log-probs a little so ratios differ from 1 and some tokens clip."""
+    return [[None] + [v + 0.15 * ((i * 7 + j) % 5 - 2) for j, v in enumerate(r[1:])]
+            for i, r in enumerate(old)]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("kind")
+    ap.add_argument("mbs", type=int)
+    for name in ("tp", "pp", "ep", "vpp"):
+        ap.add_argument("--" + name, type=int, default=None if name == "vpp" else 1)
+    ap.add_argument("--no-dist-opt", action="store_true")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--save-after", type=int, default=None, help="save after this many steps")
+    ap.add_argument("--save-dir", default=None)
+    ap.add_argument("--load", default=None, help="resume from this checkpoint first")
+    a = ap.parse_args()
+    dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
+    init_distributed(dims)
+    actor = Actor(load_policy(a.checkpoint, dims),
+                  OptimConfig(lr=1e-3, use_distributed_optimizer=not a.no_dist_opt))  # fmt: skip
+    batch = fixed_batch()
+    batch.old_logprobs = off_policy(actor.logprobs(batch, a.mbs))
+    loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28)
+    if a.load:
+        actor.load(a.load)
+    steps = []
+    for i in range(a.steps):
+        if a.save_after == i:
+            if dist.get_rank() == 0:
+                os.makedirs(a.save_dir)
+            dist.barrier()
+            actor.save(a.save_dir)
+        steps.append(actor.train_step(batch, loss_cfg, a.mbs))
+    if dist.get_rank() == 0:
+        with open(a.out, "w") as f:
+            json.dump({"steps": steps, "old": batch.old_logprobs}, f)
+
+
+if __name__ == "__main__":
+    main()
