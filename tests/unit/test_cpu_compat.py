@@ -1,0 +1,42 @@
+"""The CPU compatibility layer is applied only by a CPU run's set-up, never on import."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_importing_the_model_code_does_not_patch_torch():
+    proc = run(
+        "import sys, torch\n"
+        "import megatron_gspo.model.builder, megatron_gspo.model.policy, megatron_gspo.cli\n"
+        "assert 'megatron_gspo.model.cpu_compat' not in sys.modules\n"
+        "try:\n    torch.cuda.current_device()\nexcept Exception:\n    print('untouched')\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "untouched" in proc.stdout
+
+
+def test_cpu_setup_applies_it_and_redirects_cuda_calls():
+    proc = run(
+        "import torch\n"
+        "from megatron_gspo.model.parallel import ParallelDims, init_distributed\n"
+        "init_distributed(ParallelDims())\n"
+        "from megatron_gspo.model import cpu_compat\n"
+        "assert cpu_compat.is_applied()\n"
+        "assert torch.cuda.current_device() == torch.device('cpu')\n"
+        "assert torch.zeros(2).cuda().device.type == 'cpu'\n"
+        "from megatron.core.transformer.utils import get_default_causal_mask\n"
+        "assert get_default_causal_mask(3).device.type == 'cpu'\n"
+        "from megatron.core.tensor_parallel.random import get_cuda_rng_tracker\n"
+        "with get_cuda_rng_tracker().fork():\n    a = torch.rand(3)\n"
+        "print('ok')\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ok" in proc.stdout
