@@ -16,6 +16,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -24,8 +25,19 @@ from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
 from megatron_gspo.model.parallel import ParallelDims
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 
-ONE_GB_MOE = TinySpec(vocab_size=32000, hidden=1024, layers=4, heads=8, kv_heads=4, head_dim=128,
-                      ffn=2048, moe_ffn=512, experts=32, topk=4, seed=0)  # fmt: skip
+ONE_GB_MOE = TinySpec(
+    vocab_size=32000,
+    hidden=1024,
+    layers=4,
+    heads=8,
+    kv_heads=4,
+    head_dim=128,
+    ffn=2048,
+    moe_ffn=512,
+    experts=32,
+    topk=4,
+    seed=0,
+)
 
 
 def model_bytes(hf_dir: Path) -> int:
@@ -61,15 +73,22 @@ def main() -> None:
     for rep in range(args.reps):
         for p in work.glob("out-*"):
             shutil.rmtree(p)
-        limit.append(timed(lambda: plain_copy(src, work / f"out-plain-{rep}")))
-        to_meg.append(timed(lambda: hf_to_megatron(src, work / f"out-meg-{rep}", dims)))
-        to_hf.append(timed(lambda: megatron_to_hf(work / f"out-meg-{rep}", work / f"out-hf-{rep}", dims)))
-        print(f"rep {rep}: plain {gb / limit[-1]:.2f} GB/s, hf->megatron {gb / to_meg[-1]:.2f} GB/s, "
-              f"megatron->hf {gb / to_hf[-1]:.2f} GB/s")  # fmt: skip
+        plain, meg, back = (work / f"out-{kind}-{rep}" for kind in ("plain", "meg", "hf"))
+        limit.append(timed(partial(plain_copy, src, plain)))
+        to_meg.append(timed(partial(hf_to_megatron, src, meg, dims)))
+        to_hf.append(timed(partial(megatron_to_hf, meg, back, dims)))
+        print(
+            f"rep {rep}: plain {gb / limit[-1]:.2f} GB/s, hf->megatron {gb / to_meg[-1]:.2f} GB/s, "
+            f"megatron->hf {gb / to_hf[-1]:.2f} GB/s"
+        )
     plain, meg, hf = (gb / statistics.median(x) for x in (limit, to_meg, to_hf))
-    print(f"median GB/s: plain read+write {plain:.2f} | hf->megatron {meg:.2f} | megatron->hf {hf:.2f}")
-    print(f"ratio vs plain safetensors read+write: hf->megatron {meg / plain:.2f}x, "
-          f"megatron->hf {hf / plain:.2f}x (goal >= 0.5x)")
+    print(
+        f"median GB/s: plain read+write {plain:.2f} | hf->megatron {meg:.2f} | megatron->hf {hf:.2f}"
+    )
+    print(
+        f"ratio vs plain safetensors read+write: hf->megatron {meg / plain:.2f}x, "
+        f"megatron->hf {hf / plain:.2f}x (goal >= 0.5x)"
+    )
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

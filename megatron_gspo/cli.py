@@ -60,9 +60,19 @@ def _add_make_tiny(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint with a tokenizer")
     p.add_argument("--out", required=True)
     p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2"])
-    for name, default in [("vocab_size", 128), ("hidden", 64), ("layers", 2), ("heads", 4),
-                          ("kv_heads", 2), ("head_dim", 16), ("ffn", 128), ("moe_ffn", 32),
-                          ("experts", 8), ("topk", 2), ("seed", 0)]:  # fmt: skip
+    for name, default in [
+        ("vocab_size", 128),
+        ("hidden", 64),
+        ("layers", 2),
+        ("heads", 4),
+        ("kv_heads", 2),
+        ("head_dim", 16),
+        ("ffn", 128),
+        ("moe_ffn", 32),
+        ("experts", 8),
+        ("topk", 2),
+        ("seed", 0),
+    ]:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
     p.add_argument("--dense-layers", default="", help="comma-separated dense layer ids, e.g. 0")
     p.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false")
@@ -89,7 +99,7 @@ def _add_score(sub) -> None:
     p = sub.add_parser("score", help="per-token log-probs of JSONL token sequences")
     p.add_argument("--checkpoint", required=True, help="HF or Megatron checkpoint directory")
     p.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
-    p.add_argument("--output", required=True, help="JSONL with \"logprobs\" added")
+    p.add_argument("--output", required=True, help='JSONL with "logprobs" added')
     p.add_argument("--micro-batch-size", type=int, default=8)
     _layout_args(p)
     p.set_defaults(func=_cmd_score)

@@ -45,8 +45,16 @@ def run_cli(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.C
     else:
         from megatron_gspo.model.parallel import free_port
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", "-m", "megatron_gspo.cli", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            "-m",
+            "megatron_gspo.cli",
+            *args,
+        ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())
 
 

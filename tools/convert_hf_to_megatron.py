@@ -1,6 +1,6 @@
 """HF -> Megatron checkpoint conversion; same as `megatron-gspo convert hf-to-megatron`.
 
-    torchrun --nproc-per-node N tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N --pp N --ep N --etp N]
+torchrun --nproc-per-node N tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N --pp N --ep N --etp N]
 """
 
 import sys

@@ -1,6 +1,6 @@
 """Megatron -> HF checkpoint conversion; same as `megatron-gspo convert megatron-to-hf`.
 
-    torchrun --nproc-per-node N tools/convert_megatron_to_hf.py --megatron DIR --out DIR [--tp N --pp N --ep N --etp N]
+torchrun --nproc-per-node N tools/convert_megatron_to_hf.py --megatron DIR --out DIR [--tp N --pp N --ep N --etp N]
 """
 
 import sys

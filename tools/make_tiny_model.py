@@ -1,6 +1,6 @@
 """Write a tiny random HF checkpoint (Qwen3-MoE by default) with a locally built tokenizer.
 
-    python tools/make_tiny_model.py --out /tmp/tiny-moe [--hidden 64 --layers 2 --experts 8 ...]
+python tools/make_tiny_model.py --out /tmp/tiny-moe [--hidden 64 --layers 2 --experts 8 ...]
 """
 
 import sys

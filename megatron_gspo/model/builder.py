@@ -185,9 +185,12 @@ def _mark_tensor_parallel(model) -> None:
     loaded right after) lacks them; the optimizer then treats every shard as a TP duplicate and
     the grad norm counts TP rank 0 alone.
     """
-    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                      VocabParallelEmbedding,
-                                                      set_tensor_model_parallel_attributes)  # fmt: skip
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
 
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):

@@ -116,10 +116,11 @@ def load_model(chunks, directory: str | Path) -> None:
 
 
 @torch.no_grad()
-def _take_over(chunk, state: dict, directory) -> None:
+def _take_over(chunk, state: dict, directory, copy: bool = False) -> None:
     """Point each parameter at its loaded tensor (no second copy). Unlike
     `load_state_dict(assign=True)` this keeps the Parameter objects and the attributes megatron
-    set on them (tensor_model_parallel, sequence_parallel, ...)."""
+    set on them (tensor_model_parallel, sequence_parallel, ...). With `copy`, copy into the
+    existing storage instead (needed once DDP has laid the parameters out in its buffers)."""
     params = dict(chunk.named_parameters())
     missing = sorted(set(params) - set(state))
     unexpected = sorted(k for k in set(state) - set(params) if not k.endswith("_extra_state"))
@@ -131,6 +132,11 @@ def _take_over(chunk, state: dict, directory) -> None:
     for name, p in params.items():
         t = state[name]
         if t.shape != p.shape:
-            raise UserError(f"checkpoint {directory}: {name} is {tuple(t.shape)}, "
-                            f"the model needs {tuple(p.shape)}")  # fmt: skip
-        p.data = t.to(p.dtype).contiguous()
+            raise UserError(
+                f"checkpoint {directory}: {name} is {tuple(t.shape)}, "
+                f"the model needs {tuple(p.shape)}"
+            )
+        if copy:
+            p.copy_(t)
+        else:
+            p.data = t.to(p.dtype).contiguous()

@@ -51,9 +51,24 @@ import torch
 _APPLIED = False
 _CPU = torch.device("cpu")
 _FACTORIES = (
-    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
-    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "eye", "triu", "tril",
-)  # fmt: skip
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "as_tensor",
+    "eye",
+    "triu",
+    "tril",
+)
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
     torch.float16: "torch.cuda.HalfTensor",

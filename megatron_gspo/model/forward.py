@@ -50,8 +50,9 @@ def make_microbatches(seqs: list[list[int]], micro_batch_size: int, seq_len: int
     return out
 
 
-def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
-                        with_entropy: bool = False):  # fmt: skip
+def next_token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, with_entropy: bool = False
+):
     """logits [b, s, V_local] -> log p(tokens[:, t+1] | ..t) as [b, s-1] (and entropy [b, s-1])."""
     return tp_vocab_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, with_entropy)
 

@@ -50,7 +50,9 @@ class HFReader:
             return dict(weight_map)
         single = self.path / "model.safetensors"
         if not single.is_file():
-            raise UserError(f"no model.safetensors or {INDEX} in {self.path}; re-copy the checkpoint")
+            raise UserError(
+                f"no model.safetensors or {INDEX} in {self.path}; re-copy the checkpoint"
+            )
         return {name: single.name for name in self._open(single.name).keys()}
 
     def _open(self, filename: str):
@@ -73,7 +75,9 @@ class HFReader:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
-            raise UserError(f"tensor {name!r} missing from {self.path}; the checkpoint is incomplete")
+            raise UserError(
+                f"tensor {name!r} missing from {self.path}; the checkpoint is incomplete"
+            )
         try:
             return self._open(self.files[name]).get_tensor(name)
         except UserError:
@@ -119,5 +123,8 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def write_index(out: Path, weight_map: dict[str, str], total_bytes: int) -> None:
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")

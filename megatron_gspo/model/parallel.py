@@ -66,7 +66,9 @@ class ParallelDims:
                 f"{spec.num_kv_heads} key/value heads; choose a --tp that divides both"
             )
         if spec.ffn_hidden_size % self.tp:
-            raise UserError(f"--tp {self.tp} does not divide intermediate_size {spec.ffn_hidden_size}")
+            raise UserError(
+                f"--tp {self.tp} does not divide intermediate_size {spec.ffn_hidden_size}"
+            )
         if spec.is_moe and spec.num_experts % self.ep:
             raise UserError(
                 f"--ep {self.ep} does not divide the model's {spec.num_experts} experts; "

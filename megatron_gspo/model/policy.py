@@ -45,8 +45,11 @@ def load_policy(path: str | Path, dims: ParallelDims, opts: BuildOptions | None 
         load_hf(chunks, reader)
     else:
         dtype = getattr(torch, meta["dtype"])
-        opts = replace(opts, params_dtype=opts.params_dtype or dtype,
-                       padded_vocab_size=meta["padded_vocab_size"])  # fmt: skip
+        opts = replace(
+            opts,
+            params_dtype=opts.params_dtype or dtype,
+            padded_vocab_size=meta["padded_vocab_size"],
+        )
         chunks = build_model(spec, dims, opts)
         mckpt.load_model(chunks, Path(path) / "model")
     return chunks

@@ -31,7 +31,7 @@ def read_sequences(path: Path, vocab_size: int) -> list[dict]:
             raise UserError(f"{path}:{n}: not JSON ({e.msg}); fix or remove the line") from None
         ids = row.get("input_ids") if isinstance(row, dict) else None
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise UserError(f"{path}:{n}: needs a non-empty list of ints under \"input_ids\"")
+            raise UserError(f'{path}:{n}: needs a non-empty list of ints under "input_ids"')
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise UserError(f"{path}:{n}: token id outside the vocabulary [0, {vocab_size})")
         rows.append(row)
@@ -40,8 +40,13 @@ def read_sequences(path: Path, vocab_size: int) -> list[dict]:
     return rows
 
 
-def run_score(checkpoint: str, input_path: str, output_path: str, dims: ParallelDims,
-              micro_batch_size: int = 8) -> None:  # fmt: skip
+def run_score(
+    checkpoint: str,
+    input_path: str,
+    output_path: str,
+    dims: ParallelDims,
+    micro_batch_size: int = 8,
+) -> None:
     from megatron.core import parallel_state as mpu
 
     from megatron_gspo.model.forward import score

@@ -41,7 +41,9 @@ def local_params(chunks) -> list[LocalParam]:
     spec = chunks[0].model_spec
     bridge = get_bridge(spec.arch)
     ep_rank = mpu.get_expert_model_parallel_rank()
-    local_experts = spec.num_experts // mpu.get_expert_model_parallel_world_size() if spec.is_moe else 0
+    local_experts = (
+        spec.num_experts // mpu.get_expert_model_parallel_world_size() if spec.is_moe else 0
+    )
     out = []
     for i, chunk in enumerate(chunks):
         layer_ids = {j: layer.layer_number - 1 for j, layer in enumerate(chunk.decoder.layers)}
@@ -91,7 +93,9 @@ def load_hf(chunks, reader) -> None:
         # Take the tensor over instead of copying into the freshly built one (a checkpoint-sized
         # copy saved); a slice of a larger tensor is copied so it does not pin the rest.
         owns_storage = local.untyped_storage().nbytes() == local.numel() * local.element_size()
-        lp.param.data = local.to(lp.param.dtype) if owns_storage else local.to(lp.param.dtype, copy=True)
+        lp.param.data = (
+            local.to(lp.param.dtype) if owns_storage else local.to(lp.param.dtype, copy=True)
+        )
 
 
 @torch.no_grad()

@@ -27,7 +27,6 @@ from megatron_gspo.algo import (
     stat_reduce_op,
     summarize_stats,
 )
-from megatron_gspo.errors import UserError
 from megatron_gspo.model.forward import next_token_logprobs, padded_length
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
@@ -58,7 +57,7 @@ class Actor:
     def __init__(self, chunks, optim: OptimConfig = OptimConfig()):
         from megatron.core.distributed import (
             DistributedDataParallel,
-            DistributedDataParallelConfig,  # fmt: skip
+            DistributedDataParallelConfig,
             finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -79,12 +78,19 @@ class Actor:
         dtype = self.config.params_dtype
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
-                weight_decay=optim.weight_decay, clip_grad=optim.clip_grad,
-                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=optim.min_lr,
+                weight_decay=optim.weight_decay,
+                clip_grad=optim.clip_grad,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
                 use_distributed_optimizer=optim.use_distributed_optimizer,
-            ),  # fmt: skip
+            ),
             self.chunks,
         )
 
@@ -110,10 +116,14 @@ class Actor:
 
         iters = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iters, model=self.chunks,
-            num_microbatches=len(mbs), seq_length=seq_len, micro_batch_size=micro_batch_size,
+            forward_step_func=forward_step,
+            data_iterator=iters,
+            model=self.chunks,
+            num_microbatches=len(mbs),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
             forward_only=forward_only,
-        )  # fmt: skip
+        )
 
     # ---- old log-probs -----------------------------------------------------------------------
 
@@ -160,10 +170,17 @@ class Actor:
         def loss(mb, logits):
             lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
             value, stats = policy_loss(
-                lp, mb.old_logprobs, mb.advantages, mb.mask, kind=loss_cfg.kind,
-                clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, agg=loss_cfg.agg,
-                rollout_logprobs=mb.rollout_logprobs, loss_scale_denominator=denom,
-            )  # fmt: skip
+                lp,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.mask,
+                kind=loss_cfg.kind,
+                clip_low=loss_cfg.clip_low,
+                clip_high=loss_cfg.clip_high,
+                agg=loss_cfg.agg,
+                rollout_logprobs=mb.rollout_logprobs,
+                loss_scale_denominator=denom,
+            )
             stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
             return value * scale, stats
 
@@ -174,10 +191,12 @@ class Actor:
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         metrics = _reduce_stats(outputs)
-        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                       update_ok=bool(ok), lr=self.optimizer.param_groups[0]["lr"])  # fmt: skip
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            update_ok=bool(ok),
+            lr=self.optimizer.param_groups[0]["lr"],
+        )
         return metrics
-
 
     # ---- checkpoint -------------------------------------------------------------------------
 

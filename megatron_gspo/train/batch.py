@@ -29,8 +29,13 @@ class RLBatch:
         def pick(x):
             return None if x is None else [x[i] for i in index]
 
-        return RLBatch(pick(self.tokens), pick(self.loss_mask), pick(self.advantages),
-                       pick(self.old_logprobs), pick(self.rollout_logprobs))  # fmt: skip
+        return RLBatch(
+            pick(self.tokens),
+            pick(self.loss_mask),
+            pick(self.advantages),
+            pick(self.old_logprobs),
+            pick(self.rollout_logprobs),
+        )
 
 
 @dataclass
@@ -75,7 +80,11 @@ def microbatches(batch: RLBatch, index: list[int], micro_batch_size: int, seq_le
             adv = torch.zeros(b)
             adv[: len(idx)] = torch.tensor(part.advantages, dtype=torch.float32)
         old = None if part.old_logprobs is None else _token_field(part.old_logprobs, b, seq_len)
-        roll = None if part.rollout_logprobs is None else _token_field(part.rollout_logprobs, b, seq_len)
+        roll = (
+            None
+            if part.rollout_logprobs is None
+            else _token_field(part.rollout_logprobs, b, seq_len)
+        )
         fill = b - len(idx)
         lengths = torch.tensor([len(t) for t in part.tokens] + [0] * fill)
         index_t = torch.tensor(list(idx) + [-1] * fill)

@@ -29,8 +29,10 @@ def fixed_batch(n: int = 8, vocab: int = 100) -> RLBatch:
 
 def off_policy(old: list) -> list:
     """Shift the old log-probs a little so ratios differ from 1 and some tokens clip."""
-    return [[None] + [v + 0.15 * ((i * 7 + j) % 5 - 2) for j, v in enumerate(r[1:])]
-            for i, r in enumerate(old)]  # fmt: skip
+    return [
+        [None] + [v + 0.15 * ((i * 7 + j) % 5 - 2) for j, v in enumerate(r[1:])]
+        for i, r in enumerate(old)
+    ]
 
 
 def main() -> None:
@@ -49,8 +51,10 @@ def main() -> None:
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
     init_distributed(dims)
-    actor = Actor(load_policy(a.checkpoint, dims),
-                  OptimConfig(lr=1e-3, use_distributed_optimizer=not a.no_dist_opt))  # fmt: skip
+    actor = Actor(
+        load_policy(a.checkpoint, dims),
+        OptimConfig(lr=1e-3, use_distributed_optimizer=not a.no_dist_opt),
+    )
     batch = fixed_batch()
     batch.old_logprobs = off_policy(actor.logprobs(batch, a.mbs))
     loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28)

@@ -19,9 +19,20 @@ def run_worker(tmp_path, checkpoint, nproc, mbs, flags=(), kind="grpo", tag="run
     from megatron_gspo.model.parallel import free_port
 
     out = tmp_path / f"{tag}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(WORKER), str(checkpoint), str(out), kind,
-           str(mbs), *flags, *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(WORKER),
+        str(checkpoint),
+        str(out),
+        kind,
+        str(mbs),
+        *flags,
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=cli_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from megatron_gspo.model.hf_io import HFReader
-from tests.conftest import (hf_token_logprobs, random_sequences, read_logprobs, run_cli,
-                            write_jsonl)  # fmt: skip
+from tests.conftest import hf_token_logprobs, random_sequences, read_logprobs, run_cli, write_jsonl
 
 pytestmark = pytest.mark.distributed
 
@@ -36,7 +35,9 @@ def assert_bit_exact(a_dir, b_dir):
 def test_round_trip_is_bit_exact(tmp_path, tiny_models, model, to_megatron, to_hf):
     src = tiny_models[model]
     meg, back = tmp_path / "megatron", tmp_path / "hf"
-    convert(["hf-to-megatron", "--hf", str(src), "--out", str(meg), *to_megatron[1]], to_megatron[0])
+    convert(
+        ["hf-to-megatron", "--hf", str(src), "--out", str(meg), *to_megatron[1]], to_megatron[0]
+    )
     convert(["megatron-to-hf", "--megatron", str(meg), "--out", str(back), *to_hf[1]], to_hf[0])
     assert_bit_exact(src, back)
     assert not list(tmp_path.glob(".*tmp*")), "temporary directories left behind"
@@ -61,8 +62,22 @@ def test_score_from_megatron_checkpoint_matches_hf(tmp_path, tiny_models):
     convert(["hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(meg)], 1)
     seqs = random_sequences(100, seed=3)
     inp, out = write_jsonl(tmp_path / "in.jsonl", seqs), tmp_path / "out.jsonl"
-    proc = run_cli(["score", "--checkpoint", str(meg), "--input", str(inp), "--output", str(out),
-                    "--tp", "2", "--ep", "2"], 4)  # fmt: skip
+    proc = run_cli(
+        [
+            "score",
+            "--checkpoint",
+            str(meg),
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+            "--tp",
+            "2",
+            "--ep",
+            "2",
+        ],
+        4,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = hf_token_logprobs(tiny_models["moe"], seqs)
     for got, want in zip(read_logprobs(out), ref):

@@ -7,8 +7,7 @@ same within 1e-5 across TP1, TP2, EP2, PP2, TP2xEP2, PP2xEP2 and PP2xVPP2.
 import pytest
 import torch
 
-from tests.conftest import (hf_token_logprobs, random_sequences, read_logprobs, run_cli,
-                            write_jsonl)  # fmt: skip
+from tests.conftest import hf_token_logprobs, random_sequences, read_logprobs, run_cli, write_jsonl
 
 pytestmark = pytest.mark.distributed
 
@@ -26,8 +25,18 @@ LAYOUTS = {  # name: (processes, flags)
 def score(tmp_path, checkpoint, seqs, nproc, flags, tag):
     inp = write_jsonl(tmp_path / f"in-{tag}.jsonl", seqs)
     out = tmp_path / f"out-{tag}.jsonl"
-    args = ["score", "--checkpoint", str(checkpoint), "--input", str(inp), "--output", str(out),
-            "--micro-batch-size", "2", *flags]  # fmt: skip
+    args = [
+        "score",
+        "--checkpoint",
+        str(checkpoint),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--micro-batch-size",
+        "2",
+        *flags,
+    ]
     proc = run_cli(args, nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = read_logprobs(out)
@@ -50,7 +59,9 @@ def moe_reference(tiny_models, tmp_path_factory):
 def test_moe_with_dense_layer_matches_hf_under_layout(tmp_path, tiny_models, moe_reference, layout):
     seqs, ref, tp1 = moe_reference
     nproc, flags = LAYOUTS[layout]
-    got = tp1 if layout == "tp1" else score(tmp_path, tiny_models["moe"], seqs, nproc, flags, layout)
+    got = (
+        tp1 if layout == "tp1" else score(tmp_path, tiny_models["moe"], seqs, nproc, flags, layout)
+    )
     assert max_diff(got, ref) < 1e-4
     # Layouts agree with each other more tightly than with HF.
     assert max_diff(got, tp1) < 1e-5

@@ -15,8 +15,17 @@ pytestmark = [
 def test_score_on_gpu_matches_hf(tmp_path, tiny_models):
     seqs = random_sequences(100)
     inp, out = write_jsonl(tmp_path / "in.jsonl", seqs), tmp_path / "out.jsonl"
-    proc = run_cli(["score", "--checkpoint", str(tiny_models["moe"]), "--input", str(inp),
-                    "--output", str(out)])  # fmt: skip
+    proc = run_cli(
+        [
+            "score",
+            "--checkpoint",
+            str(tiny_models["moe"]),
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for got, want in zip(read_logprobs(out), hf_token_logprobs(tiny_models["moe"], seqs)):
         # TF32 / TE kernels: looser than the CPU tier's 1e-4.
@@ -27,7 +36,9 @@ def test_cpu_compat_is_never_imported_on_gpu(tmp_path, tiny_models):
     import subprocess
     import sys
 
-    code = ("import sys; from megatron_gspo.model.parallel import *; "
-            "init_distributed(ParallelDims()); "
-            "assert 'megatron_gspo.model.cpu_compat' not in sys.modules")  # fmt: skip
+    code = (
+        "import sys; from megatron_gspo.model.parallel import *; "
+        "init_distributed(ParallelDims()); "
+        "assert 'megatron_gspo.model.cpu_compat' not in sys.modules"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -27,7 +27,9 @@ def test_qkv_fusion_groups_queries_with_their_kv_head():
 def test_qkv_bias_fusion_round_trips():
     q, k, v = torch.randn(8), torch.randn(4), torch.randn(4)
     fused = fuse_qkv(q, k, v, num_heads=4, num_kv_heads=2)
-    assert all(torch.equal(a, b) for a, b in zip(unfuse_qkv(fused, num_heads=4, num_kv_heads=2), (q, k, v)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(unfuse_qkv(fused, num_heads=4, num_kv_heads=2), (q, k, v))
+    )
 
 
 def test_glu_shard_holds_matching_gate_and_up_rows():

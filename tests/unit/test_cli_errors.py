@@ -19,7 +19,9 @@ def assert_clean_failure(proc, pattern, parent):
 
 
 def test_missing_checkpoint(tmp_path):
-    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    proc = run_cli(
+        ["convert", "hf-to-megatron", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]
+    )
     assert_clean_failure(proc, "does not exist", tmp_path)
     assert not (tmp_path / "o").exists()
 
@@ -38,7 +40,9 @@ def test_missing_weight_file(tmp_path, tiny_models):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_models["moe"], bad)
     (bad / "model.safetensors").unlink()
-    proc = run_cli(["score", "--checkpoint", str(bad), "--input", "x", "--output", str(tmp_path / "o")])
+    proc = run_cli(
+        ["score", "--checkpoint", str(bad), "--input", "x", "--output", str(tmp_path / "o")]
+    )
     assert_clean_failure(proc, "no model.safetensors", tmp_path)
 
 
@@ -54,12 +58,16 @@ def test_unknown_architecture(tmp_path, tiny_models):
 
 @pytest.mark.parametrize(
     "flags, pattern",
-    [(["--tp", "3"], "does not divide the model's 4 attention heads"),
-     (["--ep", "3"], "does not divide the model's 8 experts")],  # fmt: skip
+    [
+        (["--tp", "3"], "does not divide the model's 4 attention heads"),
+        (["--ep", "3"], "does not divide the model's 8 experts"),
+    ],
 )
 def test_layout_that_does_not_divide_the_model(tmp_path, tiny_models, flags, pattern):
     out = tmp_path / "o"
-    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out), *flags])
+    proc = run_cli(
+        ["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out), *flags]
+    )
     assert_clean_failure(proc, pattern, tmp_path)
     assert not out.exists()
 
@@ -68,7 +76,9 @@ def test_existing_output_is_kept(tmp_path, tiny_models):
     out = tmp_path / "o"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out)])
+    proc = run_cli(
+        ["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out)]
+    )
     assert_clean_failure(proc, "exists; remove it or choose another --out", tmp_path)
     assert (out / "keep.txt").read_text() == "mine"
 
@@ -78,6 +88,16 @@ def test_score_rejects_bad_input_lines(tmp_path, tiny_models):
     with open(inp, "a") as f:
         f.write('{"input_ids": [1, 999999]}\n')
     out = tmp_path / "out.jsonl"
-    proc = run_cli(["score", "--checkpoint", str(tiny_models["moe"]), "--input", str(inp), "--output", str(out)])
+    proc = run_cli(
+        [
+            "score",
+            "--checkpoint",
+            str(tiny_models["moe"]),
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+        ]
+    )
     assert_clean_failure(proc, "in.jsonl:2: token id outside the vocabulary", tmp_path)
     assert not out.exists()

@@ -16,9 +16,18 @@ def test_spec_of_tiny_moe_with_dense_first_layer(tiny_models):
 
 
 def test_decoder_sparse_step_and_v4_field_names():
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "num_attention_heads": 4,
-           "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100, "num_experts": 8,
-           "decoder_sparse_step": 2, "mlp_only_layers": [3], "rope_theta": 1e6}  # fmt: skip
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "num_experts": 8,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+        "rope_theta": 1e6,
+    }
     spec = model_spec(cfg)
     assert spec.moe_layers == (False, True, False, False) and spec.rope_theta == 1e6
 

@@ -78,8 +78,9 @@ class Bridge:
 # ---- full (unsharded) tensors <-> HF tensors -------------------------------------------------
 
 
-def merge(pm: ParamMap, hf: list[torch.Tensor], *, num_heads: int, num_kv_heads: int,
-          padded_vocab: int) -> torch.Tensor:  # fmt: skip
+def merge(
+    pm: ParamMap, hf: list[torch.Tensor], *, num_heads: int, num_kv_heads: int, padded_vocab: int
+) -> torch.Tensor:
     """HF tensors -> the full megatron tensor."""
     if pm.layout is Layout.QKV:
         return fuse_qkv(*hf, num_heads=num_heads, num_kv_heads=num_kv_heads)
@@ -92,8 +93,9 @@ def merge(pm: ParamMap, hf: list[torch.Tensor], *, num_heads: int, num_kv_heads:
     return t
 
 
-def split(pm: ParamMap, full: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-          vocab: int) -> list[torch.Tensor]:  # fmt: skip
+def split(
+    pm: ParamMap, full: torch.Tensor, *, num_heads: int, num_kv_heads: int, vocab: int
+) -> list[torch.Tensor]:
     """The full megatron tensor -> HF tensors, in `pm.hf_names` order."""
     if pm.layout is Layout.QKV:
         return list(unfuse_qkv(full, num_heads=num_heads, num_kv_heads=num_kv_heads))

@@ -18,7 +18,9 @@ _COMMON = (
     Rule(r"output_layer\.weight", ("lm_head.weight",), Layout.VOCAB),
     Rule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",), REP),
     Rule(L + r"input_layernorm\.weight", (HL + "input_layernorm.weight",), REP),
-    Rule(L + r"self_attention\.linear_qkv\.layer_norm_weight", (HL + "input_layernorm.weight",), REP),
+    Rule(
+        L + r"self_attention\.linear_qkv\.layer_norm_weight", (HL + "input_layernorm.weight",), REP
+    ),
     Rule(
         L + r"self_attention\.linear_qkv\.weight",
         (ATTN + "q_proj.weight", ATTN + "k_proj.weight", ATTN + "v_proj.weight"),
