@@ -206,10 +206,7 @@ class Actor:
 
         modules = [c.module for c in self.chunks]
         model = sharded_model_state(modules)
-        if self.optim.use_distributed_optimizer:
-            optimizer = optim_state.sharded_state(self.optimizer, modules, model, is_loading)
-        else:
-            optimizer = self.optimizer.sharded_state_dict(model, is_loading)
+        optimizer = optim_state.sharded_state(self.optimizer, modules, model, is_loading)
         return {"model": model, "optimizer": optimizer}
 
     def save(self, directory) -> None:
@@ -219,8 +216,8 @@ class Actor:
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
 
     def load(self, directory) -> None:
-        """Load a checkpoint saved by `save` under any layout (collective). The optimizer kind
-        (distributed or not) must match the one that saved it."""
+        """Load a checkpoint saved by `save` under any layout and either optimizer kind
+        (collective)."""
         from megatron.core import dist_checkpointing
 
         from megatron_gspo.model.checkpoint import _take_over
@@ -230,10 +227,7 @@ class Actor:
         modules = [c.module for c in self.chunks]
         for i, c in enumerate(modules):
             _take_over(c, state["model"][f"model{i}"], directory, copy=True)
-        if self.optim.use_distributed_optimizer:
-            optim_state.restore(self.optimizer, modules, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
+        optim_state.restore(self.optimizer, modules, state["optimizer"])
 
 
 def _gather_rows(mine: list, n: int) -> list:

@@ -1,11 +1,15 @@
-"""Checkpointing the distributed optimizer's Adam state, reshardable across layouts.
+"""Checkpointing the optimizer's Adam state, reshardable across every layout.
 
-megatron-core's own sharded state for the distributed optimizer with torch Adam is broken in
-0.16.1 - 0.19.x (REFERENCE §3: `flattened_range` unsupported, in-place on a leaf view, and
-`fully_reshardable` sharing one `step` tensor across all parameters, which corrupts Adam after
-resume). We sidestep it: each data-parallel rank owns a contiguous range of every flattened
-parameter; an all-reduce of zero-padded ranges over the (expert) data-parallel group rebuilds
-the whole TP-local tensor exactly (disjoint ranges, every other entry +0). Those tensors are saved
+megatron-core's own sharded optimizer state does not move between layouts here: for the
+distributed optimizer with torch Adam it is broken in 0.16.1 - 0.19.x (REFERENCE §3:
+`flattened_range` unsupported, in-place on a leaf view, and `fully_reshardable` sharing one
+`step` tensor across all parameters, which corrupts Adam after resume); for the plain optimizer
+the keys carry a `chained_<i>` prefix that exists only when EP > 1 splits the parameters into a
+dense and an expert optimizer, so EP1 and EP2 checkpoints do not meet. We sidestep both. For the
+distributed optimizer each data-parallel rank owns a contiguous range of every flattened
+parameter; an all-reduce of zero-padded ranges over the (expert) data-parallel group rebuilds the
+whole TP-local tensor exactly (disjoint ranges, every other entry +0). The plain optimizer holds
+the whole tensor already. Those tensors are saved
 under the SAME sharding metadata as the model parameter they belong to (key prefixed
 `optimizer.<state>.`), so megatron's dist-checkpointing reshards them like the weights. On load
 each rank copies its range back. Adam's step count is one integer shared by every parameter.
@@ -27,13 +31,39 @@ def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def _distributed(opt) -> bool:
+    return hasattr(opt, "model_param_group_index_map")
+
+
+def _main_params(opt) -> dict:
+    """Plain optimizers: model param -> the fp32 param the optimizer steps."""
+    if hasattr(opt, "float16_groups"):  # mixed precision: fp32 copies of bf16/fp16 params
+        pairs = zip(
+            opt.float16_groups + opt.fp32_from_fp32_groups,
+            opt.fp32_from_float16_groups + opt.fp32_from_fp32_groups,
+        )
+        return {m: f for mg, fg in pairs for m, f in zip(mg, fg)}
+    return {p: p for g in opt.optimizer.param_groups for p in g["params"]}
+
+
 def _owners(optimizer) -> dict:
-    """model param -> the distributed optimizer that holds its shard."""
+    """model param -> (its optimizer, main param or None for the distributed optimizer)."""
     out = {}
     for opt in _optimizers(optimizer):
-        for p in getattr(opt, "model_param_group_index_map", {}):
-            out[p] = opt
+        if _distributed(opt):
+            out.update({p: (opt, None) for p in opt.model_param_group_index_map})
+        else:
+            out.update({p: (opt, main) for p, main in _main_params(opt).items()})
     return out
+
+
+def _local(param, owner) -> tuple[int, int, dict] | None:
+    """This rank's slice [start, end) of the flattened param and its state tensors."""
+    opt, main = owner
+    if main is None:
+        r = opt._get_model_param_range_map(param)["param"]
+        return r.start, r.end, opt._get_main_param_and_optimizer_states(param)
+    return 0, param.numel(), {"param": main, **opt.optimizer.state[main]}
 
 
 def _dp_group(param):
@@ -45,22 +75,33 @@ def _dp_group(param):
 
 
 def _ensure_state(optimizer) -> None:
+    """Adam creates its state at the first step; make it exist so it can be filled in."""
     for opt in _optimizers(optimizer):
-        if not opt.optimizer.state:
+        if opt.optimizer.state:
+            continue
+        if _distributed(opt):
             opt._init_optimizer_states_with_dummy_values()
+        else:
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            opt.optimizer.step()
+            opt.optimizer.zero_grad()
 
 
-def _full_states(param, owner) -> dict[str, torch.Tensor]:
-    """The TP-local full tensors of this param's main value and Adam moments (collective)."""
+def _full_states(param, owner, distributed: bool) -> dict[str, torch.Tensor]:
+    """The TP-local full tensors of this param's main value and Adam moments (collective for
+    the distributed optimizer)."""
     full = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATES}
-    if owner is not None and param in owner.model_param_group_index_map:
-        r = owner._get_model_param_range_map(param)["param"]
-        local = owner._get_main_param_and_optimizer_states(param)
+    local = _local(param, owner) if owner is not None else None
+    if local is not None:
+        start, end, tensors = local
         for k in STATES:
-            full[k][r.start : r.end] = local[k].detach().view(-1).float()
-    group = _dp_group(param)
-    for k in STATES:
-        dist.all_reduce(full[k], group=group)
+            full[k][start:end] = tensors[k].detach().view(-1).float()
+    if distributed:
+        group = _dp_group(param)
+        for k in STATES:
+            dist.all_reduce(full[k], group=group)
     return {k: v.view(param.shape) for k, v in full.items()}
 
 
@@ -79,6 +120,7 @@ def sharded_state(optimizer, chunks, model_sd: dict, is_loading: bool) -> dict:
 
     _ensure_state(optimizer)
     owners = _owners(optimizer)
+    distributed = any(_distributed(o) for o in _optimizers(optimizer))
     by_data = {id(sh.data): sh for sh in nested_values(model_sd) if hasattr(sh, "data")}
     out: dict = {k: {} for k in STATES}
     for i, chunk in enumerate(chunks):
@@ -89,7 +131,7 @@ def sharded_state(optimizer, chunks, model_sd: dict, is_loading: bool) -> dict:
             full = (
                 {k: torch.zeros(p.shape, dtype=torch.float32) for k in STATES}
                 if is_loading
-                else _full_states(p, owners.get(p))
+                else _full_states(p, owners.get(p), distributed)
             )
             for k in STATES:
                 out[k][f"{i}.{name}"] = dataclasses.replace(
@@ -101,23 +143,21 @@ def sharded_state(optimizer, chunks, model_sd: dict, is_loading: bool) -> dict:
 
 @torch.no_grad()
 def restore(optimizer, chunks, loaded: dict) -> None:
-    """Copy each rank's ranges of the loaded full tensors into its optimizer shards."""
+    """Copy each rank's slice of the loaded full tensors into its optimizer state."""
     owners = _owners(optimizer)
-    step = torch.tensor(float(loaded["step"]))
     for i, chunk in enumerate(chunks):
         for name, p in chunk.named_parameters():
-            owner = owners.get(p)
             key = f"{i}.{name}"
-            if owner is None or key not in loaded["param"]:
+            if p not in owners or key not in loaded["param"]:
                 continue
-            r = owner._get_model_param_range_map(p)["param"]
-            local = owner._get_main_param_and_optimizer_states(p)
+            start, end, tensors = _local(p, owners[p])
             for k in STATES:
-                src = loaded[k][key].reshape(-1)[r.start : r.end]
-                local[k].view(-1).copy_(src.to(local[k].dtype))
-            if "step" in local:
-                local["step"].copy_(step) if torch.is_tensor(local["step"]) else None
+                src = loaded[k][key].reshape(-1)[start:end]
+                tensors[k].view(-1).copy_(src.to(tensors[k].dtype))
+    step = int(loaded["step"])
     for opt in _optimizers(optimizer):
         for state in opt.optimizer.state.values():
-            if "step" in state and not torch.is_tensor(state["step"]):
-                state["step"] = int(loaded["step"])
+            if "step" in state:
+                state["step"] = (
+                    torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
+                )
