@@ -224,7 +224,7 @@ class Engine:
         return Chunk(req.slot, req.fed, [req.output_ids[-1]])
 
     def _step(self) -> None:
-        batch = list(self.running)
+        batch = sorted(self.running, key=lambda r: r.slot)  # cache rows in order: a view
         chunks = [self._chunk(r) for r in batch]
         try:
             out = self.model.forward(chunks, self.cache, record_routing=self.record_routing)

@@ -127,9 +127,11 @@ class RolloutModel:
             if s.moe_layers[i]:
                 e, f = s.num_experts, s.moe_ffn_hidden_size
                 new(p + "mlp.gate.weight", e, d)
+                gate_up = torch.zeros(e, 2 * f, d, dtype=dt)  # one matmul for both
                 self.experts[i] = {
-                    "gate": torch.zeros(e, f, d, dtype=dt),
-                    "up": torch.zeros(e, f, d, dtype=dt),
+                    "gate_up": gate_up,
+                    "gate": gate_up[:, :f],
+                    "up": gate_up[:, f:],
                     "down": torch.zeros(e, d, f, dtype=dt),
                 }
             else:
@@ -142,7 +144,10 @@ class RolloutModel:
         names = list(self.params)
         for i, ex in self.experts.items():
             for j in range(ex["gate"].shape[0]):
-                names += [f"model.layers.{i}.mlp.experts.{j}.{w}_proj.weight" for w in ex]
+                names += [
+                    f"model.layers.{i}.mlp.experts.{j}.{w}_proj.weight"
+                    for w in ("gate", "up", "down")
+                ]
         return names
 
     def _target(self, name: str) -> torch.Tensor:
@@ -155,7 +160,7 @@ class RolloutModel:
         m = _FUSED.fullmatch(name)
         if m and int(m[1]) in self.experts:
             ex = self.experts[int(m[1])]
-            return torch.cat([ex["gate"], ex["up"]], 1) if m[2] == "gate_up_proj" else ex["down"]
+            return ex["gate_up"] if m[2] == "gate_up_proj" else ex["down"]
         raise UserError(f"weight {name!r} does not belong to this {self.spec.architecture} model")
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -169,13 +174,7 @@ class RolloutModel:
                 )
         with torch.no_grad():
             for name, t in items:
-                m = _FUSED.fullmatch(name)
-                if m and m[2] == "gate_up_proj":
-                    ex, f = self.experts[int(m[1])], self.spec.moe_ffn_hidden_size
-                    ex["gate"].copy_(t[:, :f])
-                    ex["up"].copy_(t[:, f:])
-                else:
-                    self._target(name).copy_(t)
+                self._target(name).copy_(t)
         return len(items)
 
     def load_checkpoint(self, path: str | Path) -> None:
@@ -222,13 +221,22 @@ class RolloutModel:
         b_T = torch.repeat_interleave(torch.arange(len(chunks)), lens_B)
         j_T = torch.arange(len(ids_T)) - offsets_B[b_T]
         start_B = torch.tensor([c.start for c in chunks])
-        slot_B = torch.tensor([c.slot for c in chunks])
+        slots = [c.slot for c in chunks]
+        slot_B = torch.tensor(slots)
+        # Slots s0, s0+1, ... in order (the usual case: slots are handed out in order): the
+        # cache rows are read as a view instead of gathered.
+        rows = (
+            slice(slots[0], slots[0] + len(slots))
+            if slots == list(range(slots[0], slots[0] + len(slots)))
+            else slot_B
+        )
         pos_T = start_B[b_T] + j_T
         return _Batch(
             ids_T=ids_T,
             offsets_B=offsets_B,
             slot_T=slot_B[b_T],
             slot_B=slot_B,
+            rows=rows,
             b_T=b_T,
             j_T=j_T,
             pos_T=pos_T,
@@ -278,14 +286,19 @@ class RolloutModel:
         k = k * cos + _rotate_half(k) * sin
         cache.k[i][m.slot_T, :, m.pos_T] = k
         cache.v[i][m.slot_T, :, m.pos_T] = v
-        q_BQHd = q.new_zeros(len(m.slot_B), m.q_len, s.num_heads, hd)
-        q_BQHd[m.b_T, m.j_T] = q
-        k_BGKd = cache.k[i][m.slot_B, :, : m.k_len]
-        v_BGKd = cache.v[i][m.slot_B, :, : m.k_len]
+        decode = m.q_len == 1  # one new token per chunk: no padding of the queries
+        if decode:
+            q_BQHd = q[:, None]
+        else:
+            q_BQHd = q.new_zeros(len(m.slot_B), m.q_len, s.num_heads, hd)
+            q_BQHd[m.b_T, m.j_T] = q
+        k_BGKd = cache.k[i][m.rows, :, : m.k_len]
+        v_BGKd = cache.v[i][m.rows, :, : m.k_len]
         o = F.scaled_dot_product_attention(
             q_BQHd.transpose(1, 2), k_BGKd, v_BGKd, attn_mask=m.mask_BQK[:, None], enable_gqa=True
         )
-        o_T = o.transpose(1, 2)[m.b_T, m.j_T].reshape(T, s.num_heads * hd)
+        o = o.transpose(1, 2)
+        o_T = (o[:, 0] if decode else o[m.b_T, m.j_T]).reshape(T, s.num_heads * hd)
         return F.linear(o_T, p[pre + "o_proj.weight"])
 
     def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
@@ -296,6 +309,8 @@ class RolloutModel:
         )
 
     def _moe(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routed experts. The (token, expert) pairs are sorted by expert once, so each
+        expert runs two matmuls on a contiguous block and one index_add sums them per token."""
         s, ex = self.spec, self.experts[i]
         logits_TE = F.linear(x, self.params[f"model.layers.{i}.mlp.gate.weight"])
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
@@ -303,13 +318,17 @@ class RolloutModel:
         if s.norm_topk_prob:
             w_Tk = w_Tk / w_Tk.sum(-1, keepdim=True)
         w_Tk = w_Tk.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx_Tk).tolist():
-            tok, slot = torch.where(idx_Tk == e)
-            h = x[tok]
-            h = F.silu(F.linear(h, ex["gate"][e])) * F.linear(h, ex["up"][e])
-            out.index_add_(0, tok, F.linear(h, ex["down"][e]) * w_Tk[tok, slot, None])
-        return out, idx_Tk
+        order_N = torch.argsort(idx_Tk.reshape(-1), stable=True)  # N = T * k pairs
+        tok_N = order_N // s.topk
+        counts = torch.bincount(idx_Tk.reshape(-1), minlength=s.num_experts).tolist()
+        f = s.moe_ffn_hidden_size
+        outs = []
+        for e, h in enumerate(x[tok_N].split(counts)):
+            if len(h):
+                gate, up = F.linear(h, ex["gate_up"][e]).split(f, -1)
+                outs.append(F.linear(F.silu(gate) * up, ex["down"][e]))
+        y_N = torch.cat(outs) * w_Tk.reshape(-1)[order_N, None]
+        return torch.zeros_like(x).index_add_(0, tok_N, y_N), idx_Tk
 
 
 @dataclass
@@ -318,6 +337,7 @@ class _Batch:
     offsets_B: torch.Tensor
     slot_T: torch.Tensor
     slot_B: torch.Tensor
+    rows: slice | torch.Tensor  # the cache rows of the chunks, in chunk order
     b_T: torch.Tensor
     j_T: torch.Tensor
     pos_T: torch.Tensor

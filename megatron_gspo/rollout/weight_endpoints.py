@@ -3,7 +3,9 @@
 /update_weights_from_distributed, /destroy_weights_update_group, /release_memory_occupation,
 /resume_memory_occupation.
 
-Tensor payloads are decoded by `safe_unpickle` (tensors only, never arbitrary pickle). The server
+As in SGLang 0.5.23, tensor and distributed updates must run inside a begin/end_weight_update
+session (one at a time); /update_weights_from_disk needs none. Tensor payloads are decoded by
+`safe_unpickle` (tensors only, never arbitrary pickle). The server
 is one TP rank: it reads `serialized_named_tensors[0]` and joins a distributed group as rank
 `rank_offset`. Received tensors load on the engine thread between steps, with the same rule as
 /update_weights_from_disk: wait for running requests unless generation is paused. Distributed
@@ -42,6 +44,7 @@ class WeightUpdates:
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transfer at a time
     released: set[str] = field(default_factory=set)
+    session: str | None = None  # the selector of the open begin/end_weight_update session
     group_timeout_s: float = 300.0
 
     def close(self) -> None:
@@ -59,18 +62,31 @@ def _updates(request: web.Request) -> WeightUpdates:
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
+    updates = _updates(request)
     body = await read_json(request)
-    selector = body.get("selector", "target")
+    selector = body.get("selector", "all")
     if selector not in ("target", "draft", "all"):
         raise BadRequest(f"selector must be target, draft or all, not {selector!r}")
-    if selector == "draft":
-        raise BadRequest("this server has no draft model")
-    return _ok("Weight update begun.")
+    if updates.session is not None:
+        raise BadRequest("a weight-update session is already open; call end_weight_update() first")
+    updates.session = selector
+    return _ok("Success")
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
+    updates = _updates(request)
     await read_json(request)
-    return _ok("Weight update ended.")
+    if updates.session is None:
+        raise BadRequest("no weight-update session is open; call begin_weight_update() first")
+    updates.session = None
+    return _ok("Success")
+
+
+def _require_session(updates: WeightUpdates, endpoint: str) -> None:
+    if updates.session is None:
+        raise BadRequest(
+            f"{endpoint} must run between begin_weight_update() and end_weight_update()"
+        )
 
 
 # ---- loading received tensors --------------------------------------------------------------
@@ -115,6 +131,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if load_format not in (None, "direct", "flattened_bucket"):
         raise BadRequest(f"load_format must be null, direct or flattened_bucket: {load_format!r}")
     version, abort_all = _options(body)
+    _require_session(st.weights, "update_weights_from_tensor")
     named = await asyncio.to_thread(safe_unpickle.decode_named_tensors, payloads[0], load_format)
     if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_tensor")
@@ -189,6 +206,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         raise BadRequest(f"load_format must be null or flattened_bucket: {load_format!r}")
     names, dtypes, shapes = _distributed_spec(body)
     version, abort_all = _options(body)
+    _require_session(updates, "update_weights_from_distributed")
     async with updates.lock:
         try:
             named = await asyncio.to_thread(
@@ -246,8 +264,12 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     st: ServerState = request.app[STATE]
     tags = _tags(await read_json(request))
 
+    missing = [t for t in tags if t not in st.weights.released]
+    if missing:
+        raise BadRequest(f"cannot resume {', '.join(missing)}: not released")
+
     def resume(engine: Engine) -> None:
-        if "kv_cache" in tags and "kv_cache" in st.weights.released:
+        if "kv_cache" in tags:
             engine.cache = engine.model.new_cache(min(engine.max_running, 8), 256)
         st.weights.released.difference_update(tags)
 

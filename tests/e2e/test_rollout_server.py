@@ -127,7 +127,7 @@ BAD_REQUESTS = [
     ("POST", "/generate", {"input_ids": [5], "sampling_params": {"temperature": -1}}),
     ("POST", "/generate", {"input_ids": [5] * 2048}),  # no room left in the context
     ("POST", "/generate", {"input_ids": [[5], [6]], "rid": "same-for-both"}),
-    ("POST", "/abort_request", {}),
+    ("POST", "/abort_request", {"rid": 5}),
     ("POST", "/pause_generation", {"mode": "sideways"}),
     ("POST", "/update_weight_version", {}),
     ("POST", "/update_weights_from_disk", {}),

@@ -119,9 +119,11 @@ def test_update_weights_from_distributed(server, ckpts, reference):
         answers = []
         for fmt, version in (("flattened_bucket", "b-dist"), (None, "b-dist2")):
             body = wp.distributed_update_body(named, group, load_format=fmt, weight_version=version)
+            assert (await post(server, "/begin_weight_update", {}))[0] == 200
             upd = asyncio.create_task(post(server, "/update_weights_from_distributed", body))
             await asyncio.to_thread(wp.broadcast_named, pg, named, fmt)
             answers.append(await upd)
+            assert (await post(server, "/end_weight_update", {}))[0] == 200
         status, out = await post(server, "/destroy_weights_update_group", {"group_name": group})
         wp.close_update_group(pg)
         return answers, status
@@ -132,7 +134,14 @@ def test_update_weights_from_distributed(server, ckpts, reference):
     load_by_tensor(server, named_tensors(ckpts[0]), None, "a")
 
 
-def test_pickle_with_code_is_refused(server, tmp_path):
+@pytest.fixture
+def session(server):
+    assert call(server, "/begin_weight_update", {})[0] == 200
+    yield
+    assert call(server, "/end_weight_update", {})[0] == 200
+
+
+def test_pickle_with_code_is_refused(server, session, tmp_path):
     import base64
     import pickle
 
@@ -203,7 +212,7 @@ def _garbage_b64() -> str:
 
 BAD_REQUESTS = [
     ("/begin_weight_update", {"selector": "everything"}),
-    ("/begin_weight_update", {"selector": "draft"}),
+    ("/begin_weight_update", {}),  # the session fixture holds one open
     ("/update_weights_from_tensor", {}),
     ("/update_weights_from_tensor", {"serialized_named_tensors": "x"}),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}),
@@ -221,7 +230,7 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("path,body", BAD_REQUESTS)
-def test_bad_requests_get_sglang_error_shape(server, path, body):
+def test_bad_requests_get_sglang_error_shape(server, session, path, body):
     status, out = call(server, path, body)
     assert status == 400, out
     assert out["success"] is False and out["message"] and out["error"]["message"] == out["message"]
@@ -232,9 +241,24 @@ def test_tensor_payload_with_wrong_names_or_shapes(server, ckpts, reference):
         for fmt in (None, "flattened_bucket"):
             with wp.TensorSharing():
                 body = wp.tensor_update_body(named, load_format=fmt)
+            assert call(server, "/begin_weight_update", {})[0] == 200
             status, out = call(server, "/update_weights_from_tensor", body)
+            assert call(server, "/end_weight_update", {})[0] == 200
             assert status == 400 and out["success"] is False, out
+            assert "Failed to update weights" in out["message"]
     assert greedy_tokens(server)[0] == reference[0]  # nothing was half-loaded
+
+
+def test_weight_update_session_is_required_and_not_nested(server, ckpts):
+    with wp.TensorSharing():
+        body = wp.tensor_update_body(named_tensors(ckpts[0])[:1])
+    status, out = call(server, "/update_weights_from_tensor", body)
+    assert status == 400 and "begin_weight_update" in out["message"]
+    assert call(server, "/end_weight_update", {})[0] == 400
+    assert call(server, "/begin_weight_update", {})[0] == 200
+    assert call(server, "/begin_weight_update", {})[0] == 400
+    assert call(server, "/end_weight_update", {})[0] == 200
+    assert call(server, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 400
 
 
 def test_unflatten_round_trip():
