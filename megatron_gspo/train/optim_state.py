@@ -24,6 +24,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.errors import UserError
+
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -31,8 +33,23 @@ def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+_DIST_OPT_API = (
+    "_get_model_param_range_map",
+    "_get_main_param_and_optimizer_states",
+    "_init_optimizer_states_with_dummy_values",
+)
+
+
 def _distributed(opt) -> bool:
-    return hasattr(opt, "model_param_group_index_map")
+    if not hasattr(opt, "model_param_group_index_map"):
+        return False
+    missing = [name for name in _DIST_OPT_API if not hasattr(opt, name)]
+    if missing:
+        raise UserError(
+            f"this megatron-core's distributed optimizer lacks {missing}; checkpoint with "
+            "use_distributed_optimizer: false"
+        )
+    return True
 
 
 def _main_params(opt) -> dict:
