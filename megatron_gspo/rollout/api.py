@@ -4,7 +4,8 @@ A request holds one prompt (`input_ids` as a list of ints, or `text`) or a batch
 or a list of strings). With `sampling_params.n` > 1 each prompt becomes n requests, prompt-major,
 with ids `{rid}_{j}`; the answer is a list whenever the request was a batch or n > 1.
 Log-prob entries are `[logprob, token_id, null]`; the first prompt token's is `[null, id, null]`.
-`routed_experts` is base64 of int32 [prompt + output - 1 - routed_experts_start_len, L, k].
+`routed_experts` is base64 of int32 [prompt + output - 1 - routed_experts_start_len, L, k] with
+L = every decoder layer, as SGLang encodes it: the rows of dense (non-MoE) layers are zeros.
 """
 
 from __future__ import annotations
@@ -154,6 +155,9 @@ def format_result(
     if req.return_routed and engine.record_routing:
         routed = engine.routed_experts(req, routed_start)
         if routed is not None:
-            raw = np.ascontiguousarray(routed.numpy().astype(np.int32)).tobytes()
+            spec = engine.model.spec
+            all_layers = np.zeros((routed.shape[0], spec.num_layers, routed.shape[2]), np.int32)
+            all_layers[:, spec.moe_layer_ids] = routed.numpy()
+            raw = all_layers.tobytes()
             meta["routed_experts"] = base64.b64encode(raw).decode("ascii")
     return {"text": text, "output_ids": list(out_ids), "meta_info": meta}

@@ -33,7 +33,8 @@ class RolloutError(RuntimeError):
 
 @dataclass
 class Sample:
-    """One response. routed_experts is int32 [prompt + len(tokens) - 1, moe_layers, topk]."""
+    """One response. routed_experts is int32 [prompt + len(tokens) - 1, layers, topk] over every
+    decoder layer, as SGLang sends it: the rows of dense (non-MoE) layers are zeros."""
 
     prompt_index: int
     sample_index: int

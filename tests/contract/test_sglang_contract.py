@@ -65,6 +65,16 @@ def server(request, ckpts, tmp_path_factory):
         yield kind, group.urls[0]
 
 
+@pytest.fixture(autouse=True)
+def weights_a(server, ckpts):
+    """Every test starts and ends on checkpoint a, version "default", whatever the one before did."""
+    _, url = server
+    run(post(url, "/update_weights_from_disk", {"model_path": str(ckpts[0])}))
+    yield
+    run(post(url, "/update_weights_from_disk", {"model_path": str(ckpts[0])}))
+    run(post(url, "/update_weight_version", {"new_version": "default"}))
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -101,8 +111,10 @@ def max_logprob_diff(path, samples, check_routing=True) -> float:
         want = logp[p - 1 : -1].gather(1, torch.tensor(s.tokens)[:, None])[:, 0]
         worst = max(worst, (torch.tensor(s.logprobs) - want).abs().max().item())
         if check_routing:
-            assert s.routed_experts.shape == (len(full) - 1, 2, TOPK)
-            got = torch.from_numpy(s.routed_experts).sort(-1).values.long()
+            # every decoder layer; the dense layer 0 holds zeros
+            assert s.routed_experts.shape == (len(full) - 1, SPEC.layers, TOPK)
+            assert not s.routed_experts[:, 0].any()
+            got = torch.from_numpy(s.routed_experts[:, 1:]).sort(-1).values.long()
             assert torch.equal(got, topk_TLk[:-1])
     return worst
 

@@ -77,8 +77,9 @@ def check_against_hf(path, samples):
         p = len(s.prompt_ids)
         want = logp[p - 1 : -1].gather(1, torch.tensor(s.tokens)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(s.logprobs), want, atol=1e-4, rtol=0)
-        assert s.routed_experts.shape == (len(full) - 1, 2, 2)
-        got = torch.from_numpy(s.routed_experts).sort(-1).values.long()
+        assert s.routed_experts.shape == (len(full) - 1, 3, 2)  # every layer, as SGLang
+        assert not s.routed_experts[:, 0].any()  # layer 0 is dense: zeros
+        got = torch.from_numpy(s.routed_experts[:, 1:]).sort(-1).values.long()
         assert torch.equal(got, topk_TLk[:-1])
 
 
