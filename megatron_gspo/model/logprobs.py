@@ -117,22 +117,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         sums = torch.zeros((3, *shape), dtype=torch.float32, device=dev)  # S, l_y - m, sum e(l-m)
         for idx in _chunks(shape, v_local):
             shifted = _local_fp32(logits[idx], n_valid) - m[idx].unsqueeze(-1)
-            e = shifted.exp()
-            sums[0][idx] = e.sum(dim=-1)
-            index, owned = _target_index(targets[idx], vocab_start, v_local)
-            picked = shifted.gather(-1, index).squeeze(-1)
-            sums[1][idx] = torch.where(owned, picked, torch.zeros_like(picked))
-            if with_entropy:
-                el = e[..., :n_valid] * shifted[..., :n_valid]  # padded: 0 * -inf would be nan
-                sums[2][idx] = el.sum(dim=-1)
+            target = _target_index(targets[idx], vocab_start, v_local)
+            for i, value in enumerate(_chunk_sums(shifted, *target, n_valid, with_entropy)):
+                sums[i][idx] = value
         if tp_group is not None:
             dist.all_reduce(sums, group=tp_group)
 
         log_s = sums[0].log()
         logprobs = sums[1] - log_s
-        mean_shifted = sums[2] / log_s.exp()  # E_p[l - m]
-        entropy = log_s - mean_shifted if with_entropy else torch.zeros_like(logprobs)
-        ctx.save_for_backward(logits, targets, m, log_s, mean_shifted)
+        entropy = log_s - sums[2] / log_s.exp()  # log S - E_p[l - m]
+        ctx.save_for_backward(logits, targets, m, log_s, entropy)
         ctx.vocab_start, ctx.n_valid = vocab_start, n_valid
         ctx.set_materialize_grads(False)
         return logprobs, entropy
@@ -140,29 +134,47 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprobs, g_entropy):
-        logits, targets, m, log_s, mean_shifted = ctx.saved_tensors
+        logits, targets, m, log_s, entropy = ctx.saved_tensors
         if g_logprobs is None and g_entropy is None:
             return None, None, None, None, None, None
-        v_local = logits.shape[-1]
+        v_local, n_valid = logits.shape[-1], ctx.n_valid
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        in_place = grad.dtype == torch.float32  # else an fp32 chunk, cast into grad
         for idx in _chunks(targets.shape, v_local):
-            shifted = _local_fp32(logits[idx], ctx.n_valid) - m[idx].unsqueeze(-1)
-            p = shifted.exp() / log_s[idx].exp().unsqueeze(-1)
-            target = _target_index(targets[idx], ctx.vocab_start, v_local)
+            x = _local_fp32(logits[idx], n_valid)
+            logp = torch.sub(x, m[idx].unsqueeze(-1), out=grad[idx] if in_place else None)
+            logp.sub_(log_s[idx].unsqueeze(-1))
             g_lp, g_ent = (None if g is None else g[idx].float() for g in (g_logprobs, g_entropy))
-            grad_chunk = _chunk_grad(p, shifted, mean_shifted[idx], g_lp, g_ent, *target)
-            grad_chunk[..., ctx.n_valid :] = 0.0  # padded entries (their nan from 0 * inf too)
-            grad[idx] = grad_chunk
+            _softmax_grad_(logp, g_lp, g_ent, entropy[idx])
+            if g_lp is not None:  # + g_lp 1[v = y]
+                index, owned = _target_index(targets[idx], ctx.vocab_start, v_local)
+                logp.scatter_add_(-1, index, torch.where(owned, g_lp, 0.0).unsqueeze(-1))
+            logp[..., n_valid:] = 0.0  # padded entries (and their nan from 0 * inf)
+            if not in_place:
+                grad[idx] = logp
         return grad, None, None, None, None, None
 
 
-def _chunk_grad(p, shifted, mean_shifted, g_lp, g_ent, index, owned):
-    """g_ent p_v (E_p[l - m] - (l_v - m)) + g_lp (1[v = y] - p_v) for one chunk, in fp32."""
+def _chunk_sums(shifted, index, owned, n_valid: int, with_entropy: bool):
+    """Per token of one chunk: sum_v e_v, l_y - m where this rank owns y (else 0), sum_v e_v (l_v - m)."""
+    e = shifted.exp()
+    s = e.sum(dim=-1)
+    picked = shifted.gather(-1, index).squeeze(-1)
+    picked = torch.where(owned, picked, torch.zeros_like(picked))
+    if not with_entropy:
+        return s, picked
+    el = e[..., :n_valid].mul_(shifted[..., :n_valid])  # padded: 0 * -inf would be nan
+    return s, picked, el.sum(dim=-1)
+
+
+def _softmax_grad_(logp, g_lp, g_ent, entropy) -> None:
+    """logp [.., V] -> -p_v (g_lp + g_ent (log p_v + H)) in place: the gradient of
+    g_lp log p(y) + g_ent H but for the + g_lp 1[v = y] term (d H / d l_v = -p_v (log p_v + H))."""
     if g_ent is None:
-        grad = torch.zeros_like(p)
-    else:
-        grad = p * (mean_shifted.unsqueeze(-1) - shifted) * g_ent.unsqueeze(-1)
+        logp.exp_().mul_(-g_lp.unsqueeze(-1))
+        return
+    p = logp.exp()
+    logp.add_(entropy.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1))
     if g_lp is not None:
-        grad.sub_(p * g_lp.unsqueeze(-1))
-        grad.scatter_add_(-1, index, torch.where(owned, g_lp, torch.zeros_like(g_lp)).unsqueeze(-1))
-    return grad
+        logp.add_(g_lp.unsqueeze(-1))
+    logp.mul_(p).neg_()
