@@ -34,3 +34,30 @@ def test_padded_vocabulary_entries_are_excluded():
     assert torch.allclose(lp, ref_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-6)
     assert torch.allclose(ent, -(ref_logp.exp() * ref_logp).sum(-1), atol=1e-5)
     assert torch.isfinite(ent).all()
+
+
+def test_small_chunks_give_the_same_values_and_gradients(monkeypatch):
+    """Force many chunks per row: chunking must not change the numbers."""
+    from megatron_gspo.model import logprobs as mod
+
+    torch.manual_seed(2)
+    logits = torch.randn(2, 9, 70, dtype=torch.float64)
+    targets = torch.randint(0, 60, (2, 9))
+
+    def run():
+        x = logits.clone().requires_grad_()
+        lp, ent = vocab_parallel_logprobs(x, targets, vocab_size=60, with_entropy=True)
+        (g,) = torch.autograd.grad((lp * 1.5).sum() + ent.sum(), x)
+        return lp.detach(), ent.detach(), g
+
+    big = run()
+    monkeypatch.setattr(mod, "_CHUNK_ELEMENTS", 70 * 2)
+    small = run()
+    for a, b in zip(big, small):
+        assert torch.allclose(a, b, atol=1e-12)
+    x = logits[..., :60].clone().requires_grad_()
+    ref = torch.log_softmax(x, -1)
+    want = (ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * 1.5).sum() - (ref.exp() * ref).sum()
+    (g_ref,) = torch.autograd.grad(want, x)
+    assert torch.allclose(small[2][..., :60], g_ref, atol=1e-6)  # computed in fp32
+    assert torch.all(small[2][..., 60:] == 0)
