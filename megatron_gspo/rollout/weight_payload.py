@@ -16,6 +16,11 @@ Payload formats (SGLang 0.5.23, `MultiprocessingSerializer`): base64 of a torch 
 numel)]}` with byte offsets. The metadata objects are `types.SimpleNamespace`: SGLang reads them by
 attribute, and they unpickle in a process that has neither SGLang nor this package.
 
+load_format null loads through the model's HF-name loader (what the trainer's bridge exports).
+"direct" copies into parameters by the server's own names: on the built-in server those are HF
+names, but on SGLang they are its fused parameters (qkv_proj, experts.w13_weight, ...), and an
+unknown name there kills SGLang's scheduler — send HF names with null or "flattened_bucket".
+
 CPU tensors travel as shared-memory file names: the sender must use torch's "file_system" sharing
 strategy (the default "fd" strategy passes file descriptors that the server cannot receive over
 HTTP). On GPU they travel as CUDA IPC handles (same node only).
