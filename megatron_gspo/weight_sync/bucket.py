@@ -1,0 +1,143 @@
+"""Flattened buckets: HF-named tensors packed back to back into one reusable uint8 buffer.
+
+The layout is SGLang's `flattened_bucket` (REFERENCE.md §2): `flattened_tensor` is the bucket's
+bytes, and each metadata entry has name, shape, dtype and byte offsets start_idx/end_idx, with
+`numel` counting bytes as SGLang's FlattenedTensorBucket does. Offsets are contiguous (the
+receiver of a distributed update recomputes them from names, dtypes and shapes), so a tensor that
+would start misaligned for its dtype (possible only with mixed dtypes) starts a new bucket.
+
+Each bucket carries a checksum: the wrapping int64 sum of its bytes read as little-endian 64-bit
+words (zero-padded), plus the byte count. It runs at several times memcpy speed and catches lost,
+stale, zeroed or truncated bytes; it is not a cryptographic hash.
+
+Buffers come from a small pool and go back when the transport has handed the bucket over, so a
+sender holds `buffers` buckets at most; a tensor larger than a bucket gets a buffer of its own.
+"""
+
+from __future__ import annotations
+
+import queue
+import types
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+Alloc = Callable[[int], torch.Tensor]  # bytes -> uint8 buffer (shared memory, GPU, ...)
+
+
+def checksum(flat: torch.Tensor) -> int:
+    """int64 wrapping sum of `flat`'s bytes as 64-bit words (tail zero-padded), xor'd with len."""
+    n = flat.numel()
+    n8 = n - n % 8
+    total = 0
+    if n8:
+        body = flat[:n8]
+        if body.storage_offset() % 8:
+            body = body.clone()
+        total = int(body.view(torch.int64).sum())
+    if n8 != n:
+        tail = bytes(flat[n8:].cpu().tolist()) + bytes(8 - (n - n8))
+        total += int.from_bytes(tail, "little", signed=True)
+    total = (total + (1 << 63)) % (1 << 64) - (1 << 63)  # wrap like the int64 sum
+    return total ^ n
+
+
+@dataclass
+class Bucket:
+    """One packed bucket of a pipeline stage. `buffer[:nbytes]` holds the tensors' bytes."""
+
+    stage: int
+    index: int
+    buffer: torch.Tensor
+    nbytes: int = 0
+    metadata: list[types.SimpleNamespace] = field(default_factory=list)
+    checksum: int = 0
+    pooled: bool = True  # False: a one-off buffer for an oversized tensor
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.buffer[: self.nbytes]
+
+    def payload(self) -> dict:
+        """SGLang's flattened_bucket object: {flattened_tensor, metadata}."""
+        return {"flattened_tensor": self.flat, "metadata": self.metadata}
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        return unflatten(self.flat, self.metadata)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        dst = self.buffer[self.nbytes : self.nbytes + n].view(t.dtype).view(t.shape)
+        dst.copy_(t, non_blocking=True)
+        self.metadata.append(
+            types.SimpleNamespace(
+                name=name, shape=torch.Size(t.shape), dtype=t.dtype,
+                start_idx=self.nbytes, end_idx=self.nbytes + n, numel=n,
+            )
+        )  # fmt: skip
+        self.nbytes += n
+
+    def fits(self, t: torch.Tensor) -> bool:
+        n = t.numel() * t.element_size()
+        return self.nbytes + n <= self.buffer.numel() and self.nbytes % t.element_size() == 0
+
+    def seal(self) -> Bucket:
+        if self.buffer.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.checksum = checksum(self.flat)
+        return self
+
+
+def unflatten(flat: torch.Tensor, metadata: Iterable) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a flattened bucket (views into `flat`)."""
+    return [
+        (m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(tuple(m.shape)))
+        for m in metadata
+    ]
+
+
+class BufferPool:
+    """`size` reusable buffers of `capacity` bytes, allocated on first use by `alloc`."""
+
+    def __init__(self, capacity: int, size: int, alloc: Alloc):
+        self.capacity, self.size, self.alloc = capacity, size, alloc
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._made = 0
+
+    def take(self, timeout_s: float | None = None) -> torch.Tensor:
+        if self._free.empty() and self._made < self.size:
+            self._made += 1
+            return self.alloc(self.capacity)
+        return self._free.get(timeout=timeout_s)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.put(buf)
+
+
+def pack(
+    named: Iterable[tuple[str, torch.Tensor]], pool: BufferPool, stage: int = 0
+) -> Iterator[Bucket]:
+    """Buckets of `named`, each sealed (checksummed) before it is yielded. The consumer must
+    `release` every bucket, or packing stalls once the pool is empty."""
+    cur: Bucket | None = None
+    index = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if cur is not None and not cur.fits(t):
+            yield cur.seal()
+            cur, index = None, index + 1
+        if cur is None:
+            if n > pool.capacity:
+                cur = Bucket(stage, index, pool.alloc(n), pooled=False)
+            else:
+                cur = Bucket(stage, index, pool.take())
+        cur.add(name, t)
+    if cur is not None:
+        yield cur.seal()
+
+
+def release(bucket: Bucket, pool: BufferPool) -> None:
+    if bucket.pooled:
+        pool.give(bucket.buffer)
+    bucket.buffer = bucket.buffer[:0]

@@ -1,0 +1,80 @@
+"""The weight sync's typed config and the rollout servers it updates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_gspo.errors import UserError
+
+TRANSPORTS = ("tensor", "distributed", "disk")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How new policy weights reach the rollout servers.
+
+    transport: "tensor" (colocated: /update_weights_from_tensor, shared memory on CPU, CUDA IPC on
+    GPU), "distributed" (disaggregated: a broadcast group per pipeline stage, gloo on CPU, NCCL on
+    GPU) or "disk" (safetensors shards + /update_weights_from_disk).
+    """
+
+    transport: Literal["tensor", "distributed", "disk"] = "tensor"
+    bucket_mb: float = 512.0  # flattened bucket size; tensors larger than this go alone
+    buffers: int = 2  # buckets in flight per sender: one is packed while the other is sent
+    verify_every: int = 0  # compare probe log-probs with the servers' after every N-th sync
+    tolerance: float = 1e-4  # max |server - trainer| token log-prob (fp32; ~2e-2 for bf16)
+    probe_sequences: int = 4
+    probe_length: int = 32
+    probe_seed: int = 0
+    dir: str | None = None  # disk versions, snapshots and the restore record live here
+    snapshot_every: int = 0  # tensor/distributed: also write an HF snapshot every N syncs
+    keep_versions: int = 2  # weight directories kept under `dir` (the base model never deleted)
+    timeout_s: float = 600.0  # one HTTP request, one group rendezvous or broadcast
+    pause_generation: bool = False  # pause in place during the update (else wait for requests)
+    master_address: str | None = None  # distributed: address the servers reach the trainer at
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise UserError(
+                f"sync.transport must be one of {', '.join(TRANSPORTS)}, not {self.transport!r}"
+            )
+        if not self.bucket_mb > 0:
+            raise UserError(f"sync.bucket_mb must be > 0, not {self.bucket_mb}")
+        if self.buffers < 1:
+            raise UserError("sync.buffers must be >= 1")
+        for name in ("verify_every", "snapshot_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"sync.{name} must be >= 0 (0 turns it off)")
+        if not self.tolerance > 0:
+            raise UserError(f"sync.tolerance must be > 0, not {self.tolerance}")
+        if self.probe_sequences < 1 or self.probe_length < 2:
+            raise UserError("sync.probe_sequences must be >= 1 and sync.probe_length >= 2")
+        if self.keep_versions < 1:
+            raise UserError("sync.keep_versions must be >= 1")
+        if self.timeout_s <= 0:
+            raise UserError("sync.timeout_s must be > 0")
+        if self.dir is None and (self.transport == "disk" or self.snapshot_every):
+            raise UserError(
+                "sync.dir is required for the disk transport and for snapshots; "
+                "set it to a directory every trainer rank and server can read"
+            )
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(int(self.bucket_mb * (1 << 20)), 1)
+
+
+@dataclass(frozen=True)
+class ServerRef:
+    """One rollout server: its URL, how many TP ranks it has (one payload or group rank each)."""
+
+    url: str
+    tp_size: int = 1
+    api_key: str | None = None
+
+    @classmethod
+    def of(cls, server: str | ServerRef) -> ServerRef:
+        if isinstance(server, ServerRef):
+            return server
+        return cls(str(server).rstrip("/"))

@@ -1,0 +1,162 @@
+"""The disk transport and snapshots: buckets written as safetensors shards, then loaded by
+/update_weights_from_disk; and the restore point a failed sync brings servers back to.
+
+A version is the directory `DIR/v{version}`: one shard per bucket (`model-s{stage}-{index}`, the
+bucket's bytes written as they are behind a safetensors header that also records the bucket's
+checksum), the index, and the base model's config and tokenizer. Stage senders write into
+`DIR/.v{version}.tmp`; the coordinator renames it when every stage is done, so a server never
+reads a half-written version. `DIR/restore.json` names the last complete version (the base model
+the servers started from until then) and the directories this sync created, of which the newest
+`keep_versions` are kept. DIR must be visible to every trainer rank and every server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.model import hf_io
+from megatron_gspo.weight_sync.bucket import Bucket, checksum
+from megatron_gspo.weight_sync.servers import Servers
+from megatron_gspo.weight_sync.transport import StageContext, Transport
+
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def write_shard(path: Path, bucket: Bucket) -> None:
+    """The bucket as a safetensors file: its offsets are already safetensors data offsets."""
+    header: dict = {"__metadata__": {"format": "pt", "checksum": str(bucket.checksum)}}
+    for m in bucket.metadata:
+        header[m.name] = {
+            "dtype": ST_DTYPES[m.dtype],
+            "shape": list(m.shape),
+            "data_offsets": [m.start_idx, m.end_idx],
+        }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    data = bucket.flat.cpu().numpy()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.write(memoryview(data))
+
+
+def verify_shard(path: Path) -> None:
+    """Raise ValueError if a shard's bytes do not match the checksum in its header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+    want = header.get("__metadata__", {}).get("checksum")
+    if want is not None and checksum(data) != int(want):
+        raise ValueError(f"{path} does not match its checksum: the file is damaged")
+
+
+class ShardWriter:
+    """A stage sender's shards of one version."""
+
+    def __init__(self, tmp_dir: Path, stage: int):
+        self.dir, self.stage = tmp_dir, stage
+        self.weight_map: dict[str, str] = {}
+        self.nbytes = 0
+
+    def write(self, bucket: Bucket) -> None:
+        name = f"model-s{self.stage:02d}-{bucket.index:05d}.safetensors"
+        write_shard(self.dir / name, bucket)
+        self.weight_map.update({m.name: name for m in bucket.metadata})
+        self.nbytes += bucket.nbytes
+
+    def outcome(self) -> dict:
+        return {"weight_map": self.weight_map, "bytes": self.nbytes}
+
+
+@dataclass
+class RestorePoint:
+    path: str
+    version: str
+
+
+class VersionDirs:
+    """Version directories under `root` and the restore record."""
+
+    def __init__(self, root: str | os.PathLike, keep: int, base: RestorePoint):
+        self.root, self.keep = Path(root), keep
+        self.record = self.root / "restore.json"
+        self.restore, self.created = base, []
+        if self.record.is_file():  # a restarted trainer continues from what the last one wrote
+            saved = json.loads(self.record.read_text())
+            self.restore = RestorePoint(saved["path"], saved["version"])
+            self.created = list(saved.get("created", []))
+
+    def tmp(self, version: str) -> Path:
+        return self.root / f".v{version}.tmp"
+
+    def start(self, version: str) -> Path:
+        """A fresh temporary directory for `version` (on the coordinator, before the senders)."""
+        tmp = self.tmp(version)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def finish(self, version: str, outcomes: list[dict], base_model: Path) -> Path:
+        """Index the stages' shards, add config and tokenizer, rename into place."""
+        tmp, out = self.tmp(version), self.root / f"v{version}"
+        weight_map, total = {}, 0
+        for o in outcomes:
+            weight_map.update(o["weight_map"])
+            total += o["bytes"]
+        hf_io.write_index(tmp, weight_map, total)
+        hf_io.copy_non_weight_files(base_model, tmp)
+        tmp.chmod(0o755)
+        if out.exists():  # a retried version: the new files replace the old
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        return out
+
+    def discard(self, version: str) -> None:
+        shutil.rmtree(self.tmp(version), ignore_errors=True)
+
+    def set_restore(self, point: RestorePoint) -> None:
+        self.restore = point
+        if point.path not in self.created and Path(point.path).parent == self.root:
+            self.created.append(point.path)
+        while len(self.created) > self.keep:
+            old = self.created.pop(0)
+            if old != point.path:
+                shutil.rmtree(old, ignore_errors=True)
+        tmp = self.record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**point.__dict__, "created": self.created}, indent=2) + "\n")
+        os.replace(tmp, self.record)
+
+    def check(self, path: str | os.PathLike) -> None:
+        """Raise ValueError if any shard under `path` fails its checksum."""
+        for shard in sorted(Path(path).glob("*.safetensors")):
+            verify_shard(shard)
+
+
+class DiskTransport(Transport):
+    """The stage senders' shard writers (see sync.py) do the sending; the commit has every
+    server load the finished version directory."""
+
+    name = "disk"
+    needs_session = False  # /update_weights_from_disk needs no begin/end session
+    writes_files = True
+
+    def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
+        return {}
+
+    def commit(self, servers: Servers, live: list[int], version: str, new_dir: Path | None):
+        body = {"model_path": str(new_dir), "weight_version": version, "flush_cache": True}
+        _, errors = servers.post_many(live, "/update_weights_from_disk", body)
+        return errors

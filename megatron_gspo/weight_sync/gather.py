@@ -1,0 +1,115 @@
+"""Stream the policy's weights as full HF tensors, one pipeline stage per sender.
+
+Each pipeline stage has one sender: its rank with TP rank 0 and data-parallel rank 0 (the rank
+that writes the stage's non-expert tensors in `model.weights.iter_hf`). Tensors are gathered over
+TP / expert-TP exactly as `iter_hf` does (the same functions, the same bridge mapping); experts
+under EP are then gathered from the expert writers of the stage (expert-TP rank 0, expert-DP
+rank 0: the sender's expert-parallel group) to the sender, and named through the bridge with each
+EP rank's expert offset. So the sender yields every HF tensor of its stage exactly once and no
+other rank yields anything, while every rank drives the iterator (the gathers are collectives).
+The extra memory per rank is one full tensor (times EP on the sender for an expert weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.model.bridge import get_bridge
+from megatron_gspo.model.bridge.base import split
+from megatron_gspo.model.weights import gather_full, local_params, shard_info
+
+
+def unwrap(chunks) -> list:
+    """Model chunks without DDP / Float16Module wrappers (an Actor's `chunks` work as they are)."""
+    out = []
+    for c in chunks:
+        while not hasattr(c, "model_spec") and hasattr(c, "module"):
+            c = c.module
+        out.append(c)
+    return out
+
+
+def is_stage_sender() -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+
+
+def stage_index() -> int:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_rank()
+
+
+def num_stages() -> int:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_world_size()
+
+
+def _check_sender_is_expert_root() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if is_stage_sender() and (
+        mpu.get_expert_model_parallel_rank() != 0
+        or mpu.get_expert_tensor_parallel_rank() != 0
+        or mpu.get_expert_data_parallel_rank() != 0
+    ):
+        raise RuntimeError(
+            "the stage sender (TP rank 0, DP rank 0) is not expert rank 0 of its stage; "
+            "this parallel-state order is not supported by the weight sync"
+        )
+
+
+def _layer_ids(chunk) -> dict[int, int]:
+    return {j: layer.layer_number - 1 for j, layer in enumerate(chunk.decoder.layers)}
+
+
+@torch.no_grad()
+def iter_stage(chunks) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) for every tensor of this rank's pipeline stage, on its sender."""
+    from megatron.core import parallel_state as mpu
+
+    chunks = unwrap(chunks)
+    _check_sender_is_expert_root()
+    spec = chunks[0].model_spec
+    bridge = get_bridge(spec.arch)
+    geo = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, vocab=spec.vocab_size)
+    ep = mpu.get_expert_model_parallel_world_size() if spec.is_moe else 1
+    local_experts = spec.num_experts // ep if spec.is_moe else 0
+    sender = is_stage_sender()
+    for lp in local_params(chunks):
+        if spec.tie_embeddings and lp.map.megatron_name == "output_layer.weight":
+            continue  # the embedding carries it
+        info = shard_info(lp.map)
+        full = gather_full(lp, info)
+        if not info.writer:
+            continue  # another replica or TP rank holds the same tensor
+        if not (lp.map.expert and ep > 1):
+            if sender:
+                yield from zip(lp.map.hf_names, split(lp.map, full, **geo))
+            continue
+        parts = _gather_to_sender(full, mpu.get_expert_model_parallel_group())
+        if not sender:
+            continue
+        layer_ids = _layer_ids(chunks[lp.chunk])
+        for r, part in enumerate(parts):
+            pm = bridge.param_map(
+                lp.map.megatron_name, layer_ids, r * local_experts, spec.tie_embeddings
+            )
+            yield from zip(pm.hf_names, split(pm, part, **geo))
+
+
+def _gather_to_sender(t: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Every EP rank's `t` on EP rank 0 (the sender), in EP-rank order; None elsewhere."""
+    t = t.contiguous()
+    dst = dist.get_global_rank(group, 0)
+    if dist.get_rank() == dst:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.gather(t, parts, dst=dst, group=group)
+        return parts
+    dist.gather(t, None, dst=dst, group=group)
+    return None

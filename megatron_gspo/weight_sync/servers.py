@@ -1,0 +1,108 @@
+"""Blocking JSON requests to many rollout servers at once, each failure naming its server.
+
+The sync runs in the trainer's (synchronous) step, partly on a sender thread, so requests are
+plain urllib calls on a thread pool rather than an event loop: a distributed update's request
+must be in flight while the same thread's caller broadcasts.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from megatron_gspo.weight_sync.config import ServerRef
+
+
+class ServerError(RuntimeError):
+    """One server refused or could not be reached; the message starts with its URL."""
+
+    def __init__(self, url: str, message: str):
+        super().__init__(f"{url}: {message}")
+        self.url = url
+
+
+class Servers:
+    def __init__(self, refs: Iterable[str | ServerRef], timeout_s: float = 600.0):
+        self.refs = [ServerRef.of(r) for r in refs]
+        if not self.refs:
+            raise ValueError("the weight sync needs at least one rollout server")
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.refs)))
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def url(self, i: int) -> str:
+        return self.refs[i].url
+
+    def post(self, i: int, path: str, body: dict, timeout_s: float | None = None) -> dict:
+        """POST JSON to server i; a non-2xx answer, `success: false` or no answer raise."""
+        return self._request(i, path, json.dumps(body).encode(), timeout_s)
+
+    def get(self, i: int, path: str, timeout_s: float | None = None) -> dict:
+        return self._request(i, path, None, timeout_s)
+
+    def _request(self, i: int, path: str, data: bytes | None, timeout_s: float | None) -> dict:
+        ref = self.refs[i]
+        headers = {"Content-Type": "application/json"}
+        if ref.api_key:
+            headers["Authorization"] = f"Bearer {ref.api_key}"
+        req = urllib.request.Request(ref.url + path, data, headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
+                data = _json(r.read())
+        except urllib.error.HTTPError as e:
+            raise ServerError(
+                ref.url, f"{path} answered HTTP {e.code}: {_message(e.read())}"
+            ) from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ServerError(ref.url, f"{path} failed: unreachable ({reason})") from None
+        if isinstance(data, dict) and data.get("success") is False:
+            raise ServerError(ref.url, f"{path} refused: {data.get('message')}")
+        return data if isinstance(data, dict) else {"data": data}
+
+    def submit(self, i: int, path: str, body: dict, timeout_s: float | None = None) -> Future:
+        return self._pool.submit(self.post, i, path, body, timeout_s)
+
+    def post_many(
+        self, indices: Iterable[int], path: str, body: dict | Callable[[int], dict]
+    ) -> tuple[dict[int, dict], dict[int, str]]:
+        """POST to several servers in parallel: (answers, errors) by server index."""
+        futures = {i: self.submit(i, path, body(i) if callable(body) else body) for i in indices}
+        return collect(futures)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def collect(futures: dict[int, Future]) -> tuple[dict[int, dict], dict[int, str]]:
+    answers, errors = {}, {}
+    for i, f in futures.items():
+        try:
+            answers[i] = f.result()
+        except ServerError as e:
+            errors[i] = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure of one server is reported for it
+            errors[i] = f"{type(e).__name__}: {e}"
+    return answers, errors
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw or b"{}")
+    except ValueError:
+        return {"message": raw[:300].decode(errors="replace")}
+
+
+def _message(raw: bytes) -> str:
+    data = _json(raw)
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        return str(data.get("message") or err or data)
+    return str(data)

@@ -1,0 +1,347 @@
+"""WeightSync: the trainer's weights into every rollout server as one new weight_version.
+
+    ws = WeightSync(actor.chunks, urls, SyncConfig(transport="tensor"), base_model=HF_DIR)
+    report = ws.sync(version=str(step))      # every trainer rank calls it: it runs collectives
+
+Roles: the coordinator (global rank 0) talks to the servers about the update as a whole; each
+pipeline stage's sender (gather.py) streams that stage's buckets. One sync:
+ 1. begin (coordinator): optionally /pause_generation (in place), then /begin_weight_update on
+    every server. One that does not answer is left out: untouched, still on its whole version.
+ 2. stream (every rank): gather -> pack (bucket.py) -> transport, on a sender thread so the next
+    bucket is packed while this one is sent. The first bucket labels each server
+    `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
+    A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
+    but the gathers run on (they are collectives).
+ 3. commit (coordinator): servers that took every bucket get `version` (/update_weight_version;
+    disk: /update_weights_from_disk of the finished directory).
+ 4. restore: a server that failed after it was touched, or every touched server when the trainer
+    side failed, reloads the restore point (the last complete version on disk, else the base
+    model) with /update_weights_from_disk. A server that cannot be reached is reported as lost;
+    its supervisor (rollout.launcher) restarts it onto the current weights.
+ 5. end: /end_weight_update, /continue_generation, a best-effort /flush_cache. Every rank gets
+    the report; a failure raises WeightSyncError on every rank, naming each failed server.
+
+So no server is left serving a half-applied version: each ends on the new version, the restore
+point's, the one it had (untouched), or is lost. `recover()` restores servers a crashed trainer
+left labelled partial.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_gspo.weight_sync import gather, verify
+from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
+from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
+from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDirs
+from megatron_gspo.weight_sync.servers import Servers
+from megatron_gspo.weight_sync.transport import (
+    PARTIAL,
+    StageContext,
+    Transport,
+    TransportError,
+    make_transport,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncReport:
+    version: str
+    transport: str
+    seconds: float = 0.0
+    bytes: int = 0
+    buckets: int = 0
+    servers: dict[str, str] = field(default_factory=dict)  # url -> version it is on now
+    failures: dict[str, str] = field(default_factory=dict)  # url -> what went wrong
+    trainer_error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and self.trainer_error is None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds else 0.0
+
+    def message(self) -> str:
+        lines = [f"weight sync to version {self.version!r} ({self.transport}) failed:"]
+        if self.trainer_error:
+            lines.append(f"  trainer side: {self.trainer_error}")
+        lines += [f"  server {url}: {why}" for url, why in self.failures.items()]
+        lines.append("  servers now: " + ", ".join(f"{u} = {v}" for u, v in self.servers.items()))
+        return "\n".join(lines)
+
+
+class WeightSyncError(RuntimeError):
+    def __init__(self, message: str, report: SyncReport | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+class WeightSync:
+    def __init__(
+        self,
+        chunks,
+        servers: list[str | ServerRef],
+        config: SyncConfig | None = None,
+        *,
+        base_model: str | Path,
+        base_version: str = "default",
+        transport: Transport | None = None,
+    ):
+        """`base_model`: the HF directory the servers started from (config and tokenizer for
+        disk versions, and the first restore point, at `base_version`)."""
+        from megatron_gspo.model.policy import hf_files_dir
+
+        self.chunks = gather.unwrap(chunks)
+        self.config = config = config or SyncConfig()
+        self.servers = Servers(servers, config.timeout_s)
+        self.transport = transport or make_transport(config)
+        self.base_hf = hf_files_dir(base_model)
+        base = RestorePoint(str(Path(base_model).resolve()), base_version)
+        self.dirs = VersionDirs(config.dir, config.keep_versions, base) if config.dir else None
+        self._base = base
+        self.device = next(self.chunks[0].parameters()).device
+        self.pool = BufferPool(
+            config.bucket_bytes, config.buffers, lambda n: self.transport.alloc(n, self.device)
+        )
+        self.count = 0
+        self.coordinator = _rank() == 0
+
+    @property
+    def restore_point(self) -> RestorePoint:
+        return self.dirs.restore if self.dirs else self._base
+
+    # ---- one sync ------------------------------------------------------------------------
+
+    def sync(self, version: str | int) -> SyncReport:
+        version = str(version)
+        self.count += 1
+        t0 = time.perf_counter()
+        plan = _bcast(self._begin(version) if self.coordinator else None)
+        try:
+            outcome = self._stream(version, plan)
+        except BaseException:
+            if self.coordinator:  # our own gather failed: leave no server half-updated
+                self._finish_session(version, plan, [], crashed=True)
+            raise
+        outcomes = [o for o in _all_gather(outcome) if o is not None]
+        report = None
+        if self.coordinator:
+            report = self._finish_session(version, plan, outcomes)
+            report.seconds = time.perf_counter() - t0
+        report = _bcast(report)
+        if not report.ok:
+            raise WeightSyncError(report.message(), report)
+        every = self.config.verify_every
+        if every and self.count % every == 0:
+            self.verify(version)
+        return report
+
+    def _begin(self, version: str) -> dict:
+        snap = self.config.snapshot_every
+        write = self.transport.writes_files or bool(snap and self.count % snap == 0)
+        live, errors = list(range(len(self.servers))), {}
+        if self.config.pause_generation:
+            _, errors = self.servers.post_many(live, "/pause_generation", {"mode": "in_place"})
+        if self.transport.needs_session:
+            live = [i for i in live if i not in errors]
+            _, more = self.servers.post_many(live, "/begin_weight_update", {"selector": "target"})
+            errors.update(more)
+        if write:
+            self.dirs.start(version)
+        live = [i for i in range(len(self.servers)) if i not in errors]
+        return {"live": live, "errors": errors, "write": write}
+
+    def _stream(self, version: str, plan: dict) -> dict | None:
+        named = gather.iter_stage(self.chunks)
+        if not gather.is_stage_sender():
+            for _ in named:  # drive the collectives
+                pass
+            return None
+        stage = gather.stage_index()
+        ctx = StageContext(self.servers, self.config, version, stage, list(plan["live"]))
+        writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
+        error, nbytes = None, 0
+        try:
+            self.transport.open_stage(ctx)
+        except TransportError as e:
+            error = str(e)
+        try:
+            error, nbytes = self._send_all(pack(named, self.pool, stage), ctx, writer, error)
+        finally:
+            try:
+                self.transport.close_stage(ctx)
+            except Exception as e:  # noqa: BLE001 - reported with the rest
+                error = error or f"closing stage {stage}: {type(e).__name__}: {e}"
+        return {
+            "stage": stage, "failed": ctx.failed, "touched": sorted(ctx.touched),
+            "error": error, "bytes": nbytes, "buckets": ctx.buckets,
+            "files": writer.outcome() if writer else None,
+        }  # fmt: skip
+
+    def _send_all(self, buckets, ctx: StageContext, writer, error: str | None):
+        """Send each bucket on a worker thread while the caller packs the next one."""
+        q: queue.Queue = queue.Queue(maxsize=self.pool.size)
+        state = {"error": error, "bytes": 0}
+
+        def work():
+            while (b := q.get()) is not None:
+                try:
+                    if state["error"] is None:
+                        if writer is not None:
+                            writer.write(b)
+                        if ctx.live:
+                            ctx.fail(self.transport.send(b, ctx))
+                        ctx.buckets += 1
+                        state["bytes"] += b.nbytes
+                except Exception as e:  # noqa: BLE001 - a trainer-side failure of this stage
+                    state["error"] = str(e) if isinstance(e, TransportError) else repr(e)
+                finally:
+                    release(b, self.pool)
+
+        worker = threading.Thread(target=work, name=f"weight-sync-s{ctx.stage}", daemon=True)
+        worker.start()
+        try:
+            for b in buckets:
+                q.put(b)
+        finally:
+            q.put(None)
+            worker.join()
+        return state["error"], state["bytes"]
+
+    # ---- the coordinator's end of a sync -------------------------------------------------
+
+    def _finish_session(
+        self, version: str, plan: dict, outcomes: list[dict], crashed: bool = False
+    ) -> SyncReport:
+        report = SyncReport(version, self.transport.name)
+        failed = dict(plan["errors"])
+        touched = set(plan["live"]) if crashed else set()
+        errors = ["this rank's gather failed"] if crashed else []
+        for o in outcomes:
+            failed.update(o["failed"])
+            touched.update(o["touched"])
+            errors += [f"stage {o['stage']}: {o['error']}"] if o["error"] else []
+            report.bytes += o["bytes"]
+            report.buckets += o["buckets"]
+        report.trainer_error = "; ".join(errors) or None
+        live = [i for i in plan["live"] if i not in failed]
+        if report.trainer_error is None:
+            new_dir = self._finish_files(version, plan, outcomes)
+            failed.update(self.transport.commit(self.servers, live, version, new_dir))
+            if self.transport.writes_files:
+                touched.update(live)
+        elif plan["write"]:
+            self.dirs.discard(version)
+        restore = touched if report.trainer_error else touched & set(failed)
+        states = self._restore(sorted(restore))
+        for i in range(len(self.servers)):
+            url = self.servers.url(i)
+            if i in states:
+                report.servers[url] = states[i]
+            elif i in failed:
+                report.servers[url] = "unchanged (not updated)"
+            else:
+                report.servers[url] = version
+            if i in failed:
+                report.failures[url] = failed[i]
+        self._end(plan, states)
+        return report
+
+    def _finish_files(self, version: str, plan: dict, outcomes: list[dict]) -> Path | None:
+        if not plan["write"]:
+            return None
+        new_dir = self.dirs.finish(version, [o["files"] for o in outcomes], self.base_hf)
+        self.dirs.set_restore(RestorePoint(str(new_dir), version))
+        return new_dir
+
+    def _restore(self, indices: list[int]) -> dict[int, str]:
+        """Reload the restore point on `indices`: {index: the version each is on now}."""
+        if not indices:
+            return {}
+        point = self.restore_point
+        body = {"model_path": point.path, "weight_version": point.version, "flush_cache": True}
+        _, errors = self.servers.post_many(indices, "/update_weights_from_disk", body)
+        for i, msg in errors.items():
+            log.error("could not restore %s to version %s: %s", self.servers.url(i), point, msg)
+        return {
+            i: f"lost (restore failed: {errors[i]})"
+            if i in errors
+            else f"{point.version} (restored)"
+            for i in indices
+        }
+
+    def _end(self, plan: dict, states: dict[int, str]) -> None:
+        reachable = [i for i in plan["live"] if not states.get(i, "").startswith("lost")]
+        if self.transport.needs_session:
+            self.servers.post_many(reachable, "/end_weight_update", {})
+        if self.config.pause_generation:
+            self.servers.post_many(reachable, "/continue_generation", {})
+        self.servers.post_many(reachable, "/flush_cache", {})  # may refuse while busy: fine
+
+    # ---- verification and recovery -----------------------------------------------------
+
+    def verify(self, version: str | None = None) -> list[verify.ProbeResult]:
+        """Compare every server's probe log-probs with the trainer's (all ranks call it)."""
+        from megatron_gspo.model.forward import score
+
+        seqs = verify.probe_batch(self.chunks[0].model_spec.vocab_size, self.config)
+        reference = score(self.chunks, seqs)
+        results = None
+        if self.coordinator:
+            results = verify.check_servers(
+                self.servers, list(range(len(self.servers))), seqs, reference
+            )
+        results = _bcast(results)
+        bad = verify.problems(results, version, self.config.tolerance)
+        if bad:
+            raise WeightSyncError("weight sync verification failed:\n  " + "\n  ".join(bad))
+        return results
+
+    def recover(self) -> dict[str, str]:
+        """Restore every server whose weight_version says a sync was cut short (coordinator)."""
+        if not self.coordinator:
+            return {}
+        partial = []
+        for i in range(len(self.servers)):
+            try:
+                info = self.servers.get(i, "/model_info")
+            except Exception as e:  # noqa: BLE001 - a server that is down is the launcher's
+                log.warning("recover: %s", e)
+                continue
+            if str(info.get("weight_version", "")).startswith(PARTIAL):
+                partial.append(i)
+        return {self.servers.url(i): v for i, v in self._restore(partial).items()}
+
+    def close(self) -> None:
+        self.servers.close()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _bcast(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

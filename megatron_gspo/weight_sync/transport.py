@@ -1,0 +1,204 @@
+"""Transports: how a stage sender's buckets reach the servers. One interface, chosen by config.
+
+    open_stage(ctx)       before the stage's first bucket (distributed: join the stage's group)
+    send(bucket, ctx)     one bucket to every live server: {server index: error} for those that
+                          failed; raises TransportError when the trainer side failed (all affected)
+    close_stage(ctx)      after the last bucket, also after a failure
+    commit(...)           on the coordinator, after every stage (disk: the servers load the files)
+
+Tensor (colocated): /update_weights_from_tensor with a flattened_bucket payload. Buffers are
+allocated in shared memory ("file_system" strategy) on CPU and on the GPU otherwise (CUDA IPC), so
+serializing a bucket copies nothing: the payload holds a shared-memory file name or IPC handle, and
+the server copies the bytes straight into its weights. A buffer is reused once every server has
+answered (the server has copied it by then).
+
+Distributed (disaggregated): one group per pipeline stage, the stage sender as rank 0 and every
+server TP rank after it (rank_offset), rendezvous over PrefixStore(group_name) as SGLang requires;
+per bucket, /update_weights_from_distributed is posted to every server and then the bucket is
+broadcast once (gloo on CPU, NCCL on GPU). The group lives for one sync: a restarted server never
+holds a stale group.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from megatron_gspo.model.parallel import free_port
+from megatron_gspo.rollout import weight_payload as wp
+from megatron_gspo.weight_sync.bucket import Bucket
+from megatron_gspo.weight_sync.config import SyncConfig
+from megatron_gspo.weight_sync.servers import Servers, collect
+
+PARTIAL = "partial:"  # weight_version prefix a server carries while an update is incomplete
+
+
+class TransportError(RuntimeError):
+    """The trainer's side of a transfer failed: every server of the stage may be half-updated."""
+
+
+@dataclass
+class StageContext:
+    """One stage sender's view of one sync; `live` shrinks as servers fail."""
+
+    servers: Servers
+    config: SyncConfig
+    version: str
+    stage: int
+    live: list[int]
+    touched: set[int] = field(default_factory=set)  # servers that were sent at least one bucket
+    failed: dict[int, str] = field(default_factory=dict)
+    buckets: int = 0
+    state: dict = field(default_factory=dict)  # the transport's own per-stage state
+
+    def fail(self, errors: dict[int, str]) -> None:
+        for i, msg in errors.items():
+            self.failed.setdefault(i, msg)
+            if i in self.live:
+                self.live.remove(i)
+
+    def version_for_bucket(self) -> str | None:
+        """The first bucket marks the servers as mid-update; the commit sets the real version."""
+        return PARTIAL + self.version if self.buckets == 0 else None
+
+
+class Transport:
+    name = "base"
+    needs_session = True  # wrap in /begin_weight_update + /end_weight_update
+    writes_files = False  # the stage senders' shard writers are the transfer (disk)
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def open_stage(self, ctx: StageContext) -> None:
+        pass
+
+    def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
+        raise NotImplementedError
+
+    def close_stage(self, ctx: StageContext) -> None:
+        pass
+
+    def commit(self, servers: Servers, live: list[int], version: str, new_dir: Path | None):
+        """On the coordinator once every stage is sent: make `version` current on `live`
+        (`new_dir`: this version written to disk, if it was). Returns {server index: error}."""
+        _, errors = servers.post_many(live, "/update_weight_version", {"new_version": version})
+        return errors
+
+
+class TensorTransport(Transport):
+    name = "tensor"
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with wp.TensorSharing():  # shared memory by file name, which the server can open
+            return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
+    def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
+        base = {
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "abort_all_requests": False,
+            "weight_version": ctx.version_for_bucket(),
+        }
+
+        def body(i: int) -> dict:
+            # One serialization per receiving rank: each one takes a reference on the shared
+            # memory that the receiver gives back, so a payload must not be read twice.
+            with wp.TensorSharing():
+                payloads = [wp.serialize(bucket.payload()) for _ in range(tp[i])]
+            return {"serialized_named_tensors": payloads, **base}
+
+        tp = {i: ctx.servers.refs[i].tp_size for i in ctx.live}
+        ctx.touched.update(ctx.live)
+        _, errors = ctx.servers.post_many(list(ctx.live), "/update_weights_from_tensor", body)
+        return errors
+
+
+class DistributedTransport(Transport):
+    name = "distributed"
+
+    def open_stage(self, ctx: StageContext) -> None:
+        cfg, servers = ctx.config, ctx.servers
+        address = cfg.master_address or _master_address(servers)
+        port, name = free_port(), f"megatron-gspo-s{ctx.stage}-{uuid.uuid4().hex[:8]}"
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        offsets, world = {}, 1
+        for i in ctx.live:
+            offsets[i], world = world, world + servers.refs[i].tp_size
+        futures = {
+            i: servers.submit(
+                i, "/init_weights_update_group",
+                wp.init_group_body(address, port, world, name, backend, rank_offset=offsets[i]),
+            )
+            for i in ctx.live
+        }  # fmt: skip
+        try:
+            group = wp.open_update_group(address, port, world, 0, name, backend, cfg.timeout_s)
+        except Exception as e:
+            _, errors = collect(futures)
+            ctx.fail(errors)
+            raise TransportError(f"could not open update group {name!r}: {e}") from None
+        _, errors = collect(futures)
+        ctx.state.update(group=group, name=name, members=list(ctx.live))
+        if errors:  # the group cannot run without every member
+            ctx.fail(errors)
+            raise TransportError(f"servers did not join update group {name!r}")
+
+    def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
+        names = [m.name for m in bucket.metadata]
+        body = {
+            "names": names,
+            "dtypes": [wp.dtype_name(m.dtype) for m in bucket.metadata],
+            "shapes": [list(m.shape) for m in bucket.metadata],
+            "group_name": ctx.state["name"],
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": ctx.version_for_bucket(),
+        }
+        ctx.touched.update(ctx.live)
+        futures = {
+            i: ctx.servers.submit(i, "/update_weights_from_distributed", body) for i in ctx.live
+        }
+        try:
+            torch.distributed.broadcast(bucket.flat, group=ctx.state["group"], group_src=0)
+        except Exception as e:
+            _, errors = collect(futures)
+            ctx.fail(errors)
+            raise TransportError(f"broadcast of bucket {bucket.index} failed: {e}") from None
+        _, errors = collect(futures)
+        if errors:  # a member that failed may have left the group: later broadcasts would hang
+            ctx.fail(errors)
+            raise TransportError(f"servers failed bucket {bucket.index}; the group is broken")
+        return errors
+
+    def close_stage(self, ctx: StageContext) -> None:
+        group = ctx.state.pop("group", None)
+        if group is None:
+            return
+        body = {"group_name": ctx.state["name"]}
+        ctx.servers.post_many(ctx.state["members"], "/destroy_weights_update_group", body)
+        wp.close_update_group(group)
+
+
+def _master_address(servers: Servers) -> str:
+    hosts = {urlparse(r.url).hostname for r in servers.refs}
+    if hosts <= {"127.0.0.1", "localhost", "::1"}:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def make_transport(config: SyncConfig) -> Transport:
+    if config.transport == "tensor":
+        return TensorTransport()
+    if config.transport == "distributed":
+        return DistributedTransport()
+    from megatron_gspo.weight_sync.disk import DiskTransport
+
+    return DiskTransport()

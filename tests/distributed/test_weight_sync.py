@@ -1,0 +1,156 @@
+"""Weight sync from Megatron trainers (gloo, 1-4 ranks) into two built-in rollout servers.
+
+Judged: after a sync of perturbed weights, by each transport (tensor, distributed, disk) and from
+TP1, TP2, EP2, PP2 and TP2xEP2 trainers, every server serves the new weight_version and returns
+the trainer's probe log-probs within 1e-4 (fp32). A failure injected mid-sync (a server killed, a
+transport error, the trainer killed) leaves every server on one whole version.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.model.parallel import free_port
+from tests.conftest import cli_env
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("weight_sync_worker.py")
+TOL = 1e-4
+
+
+def start_servers(checkpoint: Path, log_dir: Path, n: int = 2) -> list[tuple]:
+    """n built-in servers, each with its output in a file (a pipe nobody reads could fill up)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for i in range(n):
+        log = log_dir / f"server-{i}-{time.monotonic_ns()}.log"
+        with open(log, "w") as f:
+            p = subprocess.Popen(
+                [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(checkpoint),
+                 "--port", "0", "--threads", "1"],
+                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        procs.append((p, log))
+    out = []
+    for p, log in procs:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r" on (http://127\.0\.0\.1:\d+)", log.read_text())):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        out.append((p, m.group(1)))
+    return out
+
+
+def stop_servers(servers) -> None:
+    for p, _ in servers:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p, _ in servers:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_models, tmp_path_factory):
+    started = start_servers(tiny_models["moe4"], tmp_path_factory.mktemp("servers"))
+    yield [url for _, url in started]
+    stop_servers(started)
+
+
+def run_worker(tmp_path, checkpoint, urls, nproc=1, flags=(), expect_rc=0, tag="run"):
+    out = tmp_path / f"{tag}.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", str(WORKER), str(checkpoint), str(out), ",".join(urls),
+        "--dir", str(tmp_path / "sync"), *flags,
+    ]  # fmt: skip
+    # Output to a file, not a pipe: torch's shared-memory manager, a child of the worker, lives
+    # on while servers hold the worker's shared buffers, and would keep a pipe open.
+    log = tmp_path / f"{tag}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=400, env=cli_env())
+    assert proc.returncode == expect_rc, log.read_text()[-4000:]
+    return json.loads(out.read_text()) if out.exists() else None
+
+
+def assert_serves(result: dict, url: str, version: str) -> None:
+    s = result["serving"][url]
+    assert s.get("version") == version, s
+    assert s["diffs"][version] < TOL, s
+    others = [d for v, d in s["diffs"].items() if v != version]
+    assert min(others) > 100 * TOL, s  # the versions are far apart: the check means something
+
+
+LAYOUTS = {  # name: (processes, flags)
+    "tp1": (1, []),
+    "tp2": (2, ["--tp", "2"]),
+    "ep2": (2, ["--ep", "2"]),
+    "pp2": (2, ["--pp", "2"]),
+    "tp2xep2": (4, ["--tp", "2", "--ep", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_transport_brings_every_server_to_the_trainer(tmp_path, tiny_models, servers, layout):
+    nproc, flags = LAYOUTS[layout]
+    result = run_worker(
+        tmp_path, tiny_models["moe4"], servers, nproc,
+        [*flags, "--transports", "tensor,distributed,disk"],
+    )  # fmt: skip
+    assert [s["transport"] for s in result["syncs"]] == ["tensor", "distributed", "disk"]
+    for s in result["syncs"]:
+        assert s["buckets"] > 5  # small buckets: many per sync
+        for r in s["verify"]:
+            assert r["error"] is None and r["version"] == s["version"], r
+            assert r["max_diff"] < TOL, (s["transport"], r)
+    for url in servers:
+        assert_serves(result, url, "3")
+
+
+def test_killed_server_is_named_and_the_others_finish(tmp_path, tiny_models):
+    started = start_servers(tiny_models["moe4"], tmp_path)
+    try:
+        (victim, dead_url), (_, live_url) = started
+        flags = ["--transports", "tensor", "--fail", "kill-server", "--kill-pid", str(victim.pid)]
+        result = run_worker(tmp_path, tiny_models["moe4"], [dead_url, live_url], flags=flags)
+    finally:
+        stop_servers(started)
+    assert dead_url in result["error"] and live_url not in result["report"]["failures"]
+    assert result["report"]["servers"][dead_url].startswith("lost")
+    assert "error" in result["serving"][dead_url]  # down: its supervisor restarts it
+    assert_serves(result, live_url, "2")  # the sync went on for the rest
+
+
+def test_transport_error_restores_every_server_to_the_snapshot(tmp_path, tiny_models, servers):
+    flags = ["--pp", "2", "--transports", "distributed", "--snapshot-every", "1"]
+    flags += ["--fail", "transport-error"]
+    result = run_worker(tmp_path, tiny_models["moe4"], servers, 2, flags)
+    assert "injected transport failure" in result["error"]
+    assert result["report"]["trainer_error"]
+    for url in servers:
+        assert result["report"]["servers"][url] == "1 (restored)"
+        assert_serves(result, url, "1")  # the snapshot of version 1, both stages
+
+
+def test_trainer_killed_mid_sync_is_recovered(tmp_path, tiny_models, servers):
+    flags = ["--transports", "tensor", "--snapshot-every", "1", "--fail", "crash"]
+    assert run_worker(tmp_path, tiny_models["moe4"], servers, 1, flags, expect_rc=1) is None
+    from megatron_gspo.weight_sync.servers import Servers
+
+    left = Servers(servers)
+    versions = [left.get(i, "/model_info")["weight_version"] for i in range(len(servers))]
+    assert versions == ["partial:2"] * 2  # mid-update, and saying so
+    result = run_worker(tmp_path, tiny_models["moe4"], servers, 1, ["--recover"], tag="recover")
+    assert set(result["recovered"].values()) == {"1 (restored)"}
+    for url in servers:
+        assert_serves(result, url, "1")

@@ -1,0 +1,171 @@
+"""Worker for the weight-sync tests: perturb the policy, sync it into running servers, compare.
+
+torchrun --nproc-per-node N tests/distributed/weight_sync_worker.py CKPT OUT.json URL[,URL..]
+    [--tp/--pp/--ep K] [--transport T] [--dir D] [--bucket-mb MB]
+    [--fail kill-server|transport-error|crash --kill-pid PID] [--recover]
+
+Version "1": the policy perturbed once, synced with verify_every=1 (which checks every server's
+probe log-probs against the trainer's). With --fail, version "2" (perturbed again) is synced with
+the failure injected after the first bucket. Rank 0 writes what each server serves afterwards
+(its version and its probe log-probs' distance to the trainer's versions 0, 1 and 2).
+With --recover, a fresh trainer only calls WeightSync.recover() and reports the servers.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.model.forward import score
+from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
+from megatron_gspo.model.policy import load_policy
+from megatron_gspo.weight_sync import verify
+from megatron_gspo.weight_sync.config import SyncConfig
+from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
+from megatron_gspo.weight_sync.transport import Transport, TransportError, make_transport
+
+
+@torch.no_grad()
+def perturb(chunks, seed: int) -> None:
+    """Deterministic noise, identical on every replica of a tensor (TP-replicated, DP)."""
+    from megatron.core import parallel_state as mpu
+
+    pp = mpu.get_pipeline_model_parallel_rank()
+    for ci, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            key = zlib.crc32(f"{pp}/{ci}/{name}".encode())
+            g = torch.Generator().manual_seed(seed * 1_000_003 + key)
+            noise = torch.randn(p.shape, generator=g)
+            p.add_(noise * (0.3 * p.float().std().nan_to_num().item() + 0.02))
+
+
+class Faulty(Transport):
+    """The configured transport, with a failure injected before the second bucket of a sync."""
+
+    def __init__(self, inner: Transport, mode: str, kill_pid: int | None):
+        self.inner, self.mode, self.kill_pid, self.armed = inner, mode, kill_pid, False
+        self.name, self.needs_session = inner.name, inner.needs_session
+        self.writes_files = inner.writes_files
+
+    def alloc(self, nbytes, device):
+        return self.inner.alloc(nbytes, device)
+
+    def open_stage(self, ctx):
+        self.inner.open_stage(ctx)
+
+    def close_stage(self, ctx):
+        self.inner.close_stage(ctx)
+
+    def commit(self, servers, live, version, new_dir):
+        if self.armed and self.mode == "kill-server" and self.inner.writes_files:
+            self._kill()
+        return self.inner.commit(servers, live, version, new_dir)
+
+    def send(self, bucket, ctx):
+        if self.armed and ctx.buckets == 1:
+            if self.mode == "kill-server":
+                self._kill()
+            elif self.mode == "transport-error":
+                raise TransportError("injected transport failure")
+            elif self.mode == "crash":
+                os._exit(3)  # the trainer dies mid-sync
+        return self.inner.send(bucket, ctx)
+
+    def _kill(self):
+        try:
+            os.kill(self.kill_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        time.sleep(0.3)
+
+
+def serving(ws: WeightSync, seqs, refs: dict) -> dict:
+    """What each server serves: version, and max |diff| to each trainer version's log-probs."""
+    out = {}
+    for i in range(len(ws.servers)):
+        url = ws.servers.url(i)
+        try:
+            got, version = verify.server_logprobs(ws.servers, i, seqs)
+        except Exception as e:  # noqa: BLE001
+            out[url] = {"error": str(e)}
+            continue
+        diffs = {k: verify.max_abs_diff(got, r) for k, r in refs.items()}
+        out[url] = {"version": version, "diffs": diffs}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("servers")
+    for name in ("tp", "pp", "ep"):
+        ap.add_argument("--" + name, type=int, default=1)
+    ap.add_argument("--transports", default="tensor", help="comma-separated, one sync each")
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--bucket-mb", type=float, default=0.05)
+    ap.add_argument("--snapshot-every", type=int, default=0)
+    ap.add_argument("--fail", default=None)
+    ap.add_argument("--kill-pid", type=int, default=None)
+    ap.add_argument("--recover", action="store_true")
+    a = ap.parse_args()
+    dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
+    init_distributed(dims)
+    chunks = load_policy(a.checkpoint, dims)
+    transports = a.transports.split(",")
+
+    def weight_sync(name: str) -> WeightSync:
+        cfg = SyncConfig(
+            transport=name, bucket_mb=a.bucket_mb, verify_every=1, tolerance=1e-4,
+            dir=a.dir, snapshot_every=a.snapshot_every, timeout_s=60,
+        )  # fmt: skip
+        transport = make_transport(cfg)
+        if a.fail:
+            transport = Faulty(transport, a.fail, a.kill_pid)
+        return WeightSync(chunks, a.servers.split(","), cfg, base_model=a.checkpoint,
+                          transport=transport)  # fmt: skip
+
+    ws = weight_sync(transports[0])
+    seqs = verify.probe_batch(chunks[0].model_spec.vocab_size, ws.config)
+    refs = {"0": score(chunks, seqs)}
+    result: dict = {"syncs": []}
+    if a.recover:  # a new trainer after a crash: version 1's weights, servers left mid-sync
+        perturb(chunks, 1)
+        refs["1"] = score(chunks, seqs)
+        result["recovered"] = ws.recover()
+    for k, name in enumerate([] if a.recover else transports, start=1):
+        ws = weight_sync(name)
+        perturb(chunks, k)
+        refs[str(k)] = score(chunks, seqs)
+        t0 = time.perf_counter()
+        report = ws.sync(str(k))  # verify_every=1: raises unless every server matches
+        checked = ws.verify(str(k))
+        result["syncs"].append({
+            "transport": name, "version": str(k), "seconds": time.perf_counter() - t0,
+            "buckets": report.buckets, "verify": [r.__dict__ for r in checked],
+        })  # fmt: skip
+    if a.fail:
+        k = str(len(transports) + 1)
+        perturb(chunks, int(k))
+        refs[k] = score(chunks, seqs)
+        ws.transport.armed = True
+        try:
+            ws.sync(k)
+            result["error"] = None
+        except WeightSyncError as e:
+            result["error"] = str(e)
+            result["report"] = e.report.__dict__ if e.report else None
+    if dist.get_rank() == 0:
+        result["serving"] = serving(ws, seqs, refs)
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+    ws.close()
+
+
+if __name__ == "__main__":
+    main()

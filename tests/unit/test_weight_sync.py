@@ -1,0 +1,195 @@
+"""Weight-sync pieces on one CPU process: buckets (layout, checksum, shared-memory payloads),
+safetensors shards, version directories, config checks, probe comparison, server errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.parallel import free_port
+from megatron_gspo.rollout import safe_unpickle
+from megatron_gspo.rollout import weight_payload as wp
+from megatron_gspo.weight_sync import verify
+from megatron_gspo.weight_sync.bucket import BufferPool, checksum, pack, release, unflatten
+from megatron_gspo.weight_sync.config import SyncConfig
+from megatron_gspo.weight_sync.disk import RestorePoint, VersionDirs, verify_shard, write_shard
+from megatron_gspo.weight_sync.servers import ServerError, Servers
+from megatron_gspo.weight_sync.transport import TensorTransport
+
+pytestmark = pytest.mark.unit
+
+
+def plain_pool(capacity: int, size: int = 2) -> BufferPool:
+    return BufferPool(capacity, size, lambda n: torch.empty(n, dtype=torch.uint8))
+
+
+def tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a", torch.randn(8, 4, generator=g)),  # 128 B
+        ("b", torch.randn(3, generator=g).to(torch.bfloat16)),  # 6 B: next fp32 misaligned
+        ("c", torch.randn(5, generator=g)),  # 20 B
+        ("big", torch.randn(100, generator=g)),  # 400 B > capacity
+        ("d", torch.arange(6)),  # int64
+        ("e", torch.randn(4, 4, generator=g).t()),  # non-contiguous view
+    ]
+
+
+def drain(named, pool):
+    out = []
+    for b in pack(named, pool):
+        out.append((b, [(n, t.clone()) for n, t in b.named()], b.flat.clone()))
+        release(b, pool)
+    return out
+
+
+def test_pack_round_trips_and_respects_capacity_and_alignment():
+    named = tensors()
+    buckets = drain(named, plain_pool(256))
+    got = [item for _, items, _ in buckets for item in items]
+    assert [n for n, _ in got] == [n for n, _ in named]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(got, named))
+    for b, _, flat in buckets:
+        offsets = [(m.start_idx, m.end_idx) for m in b.metadata]
+        assert offsets[0][0] == 0 and all(x[1] == y[0] for x, y in zip(offsets, offsets[1:]))
+        assert all(m.numel == m.end_idx - m.start_idx for m in b.metadata)  # bytes, as SGLang
+        assert b.nbytes <= 256 or [m.name for m in b.metadata] == ["big"]
+        assert all(m.start_idx % m.dtype.itemsize == 0 for m in b.metadata)
+        assert b.checksum == checksum(flat)
+    names = [[m.name for m in b.metadata] for b, _, _ in buckets]
+    assert ["big"] in names  # oversized: a bucket of its own
+    assert any(n[-1] == "b" for n in names)  # c would start misaligned after b
+
+
+def test_pool_reuses_buffers():
+    allocs = []
+
+    def alloc(n):
+        allocs.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = BufferPool(64, 2, alloc)
+    named = [(f"t{i}", torch.full((16,), float(i))) for i in range(10)]  # one per bucket
+    out = drain(named, pool)
+    assert len(out) == 10 and allocs == [64]  # each bucket came back before the next
+    assert all(torch.equal(items[0][1], t) for (_, items, _), (_, t) in zip(out, named))
+
+
+def test_checksum_sees_every_byte_and_the_length():
+    x = torch.randint(0, 256, (1003,), dtype=torch.uint8)
+    c = checksum(x)
+    assert c == checksum(x.clone())
+    for i in (0, 500, 1000, 1002):  # body and the unaligned tail
+        y = x.clone()
+        y[i] ^= 1
+        assert checksum(y) != c
+    assert checksum(x[:1000]) != checksum(torch.cat([x[:1000], torch.zeros(8, dtype=torch.uint8)]))
+    assert checksum(x[1:]) == checksum(x[1:].clone())  # a misaligned view
+
+
+def test_tensor_payload_decodes_as_flattened_bucket_repeatedly():
+    transport = TensorTransport()
+    pool = BufferPool(512, 1, lambda n: transport.alloc(n, torch.device("cpu")))
+    named = tensors()
+    seen = []
+    for b in pack(named, pool):
+        assert b.buffer.is_shared()
+        for _ in range(2):  # one payload per receiver
+            with wp.TensorSharing():
+                payload = wp.serialize(b.payload())
+            got = safe_unpickle.decode_named_tensors(payload, "flattened_bucket")
+            flat = got[0][1].untyped_storage()
+            assert len(got) == len(b.metadata) and flat.nbytes() >= b.nbytes
+        seen += [(n, t.clone()) for n, t in got]
+        release(b, pool)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(seen, named))
+
+
+def test_shard_is_safetensors_with_checksum(tmp_path):
+    named = [tensors()[0], tensors()[5], tensors()[4]]  # 128 + 64 + 48 B, aligned
+    path = tmp_path / "s.safetensors"
+    (bucket,) = list(pack(named, plain_pool(1024)))
+    write_shard(path, bucket)
+    loaded = load_file(str(path))
+    assert all(torch.equal(loaded[n], t) for n, t in named)
+    verify_shard(path)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="checksum"):
+        verify_shard(path)
+
+
+def test_version_dirs_keep_the_newest_and_persist_the_restore_point(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    dirs = VersionDirs(tmp_path / "sync", keep=2, base=RestorePoint(str(base), "default"))
+    assert dirs.restore.version == "default"
+    made = []
+    for v in ("1", "2", "3"):
+        dirs.start(v)
+        out = dirs.finish(v, [{"weight_map": {"w": "x.safetensors"}, "bytes": 4}], base)
+        assert (out / "config.json").is_file() and not dirs.tmp(v).exists()
+        assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        dirs.set_restore(RestorePoint(str(out), v))
+        made.append(out)
+    assert not made[0].exists() and made[1].exists() and made[2].exists()
+    again = VersionDirs(tmp_path / "sync", keep=2, base=RestorePoint(str(base), "default"))
+    assert again.restore == RestorePoint(str(made[2]), "3")
+    dirs.start("4")
+    dirs.discard("4")
+    assert not dirs.tmp("4").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"transport": "nccl"}, "sync.transport"),
+        ({"bucket_mb": 0}, "bucket_mb"),
+        ({"verify_every": -1}, "verify_every"),
+        ({"transport": "disk"}, "sync.dir"),
+        ({"snapshot_every": 2}, "sync.dir"),
+        ({"tolerance": 0}, "tolerance"),
+    ],
+)
+def test_config_refuses_bad_values(kwargs, words):
+    with pytest.raises(UserError, match=words):
+        SyncConfig(**kwargs)
+
+
+def test_probe_is_fixed_and_compared_token_by_token():
+    cfg = SyncConfig(probe_sequences=3, probe_length=10)
+    seqs = verify.probe_batch(100, cfg)
+    assert seqs == verify.probe_batch(100, cfg) and [len(s) for s in seqs] == [10, 5, 2]
+    ref = [[None, -1.0, -2.0], [None, -0.5]]
+    assert verify.max_abs_diff(ref, [[None, -1.0, -2.00001], [None, -0.5]]) == pytest.approx(1e-5)
+    assert verify.max_abs_diff(ref, [[None, -1.0], [None, -0.5]]) == float("inf")
+    results = [
+        verify.ProbeResult("http://a", "7", 1e-6),
+        verify.ProbeResult("http://b", "6", 0.0),
+        verify.ProbeResult("http://c", "7", 0.1),
+        verify.ProbeResult("http://d", error="down"),
+    ]
+    bad = verify.problems(results, "7", 1e-4)
+    assert [m.split(": ")[0] for m in bad] == ["http://b", "http://c", "http://d"]
+    assert "expected '7'" in bad[0] and "tolerance" in bad[1] and "down" in bad[2]
+
+
+def test_unreachable_server_is_named():
+    url = f"http://127.0.0.1:{free_port()}"
+    servers = Servers([url], timeout_s=5)
+    with pytest.raises(ServerError, match=url):
+        servers.post(0, "/begin_weight_update", {})
+    answers, errors = servers.post_many([0], "/x", {})
+    assert not answers and url in errors[0]
+    servers.close()
+
+
+def test_unflatten_matches_rollout_helper():
+    named = [tensors()[0], tensors()[5], tensors()[4]]  # 128 + 64 + 48 B, aligned
+    bucket = wp.flatten_bucket(named)
+    ours = unflatten(bucket["flattened_tensor"], bucket["metadata"])
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(ours, named))
