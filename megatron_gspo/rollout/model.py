@@ -87,6 +87,9 @@ class RolloutModel:
         self.spec = spec
         self.dtype = dtype or spec.dtype
         self.params: dict[str, torch.Tensor] = {}
+        # Fused weights (q|k|v rows, dense gate|up rows): the HF-named params are row views of
+        # them, so loading a name fills the fused tensor and one matmul serves all parts.
+        self.fused: dict[str, torch.Tensor] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
         self._alloc()
         self.moe_layer_ids = spec.moe_layer_ids
@@ -108,6 +111,11 @@ class RolloutModel:
         def new(name: str, *shape: int) -> None:
             self.params[name] = torch.zeros(shape, dtype=dt)
 
+        def fused(key: str, parts: list[tuple[str, int]], *cols: int) -> None:
+            t = self.fused[key] = torch.zeros(sum(n for _, n in parts), *cols, dtype=dt)
+            for (name, _), rows in zip(parts, t.split([n for _, n in parts])):
+                self.params[name] = rows
+
         new("model.embed_tokens.weight", s.vocab_size, d)
         new("model.norm.weight", d)
         if not s.tie_embeddings:
@@ -116,10 +124,10 @@ class RolloutModel:
             p = f"model.layers.{i}."
             new(p + "input_layernorm.weight", d)
             new(p + "post_attention_layernorm.weight", d)
-            for proj, heads in (("q", s.num_heads), ("k", s.num_kv_heads), ("v", s.num_kv_heads)):
-                new(p + f"self_attn.{proj}_proj.weight", heads * hd, d)
-                if s.qkv_bias:
-                    new(p + f"self_attn.{proj}_proj.bias", heads * hd)
+            qkv = [("q", s.num_heads), ("k", s.num_kv_heads), ("v", s.num_kv_heads)]
+            fused(p + "qkv", [(p + f"self_attn.{n}_proj.weight", h * hd) for n, h in qkv], d)
+            if s.qkv_bias:
+                fused(p + "qkv_bias", [(p + f"self_attn.{n}_proj.bias", h * hd) for n, h in qkv])
             new(p + "self_attn.o_proj.weight", d, s.num_heads * hd)
             if s.qk_norm:
                 new(p + "self_attn.q_norm.weight", hd)
@@ -135,8 +143,12 @@ class RolloutModel:
                     "down": torch.zeros(e, d, f, dtype=dt),
                 }
             else:
-                new(p + "mlp.gate_proj.weight", s.ffn_hidden_size, d)
-                new(p + "mlp.up_proj.weight", s.ffn_hidden_size, d)
+                f = s.ffn_hidden_size
+                fused(
+                    p + "gate_up",
+                    [(p + "mlp.gate_proj.weight", f), (p + "mlp.up_proj.weight", f)],
+                    d,
+                )
                 new(p + "mlp.down_proj.weight", d, s.ffn_hidden_size)
 
     def hf_names(self) -> list[str]:
@@ -231,6 +243,7 @@ class RolloutModel:
             else slot_B
         )
         pos_T = start_B[b_T] + j_T
+        mask_BQK = _mask(start_B, max(lens), need)
         return _Batch(
             ids_T=ids_T,
             offsets_B=offsets_B,
@@ -242,7 +255,10 @@ class RolloutModel:
             pos_T=pos_T,
             q_len=max(lens),
             k_len=need,
-            mask_BQK=_mask(start_B, max(lens), need),
+            mask_BQK=mask_BQK,
+            bias_B11K=torch.zeros(mask_BQK.shape, dtype=self.dtype).masked_fill_(
+                ~mask_BQK, float("-inf")
+            )[:, None],
             rope=self._rope(pos_T),
         )
 
@@ -256,7 +272,7 @@ class RolloutModel:
         if self.spec.moe_layers[i]:
             out, topk_Tk = self._moe(i, h)
             return x + out, topk_Tk
-        return x + self._mlp(p + "mlp.", h), None
+        return x + self._mlp(p, h), None
 
     def full_logits(self, tokens: list[int], record_routing: bool = False) -> StepOutput:
         """Logits at every position of one sequence (a fresh cache); for tests and scoring."""
@@ -270,43 +286,41 @@ class RolloutModel:
 
     def _attention(self, i: int, x: torch.Tensor, cache: KVCache, m: _Batch) -> torch.Tensor:
         s, p = self.spec, self.params
-        pre = f"model.layers.{i}.self_attn."
-        T, hd = x.shape[0], s.head_dim
-
-        def proj(name: str, heads: int) -> torch.Tensor:
-            y = F.linear(x, p[pre + f"{name}_proj.weight"], p.get(pre + f"{name}_proj.bias"))
-            return y.view(T, heads, hd)
-
-        q, k, v = proj("q", s.num_heads), proj("k", s.num_kv_heads), proj("v", s.num_kv_heads)
+        pre = f"model.layers.{i}."
+        T, hd, H, G = x.shape[0], s.head_dim, s.num_heads, s.num_kv_heads
+        qkv = F.linear(x, self.fused[pre + "qkv"], self.fused.get(pre + "qkv_bias"))
+        qkv = qkv.view(T, H + 2 * G, hd)
+        qk, v = qkv[:, : H + G], qkv[:, H + G :]  # q and k heads normed and rotated together
         if s.qk_norm:
-            q = _rms(q, p[pre + "q_norm.weight"], s.rms_norm_eps)
-            k = _rms(k, p[pre + "k_norm.weight"], s.rms_norm_eps)
+            w = torch.cat(
+                [p[pre + "self_attn.q_norm.weight"].expand(H, hd),
+                 p[pre + "self_attn.k_norm.weight"].expand(G, hd)]
+            )  # fmt: skip
+            qk = _rms(qk, w, s.rms_norm_eps)
         cos, sin = m.rope[0][:, None, :], m.rope[1][:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk[:, :H], qk[:, H:]
         cache.k[i][m.slot_T, :, m.pos_T] = k
         cache.v[i][m.slot_T, :, m.pos_T] = v
-        decode = m.q_len == 1  # one new token per chunk: no padding of the queries
-        if decode:
-            q_BQHd = q[:, None]
-        else:
-            q_BQHd = q.new_zeros(len(m.slot_B), m.q_len, s.num_heads, hd)
-            q_BQHd[m.b_T, m.j_T] = q
         k_BGKd = cache.k[i][m.rows, :, : m.k_len]
         v_BGKd = cache.v[i][m.rows, :, : m.k_len]
-        o = F.scaled_dot_product_attention(
-            q_BQHd.transpose(1, 2), k_BGKd, v_BGKd, attn_mask=m.mask_BQK[:, None], enable_gqa=True
-        )
-        o = o.transpose(1, 2)
-        o_T = (o[:, 0] if decode else o[m.b_T, m.j_T]).reshape(T, s.num_heads * hd)
-        return F.linear(o_T, p[pre + "o_proj.weight"])
+        if m.q_len == 1:  # decode: one query per chunk, attention by hand (SDPA's GQA is slow)
+            q_BGhd = q.reshape(T, G, H // G, hd)
+            scores = torch.matmul(q_BGhd, k_BGKd.transpose(-1, -2)) * hd**-0.5 + m.bias_B11K
+            o_T = torch.matmul(torch.softmax(scores, -1), v_BGKd).reshape(T, H * hd)
+        else:
+            q_BQHd = q.new_zeros(len(m.slot_B), m.q_len, H, hd)
+            q_BQHd[m.b_T, m.j_T] = q
+            o = F.scaled_dot_product_attention(
+                q_BQHd.transpose(1, 2), k_BGKd, v_BGKd, attn_mask=m.mask_BQK[:, None],
+                enable_gqa=True,
+            )  # fmt: skip
+            o_T = o.transpose(1, 2)[m.b_T, m.j_T].reshape(T, H * hd)
+        return F.linear(o_T, p[pre + "self_attn.o_proj.weight"])
 
     def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        gate = F.linear(x, p[pre + "gate_proj.weight"])
-        return F.linear(
-            F.silu(gate) * F.linear(x, p[pre + "up_proj.weight"]), p[pre + "down_proj.weight"]
-        )
+        gate, up = F.linear(x, self.fused[pre + "gate_up"]).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.params[pre + "mlp.down_proj.weight"])
 
     def _moe(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts. The (token, expert) pairs are sorted by expert once, so each
@@ -344,6 +358,7 @@ class _Batch:
     q_len: int
     k_len: int
     mask_BQK: torch.Tensor
+    bias_B11K: torch.Tensor  # the mask as 0 / -inf, for the decode path (Q = 1)
     rope: tuple[torch.Tensor, torch.Tensor]
 
 
@@ -354,6 +369,8 @@ def _mask(start_B: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; the same numbers as HF's in fp32
+        return w * F.rms_norm(x, x.shape[-1:], eps=eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
