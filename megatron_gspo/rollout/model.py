@@ -33,6 +33,9 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.model.hf_io import HFReader
 
+# Run all experts densely while tokens x experts x expert width stays under this (see _moe).
+DENSE_MOE_MAX = 2**16
+
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
@@ -323,26 +326,42 @@ class RolloutModel:
         return F.linear(F.silu(gate) * up, self.params[pre + "mlp.down_proj.weight"])
 
     def _moe(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routed experts. The (token, expert) pairs are sorted by expert once, so each
-        expert runs two matmuls on a contiguous block and one index_add sums them per token."""
-        s, ex = self.spec, self.experts[i]
+        """Top-k routed experts; returns the output and the chosen experts [T, k]."""
+        s = self.spec
         logits_TE = F.linear(x, self.params[f"model.layers.{i}.mlp.gate.weight"])
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         w_Tk, idx_Tk = torch.topk(probs_TE, s.topk, dim=-1)
         if s.norm_topk_prob:
             w_Tk = w_Tk / w_Tk.sum(-1, keepdim=True)
         w_Tk = w_Tk.to(x.dtype)
+        if x.shape[0] * s.num_experts * s.moe_ffn_hidden_size <= DENSE_MOE_MAX:
+            return self._experts_dense(i, x, w_Tk, idx_Tk), idx_Tk
+        return self._experts_grouped(i, x, w_Tk, idx_Tk), idx_Tk
+
+    def _experts_grouped(self, i, x, w_Tk, idx_Tk) -> torch.Tensor:
+        """The (token, expert) pairs sorted by expert once: each expert runs two matmuls on a
+        contiguous block, and one index_add sums them per token."""
+        s, ex = self.spec, self.experts[i]
         order_N = torch.argsort(idx_Tk.reshape(-1), stable=True)  # N = T * k pairs
         tok_N = order_N // s.topk
         counts = torch.bincount(idx_Tk.reshape(-1), minlength=s.num_experts).tolist()
-        f = s.moe_ffn_hidden_size
         outs = []
         for e, h in enumerate(x[tok_N].split(counts)):
             if len(h):
-                gate, up = F.linear(h, ex["gate_up"][e]).split(f, -1)
+                gate, up = F.linear(h, ex["gate_up"][e]).chunk(2, -1)
                 outs.append(F.linear(F.silu(gate) * up, ex["down"][e]))
         y_N = torch.cat(outs) * w_Tk.reshape(-1)[order_N, None]
-        return torch.zeros_like(x).index_add_(0, tok_N, y_N), idx_Tk
+        return torch.zeros_like(x).index_add_(0, tok_N, y_N)
+
+    def _experts_dense(self, i, x, w_Tk, idx_Tk) -> torch.Tensor:
+        """Every expert on every token, weighted by the routing (zero off the top-k): E/k times
+        the FLOPs in a handful of ops — faster while per-op overhead dominates (tiny models,
+        decode batches). Adding the zero-weighted terms does not change the sum."""
+        ex = self.experts[i]
+        gate, up = torch.matmul(x, ex["gate_up"].transpose(1, 2)).chunk(2, -1)  # [E, T, F]
+        y_ETD = torch.bmm(F.silu(gate) * up, ex["down"].transpose(1, 2))
+        w_ET = torch.zeros(y_ETD.shape[:2], dtype=x.dtype).scatter_(0, idx_Tk.T, w_Tk.T)
+        return (y_ETD * w_ET[..., None]).sum(0)
 
 
 @dataclass

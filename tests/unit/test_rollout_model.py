@@ -7,6 +7,7 @@ import torch
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_io import HFReader
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.rollout import model as rollout_model
 from megatron_gspo.rollout.model import Chunk, RolloutModel
 
 pytestmark = pytest.mark.unit
@@ -50,6 +51,17 @@ def test_full_logprobs_equal_hf(ckpts, arch):
     ref = torch.log_softmax(out.logits[0].float(), -1)
     mine = torch.log_softmax(model.full_logits(tokens).logits[0], -1)
     assert ref.std() > 0.5  # a model whose predictions vary, so the check means something
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dense_max", [0, 2**40], ids=["grouped", "dense"])
+def test_both_expert_paths_equal_hf(ckpts, monkeypatch, dense_max):
+    monkeypatch.setattr(rollout_model, "DENSE_MOE_MAX", dense_max)
+    tokens = prompt(24, seed=2)
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"])
+    _, out = hf_forward(ckpts["qwen3_moe"], tokens)
+    ref = torch.log_softmax(out.logits[0].float(), -1)
+    mine = torch.log_softmax(model.full_logits(tokens).logits[0], -1)
     torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
 
 
