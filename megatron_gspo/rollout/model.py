@@ -33,8 +33,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.model.hf_io import HFReader
 
-# Run all experts densely while tokens x experts x expert width stays under this (see _moe).
-DENSE_MOE_MAX = 2**16
+_GROUPED_MM = hasattr(torch, "_grouped_mm")  # one matmul over all experts (CPU too, torch >= 2.9)
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
@@ -220,7 +219,9 @@ class RolloutModel:
         head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
         firsts = [n - 1 if c.logits_from < 0 else c.logits_from for c, n in zip(chunks, lens)]
         offsets = meta.offsets_B.tolist()
-        rows = torch.cat([torch.arange(o + f, o + n) for o, f, n in zip(offsets, firsts, lens)])
+        rows = torch.tensor(
+            [r for o, f, n in zip(offsets, firsts, lens) for r in range(o + f, o + n)]
+        )
         logits = F.linear(x[rows], head).float().split([n - f for f, n in zip(firsts, lens)])
         routed_out = None
         if record_routing and routed:
@@ -334,34 +335,32 @@ class RolloutModel:
         if s.norm_topk_prob:
             w_Tk = w_Tk / w_Tk.sum(-1, keepdim=True)
         w_Tk = w_Tk.to(x.dtype)
-        if x.shape[0] * s.num_experts * s.moe_ffn_hidden_size <= DENSE_MOE_MAX:
-            return self._experts_dense(i, x, w_Tk, idx_Tk), idx_Tk
-        return self._experts_grouped(i, x, w_Tk, idx_Tk), idx_Tk
+        return self._experts(i, x, w_Tk, idx_Tk), idx_Tk
 
-    def _experts_grouped(self, i, x, w_Tk, idx_Tk) -> torch.Tensor:
-        """The (token, expert) pairs sorted by expert once: each expert runs two matmuls on a
-        contiguous block, and one index_add sums them per token."""
+    def _experts(self, i, x, w_Tk, idx_Tk) -> torch.Tensor:
+        """The (token, expert) pairs sorted by expert once; each expert's block goes through its
+        weights (one grouped matmul for all experts where torch has it), and one index_add sums
+        the k outputs of each token."""
         s, ex = self.spec, self.experts[i]
         order_N = torch.argsort(idx_Tk.reshape(-1), stable=True)  # N = T * k pairs
         tok_N = order_N // s.topk
-        counts = torch.bincount(idx_Tk.reshape(-1), minlength=s.num_experts).tolist()
-        outs = []
-        for e, h in enumerate(x[tok_N].split(counts)):
-            if len(h):
-                gate, up = F.linear(h, ex["gate_up"][e]).chunk(2, -1)
-                outs.append(F.linear(F.silu(gate) * up, ex["down"][e]))
-        y_N = torch.cat(outs) * w_Tk.reshape(-1)[order_N, None]
-        return torch.zeros_like(x).index_add_(0, tok_N, y_N)
-
-    def _experts_dense(self, i, x, w_Tk, idx_Tk) -> torch.Tensor:
-        """Every expert on every token, weighted by the routing (zero off the top-k): E/k times
-        the FLOPs in a handful of ops — faster while per-op overhead dominates (tiny models,
-        decode batches). Adding the zero-weighted terms does not change the sum."""
-        ex = self.experts[i]
-        gate, up = torch.matmul(x, ex["gate_up"].transpose(1, 2)).chunk(2, -1)  # [E, T, F]
-        y_ETD = torch.bmm(F.silu(gate) * up, ex["down"].transpose(1, 2))
-        w_ET = torch.zeros(y_ETD.shape[:2], dtype=x.dtype).scatter_(0, idx_Tk.T, w_Tk.T)
-        return (y_ETD * w_ET[..., None]).sum(0)
+        counts_E = torch.bincount(idx_Tk.reshape(-1), minlength=s.num_experts)
+        h_ND = x[tok_N]
+        if _GROUPED_MM:
+            offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
+            gate, up = torch._grouped_mm(h_ND, ex["gate_up"].transpose(1, 2), offs=offs).chunk(
+                2, -1
+            )
+            y_ND = torch._grouped_mm(F.silu(gate) * up, ex["down"].transpose(1, 2), offs=offs)
+        else:
+            outs = []
+            for e, h in enumerate(h_ND.split(counts_E.tolist())):
+                if len(h):
+                    gate, up = F.linear(h, ex["gate_up"][e]).chunk(2, -1)
+                    outs.append(F.linear(F.silu(gate) * up, ex["down"][e]))
+            y_ND = torch.cat(outs)
+        y_ND = y_ND * w_Tk.reshape(-1)[order_N, None]
+        return torch.zeros_like(x).index_add_(0, tok_N, y_ND)
 
 
 @dataclass
