@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-
-from megatron_gspo.model.parallel import free_port
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +106,13 @@ class ServerConfig:
         if self.kind == "builtin" and self.api_key:
             env["MEGATRON_GSPO_API_KEY"] = self.api_key  # not on the command line
         return env
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (kept for the server's lifetime, restarts included)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerFailed(RuntimeError):
