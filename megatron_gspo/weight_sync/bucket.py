@@ -52,7 +52,7 @@ class Bucket:
     buffer: torch.Tensor
     nbytes: int = 0
     metadata: list[types.SimpleNamespace] = field(default_factory=list)
-    checksum: int = 0
+    checksum: int | None = None  # see sum()
     pooled: bool = True  # False: a one-off buffer for an oversized tensor
 
     @property
@@ -85,8 +85,14 @@ class Bucket:
     def seal(self) -> Bucket:
         if self.buffer.is_cuda:
             torch.cuda.current_stream().synchronize()
-        self.checksum = checksum(self.flat)
         return self
+
+    def sum(self) -> int:
+        """The checksum, computed once. Transports compute it while the servers read the
+        bucket, so it costs no time on the critical path."""
+        if self.checksum is None:
+            self.checksum = checksum(self.flat)
+        return self.checksum
 
 
 def unflatten(flat: torch.Tensor, metadata: Iterable) -> list[tuple[str, torch.Tensor]]:
@@ -118,7 +124,7 @@ class BufferPool:
 def pack(
     named: Iterable[tuple[str, torch.Tensor]], pool: BufferPool, stage: int = 0
 ) -> Iterator[Bucket]:
-    """Buckets of `named`, each sealed (checksummed) before it is yielded. The consumer must
+    """Buckets of `named`, each complete (on GPU: copied) when it is yielded. The consumer must
     `release` every bucket, or packing stalls once the pool is empty."""
     cur: Bucket | None = None
     index = 0

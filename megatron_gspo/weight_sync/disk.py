@@ -36,7 +36,7 @@ ST_DTYPES = {
 
 def write_shard(path: Path, bucket: Bucket) -> None:
     """The bucket as a safetensors file: its offsets are already safetensors data offsets."""
-    header: dict = {"__metadata__": {"format": "pt", "checksum": str(bucket.checksum)}}
+    header: dict = {"__metadata__": {"format": "pt", "checksum": str(bucket.sum())}}
     for m in bucket.metadata:
         header[m.name] = {
             "dtype": ST_DTYPES[m.dtype],

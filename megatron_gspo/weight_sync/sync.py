@@ -63,6 +63,7 @@ class SyncReport:
     servers: dict[str, str] = field(default_factory=dict)  # url -> version it is on now
     failures: dict[str, str] = field(default_factory=dict)  # url -> what went wrong
     trainer_error: str | None = None
+    checksums: dict[int, list[int]] = field(default_factory=dict)  # stage -> per bucket
 
     @property
     def ok(self) -> bool:
@@ -171,13 +172,14 @@ class WeightSync:
         stage = gather.stage_index()
         ctx = StageContext(self.servers, self.config, version, stage, list(plan["live"]))
         writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
-        error, nbytes = None, 0
+        error, nbytes, sums = None, 0, []
         try:
             self.transport.open_stage(ctx)
         except TransportError as e:
             error = str(e)
         try:
-            error, nbytes = self._send_all(pack(named, self.pool, stage), ctx, writer, error)
+            buckets = pack(named, self.pool, stage)
+            error, nbytes, sums = self._send_all(buckets, ctx, writer, error)
         finally:
             try:
                 self.transport.close_stage(ctx)
@@ -185,14 +187,14 @@ class WeightSync:
                 error = error or f"closing stage {stage}: {type(e).__name__}: {e}"
         return {
             "stage": stage, "failed": ctx.failed, "touched": sorted(ctx.touched),
-            "error": error, "bytes": nbytes, "buckets": ctx.buckets,
+            "error": error, "bytes": nbytes, "buckets": ctx.buckets, "checksums": sums,
             "files": writer.outcome() if writer else None,
         }  # fmt: skip
 
     def _send_all(self, buckets, ctx: StageContext, writer, error: str | None):
         """Send each bucket on a worker thread while the caller packs the next one."""
         q: queue.Queue = queue.Queue(maxsize=self.pool.size)
-        state = {"error": error, "bytes": 0}
+        state = {"error": error, "bytes": 0, "checksums": []}
 
         def work():
             while (b := q.get()) is not None:
@@ -204,6 +206,7 @@ class WeightSync:
                             ctx.fail(self.transport.send(b, ctx))
                         ctx.buckets += 1
                         state["bytes"] += b.nbytes
+                        state["checksums"].append(b.sum())
                 except Exception as e:  # noqa: BLE001 - a trainer-side failure of this stage
                     state["error"] = str(e) if isinstance(e, TransportError) else repr(e)
                 finally:
@@ -217,7 +220,7 @@ class WeightSync:
         finally:
             q.put(None)
             worker.join()
-        return state["error"], state["bytes"]
+        return state["error"], state["bytes"], state["checksums"]
 
     # ---- the coordinator's end of a sync -------------------------------------------------
 
@@ -234,6 +237,7 @@ class WeightSync:
             errors += [f"stage {o['stage']}: {o['error']}"] if o["error"] else []
             report.bytes += o["bytes"]
             report.buckets += o["buckets"]
+            report.checksums[o["stage"]] = o["checksums"]
         report.trainer_error = "; ".join(errors) or None
         live = [i for i in plan["live"] if i not in failed]
         if report.trainer_error is None:
@@ -270,6 +274,11 @@ class WeightSync:
         if not indices:
             return {}
         point = self.restore_point
+        if self.dirs and point.path in self.dirs.created:
+            try:
+                self.dirs.check(point.path)
+            except ValueError as e:
+                return {i: f"lost (restore point damaged: {e})" for i in indices}
         body = {"model_path": point.path, "weight_version": point.version, "flush_cache": True}
         _, errors = self.servers.post_many(indices, "/update_weights_from_disk", body)
         for i, msg in errors.items():

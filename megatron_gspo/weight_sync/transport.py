@@ -117,7 +117,9 @@ class TensorTransport(Transport):
 
         tp = {i: ctx.servers.refs[i].tp_size for i in ctx.live}
         ctx.touched.update(ctx.live)
-        _, errors = ctx.servers.post_many(list(ctx.live), "/update_weights_from_tensor", body)
+        futures = {i: ctx.servers.submit(i, "/update_weights_from_tensor", body(i)) for i in tp}
+        bucket.sum()  # while the servers copy
+        _, errors = collect(futures)
         return errors
 
 
@@ -172,6 +174,7 @@ class DistributedTransport(Transport):
             _, errors = collect(futures)
             ctx.fail(errors)
             raise TransportError(f"broadcast of bucket {bucket.index} failed: {e}") from None
+        bucket.sum()  # while the servers load
         _, errors = collect(futures)
         if errors:  # a member that failed may have left the group: later broadcasts would hang
             ctx.fail(errors)
