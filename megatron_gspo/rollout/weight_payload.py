@@ -134,17 +134,18 @@ def tensor_update_body(
 ) -> dict:
     """The JSON body of /update_weights_from_tensor. Call it inside `TensorSharing()` on CPU.
 
-    Every server TP rank reads its own entry of `serialized_named_tensors`; with full (not
-    TP-sharded) HF tensors the same payload serves them all.
+    Every server TP rank reads its own entry of `serialized_named_tensors`. Each entry is its own
+    pickle: a shared-memory tensor pickle carries one reference that its receiver releases, so
+    one pickle handed to several ranks would unlink the memory under the later ones.
     """
     if load_format == "flattened_bucket":
-        payload = serialize(flatten_bucket(named))
+        obj = flatten_bucket(named)
     elif load_format in (None, "direct"):
-        payload = serialize([(name, _detached(t)) for name, t in named])
+        obj = [(name, _detached(t)) for name, t in named]
     else:
         raise ValueError(f"load_format must be None, 'direct' or 'flattened_bucket': {load_format}")
     return {
-        "serialized_named_tensors": [payload] * tp_size,
+        "serialized_named_tensors": [serialize(obj) for _ in range(tp_size)],
         "load_format": load_format,
         "flush_cache": flush_cache,
         "abort_all_requests": abort_all_requests,
