@@ -3,9 +3,6 @@ log-probs and routed experts against a teacher-forced HF forward, SGLang's error
 endpoint, abort, flush, weight updates from disk, and the API key."""
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -14,6 +11,7 @@ import torch
 
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
+from tests.e2e.server_process import running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -30,17 +28,9 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpts):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_GSPO_API_KEY": KEY}
-    cmd = [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(ckpts[0])]
-    cmd += ["--port", "0", "--threads", "1", "--enable-return-routed-experts"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # "serving DIR on http://127.0.0.1:PORT"
-        assert " on http://127.0.0.1:" in line, f"server did not start: {line!r}"
-        yield line.split()[-1]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    flags = ("--enable-return-routed-experts",)
+    with running_server(ckpts[0], *flags, env={"MEGATRON_GSPO_API_KEY": KEY}) as url:
+        yield url
 
 
 def run(coro):

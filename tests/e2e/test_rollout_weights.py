@@ -4,8 +4,6 @@ pickle that tries to run code, and SGLang's error shape for every wrong request.
 
 import asyncio
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -17,6 +15,7 @@ from megatron_gspo.model.parallel import free_port
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.rollout.client import RolloutClient
+from tests.e2e.server_process import running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -34,17 +33,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpts):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(ckpts[0])]
-    proc = subprocess.Popen(cmd + ["--port", "0", "--threads", "1"], env=env,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        line = proc.stdout.readline()
-        assert " on http://127.0.0.1:" in line, f"server did not start: {line!r}"
-        yield line.split()[-1]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with running_server(ckpts[0]) as url:
+        yield url
 
 
 def named_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
