@@ -105,6 +105,55 @@ def _add_score(sub) -> None:
     p.set_defaults(func=_cmd_score)
 
 
+def _cmd_train(args) -> None:
+    from pathlib import Path
+
+    from megatron_gspo.config import load_config
+    from megatron_gspo.train.loop import run
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    run(cfg, run_dir, resume=args.resume, max_steps=args.steps)
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="run RL (GSPO, GRPO, GRPO+R2/R3) from a YAML config")
+    p.add_argument(
+        "--config", required=True, help="YAML run config, e.g. configs/tiny_moe_gspo.yaml"
+    )
+    p.add_argument("--run-dir", default=None, help="metrics, checkpoints, logs (default runs/NAME)")
+    p.add_argument("--steps", type=int, default=None, help="stop after this step (quick checks)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_make_task_model(args) -> None:
+    from megatron_gspo.data.warmstart import make_task_model
+
+    try:
+        make_task_model(args.out, task=args.task, seed=args.seed)
+    except FileExistsError as e:
+        raise UserError(str(e)) from None
+    print(f"wrote {args.out}")
+
+
+def _add_make_task_model(sub) -> None:
+    p = sub.add_parser(
+        "make-task-model", help="a tiny MoE fine-tuned to be partly competent on a built-in task"
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--task", default="arith")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_make_task_model)
+
+
+def _add_report(sub) -> None:
+    from megatron_gspo.train.report import register
+
+    register(sub)
+
+
 def _add_serve(sub) -> None:
     try:
         from megatron_gspo.rollout.server import add_serve_args, serve_main
@@ -122,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_score(sub)
     _add_serve(sub)
+    _add_train(sub)
+    _add_make_task_model(sub)
+    _add_report(sub)
     return parser
 
 

@@ -246,6 +246,7 @@ class ServerGroup:
             s.proc = subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=s.config.environment(), start_new_session=True,
+                preexec_fn=_die_with_parent,
             )  # fmt: skip
         log.info("started %s server %d (pid %d) on %s", s.config.kind, s.index, s.pid, s.url)
 
@@ -319,6 +320,16 @@ def _post(s: ManagedServer, path: str, body: dict) -> dict:
     req = urllib.request.Request(s.url + path, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read() or b"{}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the trainer dies, so a trainer
+    killed with SIGKILL (no atexit, no handler) leaves no server behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -1,0 +1,359 @@
+"""The run config: typed nested dataclasses, read from YAML plus dotted command-line overrides.
+
+    cfg = load_config("configs/tiny_moe_gspo.yaml", ["algo.loss=grpo", "train.steps=5"])
+
+Every key is checked when the config is built: an unknown key is an error that suggests the
+nearest valid one, a value of the wrong type or out of range is an error naming the key and what
+it accepts. Each section builds the objects it configures (`OptimSection.build()` ...), so the
+rest of the code never sees a loose dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_gspo.errors import UserError
+
+
+@dataclass
+class ModelSection:
+    path: str = ""  # HF checkpoint directory (the starting policy)
+    dtype: str = "float32"  # float32 | bfloat16
+    recompute: bool = False  # full activation recompute in the training forward
+
+    def check(self) -> None:
+        _need(self.path, "model.path", "the HF checkpoint directory to start from")
+        _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+
+
+@dataclass
+class ParallelSection:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+
+    def check(self) -> None:
+        for name in ("tp", "pp", "ep"):
+            _positive(getattr(self, name), f"parallel.{name}")
+        for name in ("vpp", "etp"):
+            if getattr(self, name) is not None:
+                _positive(getattr(self, name), f"parallel.{name}")
+
+
+@dataclass
+class DataSection:
+    train: str = "builtin:arith"  # builtin:<task> or a .jsonl / .parquet file
+    eval: str | None = None  # default: the train source's eval split
+    template: str = "{prompt}"
+    max_prompt_tokens: int = 256
+
+    def check(self) -> None:
+        _need(self.train, "data.train", "builtin:<task> or a .jsonl/.parquet path")
+        if "{prompt}" not in self.template:
+            raise UserError("data.template must contain {prompt}")
+        _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
+
+
+@dataclass
+class RolloutSection:
+    backend: str = "builtin"  # builtin | sglang
+    servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
+    urls: list[str] = field(default_factory=list)  # servers started by someone else
+    placement: str = "colocated"  # colocated | disaggregated
+    server_tp: int = 1
+    sglang_python: str | None = None  # python of SGLang's own environment
+    extra_server_args: list[str] = field(default_factory=list)
+    group_size: int = 8
+    prompts_per_step: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    health_timeout_s: float = 300.0
+
+    def check(self) -> None:
+        _choice(self.backend, "rollout.backend", ("builtin", "sglang"))
+        _choice(self.placement, "rollout.placement", ("colocated", "disaggregated"))
+        if not self.urls:
+            _positive(self.servers, "rollout.servers")
+        for name in ("server_tp", "group_size", "prompts_per_step", "max_new_tokens"):
+            _positive(getattr(self, name), f"rollout.{name}")
+        if self.group_size < 2:
+            raise UserError("rollout.group_size must be >= 2 (group advantages need a spread)")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise UserError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
+
+
+@dataclass
+class RewardSection:
+    fn: str = "exact"  # exact | math | module:function
+
+    def check(self) -> None:
+        _need(self.fn, "reward.fn", "exact, math or module:function")
+
+
+@dataclass
+class AlgoSection:
+    loss: str = "gspo"  # gspo | gspo_token | grpo
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    agg: str | None = None  # None: the loss's published aggregation
+    minibatches: int = 4  # optimizer steps per rollout batch
+    routing_replay: str = "none"  # none | r2 | r3
+    advantage_std_norm: bool = True  # False: Dr. GRPO (no division by the group std)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+
+    def check(self) -> None:
+        from megatron_gspo.algo import AGGS, KINDS
+
+        _choice(self.loss, "algo.loss", tuple(KINDS))
+        if self.agg is not None:
+            _choice(self.agg, "algo.agg", tuple(AGGS))
+        _choice(self.routing_replay, "algo.routing_replay", ("none", "r2", "r3"))
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise UserError("algo.clip_low must be in (0, 1) and algo.clip_high > 0")
+        _positive(self.minibatches, "algo.minibatches")
+
+    def loss_config(self):
+        from megatron_gspo.train.actor import LossConfig
+
+        return LossConfig(self.loss, self.clip_low, self.clip_high, self.agg)
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    distributed: bool = True  # megatron's distributed optimizer (state sharded over DP)
+
+    def check(self) -> None:
+        if not self.lr > 0:
+            raise UserError(f"optim.lr must be > 0, not {self.lr}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise UserError("optim.adam_beta1 and optim.adam_beta2 must be in [0, 1)")
+
+    def build(self):
+        from megatron_gspo.train.actor import OptimConfig
+
+        return OptimConfig(
+            lr=self.lr,
+            min_lr=self.min_lr,
+            weight_decay=self.weight_decay,
+            clip_grad=self.clip_grad,
+            adam_beta1=self.adam_beta1,
+            adam_beta2=self.adam_beta2,
+            adam_eps=self.adam_eps,
+            use_distributed_optimizer=self.distributed,
+        )
+
+
+@dataclass
+class TrainSection:
+    steps: int = 40
+    micro_batch_size: int = 8
+    eval_every: int = 5  # greedy eval on held-out prompts every N steps (0: never)
+    eval_prompts: int = 64
+    checkpoint_every: int = 10  # 0: only at the end
+    keep_checkpoints: int = 2
+
+    def check(self) -> None:
+        for name in ("steps", "micro_batch_size", "eval_prompts", "keep_checkpoints"):
+            _positive(getattr(self, name), f"train.{name}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"train.{name} must be >= 0 (0 turns it off)")
+
+
+@dataclass
+class SyncSection:
+    method: str = "tensor"  # tensor | distributed | disk
+    bucket_mb: float = 512.0
+    verify_every: int = 0
+
+    def check(self) -> None:
+        _choice(self.method, "sync.method", ("tensor", "distributed", "disk"))
+
+    def build(self, run_dir: Path):
+        from megatron_gspo.weight_sync.config import SyncConfig
+
+        return SyncConfig(
+            transport=self.method,
+            bucket_mb=self.bucket_mb,
+            verify_every=self.verify_every,
+            dir=str(run_dir / "weights") if self.method == "disk" else None,
+        )
+
+
+@dataclass
+class LoggingSection:
+    tensorboard: bool = True
+    wandb: dict | None = None  # kwargs for wandb.init (project, name, ...); None: off
+    console: bool = True
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    sync: SyncSection = field(default_factory=SyncSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "check"):
+                section.check()
+        batch = self.rollout.prompts_per_step * self.rollout.group_size
+        if batch % self.algo.minibatches:
+            raise UserError(
+                f"algo.minibatches ({self.algo.minibatches}) must divide the rollout batch "
+                f"(rollout.prompts_per_step x rollout.group_size = {batch})"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Config from a YAML file (None: defaults) with `key.sub=value` overrides applied in order."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file {path} not found; pass --config FILE.yaml")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{path} must hold a mapping of config sections")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r} must look like key.sub=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    cfg = build(Config, raw, "")
+    cfg.check()
+    return cfg
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"override {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def build(cls, raw: Any, where: str):
+    """Build dataclass `cls` from a mapping, checking every key and value type."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where or 'config'} must be a mapping, not {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        full = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            raise UserError(f"unknown config key {full!r}{_suggest(key, names, where)}")
+        values[key] = _convert(hints[key], value, full)
+    return cls(**values)
+
+
+def _suggest(key: str, names: list[str], where: str) -> str:
+    near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+    if not near:
+        return f"; valid keys here: {', '.join(names)}"
+    return f"; did you mean {(where + '.' if where else '') + near[0]!r}?"
+
+
+def _convert(hint, value: Any, key: str):
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value if value is not None else {}, key)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{key} must be a list, not {value!r}")
+        return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, not {value!r}")
+        return dict(value)
+    return _scalar(hint, value, key)
+
+
+def _scalar(hint, value: Any, key: str):
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{key} must be true or false, not {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise UserError(f"{key} must be an integer, not {value!r}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"{key} must be a number, not {value!r}")
+    if hint is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"{key} must be a string, not {value!r}")
+    return value
+
+
+def _need(value, key: str, what: str) -> None:
+    if not value:
+        raise UserError(f"{key} is required: {what}")
+
+
+def _choice(value, key: str, choices: tuple) -> None:
+    if value not in choices:
+        raise UserError(f"{key} must be one of {', '.join(map(str, choices))}, not {value!r}")
+
+
+def _positive(value, key: str) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise UserError(f"{key} must be a positive integer, not {value!r}")
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config (atomically) so a run can be reproduced from its directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,72 @@
+"""What happens around each RL step without cluttering the loop: greedy eval on held-out
+prompts, the metrics sinks (rank 0), and checkpoints."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_gspo.config import Config
+from megatron_gspo.train import checkpointing
+
+
+class StepHooks:
+    def __init__(self, cfg: Config, run_dir: Path, setup, rollouts):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.setup, self.rollouts = setup, rollouts
+        self.rank0 = dist.get_rank() == 0
+        self.logger = None
+        self.saved_step = -1
+
+    def begin(self, state: dict) -> None:
+        """Open the sinks; a resumed run first drops metrics of steps after its checkpoint. A
+        fresh run logs step 0: the starting checkpoint's eval reward."""
+        from megatron_gspo.train.metrics import MetricsLogger, truncate_metrics
+
+        t = self.cfg.train
+        if self.rank0:
+            if state["step"] > 0:
+                truncate_metrics(self.run_dir, state["step"])
+            log = self.cfg.logging
+            self.logger = MetricsLogger(
+                self.run_dir,
+                total_steps=t.steps,
+                start_step=state["step"],
+                tensorboard=log.tensorboard,
+                wandb=log.wandb,
+                console=log.console,
+                config=self.cfg.to_dict(),
+            )
+        self.saved_step = state["step"]
+        if state["step"] == 0 and t.eval_every:
+            self._log(0, {"eval/reward": self.rollouts.evaluate(), "weight_version": 0})
+
+    def end_step(self, step: int, metrics: dict, state: dict, t0: float, last: int) -> None:
+        t = self.cfg.train
+        metrics["time/step_s"] = time.perf_counter() - t0
+        metrics["tokens_per_s"] = metrics.pop("rollout/tokens", 0.0) / metrics["time/step_s"]
+        if t.eval_every and (step % t.eval_every == 0 or step == last):
+            te = time.perf_counter()
+            metrics["eval/reward"] = self.rollouts.evaluate()
+            metrics["time/eval_s"] = time.perf_counter() - te
+        self._log(step, metrics)
+        if t.checkpoint_every and step % t.checkpoint_every == 0:
+            self._save(step, state)
+
+    def finish(self, state: dict) -> None:
+        if state["step"] > self.saved_step:
+            self._save(state["step"], state)
+        if self.logger is not None:
+            self.logger.close()
+
+    def _save(self, step: int, state: dict) -> None:
+        checkpointing.save(
+            self.setup.actor, self.run_dir, step, state, self.cfg.train.keep_checkpoints
+        )
+        self.saved_step = step
+
+    def _log(self, step: int, metrics: dict) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)

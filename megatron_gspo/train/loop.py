@@ -1,0 +1,119 @@
+"""The RL loop (`megatron-gspo train`).
+
+One step: prompts -> G rollouts each -> rewards -> group advantages -> old log-probs (R2 records
+routing) -> minibatch updates (R2/R3 replay) -> weight sync -> metrics -> checkpoint.
+`run` reads like that list; the parts live in rollouts.py (servers, generation, rewards),
+actor.py (log-probs, the Megatron train step), weight_sync/ and the step hooks in hooks.py
+(eval, metrics, checkpoints).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megatron_gspo.config import Config
+from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.hooks import StepHooks
+from megatron_gspo.train.rollouts import Rollouts
+from megatron_gspo.train.setup import TrainerSetup
+
+
+def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | None = None) -> None:
+    with TrainerSetup(cfg, run_dir, resume) as setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
+        actor, sampler = setup.actor, setup.sampler(rl.n_train_prompts)
+        sync = setup.weight_sync(rl.urls)
+        hooks = StepHooks(cfg, run_dir, setup, rl)
+        state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
+        hooks.begin(state)
+        last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
+        for step in range(state["step"] + 1, last + 1):
+            t0 = time.perf_counter()
+            collected = rl.collect(sampler.next_batch(), step)
+            metrics = dict(collected.metrics)
+            if collected.batch is not None:
+                metrics |= train_on(actor, collected.batch, cfg, step)
+            t1 = time.perf_counter()
+            report = sync.sync(step)
+            rl.weights_at(str(step))
+            metrics |= {"time/train_s": t1 - t0 - metrics["time/rollout_s"]}
+            metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
+            metrics |= {"sync/gb_per_s": report.gb_per_s}
+            state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
+            hooks.end_step(step, metrics, state, t0, last)
+        hooks.finish(state)
+
+
+def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
+    """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch."""
+    t0 = time.perf_counter()
+    batch.old_logprobs = actor.logprobs(batch, cfg.train.micro_batch_size)
+    metrics = {"time/old_logprobs_s": time.perf_counter() - t0}
+    metrics |= _mismatch(batch)
+    metrics |= getattr(actor, "last_logprob_metrics", {}) or {}
+    order = np.random.default_rng([cfg.seed, step]).permutation(len(batch)).tolist()
+    parts = np.array_split(order, cfg.algo.minibatches)
+    per_update = [
+        actor.train_step(batch.rows(sorted(p.tolist())), cfg.algo.loss_config(),
+                         cfg.train.micro_batch_size)
+        for p in parts
+        if len(p)
+    ]  # fmt: skip
+    return metrics | _combine_updates(per_update)
+
+
+def _mismatch(batch: RLBatch) -> dict:
+    """mean |old - rollout| log-prob over trained tokens: the train-vs-inference gap."""
+    if batch.rollout_logprobs is None:
+        return {}
+    total, n = 0.0, 0
+    for old, roll, mask in zip(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask):
+        for o, r, m in zip(old, roll, mask):
+            if m and o is not None and r is not None:
+                total += abs(o - r)
+                n += 1
+    return {"mismatch/logprob_abs_diff": total / n} if n else {}
+
+
+# actor metric -> (metrics key, how the minibatch updates of one step combine)
+_KEYS = {
+    "loss": ("loss/policy", "mean"),
+    "grad_norm": ("grad_norm", "mean"),
+    "lr": ("lr", "last"),
+    "ratio_mean": ("ratio/mean", "mean"),
+    "ratio_std": ("ratio/std", "mean"),
+    "ratio_max": ("ratio/max", "max"),
+    "ratio_min": ("ratio/min", "min"),
+    "clip_frac_tokens": ("ratio/clip_fraction_tokens", "mean"),
+    "clip_frac_seqs": ("ratio/clip_fraction_seqs", "mean"),
+    "approx_kl_old": ("kl/old", "mean"),
+    "entropy": ("entropy", "mean"),
+}
+
+
+def _combine_updates(per_update: list[dict]) -> dict:
+    out: dict[str, float] = {}
+    if not per_update:
+        return out
+    for src, (dst, how) in _KEYS.items():
+        values = [m[src] for m in per_update if src in m]
+        if values:
+            out[dst] = _reduce(values, how)
+    extra = {k for m in per_update for k in m if k.startswith("routing/")}
+    for k in sorted(extra):
+        out[k] = _reduce([m[k] for m in per_update if k in m], "mean")
+    out["update/skipped"] = float(sum(not m.get("update_ok", True) for m in per_update))
+    out["ratio/first_update_mean"] = per_update[0].get("ratio_mean", float("nan"))
+    return out
+
+
+def _reduce(values: list[float], how: str) -> float:
+    if how == "max":
+        return float(max(values))
+    if how == "min":
+        return float(min(values))
+    if how == "last":
+        return float(values[-1])
+    return float(sum(values) / len(values))

@@ -1,0 +1,259 @@
+"""The rollout side of the RL loop: servers, prompts, generation, rewards and advantages.
+
+Global rank 0 owns it: it starts and supervises the rollout servers (or health-checks the ones a
+launch script started), samples G responses per prompt, scores them and computes the group
+advantages. The finished `RLBatch` and its metrics are broadcast to every trainer rank, so every
+rank trains on exactly the same batch. Other ranks only learn the server URLs (for the weight
+sync) and receive batches.
+
+Determinism: every request carries `sampling_seed = f(seed, step)` + its index, so a resumed run
+draws the same responses as an uninterrupted one (the servers hold the same weights after the
+resume's first sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algo import group_advantages
+from megatron_gspo.config import Config
+from megatron_gspo.errors import UserError
+from megatron_gspo.train.batch import RLBatch
+
+
+@dataclass
+class Collected:
+    batch: RLBatch | None  # None when dynamic sampling dropped every group
+    metrics: dict
+
+
+class Rollouts:
+    """Rank 0: servers + client + data + rewards. Every rank: `collect` and `evaluate`."""
+
+    def __init__(self, cfg: Config, run_dir: Path, hf_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.hf_dir = hf_dir
+        self.rank0 = dist.get_rank() == 0
+        self.group = None
+        self.client = None
+        self._loop = None
+        self.urls: list[str] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> Rollouts:
+        if self.rank0:
+            self._start()
+        box = [self.urls]
+        dist.broadcast_object_list(box, src=0)
+        self.urls = box[0]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._loop is not None:
+            if self.client is not None:
+                self._loop.run_until_complete(self.client.close())
+            self._loop.close()
+        if self.group is not None:
+            self.group.stop()
+
+    def _start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from megatron_gspo.data.prompts import load_prompts
+        from megatron_gspo.rewards import load_reward
+        from megatron_gspo.rollout.client import RolloutClient
+
+        cfg = self.cfg
+        self.reward_fn = load_reward(cfg.reward.fn)
+        self.train_rows = load_prompts(cfg.data.train, "train", cfg.seed)
+        self.eval_rows = load_prompts(cfg.data.eval or cfg.data.train, "eval", cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        self.urls = list(cfg.rollout.urls) or self._launch()
+        self._loop = asyncio.new_event_loop()
+        topk = _topk(self.hf_dir)
+        self.client = RolloutClient(self.urls, topk=topk, timeout_s=cfg.rollout.health_timeout_s)
+        self._run(self.client.wait_healthy(cfg.rollout.health_timeout_s))
+
+    def _launch(self) -> list[str]:
+        from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
+
+        r = self.cfg.rollout
+        server = ServerConfig(
+            model_path=str(self.hf_dir),
+            kind=r.backend,
+            enable_return_routed_experts=self.cfg.algo.routing_replay == "r3",
+            tp_size=r.server_tp,
+            extra_args=list(r.extra_server_args),
+            threads=1 if r.backend == "builtin" else 0,
+        )
+        if r.backend == "sglang" and r.sglang_python:
+            server.python = r.sglang_python
+        self.group = ServerGroup(
+            [server] * r.servers, self.run_dir / "logs", health_timeout_s=r.health_timeout_s
+        )
+        try:
+            self.group.start()
+        except ServerFailed as e:
+            raise UserError(f"a rollout server did not start: {str(e).splitlines()[0]}") from None
+        return self.group.urls
+
+    def _run(self, coro):
+        return self._loop.run_until_complete(coro)
+
+    @property
+    def n_train_prompts(self) -> int:
+        box = [len(self.train_rows.rows) if self.rank0 else 0]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def weights_at(self, version: str) -> None:
+        """Tell the supervisor which version a restarted server must be brought to."""
+        if self.group is not None:
+            self.group.set_current_weights(weight_version=version)
+
+    # ---- one step's batch ------------------------------------------------------------------
+
+    def collect(self, prompt_index: list[int], step: int) -> Collected:
+        """G responses for each prompt, scored; the same RLBatch on every rank."""
+        result = self._collect(prompt_index, step) if self.rank0 else None
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _collect(self, prompt_index: list[int], step: int) -> Collected:
+        from megatron_gspo.data.prompts import encode_prompt
+        from megatron_gspo.rewards import dynamic_sampling_keep, score_rewards
+
+        cfg, r = self.cfg, self.cfg.rollout
+        t0 = time.perf_counter()
+        rows = [self.train_rows.rows[i] for i in prompt_index]
+        prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
+        groups = self._run(
+            self.client.generate(
+                prompts,
+                n=r.group_size,
+                sampling_params=self._sampling(step),
+                return_logprob=True,
+                return_routed_experts=cfg.algo.routing_replay == "r3",
+            )
+        )
+        t_gen = time.perf_counter() - t0
+        samples = [s for g in groups for s in g]
+        _check_samples(samples)
+        texts = [self.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in samples]
+        items = [
+            (rows[s.prompt_index].prompt, text, rows[s.prompt_index].answer)
+            for s, text in zip(samples, texts)
+        ]
+        rewards = score_rewards(self.reward_fn, items, cfg.reward.fn)
+        metrics = _rollout_metrics(samples, rewards, t_gen)
+        keep = list(range(len(groups)))
+        if cfg.algo.dynamic_sampling:
+            keep = dynamic_sampling_keep(rewards, r.group_size)
+            metrics["rollout/groups_kept"] = float(len(keep))
+        if not keep:
+            return Collected(None, metrics)
+        G = r.group_size
+        samples = [samples[g * G + j] for g in keep for j in range(G)]
+        kept_rewards = torch.tensor([rewards[g * G + j] for g in keep for j in range(G)])
+        adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
+        return Collected(_to_batch(samples, adv.tolist()), metrics)
+
+    def _encode(self, encode_prompt, text: str) -> list[int]:
+        ids = encode_prompt(self.tokenizer, text, self.cfg.data.template)
+        if len(ids) > self.cfg.data.max_prompt_tokens:
+            ids = ids[-self.cfg.data.max_prompt_tokens :]
+        return ids
+
+    def _sampling(self, step: int, greedy: bool = False) -> dict:
+        r = self.cfg.rollout
+        params = {"max_new_tokens": r.max_new_tokens}
+        if greedy:
+            return params | {"temperature": 0.0}
+        seed = (self.cfg.seed * 1_000_003 + step * 65_537) % (2**31)
+        return params | {"temperature": r.temperature, "top_p": r.top_p, "sampling_seed": seed}
+
+    # ---- eval ------------------------------------------------------------------------------
+
+    def evaluate(self) -> float:
+        """Mean greedy reward on the held-out prompts (every rank gets it)."""
+        value = self._evaluate() if self.rank0 else 0.0
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _evaluate(self) -> float:
+        from megatron_gspo.data.prompts import encode_prompt
+        from megatron_gspo.rewards import score_rewards
+
+        rows = self.eval_rows.rows[: self.cfg.train.eval_prompts]
+        prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
+        groups = self._run(
+            self.client.generate(prompts, n=1, sampling_params=self._sampling(0, greedy=True))
+        )
+        items = [
+            (row.prompt, self.tokenizer.decode(g[0].tokens, skip_special_tokens=True), row.answer)
+            for row, g in zip(rows, groups)
+        ]
+        rewards = score_rewards(self.reward_fn, items, self.cfg.reward.fn)
+        return sum(rewards) / max(len(rewards), 1)
+
+
+def _topk(hf_dir: Path) -> int | None:
+    from megatron_gspo.model.hf_config import load_hf_config, model_spec
+
+    spec = model_spec(load_hf_config(hf_dir))
+    return spec.topk if spec.is_moe else None
+
+
+def _check_samples(samples) -> None:
+    bad = [s for s in samples if s.aborted or not s.tokens]
+    if bad:
+        raise UserError(
+            f"{len(bad)} of {len(samples)} rollouts came back aborted or empty "
+            f"(first from {bad[0].server}); check the rollout server logs in RUN_DIR/logs"
+        )
+    partial = [s for s in samples if str(s.weight_version).startswith("partial:")]
+    if partial:
+        raise UserError(
+            f"{len(partial)} rollouts came from a server caught mid weight update "
+            f"({partial[0].weight_version}); the last weight sync did not complete"
+        )
+
+
+def _to_batch(samples, advantages: list[float]) -> RLBatch:
+    tokens, mask, rollout_lp, experts = [], [], [], []
+    for s in samples:
+        p = len(s.prompt_ids)
+        tokens.append(list(s.prompt_ids) + list(s.tokens))
+        mask.append([0] * p + [1] * len(s.tokens))
+        lp = s.logprobs or [None] * len(s.tokens)
+        rollout_lp.append([None] * p + list(lp))
+        experts.append(s.routed_experts)
+    batch = RLBatch(tokens, mask, advantages, rollout_logprobs=rollout_lp)
+    if any(e is not None for e in experts):
+        batch.rollout_experts = experts
+    return batch
+
+
+def _rollout_metrics(samples, rewards: list[float], seconds: float) -> dict:
+    r = torch.tensor(rewards, dtype=torch.float64)
+    lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.float64)
+    return {
+        "reward/mean": float(r.mean()),
+        "reward/std": float(r.std(correction=0)),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples)
+        / len(samples),
+        "time/rollout_s": seconds,
+        "rollout/tokens": float(sum(len(s.prompt_ids) + len(s.tokens) for s in samples)),
+    }

@@ -1,0 +1,118 @@
+"""What a training run stands on: process groups, the policy and its optimizer, the prompt
+sampler, the weight sync, and the restore of a checkpoint on `--resume`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from megatron_gspo.config import Config, dump_config
+from megatron_gspo.errors import UserError
+from megatron_gspo.train import checkpointing
+
+log = logging.getLogger(__name__)
+
+
+class TrainerSetup:
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume = resume
+        self.resume_from: Path | None = None
+
+    def __enter__(self) -> TrainerSetup:
+        import torch.distributed as dist
+
+        from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
+        from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
+
+        cfg, p = self.cfg, self.cfg.parallel
+        spec, _ = checkpoint_spec(cfg.model.path)
+        dims = ParallelDims(p.tp, p.pp, p.ep, p.etp, p.vpp, world_size_from_env())
+        dims.validate(spec)
+        self._check_run_dir()
+        init_distributed(dims, seed=cfg.seed)
+        self.rank0 = dist.get_rank() == 0
+        self.hf_dir = hf_files_dir(cfg.model.path).resolve()
+        if self.rank0:
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.run_dir / "config.yaml")
+        self.actor = self._build_actor(dims)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def _check_run_dir(self) -> None:
+        """A fresh run never writes into an earlier run's directory; --resume needs one."""
+        if self.resume:
+            self.resume_from = checkpointing.latest(self.run_dir)
+            if self.resume_from is None:
+                raise UserError(
+                    f"--resume: no complete checkpoint under {self.run_dir}/checkpoints; "
+                    "start without --resume"
+                )
+        elif (self.run_dir / "metrics.jsonl").exists() or checkpointing.latest(self.run_dir):
+            raise UserError(
+                f"{self.run_dir} holds an earlier run; pass --resume to continue it "
+                "or --run-dir NEW_DIR to start another"
+            )
+
+    def _build_actor(self, dims):
+        from megatron_gspo.model.builder import BuildOptions
+        from megatron_gspo.model.policy import load_policy
+        from megatron_gspo.train.actor import Actor
+
+        opts = BuildOptions()
+        if self.cfg.model.dtype == "bfloat16":
+            import torch
+
+            opts = BuildOptions(params_dtype=torch.bfloat16)
+        chunks = load_policy(self.cfg.model.path, dims, opts)
+        kwargs = {}
+        if self.cfg.algo.routing_replay != "none" or _actor_takes_routing():
+            kwargs["routing_replay"] = self.cfg.algo.routing_replay
+        return Actor(chunks, self.cfg.optim.build(), **kwargs)
+
+    def sampler(self, n_rows: int):
+        from megatron_gspo.data.prompts import PromptSampler
+
+        self._sampler = PromptSampler(n_rows, self.cfg.rollout.prompts_per_step, self.cfg.seed)
+        return self._sampler
+
+    def weight_sync(self, urls: list[str]):
+        from megatron_gspo.weight_sync.config import ServerRef
+        from megatron_gspo.weight_sync.sync import WeightSync
+
+        refs = [ServerRef(u, self.cfg.rollout.server_tp) for u in urls]
+        self.sync = WeightSync(
+            self.actor.chunks,
+            refs,
+            self.cfg.sync.build(self.run_dir),
+            base_model=self.hf_dir,
+        )
+        return self.sync
+
+    def restore(self, sampler, sync, rollouts) -> dict:
+        """Fresh run: step 0. Resume: load the newest complete checkpoint and bring the rollout
+        servers to its weights (they started from the base model)."""
+        if self.resume_from is None:
+            return {"step": 0, "weight_version": 0, "sampler": sampler.state_dict()}
+        state = checkpointing.load(self.actor, self.resume_from)
+        sampler.load_state_dict(state["sampler"])
+        version = str(state["weight_version"])
+        report = sync.sync(version)
+        if not report.ok:
+            raise UserError(report.message().splitlines()[0])
+        rollouts.weights_at(version)
+        if self.rank0:
+            log.info("resumed from %s (step %d)", self.resume_from, state["step"])
+        return state
+
+
+def _actor_takes_routing() -> bool:
+    import inspect
+
+    from megatron_gspo.train.actor import Actor
+
+    return "routing_replay" in inspect.signature(Actor.__init__).parameters
