@@ -69,6 +69,9 @@ class RolloutSection:
     servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
     urls: list[str] = field(default_factory=list)  # servers started by someone else
     placement: str = "colocated"  # colocated | disaggregated
+    # colocated on GPUs: servers free their memory while the trainer trains (SGLang needs
+    # --enable-memory-saver) and take it back before the weight sync
+    release_memory: bool = False
     server_tp: int = 1
     sglang_python: str | None = None  # python of SGLang's own environment
     extra_server_args: list[str] = field(default_factory=list)

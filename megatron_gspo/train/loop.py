@@ -33,8 +33,10 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
             t0 = time.perf_counter()
             collected = rl.collect(sampler.next_batch(), step)
             metrics = dict(collected.metrics)
+            rl.release_memory()  # colocated GPUs: the servers' memory goes to training
             if collected.batch is not None:
                 metrics |= train_on(actor, collected.batch, cfg, step)
+            rl.resume_memory()
             t1 = time.perf_counter()
             report = sync.sync(step)
             rl.weights_at(str(step))

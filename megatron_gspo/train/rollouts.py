@@ -119,6 +119,19 @@ class Rollouts:
         if self.group is not None:
             self.group.set_current_weights(weight_version=version)
 
+    def release_memory(self) -> None:
+        """Colocated servers give their GPU memory to the trainer while it trains."""
+        self._memory("/release_memory_occupation")
+
+    def resume_memory(self) -> None:
+        """...and take it back before the weight sync."""
+        self._memory("/resume_memory_occupation")
+
+    def _memory(self, path: str) -> None:
+        if self.rank0 and self.cfg.rollout.release_memory:
+            self._run(self.client.broadcast(path, {"tags": ["weights", "kv_cache"]}))
+        dist.barrier()
+
     # ---- one step's batch ------------------------------------------------------------------
 
     def collect(self, prompt_index: list[int], step: int) -> Collected:
