@@ -1,0 +1,351 @@
+"""Per-step metrics: `RUN_DIR/metrics.jsonl`, TensorBoard, W&B, and a console progress line.
+
+The RL loop calls `MetricsLogger.log(step, metrics)` once per step on rank 0. Steps count from 1;
+`start_step` is the last completed step (the checkpoint's step on resume, 0 for a fresh run) and
+the run ends at `total_steps`.
+
+`metrics.jsonl` is the record of a run: one strict-JSON object per step, `{"step": N, ...}` with
+exactly the keys the loop logged (a key that does not apply to a run is absent; `None` values are
+dropped). Nothing else is added (no wall-clock stamp), so a resumed run writes the same lines as an
+uninterrupted one. Each line is flushed and fsync'ed: a kill -9 loses at most the line being
+written, and opening the logger again (or `truncate_metrics`) drops that torn line.
+
+Non-finite floats are written as the JSON strings "NaN", "Infinity" and "-Infinity" (the file
+stays strict JSON, readable by jq or any JSON parser); `read_metrics` turns them back into floats.
+To keep that round trip exact, `log` refuses a string metric equal to one of those three words.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from megatron_gspo.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+Scalar = float | int | str | bool
+
+
+# ---- metrics.jsonl --------------------------------------------------------------------------
+
+
+def _encode(value: Scalar) -> Scalar:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def _decode(value):
+    return NON_FINITE.get(value, value) if isinstance(value, str) else value
+
+
+def _scalar(key: str, value) -> Scalar:
+    """A plain Python scalar from a float/int/str/bool or a one-element tensor/array."""
+    if hasattr(value, "item") and not isinstance(value, Scalar):
+        value = value.item()
+    if not isinstance(value, Scalar):
+        raise TypeError(f"metric {key!r}: {type(value).__name__} is not a number or a string")
+    if isinstance(value, str) and value in NON_FINITE:
+        raise ValueError(f"metric {key!r}: the string {value!r} would read back as a float")
+    return value
+
+
+def clean_metrics(step: int, metrics: dict) -> dict[str, Scalar]:
+    """`{"step": step, **metrics}` as plain scalars, `None` values dropped."""
+    if metrics.get("step", step) != step:
+        raise ValueError(f"metrics['step'] = {metrics['step']} but log() was called for {step}")
+    out: dict[str, Scalar] = {"step": int(step)}
+    for key, value in metrics.items():
+        if value is not None and key != "step":
+            out[str(key)] = _scalar(key, value)
+    return out
+
+
+def encode_line(row: dict[str, Scalar]) -> str:
+    return json.dumps({k: _encode(v) for k, v in row.items()}, allow_nan=False) + "\n"
+
+
+def _parse(path: Path, text: str, lineno: int) -> dict:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError:
+        row = None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        raise UserError(f"{path}:{lineno} is not a metrics line; delete it or restore the file")
+    return {k: _decode(v) for k, v in row.items()}
+
+
+def _complete_rows(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) for every complete line; a torn last line (no newline, or cut JSON) is skipped."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    torn = lines.pop()  # text after the last newline: "" unless the last write was cut
+    rows = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((line, _parse(path, line, i)))
+        except UserError:
+            if i < len(lines) or torn:
+                raise
+    return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl, non-finite floats restored; a torn last line skipped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no {METRICS_FILE}; pass a run directory of megatron-gspo")
+    return [row for _, row in _complete_rows(path)]
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Keep only the lines with step <= last_step (atomic rewrite); drops a torn last line too."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    kept = "".join(line + "\n" for line, row in _complete_rows(path) if row["step"] <= last_step)
+    tmp = path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class JsonlSink:
+    """Appends one line per step; flush + fsync so a kill -9 loses at most the line in flight."""
+
+    def __init__(self, run_dir: Path, start_step: int):
+        truncate_metrics(run_dir, start_step)
+        self._file = open(Path(run_dir) / METRICS_FILE, "a", encoding="utf-8")
+
+    def log(self, row: dict[str, Scalar]) -> None:
+        self._file.write(encode_line(row))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# ---- TensorBoard and W&B --------------------------------------------------------------------
+
+
+def _numbers(row: dict[str, Scalar]) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items() if k != "step" and not isinstance(v, str)}
+
+
+class TensorBoardSink:
+    """Scalars to RUN_DIR/tensorboard/, flushed every step.
+
+    On resume a SessionLog.START event at start_step + 1 tells TensorBoard's loader to drop the
+    events of steps after the checkpoint that the interrupted run had written (its older event
+    file stays). The loader reads event files in name order, which starts with the creation
+    second, so a resumed writer sorts after the interrupted one."""
+
+    def __init__(self, log_dir: Path, start_step: int):
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._pb = event_pb2
+        self._writer = EventFileWriter(str(log_dir))
+        if start_step > 0:
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._add(event_pb2.Event(step=start_step + 1, session_log=start))
+
+    def _add(self, event) -> None:
+        event.wall_time = time.time()
+        self._writer.add_event(event)
+        self._writer.flush()
+
+    def log(self, row: dict[str, Scalar]) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in _numbers(row).items()]
+        self._add(self._pb.Event(step=row["step"], summary=Summary(value=values)))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """wandb.init(**kwargs, config=config). The run id is kept in RUN_DIR/wandb_run_id so that a
+    resumed run continues the same W&B run (W&B keeps the values it already has for a step)."""
+
+    def __init__(self, run_dir: Path, kwargs: dict, config: dict | None, start_step: int):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError(
+                "logging.wandb is set but wandb is not installed: pip install megatron-gspo[wandb]"
+            ) from None
+        kwargs = {"dir": str(run_dir), **kwargs}
+        id_file = Path(run_dir) / "wandb_run_id"
+        if start_step > 0 and "id" not in kwargs and id_file.is_file():
+            kwargs.update(id=id_file.read_text().strip(), resume="allow")
+        self._run = wandb.init(config=config, **kwargs)
+        id_file.write_text(self._run.id + "\n")
+
+    def log(self, row: dict[str, Scalar]) -> None:
+        self._run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+# ---- console --------------------------------------------------------------------------------
+
+
+def format_duration(seconds: float) -> str:
+    """45s, 1m20s, 2h03m."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_text(
+    step: int,
+    total_steps: int,
+    reward: float | None,
+    eval_reward: float | None,
+    sec_per_step: float | None,
+) -> str:
+    """'step 12/40 | reward 0.41 | eval 0.50 | 2.1 s/step | ETA 1m20s'; unknown parts left out."""
+    parts = [f"step {step}/{total_steps}"]
+    if reward is not None:
+        parts.append(f"reward {reward:.2f}")
+    if eval_reward is not None:
+        parts.append(f"eval {eval_reward:.2f}")
+    if sec_per_step is not None:
+        parts.append(f"{sec_per_step:.1f} s/step")
+        parts.append("ETA " + format_duration(sec_per_step * max(0, total_steps - step)))
+    return " | ".join(parts)
+
+
+class ConsoleProgress:
+    """The progress line on stderr: redrawn in place on a TTY, one plain line per step otherwise.
+
+    Seconds per step are wall-clock time between log() calls; once two steps are in, the time
+    before the first one (start-up) is left out of the average.
+    """
+
+    def __init__(self, total_steps: int, clock=time.monotonic):
+        self.total_steps, self._clock = total_steps, clock
+        self._t0 = clock()
+        self._times: list[float] = []
+        self._eval: float | None = None
+        self._width = 0
+
+    def sec_per_step(self) -> float | None:
+        t = self._times
+        if len(t) >= 2:
+            return (t[-1] - t[0]) / (len(t) - 1)
+        return t[0] - self._t0 if t else None
+
+    def text(self, row: dict[str, Scalar]) -> str:
+        self._times.append(self._clock())
+        if isinstance(row.get("eval/reward"), int | float):
+            self._eval = float(row["eval/reward"])
+        reward = row.get("reward/mean")
+        reward = float(reward) if isinstance(reward, int | float) else None
+        return progress_text(row["step"], self.total_steps, reward, self._eval, self.sec_per_step())
+
+    def log(self, row: dict[str, Scalar]) -> None:
+        line, stream = self.text(row), sys.stderr
+        if _is_tty(stream):
+            stream.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    def close(self) -> None:
+        if self._width and _is_tty(sys.stderr):
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _is_tty(stream: TextIO) -> bool:
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+# ---- the logger the loop holds --------------------------------------------------------------
+
+
+class MetricsLogger:
+    """Fans each step's metrics out to metrics.jsonl, TensorBoard, W&B and the console.
+
+    Opening it truncates metrics.jsonl to the steps <= start_step (and drops a torn last line), so
+    a resumed run continues the file exactly where its checkpoint left off.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        wandb: dict | None = None,
+        console: bool = True,
+        config: dict | None = None,
+    ):
+        if not 0 <= start_step <= total_steps:
+            raise UserError(
+                f"resuming at step {start_step} of a {total_steps}-step run: "
+                "raise train.steps or start a new run directory"
+            )
+        self.run_dir, self.total_steps, self._last = Path(run_dir), total_steps, start_step
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._sinks: list = []
+        try:
+            # W&B first: a missing wandb fails before metrics.jsonl is touched.
+            if wandb is not None:
+                self._sinks.append(WandbSink(self.run_dir, wandb, config, start_step))
+            self._sinks.append(JsonlSink(self.run_dir, start_step))
+            if tensorboard:
+                self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard", start_step))
+            if console:
+                self._sinks.append(ConsoleProgress(total_steps))
+        except BaseException:
+            self.close()
+            raise
+
+    def log(self, step: int, metrics: dict[str, float | int | str]) -> None:
+        """Record one step (step > the previous one). `None` values are left out."""
+        if step <= self._last:
+            raise ValueError(f"step {step} logged after step {self._last}; steps must increase")
+        row = clean_metrics(step, metrics)
+        for sink in self._sinks:
+            sink.log(row)
+        self._last = step
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,285 @@
+"""metrics.jsonl round trips, truncation and resume (including a real kill -9), TensorBoard events
+read back with TensorBoard's own reader, and the console progress line."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.train.metrics import (
+    ConsoleProgress,
+    MetricsLogger,
+    format_duration,
+    progress_text,
+    read_metrics,
+    truncate_metrics,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def step_metrics(step: int) -> dict:
+    """A deterministic function of the step, as a resumed run must reproduce."""
+    m = {"reward/mean": math.sin(step), "weight_version": step, "lr": 1e-6 * step}
+    if step % 2 == 0:
+        m["eval/reward"] = step / 10
+    return m
+
+
+def run_steps(run_dir: Path, steps, start_step: int = 0, total: int = 10, **kw) -> None:
+    kw = {"tensorboard": False, "console": False, **kw}
+    with MetricsLogger(run_dir, total_steps=total, start_step=start_step, **kw) as logger:
+        for step in steps:
+            logger.log(step, step_metrics(step))
+
+
+def same(a, b) -> bool:
+    """Equality that counts NaN equal to NaN and keeps int/float/bool/str types apart."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def assert_rows_equal(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert list(g) == list(w), (g, w)
+        assert all(same(g[k], w[k]) for k in w), (g, w)
+
+
+def test_jsonl_round_trip_non_finite_and_types(tmp_path):
+    logged = [
+        {"reward/mean": 0.25, "loss/policy": math.nan, "grad_norm": math.inf, "kl/old": -math.inf},
+        {"reward/mean": np.float32(0.5), "weight_version": np.int64(3), "phase": "eval"},
+        {"tokens_per_s": 1234, "ok": True, "entropy": None},
+    ]
+    with MetricsLogger(tmp_path, total_steps=3, tensorboard=False, console=False) as logger:
+        for step, m in enumerate(logged, start=1):
+            logger.log(step, m)
+    want = [
+        {"step": 1, **logged[0]},
+        {"step": 2, "reward/mean": 0.5, "weight_version": 3, "phase": "eval"},
+        {"step": 3, "tokens_per_s": 1234, "ok": True},  # None -> absent
+    ]
+    assert_rows_equal(read_metrics(tmp_path), want)
+    # The file is strict JSON (no NaN / Infinity tokens): non-finite floats are named strings.
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    strict = [json.loads(line, parse_constant=pytest.fail) for line in lines]
+    assert strict[0]["loss/policy"] == "NaN" and strict[0]["grad_norm"] == "Infinity"
+    assert strict[0]["kl/old"] == "-Infinity"
+
+
+def test_absent_keys_stay_absent(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=2, console=False) as logger:
+        logger.log(1, {"reward/mean": 0.1, "eval/reward": 0.7})
+        logger.log(2, {"reward/mean": 0.2, "routing/changed_fraction": None})
+    rows = read_metrics(tmp_path)
+    assert rows == [
+        {"step": 1, "reward/mean": 0.1, "eval/reward": 0.7},
+        {"step": 2, "reward/mean": 0.2},
+    ]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/reward")] == [1]
+    assert "routing/changed_fraction" not in acc.Tags()["scalars"]
+
+
+def test_tensorboard_values_read_back(tmp_path):
+    rows = [
+        {"reward/mean": 0.1 * s, "grad_norm": float(s) ** 0.5, "weight_version": s}
+        for s in range(1, 6)
+    ]
+    rows[2]["grad_norm"] = math.nan
+    rows[3]["phase"] = "text is not a scalar"
+    with MetricsLogger(tmp_path, total_steps=5, console=False) as logger:
+        for step, m in enumerate(rows, start=1):
+            logger.log(step, m)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["grad_norm", "reward/mean", "weight_version"]
+    for key in ("reward/mean", "grad_norm", "weight_version"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [1, 2, 3, 4, 5]
+        # TensorBoard stores simple_value as float32.
+        want = np.array([r[key] for r in rows], dtype=np.float32)
+        np.testing.assert_array_equal(np.array([e.value for e in events], np.float32), want)
+
+
+def test_truncate_drops_later_steps_and_a_torn_line(tmp_path):
+    run_steps(tmp_path, range(1, 6))
+    path = tmp_path / "metrics.jsonl"
+    full = path.read_text()
+    path.write_text(full + '{"step": 6, "reward/me')  # a write cut by a kill
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    truncate_metrics(tmp_path, 3)
+    assert path.read_text() == "".join(full.splitlines(keepends=True)[:3])
+    truncate_metrics(tmp_path, 10)  # nothing later: unchanged
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    run_steps(tmp_path, range(1, 4))
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + "garbage\n" + "".join(lines[1:]))
+    with pytest.raises(UserError, match=r"metrics.jsonl:2 "):
+        read_metrics(tmp_path)
+
+
+def test_resume_after_torn_line_equals_uninterrupted_run(tmp_path):
+    run_steps(tmp_path / "ref", range(1, 11))
+    run_steps(tmp_path / "a", range(1, 8))
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "rew')
+    run_steps(tmp_path / "a", range(6, 11), start_step=5)  # checkpoint at step 5
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (
+        tmp_path / "ref" / "metrics.jsonl"
+    ).read_bytes()
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from tests.unit.test_metrics import step_metrics
+    from megatron_gspo.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(Path(sys.argv[1]), total_steps=10**6, tensorboard=True, console=False)
+    step = 0
+    while True:
+        step += 1
+        logger.log(step, step_metrics(step))
+        time.sleep(0.002)
+    """
+)
+
+
+def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path):
+    run_dir = tmp_path / "killed"
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(run_dir)], cwd=root, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        path = run_dir / "metrics.jsonl"
+        while not (path.is_file() and path.read_text().count("\n") >= 25):
+            assert child.poll() is None and time.monotonic() < deadline, "child did not log"
+            time.sleep(0.01)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 25
+    ckpt, total = 20, len(steps) + 5
+    time.sleep(1 - time.time() % 1)  # a new second: TensorBoard orders event files by name
+    run_steps(run_dir, range(ckpt + 1, total + 1), start_step=ckpt, total=total, tensorboard=True)
+    run_steps(tmp_path / "ref", range(1, total + 1), total=total)
+    assert path.read_bytes() == (tmp_path / "ref" / "metrics.jsonl").read_bytes()
+    # TensorBoard drops the killed run's steps after the checkpoint (SessionLog.START on resume).
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("weight_version")] == list(range(1, total + 1))
+    assert [e.value for e in acc.Scalars("weight_version")] == list(range(1, total + 1))
+
+
+def test_tensorboard_resume_replaces_steps_after_the_checkpoint(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=5, console=False) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"x": float(step)})
+    time.sleep(1 - time.time() % 1)  # a new second: TensorBoard orders event files by name
+    with MetricsLogger(tmp_path, total_steps=5, start_step=3, console=False) as logger:
+        for step in (4, 5):
+            logger.log(step, {"x": 100.0 * step})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("x")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 400.0),
+        (5, 500.0),
+    ]
+
+
+def test_progress_text_and_durations():
+    assert format_duration(45.4) == "45s"
+    assert format_duration(80) == "1m20s"
+    assert format_duration(2 * 3600 + 3 * 60 + 10) == "2h03m"
+    assert progress_text(12, 40, 0.4123, 0.5, 2.5) == (
+        "step 12/40 | reward 0.41 | eval 0.50 | 2.5 s/step | ETA 1m10s"  # 28 steps x 2.5 s
+    )
+    assert progress_text(1, 40, None, None, None) == "step 1/40"
+
+
+def test_console_progress_rate_excludes_start_up():
+    ticks = iter([0.0, 10.0, 12.0, 14.5])  # init, then the end of steps 1, 2, 3
+    progress = ConsoleProgress(total_steps=40, clock=lambda: next(ticks))
+    texts = [progress.text({"step": s, **step_metrics(s)}) for s in (1, 2, 3)]
+    assert texts == [
+        f"step 1/40 | reward {math.sin(1):.2f} | 10.0 s/step | ETA 6m30s",  # 39 x 10 s
+        f"step 2/40 | reward {math.sin(2):.2f} | eval 0.20 | 2.0 s/step | ETA 1m16s",  # 38 x 2
+        f"step 3/40 | reward {math.sin(3):.2f} | eval 0.20 | 2.2 s/step | ETA 1m23s",  # 37 x 2.25
+    ]
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_console_lines(tmp_path, monkeypatch, tty):
+    err = FakeTTY() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    run_steps(tmp_path, range(1, 4), total=3, console=True)
+    out = err.getvalue()
+    if tty:
+        assert out.count("\r") == 3 and out.endswith("\n") and out.count("\n") == 1
+        frames = out.rstrip("\n").split("\r")[1:]
+    else:
+        assert "\r" not in out
+        frames = out.splitlines()
+    assert [f.split(" | ")[0] for f in frames] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert "eval 0.20" in frames[2] and frames[2].strip().endswith("ETA 0s")
+
+
+def test_bad_calls(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=5, tensorboard=False, console=False) as logger:
+        logger.log(2, {"a": 1.0})
+        with pytest.raises(ValueError, match="steps must increase"):
+            logger.log(2, {"a": 1.0})
+        with pytest.raises(ValueError, match="would read back as a float"):
+            logger.log(3, {"note": "NaN"})
+        with pytest.raises(TypeError, match="'a'"):
+            logger.log(3, {"a": [1, 2]})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [2]
+    with pytest.raises(UserError, match="raise train.steps"):
+        MetricsLogger(tmp_path, total_steps=5, start_step=6)
+
+
+def test_wandb_missing_is_a_user_error_and_touches_nothing(tmp_path, monkeypatch):
+    run_steps(tmp_path, range(1, 4))
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(UserError, match=r"pip install megatron-gspo\[wandb\]"):
+        MetricsLogger(tmp_path, total_steps=5, wandb={"project": "p", "mode": "offline"})
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_read_metrics_names_a_missing_file(tmp_path):
+    with pytest.raises(UserError, match=str(tmp_path / "nope")):
+        read_metrics(tmp_path / "nope")
