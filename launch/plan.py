@@ -1,0 +1,247 @@
+"""Where the processes of one run go: trainer ranks, rollout servers and the router.
+
+Both launch scripts (launch/torchrun.sh on one node, launch/slurm/train.sbatch on many) read the
+same YAML config through this file, so a layout that cannot work fails before anything starts:
+
+    python launch/plan.py --config CFG --nnodes 2 --gpus-per-node 8 [key.sub=value ...]
+
+prints shell assignments (`eval "$(python launch/plan.py ...)"`). launch/serve_node.py imports
+`make_layout` to start this node's servers on the GPUs the layout gives them.
+
+Placement (`rollout.placement`):
+  colocated      every node trains and serves: its servers share the trainer's GPUs (SGLang
+                 releases its memory while the trainer trains; `rollout.release_memory`).
+  disaggregated  the last `rollout_nodes` nodes serve, the others train. On one node the GPUs
+                 are split: the trainer takes the first nproc_per_node, the servers the rest.
+On a CPU-only machine a node runs `servers_per_node` servers (default 1) and nproc_per_node ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass
+
+from megatron_gspo.config import Config, load_config
+from megatron_gspo.errors import UserError
+
+
+@dataclass(frozen=True)
+class Layout:
+    placement: str  # colocated | disaggregated
+    backend: str  # builtin | sglang
+    nnodes: int  # nodes in the job
+    rollout_nodes: int  # disaggregated: nodes set aside for servers (the last ones)
+    gpus_per_node: int  # 0: CPU only
+    nproc_per_node: int  # trainer ranks on each training node
+    servers_per_node: int  # rollout servers on each serving node
+    server_tp: int
+
+    @property
+    def train_nodes(self) -> int:
+        return self.nnodes - self.rollout_nodes
+
+    @property
+    def world_size(self) -> int:
+        return self.train_nodes * self.nproc_per_node
+
+    @property
+    def serving_nodes(self) -> list[int]:
+        if self.placement == "colocated" or self.rollout_nodes == 0:
+            return list(range(self.nnodes))
+        return list(range(self.train_nodes, self.nnodes))
+
+    @property
+    def total_servers(self) -> int:
+        return len(self.serving_nodes) * self.servers_per_node
+
+    @property
+    def router(self) -> bool:
+        """sglang-router in front when there are several SGLang servers."""
+        return self.backend == "sglang" and self.total_servers > 1
+
+    def role(self, node_rank: int) -> str:
+        """train | serve | both."""
+        trains = node_rank < self.train_nodes
+        serves = node_rank in self.serving_nodes
+        return "both" if trains and serves else ("train" if trains else "serve")
+
+    def trainer_gpus(self) -> list[int]:
+        """GPU indices (on the node) of the trainer ranks; empty on a CPU."""
+        return list(range(self.nproc_per_node)) if self.gpus_per_node else []
+
+    def server_gpus(self, node_rank: int) -> list[list[int]]:
+        """GPU indices of each server on this node ([] per server on a CPU)."""
+        if not self.gpus_per_node:
+            return [[] for _ in range(self.servers_per_node)]
+        first = 0
+        if self.placement == "disaggregated" and self.role(node_rank) == "both":
+            first = self.nproc_per_node  # one node, split: the servers take the GPUs after
+        tp = self.server_tp
+        return [list(range(first + i * tp, first + (i + 1) * tp)) for i in range(self.servers_per_node)]
+
+
+def make_layout(
+    cfg: Config,
+    nnodes: int = 1,
+    gpus_per_node: int = 0,
+    nproc_per_node: int | None = None,
+    rollout_nodes: int | None = None,
+    servers_per_node: int | None = None,
+) -> Layout:
+    """The layout of one job, checked: raises UserError naming the fix."""
+    r = cfg.rollout
+    if nnodes < 1:
+        raise UserError(f"the job needs at least one node, not {nnodes}")
+    if r.placement == "colocated":
+        if rollout_nodes:
+            raise UserError(
+                f"ROLLOUT_NODES={rollout_nodes} sets nodes aside for servers, but "
+                "rollout.placement is colocated; set rollout.placement=disaggregated or unset it"
+            )
+        rollout_nodes = 0
+    elif rollout_nodes is None:
+        rollout_nodes = 1 if nnodes > 1 else 0
+    if nnodes > 1 and r.placement == "disaggregated" and not 1 <= rollout_nodes < nnodes:
+        raise UserError(
+            f"disaggregated on {nnodes} nodes needs 1..{nnodes - 1} rollout nodes, not "
+            f"{rollout_nodes}; set ROLLOUT_NODES"
+        )
+    if nnodes == 1 and rollout_nodes:
+        raise UserError("one node cannot set whole nodes aside for servers; unset ROLLOUT_NODES")
+    layout = Layout(
+        placement=r.placement,
+        backend=r.backend,
+        nnodes=nnodes,
+        rollout_nodes=rollout_nodes,
+        gpus_per_node=gpus_per_node,
+        nproc_per_node=nproc_per_node or _default_nproc(r, nnodes, gpus_per_node),
+        servers_per_node=servers_per_node or _default_servers(r, nnodes, gpus_per_node),
+        server_tp=r.server_tp,
+    )
+    _check(cfg, layout)
+    return layout
+
+
+def _default_nproc(r, nnodes: int, gpus: int) -> int:
+    if not gpus:
+        return 1
+    if r.placement == "disaggregated" and nnodes == 1:
+        return max(gpus - r.server_tp, 1)  # the rest of the node serves
+    return gpus
+
+
+def _default_servers(r, nnodes: int, gpus: int) -> int:
+    if not gpus:
+        return 1
+    if r.placement == "disaggregated" and nnodes == 1:
+        gpus -= _default_nproc(r, nnodes, gpus)
+    return max(gpus // r.server_tp, 1)
+
+
+def _check(cfg: Config, lay: Layout) -> None:
+    p = cfg.parallel
+    etp = p.tp if p.etp is None else p.etp
+    if lay.world_size % (p.tp * p.pp) or lay.world_size % (etp * p.ep * p.pp):
+        raise UserError(
+            f"{lay.train_nodes} training node(s) x {lay.nproc_per_node} ranks = {lay.world_size} "
+            f"ranks, not a multiple of tp*pp={p.tp * p.pp} and etp*ep*pp={etp * p.ep * p.pp}; "
+            "change the node count, NPROC_PER_NODE or parallel.*"
+        )
+    if lay.gpus_per_node:
+        _check_gpus(cfg, lay)
+    multi_host = lay.nnodes > 1
+    if multi_host and lay.placement == "disaggregated" and cfg.sync.method == "tensor":
+        raise UserError(
+            "sync.method=tensor hands over shared-memory / CUDA IPC handles, which only work on "
+            "the same host; disaggregated rollout nodes need sync.method=distributed"
+        )
+    if cfg.sync.method == "disk" and multi_host:
+        pass  # works when RUN_DIR is on a filesystem every node mounts (it must be anyway)
+
+
+def _check_gpus(cfg: Config, lay: Layout) -> None:
+    gpus = lay.gpus_per_node
+    used_by_servers = lay.servers_per_node * lay.server_tp
+    if lay.placement == "colocated" and (lay.nproc_per_node > gpus or used_by_servers > gpus):
+        raise UserError(
+            f"colocated on {gpus} GPUs per node: {lay.nproc_per_node} trainer ranks and "
+            f"{lay.servers_per_node} servers x rollout.server_tp {lay.server_tp} do not fit; "
+            "lower NPROC_PER_NODE, SERVERS_PER_NODE or rollout.server_tp"
+        )
+    if lay.placement == "disaggregated":
+        trainer = lay.nproc_per_node if lay.nnodes == 1 else 0
+        if lay.nproc_per_node > gpus or trainer + used_by_servers > gpus:
+            raise UserError(
+                f"disaggregated on {gpus} GPUs per node: {trainer or lay.nproc_per_node} trainer "
+                f"GPUs and {lay.servers_per_node} servers x rollout.server_tp {lay.server_tp} do "
+                "not fit; lower NPROC_PER_NODE, SERVERS_PER_NODE or rollout.server_tp"
+            )
+    r = cfg.rollout
+    if lay.placement == "colocated" and r.backend == "sglang" and not r.release_memory:
+        print(
+            "warning: colocated SGLang on GPUs without rollout.release_memory keeps its weights "
+            "and KV cache on the GPUs while the trainer trains",
+            file=sys.stderr,
+        )
+
+
+def shell_assignments(cfg: Config, lay: Layout) -> str:
+    values = {
+        "PLACEMENT": lay.placement,
+        "BACKEND": lay.backend,
+        "TRAIN_NODES": lay.train_nodes,
+        "ROLLOUT_NODES": lay.rollout_nodes,
+        "NPROC_PER_NODE": lay.nproc_per_node,
+        "SERVERS_PER_NODE": lay.servers_per_node,
+        "SERVING_NODES": " ".join(map(str, lay.serving_nodes)),
+        "TOTAL_SERVERS": lay.total_servers,
+        "START_ROUTER": int(lay.router),
+        "TRAINER_GPUS": ",".join(map(str, lay.trainer_gpus())),
+        "SYNC_METHOD": cfg.sync.method,
+        "SGLANG_PYTHON": cfg.rollout.sglang_python or "",
+        "HEALTH_TIMEOUT_S": int(cfg.rollout.health_timeout_s),
+    }
+    return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_layout_args(p)
+    return p.parse_args(argv)
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--nproc-per-node", type=int, default=None)
+    p.add_argument("--rollout-nodes", type=int, default=None)
+    p.add_argument("--servers-per-node", type=int, default=None)
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+
+
+def layout_from_args(args: argparse.Namespace) -> tuple[Config, Layout]:
+    cfg = load_config(args.config, [o for o in args.overrides if "=" in o])
+    return cfg, make_layout(
+        cfg,
+        nnodes=args.nnodes,
+        gpus_per_node=args.gpus_per_node,
+        nproc_per_node=args.nproc_per_node,
+        rollout_nodes=args.rollout_nodes,
+        servers_per_node=args.servers_per_node,
+    )
+
+
+def main(argv=None) -> None:
+    try:
+        cfg, layout = layout_from_args(parse_args(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(shell_assignments(cfg, layout))
+
+
+if __name__ == "__main__":
+    main()

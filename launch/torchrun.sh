@@ -1,0 +1,272 @@
+#!/usr/bin/env bash
+# Run `megatron-gspo train` on this node: the rollout servers the config places here, then one
+# torchrun agent for the trainer ranks. One node on its own; under Slurm launch/slurm/train.sbatch
+# runs this script once per node (srun), and two copies with NNODES=2 simulate two nodes.
+#
+#   launch/torchrun.sh --config FILE.yaml [--run-dir DIR] [--steps N] [--resume] [key.sub=value ...]
+#
+# rollout.placement decides where servers go (launch/plan.py): colocated, every node serves on
+# the trainer's GPUs; disaggregated, the last ROLLOUT_NODES nodes only serve (on one node, the
+# GPUs after the trainer's). The servers' URLs reach the trainer as rollout.urls. Nodes meet
+# through RUN_DIR/launch/<LAUNCH_ID>/ (a filesystem every node mounts; checkpoints need it anyway):
+# urls/node<R>.txt per serving node, `done` when training ended, `abort` when a node failed.
+#
+# Logs: RUN_DIR/logs/ranks/node<R>/ (torchrun, one stdout/stderr per rank), RUN_DIR/logs/servers/
+# node<R>/ (one per server, and the router's), RUN_DIR/logs/launch/node<R>.log (this script).
+# On exit, normal or not, everything this script started is stopped by its PID.
+#
+# Environment (all optional):
+#   PYTHON            python with megatron-gspo (default: .venv/bin/python, else python3)
+#   NPROC_PER_NODE    trainer ranks per training node (default: the GPUs, 1 on a CPU)
+#   GPUS_PER_NODE     GPUs to place processes on (default: nvidia-smi's count, 0 without one)
+#   NNODES NODE_RANK  nodes in the job and this one's index (default 1 0; Slurm: SLURM_NNODES,
+#                     SLURM_NODEID)
+#   ROLLOUT_NODES     disaggregated: nodes set aside for servers, the last ones (default 1)
+#   SERVERS_PER_NODE  servers per serving node (default GPUs / rollout.server_tp, 1 on a CPU)
+#   RDZV_ENDPOINT     c10d rendezvous host:port (default 127.0.0.1:<free port>; set it for
+#                     several nodes)
+#   LAUNCH_ID         the same on every node of one launch (default SLURM_JOB_ID, else time+pid)
+#   SERVER_HOST       address servers bind (default 127.0.0.1 when the job has one node)
+#   SERVER_PORT_BASE  server i listens on BASE+i (default: free ports)
+#   SGLANG_PYTHON     python of SGLang's environment (or rollout.sglang_python)
+#   MEGATRON_GSPO_API_KEY  required by servers that bind a non-loopback address
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/.." && pwd)"
+
+USAGE="usage: launch/torchrun.sh --config FILE.yaml [--run-dir DIR] [--steps N] [--resume] [key.sub=value ...]"
+die() { echo "error: $*" >&2; exit 2; }
+usage() { echo "$USAGE" >&2; exit 2; }
+
+# ---- arguments -------------------------------------------------------------------------------
+CONFIG="" RUN_DIR="" STEPS="" RESUME=0
+OVERRIDES=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --config) CONFIG="${2:?--config needs a file}"; shift 2 ;;
+        --config=*) CONFIG="${1#*=}"; shift ;;
+        --run-dir) RUN_DIR="${2:?--run-dir needs a directory}"; shift 2 ;;
+        --run-dir=*) RUN_DIR="${1#*=}"; shift ;;
+        --steps) STEPS="${2:?--steps needs a number}"; shift 2 ;;
+        --steps=*) STEPS="${1#*=}"; shift ;;
+        --resume) RESUME=1; shift ;;
+        -h|--help) usage ;;
+        *=*) OVERRIDES+=("$1"); shift ;;
+        *) die "unknown argument '$1'; $USAGE" ;;
+    esac
+done
+[[ -n "$CONFIG" ]] || die "--config FILE.yaml is required (e.g. configs/tiny_moe_gspo.yaml)"
+[[ -f "$CONFIG" ]] || die "config file $CONFIG not found; pass --config FILE.yaml"
+CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
+fi
+command -v "$PYTHON" >/dev/null || die "python '$PYTHON' not found; set PYTHON to the python that has megatron-gspo"
+"$PYTHON" -c "import megatron_gspo" 2>/dev/null \
+    || die "$PYTHON cannot import megatron_gspo; run scripts/setup.sh or set PYTHON"
+
+gpu_count() {
+    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then echo "$SLURM_GPUS_ON_NODE"
+    elif command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then nvidia-smi -L | wc -l
+    else echo 0; fi
+}
+free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+NNODES="${NNODES:-${SLURM_NNODES:-1}}"
+NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-$(gpu_count)}"
+if [[ "$NNODES" -gt 1 ]]; then
+    [[ -n "${RDZV_ENDPOINT:-}" ]] || die "RDZV_ENDPOINT=host:port of the first node is required with NNODES=$NNODES"
+    [[ -n "${LAUNCH_ID:-${SLURM_JOB_ID:-}}" ]] \
+        || die "set LAUNCH_ID to the same value on every node of a multi-node launch"
+    SERVER_HOST="${SERVER_HOST:-${SLURMD_NODENAME:-$(hostname)}}"
+else
+    RDZV_ENDPOINT="${RDZV_ENDPOINT:-127.0.0.1:$(free_port)}"
+    SERVER_HOST="${SERVER_HOST:-127.0.0.1}"
+fi
+
+LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)-$$}}"
+RUN_DIR="${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)}"
+mkdir -p "$RUN_DIR"
+RUN_DIR="$(cd "$RUN_DIR" && pwd)"
+STATE="$RUN_DIR/launch/$LAUNCH_ID"
+RANK_LOGS="$RUN_DIR/logs/ranks/node$NODE_RANK"
+SERVER_LOGS="$RUN_DIR/logs/servers/node$NODE_RANK"
+LAUNCH_LOG="$RUN_DIR/logs/launch/node$NODE_RANK.log"
+mkdir -p "$STATE/urls" "$RANK_LOGS" "$SERVER_LOGS" "$(dirname "$LAUNCH_LOG")"
+
+log() { echo "[node $NODE_RANK $(date +%H:%M:%S)] $*" | tee -a "$LAUNCH_LOG"; }
+fail() { echo "error: $*" | tee -a "$LAUNCH_LOG" >&2; }
+
+# ---- the layout ------------------------------------------------------------------------------
+PLAN_ARGS=(--config "$CONFIG" --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE")
+[[ -n "${NPROC_PER_NODE:-}" ]] && PLAN_ARGS+=(--nproc-per-node "$NPROC_PER_NODE")
+[[ -n "${ROLLOUT_NODES:-}" ]] && PLAN_ARGS+=(--rollout-nodes "$ROLLOUT_NODES")
+[[ -n "${SERVERS_PER_NODE:-}" ]] && PLAN_ARGS+=(--servers-per-node "$SERVERS_PER_NODE")
+PLAN_ARGS+=("${OVERRIDES[@]}")
+PLAN="$("$PYTHON" "$HERE/plan.py" "${PLAN_ARGS[@]}")" || exit 2
+# Shell assignments, each value quoted by plan.py (shlex.quote).
+eval "$PLAN"
+: "${PLACEMENT:?} ${BACKEND:?} ${TRAIN_NODES:?} ${NPROC_PER_NODE:?} ${SERVING_NODES:?}"
+: "${TOTAL_SERVERS:?} ${START_ROUTER:?} ${HEALTH_TIMEOUT_S:?}"
+[[ -n "${SGLANG_PYTHON:-}" ]] && export SGLANG_PYTHON
+TRAINS=0 SERVES=0
+[[ "$NODE_RANK" -lt "$TRAIN_NODES" ]] && TRAINS=1
+for n in $SERVING_NODES; do [[ "$n" == "$NODE_RANK" ]] && SERVES=1; done
+ROLE="trains ($NPROC_PER_NODE ranks)"
+((SERVES)) && ROLE="serves"
+((TRAINS && SERVES)) && ROLE="trains ($NPROC_PER_NODE ranks) and serves"
+log "run $RUN_DIR, launch $LAUNCH_ID: $PLACEMENT $BACKEND on $NNODES node(s); this one $ROLE"
+
+# ---- cleanup: everything started here, by PID --------------------------------------------------
+TRAIN_PID="" SERVE_PID="" ROUTER_PID=""
+# shellcheck disable=SC2317,SC2329  # the cleanup functions run from the traps below
+stop_pid() {  # stop_pid PID NAME GRACE_S: SIGTERM, wait, SIGKILL
+    local pid="$1" name="$2" grace="$3" i
+    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < grace * 5; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    if kill -0 "$pid" 2>/dev/null; then
+        log "$name (pid $pid) ignored SIGTERM for ${grace}s; sending SIGKILL"
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+}
+# shellcheck disable=SC2317,SC2329
+cleanup() {
+    trap - EXIT INT TERM
+    stop_pid "$TRAIN_PID" "torchrun" 30
+    stop_pid "$ROUTER_PID" "sglang-router" 20
+    stop_pid "$SERVE_PID" "rollout servers" 30
+}
+# shellcheck disable=SC2317,SC2329
+on_signal() { log "received $1; stopping what this node started"; cleanup; exit 143; }
+trap cleanup EXIT
+trap 'on_signal SIGINT' INT
+trap 'on_signal SIGTERM' TERM
+
+pause() { sleep "$1" & wait $! || true; }  # a sleep that traps can interrupt
+
+last_checkpoint() {
+    local best="" n=-1 d
+    for d in "$RUN_DIR"/checkpoints/step_*; do
+        [[ -f "$d/trainer_state.json" ]] || continue
+        local k="${d##*step_}"
+        [[ "$k" =~ ^[0-9]+$ ]] && ((k > n)) && { n=$k; best=$d; }
+    done
+    echo "${best:-none}"
+}
+abort_job() {  # abort_job MESSAGE: tell the other nodes, then stop here
+    echo "node $NODE_RANK: $*" >> "$STATE/abort"
+    fail "$*"
+    local ckpt; ckpt="$(last_checkpoint)"
+    fail "logs: $RANK_LOGS (per rank), $SERVER_LOGS (servers)"
+    if [[ "$ckpt" == none ]]; then
+        fail "no complete checkpoint yet under $RUN_DIR/checkpoints; rerun without --resume"
+    else
+        fail "last complete checkpoint: $ckpt; rerun with --resume --run-dir $RUN_DIR to continue"
+    fi
+}
+other_node_failed() { [[ -f "$STATE/abort" ]]; }
+
+# ---- rollout servers on this node ------------------------------------------------------------
+if ((SERVES)); then
+    "$PYTHON" "$HERE/serve_node.py" servers "${PLAN_ARGS[@]}" --node-rank "$NODE_RANK" \
+        --host "$SERVER_HOST" --port-base "${SERVER_PORT_BASE:-0}" --log-dir "$SERVER_LOGS" \
+        --urls-file "$STATE/urls/node$NODE_RANK.txt" >> "$SERVER_LOGS/serve_node.log" 2>&1 &
+    SERVE_PID=$!
+    log "rollout servers starting (pid $SERVE_PID), logs in $SERVER_LOGS"
+fi
+servers_dead() {
+    [[ -n "$SERVE_PID" ]] && ! kill -0 "$SERVE_PID" 2>/dev/null
+}
+servers_failure() {
+    local tail_line
+    tail_line="$(grep -h '^error:' "$SERVER_LOGS/serve_node.log" 2>/dev/null | tail -1)"
+    echo "rollout servers on node $NODE_RANK stopped: ${tail_line#error: }"
+}
+
+# ---- a node that only serves: hold the servers until training ends ---------------------------
+if ((!TRAINS)); then
+    while true; do
+        if [[ -f "$STATE/done" ]]; then log "training finished; stopping the servers"; exit 0; fi
+        if other_node_failed; then fail "another node failed: $(head -1 "$STATE/abort")"; exit 1; fi
+        if servers_dead; then abort_job "$(servers_failure)"; exit 1; fi
+        pause 1
+    done
+fi
+
+# ---- a training node: wait for every serving node's URLs --------------------------------------
+deadline=$((SECONDS + HEALTH_TIMEOUT_S + 120))
+URLS=()
+for n in $SERVING_NODES; do
+    f="$STATE/urls/node$n.txt"
+    until [[ -f "$f" ]]; do
+        if servers_dead; then abort_job "$(servers_failure)"; exit 1; fi
+        if other_node_failed; then fail "another node failed: $(head -1 "$STATE/abort")"; exit 1; fi
+        if ((SECONDS > deadline)); then
+            abort_job "node $n's rollout servers were not ready after $((HEALTH_TIMEOUT_S + 120)) s; see RUN_DIR/logs/servers/node$n"
+            exit 1
+        fi
+        pause 0.5
+    done
+    mapfile -t -O "${#URLS[@]}" URLS < "$f"
+done
+log "rollout servers ready: ${URLS[*]}"
+
+if ((START_ROUTER)) && [[ "$NODE_RANK" == 0 ]]; then
+    ROUTER_PORT="${ROUTER_PORT:-$(free_port)}"
+    "$PYTHON" "$HERE/serve_node.py" router --worker-urls "${URLS[@]}" --host "$SERVER_HOST" \
+        --port "$ROUTER_PORT" --log-dir "$SERVER_LOGS" --urls-file "$STATE/router.txt" \
+        >> "$SERVER_LOGS/router_supervisor.log" 2>&1 &
+    ROUTER_PID=$!
+    until [[ -f "$STATE/router.txt" ]]; do
+        kill -0 "$ROUTER_PID" 2>/dev/null || { abort_job "sglang-router did not start; see $SERVER_LOGS/router.log"; exit 1; }
+        pause 0.5
+    done
+    export MEGATRON_GSPO_ROUTER_URL; MEGATRON_GSPO_ROUTER_URL="$(head -1 "$STATE/router.txt")"
+    log "sglang-router in front of $TOTAL_SERVERS servers: $MEGATRON_GSPO_ROUTER_URL"
+fi
+
+# ---- the trainer -----------------------------------------------------------------------------
+url_list="$(printf '"%s",' "${URLS[@]}")"
+TRAIN_ARGS=(--config "$CONFIG" --run-dir "$RUN_DIR")
+[[ -n "$STEPS" ]] && TRAIN_ARGS+=(--steps "$STEPS")
+((RESUME)) && TRAIN_ARGS+=(--resume)
+TRAIN_ARGS+=("${OVERRIDES[@]}" "rollout.urls=[${url_list%,}]")
+if [[ -n "${TRAINER_GPUS:-}" && "$PLACEMENT" == disaggregated && "$NNODES" == 1 ]]; then
+    export CUDA_VISIBLE_DEVICES="$TRAINER_GPUS"  # the servers hold the node's other GPUs
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+log "torchrun: $TRAIN_NODES node(s) x $NPROC_PER_NODE ranks, rendezvous $RDZV_ENDPOINT"
+"$PYTHON" -m torch.distributed.run \
+    --nnodes "$TRAIN_NODES" --nproc-per-node "$NPROC_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$LAUNCH_ID" \
+    --max-restarts 0 --log-dir "$RANK_LOGS" --tee 3 \
+    -m megatron_gspo.cli train "${TRAIN_ARGS[@]}" &
+TRAIN_PID=$!
+
+code=""
+while true; do
+    if ! kill -0 "$TRAIN_PID" 2>/dev/null; then
+        code=0; wait "$TRAIN_PID" || code=$?
+        TRAIN_PID=""
+        break
+    fi
+    if servers_dead; then abort_job "$(servers_failure)"; exit 1; fi
+    if other_node_failed; then
+        fail "another node failed: $(head -1 "$STATE/abort"); stopping this node's ranks"
+        exit 1
+    fi
+    pause 1
+done
+
+if [[ "$code" == 0 ]]; then
+    [[ "$NODE_RANK" == 0 ]] && echo 0 > "$STATE/done"
+    log "training finished; last complete checkpoint: $(last_checkpoint)"
+    exit 0
+fi
+abort_job "training stopped on node $NODE_RANK: torchrun exited with code $code (a rank failed or was killed; torchrun's summary above names it)"
+exit "$code"
