@@ -1,8 +1,9 @@
 """Per-step metrics: `RUN_DIR/metrics.jsonl`, TensorBoard, W&B, and a console progress line.
 
-The RL loop calls `MetricsLogger.log(step, metrics)` once per step on rank 0. Steps count from 1;
-`start_step` is the last completed step (the checkpoint's step on resume, 0 for a fresh run) and
-the run ends at `total_steps`.
+The RL loop calls `MetricsLogger.log(step, metrics)` once per step on rank 0. Training steps count
+from 1 and the run ends at `total_steps`; a fresh run may also log step 0 (e.g. the eval reward of
+the starting checkpoint). `start_step` is the last completed step: the checkpoint's step on
+resume, 0 for a fresh run.
 
 `metrics.jsonl` is the record of a run: one strict-JSON object per step, `{"step": N, ...}` with
 exactly the keys the loop logged (a key that does not apply to a run is absent; `None` values are
@@ -245,7 +246,8 @@ class ConsoleProgress:
     """The progress line on stderr: redrawn in place on a TTY, one plain line per step otherwise.
 
     Seconds per step are wall-clock time between log() calls; once two steps are in, the time
-    before the first one (start-up) is left out of the average.
+    before the first one (start-up) is left out of the average. Step 0 (before any training step)
+    restarts the clock and shows no rate.
     """
 
     def __init__(self, total_steps: int, clock=time.monotonic):
@@ -262,7 +264,10 @@ class ConsoleProgress:
         return t[0] - self._t0 if t else None
 
     def text(self, row: dict[str, Scalar]) -> str:
-        self._times.append(self._clock())
+        if row["step"] == 0:
+            self._t0 = self._clock()
+        else:
+            self._times.append(self._clock())
         if isinstance(row.get("eval/reward"), int | float):
             self._eval = float(row["eval/reward"])
         reward = row.get("reward/mean")
@@ -314,7 +319,8 @@ class MetricsLogger:
                 f"resuming at step {start_step} of a {total_steps}-step run: "
                 "raise train.steps or start a new run directory"
             )
-        self.run_dir, self.total_steps, self._last = Path(run_dir), total_steps, start_step
+        self.run_dir, self.total_steps = Path(run_dir), total_steps
+        self._last = start_step if start_step > 0 else -1  # a fresh run may log step 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._sinks: list = []
         try:
@@ -331,9 +337,12 @@ class MetricsLogger:
             raise
 
     def log(self, step: int, metrics: dict[str, float | int | str]) -> None:
-        """Record one step (step > the previous one). `None` values are left out."""
+        """Record one step. Steps increase and exceed start_step (a fresh run may log step 0).
+        `None` values are left out."""
         if step <= self._last:
-            raise ValueError(f"step {step} logged after step {self._last}; steps must increase")
+            raise ValueError(
+                f"step {step} logged after step {max(self._last, 0)}; steps must increase"
+            )
         row = clean_metrics(step, metrics)
         for sink in self._sinks:
             sink.log(row)

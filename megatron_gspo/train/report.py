@@ -151,17 +151,26 @@ def draw_layers(ax, label: str, rows: list[dict]) -> None:
         ax.figure.colorbar(ScalarMappable(norm, "viridis"), ax=ax, label="layer")
 
 
-def build_figure(runs: Sequence[Run], panels: Sequence[Panel] = PANELS, ncols: int = 4):
-    """A matplotlib Figure (Agg canvas) with one panel per entry of `panels`, runs overlaid."""
+def _grid(nrows: int, ncols: int):
+    """An Agg-backed Figure and its axes, 4.2 x 3.2 inches per panel."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    height = 3.2 * nrows
+    fig = Figure(figsize=(4.2 * ncols, height))
+    FigureCanvasAgg(fig)
+    # Fixed margins (in inches: 0.55 below for ticks and "step", 0.3 above for the title); a
+    # third of the cost of matplotlib's constrained layout, and the panels line up.
+    grid = {"left": 0.045, "right": 0.99, "bottom": 0.55 / height, "top": 1 - 0.3 / height}
+    grid.update(wspace=0.3, hspace=0.45)
+    return fig, fig.subplots(nrows, ncols, squeeze=False, gridspec_kw=grid).ravel()
+
+
+def build_figure(runs: Sequence[Run], panels: Sequence[Panel] = PANELS, ncols: int = 4):
+    """A matplotlib Figure (Agg canvas) with one panel per entry of `panels`, runs overlaid."""
     layered = next(((label, rows) for label, rows in runs if layer_keys(rows)), None)
     n = len(panels) + (layered is not None)
-    nrows = math.ceil(n / ncols)
-    fig = Figure(figsize=(4.2 * ncols, 3.2 * nrows), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    fig, axes = _grid(math.ceil(n / ncols), ncols)
     for ax, panel in zip(axes, panels):
         draw_panel(ax, panel, runs)
     if layered is not None:

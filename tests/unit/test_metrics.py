@@ -226,11 +226,12 @@ def test_progress_text_and_durations():
 
 
 def test_console_progress_rate_excludes_start_up():
-    ticks = iter([0.0, 10.0, 12.0, 14.5])  # init, then the end of steps 1, 2, 3
+    ticks = iter([-5.0, 0.0, 10.0, 12.0, 14.5])  # init, the end of step 0 (eval), steps 1, 2, 3
     progress = ConsoleProgress(total_steps=40, clock=lambda: next(ticks))
-    texts = [progress.text({"step": s, **step_metrics(s)}) for s in (1, 2, 3)]
+    texts = [progress.text({"step": s, **step_metrics(s)}) for s in (0, 1, 2, 3)]
     assert texts == [
-        f"step 1/40 | reward {math.sin(1):.2f} | 10.0 s/step | ETA 6m30s",  # 39 x 10 s
+        "step 0/40 | reward 0.00 | eval 0.00",  # no training step yet: no rate
+        f"step 1/40 | reward {math.sin(1):.2f} | eval 0.00 | 10.0 s/step | ETA 6m30s",  # 39 x 10
         f"step 2/40 | reward {math.sin(2):.2f} | eval 0.20 | 2.0 s/step | ETA 1m16s",  # 38 x 2
         f"step 3/40 | reward {math.sin(3):.2f} | eval 0.20 | 2.2 s/step | ETA 1m23s",  # 37 x 2.25
     ]
@@ -255,6 +256,25 @@ def test_console_lines(tmp_path, monkeypatch, tty):
         frames = out.splitlines()
     assert [f.split(" | ")[0] for f in frames] == ["step 1/3", "step 2/3", "step 3/3"]
     assert "eval 0.20" in frames[2] and frames[2].strip().endswith("ETA 0s")
+
+
+def test_step_order(tmp_path):
+    kw = {"total_steps": 5, "tensorboard": False, "console": False}
+    with MetricsLogger(tmp_path, **kw) as logger:
+        logger.log(0, {"eval/reward": 0.5})  # a fresh run may log step 0
+        logger.log(1, {"a": 1.0})
+        logger.log(3, {"a": 3.0})
+        with pytest.raises(ValueError, match="step 2 logged after step 3"):
+            logger.log(2, {"a": 2.0})
+    with MetricsLogger(tmp_path, start_step=1, **kw) as logger:
+        with pytest.raises(ValueError, match="steps must increase"):
+            logger.log(1, {"a": 1.0})  # the checkpoint's step is already in the file
+        logger.log(2, {"a": 2.0})
+    assert read_metrics(tmp_path) == [
+        {"step": 0, "eval/reward": 0.5},
+        {"step": 1, "a": 1.0},
+        {"step": 2, "a": 2.0},
+    ]
 
 
 def test_bad_calls(tmp_path):

@@ -100,8 +100,14 @@ def test_many_layers_get_a_colour_bar(tmp_path):
     assert any(a.get_label() == "<colorbar>" for a in fig.axes)
 
 
-def test_make_report_writes_a_png(two_runs, tmp_path):
-    out = make_report(two_runs, tmp_path / "figs" / "report.png", labels=["GSPO", "GRPO"])
+def test_report_command_writes_a_png(two_runs, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "figs" / "report.png"
+    argv = ["report", *map(str, two_runs), "--out", str(out), "--labels", "GSPO, GRPO"]
+    args = parser.parse_args(argv)
+    args.func(args)
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
     assert out.read_bytes()[:8] == PNG_MAGIC
     with Image.open(out) as img:
         img.verify()
@@ -109,16 +115,6 @@ def test_make_report_writes_a_png(two_runs, tmp_path):
         # 11 panels on a 4-wide grid: 3 rows of 4.2 x 3.2 inches at 100 dpi.
         assert img.size == (round(4 * 4.2 * 100), round(3 * 3.2 * 100))
     assert [p.name for p in out.parent.iterdir()] == ["report.png"]  # no temp file left
-
-
-def test_report_command(two_runs, tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command", required=True))
-    out = tmp_path / "r.png"
-    args = parser.parse_args(["report", *map(str, two_runs), "--out", str(out), "--labels", "a,b"])
-    args.func(args)
-    assert capsys.readouterr().out.strip() == f"wrote {out}"
-    assert out.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_errors(two_runs, tmp_path):
