@@ -79,7 +79,9 @@ class Layout:
         if self.placement == "disaggregated" and self.role(node_rank) == "both":
             first = self.nproc_per_node  # one node, split: the servers take the GPUs after
         tp = self.server_tp
-        return [list(range(first + i * tp, first + (i + 1) * tp)) for i in range(self.servers_per_node)]
+        return [
+            list(range(first + i * tp, first + (i + 1) * tp)) for i in range(self.servers_per_node)
+        ]
 
 
 def make_layout(

