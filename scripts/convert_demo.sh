@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The main job available today, end to end on a CPU: make a tiny Qwen3-MoE, convert it to a
+# Checkpoint tools end to end on a CPU: make a tiny Qwen3-MoE, convert it to a
 # Megatron dist-checkpoint under TP2 x EP2, score token log-probs from it, and convert it back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${RUN_DIR:-runs/quickstart}
+RUN=${RUN_DIR:-runs/convert_demo}
 rm -rf "$RUN"
 mkdir -p "$RUN"
 M=".venv/bin/megatron-gspo"

@@ -20,19 +20,17 @@ class StepHooks:
         self.logger = None
         self.saved_step = -1
 
-    def begin(self, state: dict) -> None:
-        """Open the sinks; a resumed run first drops metrics of steps after its checkpoint. A
+    def begin(self, state: dict, last: int) -> None:
+        """Open the sinks (a resumed run's logger drops metrics of steps after its checkpoint). A
         fresh run logs step 0: the starting checkpoint's eval reward."""
-        from megatron_gspo.train.metrics import MetricsLogger, truncate_metrics
+        from megatron_gspo.train.metrics import MetricsLogger
 
         t = self.cfg.train
         if self.rank0:
-            if state["step"] > 0:
-                truncate_metrics(self.run_dir, state["step"])
             log = self.cfg.logging
             self.logger = MetricsLogger(
                 self.run_dir,
-                total_steps=t.steps,
+                total_steps=max(last, state["step"]),
                 start_step=state["step"],
                 tensorboard=log.tensorboard,
                 wandb=log.wandb,

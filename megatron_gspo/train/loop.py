@@ -27,8 +27,8 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
         sync = setup.weight_sync(rl.urls)
         hooks = StepHooks(cfg, run_dir, setup, rl)
         state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
-        hooks.begin(state)
         last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
+        hooks.begin(state, last)
         for step in range(state["step"] + 1, last + 1):
             t0 = time.perf_counter()
             collected = rl.collect(sampler.next_batch(), step)

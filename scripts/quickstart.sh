@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The main job on a CPU: GSPO on a tiny Qwen3-MoE, from a starting checkpoint made here.
+#   1. make the starting policy: a 2-layer, 8-expert MoE fine-tuned to be partly right on
+#      single-step arithmetic (so RL has something to improve);
+#   2. train it with GSPO (configs/tiny_moe_gspo.yaml): built-in rollout server, Megatron actor,
+#      weight sync after every step, greedy eval on held-out prompts every 5 steps;
+#   3. plot the run. Pass another config as $1 (e.g. configs/tiny_moe_grpo.yaml).
+# Running it again continues the run from its newest checkpoint.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${1:-configs/tiny_moe_gspo.yaml}
+NAME=$(basename "$CONFIG" .yaml)
+RUN=${RUN_DIR:-runs/$NAME}
+M=".venv/bin/megatron-gspo"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+[ -d runs/task_model ] || $M make-task-model --out runs/task_model
+RESUME=()
+[ -d "$RUN/checkpoints" ] && RESUME=(--resume)
+$M train --config "$CONFIG" --run-dir "$RUN" "${RESUME[@]}"
+$M report "$RUN" --out "$RUN/report.png"
+.venv/bin/python - "$RUN" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+evals = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
+print(f"greedy eval reward: step {evals[0][0]} {evals[0][1]:.3f} -> step {evals[-1][0]} {evals[-1][1]:.3f}")
+PY
+echo "done: $RUN (metrics.jsonl, report.png, tensorboard/, checkpoints/)"

@@ -1,0 +1,171 @@
+"""`megatron-gspo train` end to end: the four tiny configs, exact resume after kill -9, and the
+errors a user meets first (typos, a broken reward plugin, a server that will not start)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_env
+
+pytestmark = [pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "train.micro_batch_size=4",
+    "train.eval_prompts=8",
+    "train.eval_every=2",
+    "logging.tensorboard=false",
+    "logging.console=false",
+]
+
+
+@pytest.fixture(scope="module")
+def task_model(tmp_path_factory) -> Path:
+    from megatron_gspo.data.warmstart import make_task_model
+
+    return make_task_model(tmp_path_factory.mktemp("task") / "model", seed=0)
+
+
+def train(config: str, run_dir: Path, model: Path, *extra: str, steps: int = 2, wait=True):
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_gspo",
+        "train",
+        "--config",
+        str(ROOT / "configs" / config),
+    ]
+    cmd += ["--run-dir", str(run_dir), "--steps", str(steps), f"model.path={model}", *QUICK, *extra]
+    log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=ROOT)
+    if not wait:
+        return proc
+    proc.wait(timeout=600)
+    return proc.returncode, Path(log.name).read_text()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["tiny_moe_gspo.yaml", "tiny_moe_grpo.yaml", "tiny_moe_grpo_r2.yaml", "tiny_moe_grpo_r3.yaml"],
+)
+def test_tiny_config_runs(config, task_model, tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out = train(config, run_dir, task_model)
+    assert rc == 0, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert set(rows[0]) == {"step", "eval/reward", "weight_version"}
+    for r in rows[1:]:
+        for key in ("reward/mean", "loss/policy", "grad_norm", "lr", "ratio/mean", "ratio/std",
+                    "ratio/max", "ratio/clip_fraction_tokens", "ratio/clip_fraction_seqs",
+                    "kl/old", "entropy", "response/length_mean", "mismatch/logprob_abs_diff",
+                    "time/rollout_s", "time/train_s", "time/sync_s", "time/step_s",
+                    "tokens_per_s"):  # fmt: skip
+            assert key in r, (key, sorted(r))
+        assert r["weight_version"] == r["step"]
+        assert 0.0 <= r["reward/mean"] <= 1.0
+    assert "eval/reward" in rows[2]
+    # The rollout servers hold the trainer's weights: the first update's ratio is exactly 1
+    # only if the old log-probs are the trainer's; the train-vs-rollout gap is small but real.
+    assert rows[1]["mismatch/logprob_abs_diff"] < 1e-3
+    agreement = [r for r in rows[1:] if "routing/rollout_train_agreement" in r]
+    assert bool(agreement) == (config == "tiny_moe_grpo_r3.yaml")
+    assert (run_dir / "checkpoints" / "step_2" / "trainer_state.json").is_file()
+    assert (run_dir / "config.yaml").is_file()
+    assert not list((run_dir / "checkpoints").glob(".*tmp"))
+
+
+def test_kill9_then_resume_equals_uninterrupted(task_model, tmp_path):
+    steps = 4
+    ref = tmp_path / "ref"
+    rc, out = train("tiny_moe_gspo.yaml", ref, task_model, "train.checkpoint_every=1", steps=steps)
+    assert rc == 0, out[-3000:]
+
+    run = tmp_path / "killed"
+    proc = train("tiny_moe_gspo.yaml", run, task_model, "train.checkpoint_every=1",
+                 steps=steps, wait=False)  # fmt: skip
+    _wait_for(lambda: (run / "checkpoints" / "step_2").is_dir(), proc)
+    proc.send_signal(signal.SIGKILL)  # no handler, no atexit: servers die with their parent
+    proc.wait(timeout=60)
+    rc, out = train("tiny_moe_gspo.yaml", run, task_model, "--resume",
+                    "train.checkpoint_every=1", steps=steps)  # fmt: skip
+    assert rc == 0, out[-3000:]
+    got, want = metrics(run), metrics(ref)
+    assert [r["step"] for r in got] == list(range(steps + 1))
+    for g, w in zip(got, want):
+        for key in ("reward/mean", "loss/policy", "grad_norm", "eval/reward", "ratio/max"):
+            assert g.get(key) == w.get(key), (g["step"], key, g.get(key), w.get(key))
+
+
+def _wait_for(cond, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_existing_run_dir_needs_resume_and_resume_needs_checkpoint(task_model, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume")
+    assert rc == 2 and "no complete checkpoint" in out
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model)
+    assert rc == 2 and "pass --resume" in out
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'  # untouched
+
+
+def test_config_typo_is_one_line_error(task_model, tmp_path):
+    rc, out = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, "algo.clip_hihg=0.3")
+    assert rc == 2
+    lines = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: unknown config key 'algo.clip_hihg'; did you mean 'algo.clip_high'?"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_reward_plugin_that_raises(task_model, tmp_path):
+    plugin = tmp_path / "bad_reward.py"
+    plugin.write_text("def score(prompt, response, answer):\n    raise ValueError('boom')\n")
+    run_dir = tmp_path / "run"
+    rc, out = _with_pythonpath(tmp_path, lambda: train("tiny_moe_gspo.yaml", run_dir, task_model,
+                                                       "reward.fn=bad_reward:score"))  # fmt: skip
+    assert rc == 2, out[-2000:]
+    assert "bad_reward:score" in out and "boom" in out
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
+
+
+def _with_pythonpath(path: Path, fn):
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{path}{os.pathsep}{old}" if old else str(path)
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def test_rollout_server_that_will_not_start(task_model, tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model,
+                    "rollout.extra_server_args=[--no-such-flag]")  # fmt: skip
+    assert rc == 2, out[-2000:]
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert errors and "rollout server did not start" in errors[0]
+    assert "server-0.log" in errors[0] or (run_dir / "logs" / "server-0.log").is_file()
