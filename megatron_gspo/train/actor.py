@@ -10,6 +10,10 @@ sum(objective in microbatch) / D, so summing microbatches and replicas gives the
 loss. Megatron then divides each microbatch loss by the number of microbatches M and DDP averages
 gradients over the dp data-parallel replicas; the loss function multiplies by M * dp to undo both.
 The gradient therefore does not depend on how the batch was split.
+
+Routing (MoE models, megatron_gspo/routing): `logprobs` records every sample's natural routing
+into batch.routing (r3: while replaying the rollout server's); `train_step` replays it (r2:
+recorded, r3: rollout) and reports routing/changed_fraction, in every mode.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from megatron_gspo.algo import (
     stat_reduce_op,
     summarize_stats,
 )
+from megatron_gspo.errors import UserError
 from megatron_gspo.model.forward import next_token_logprobs, padded_length
+from megatron_gspo.routing import RoutingReplay
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
 
@@ -54,7 +60,7 @@ class LossConfig:
 class Actor:
     """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
 
-    def __init__(self, chunks, optim: OptimConfig = OptimConfig()):
+    def __init__(self, chunks, optim: OptimConfig = OptimConfig(), routing_replay: str = "none"):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -93,6 +99,9 @@ class Actor:
             ),
             self.chunks,
         )
+        use_routing = self.spec.is_moe or routing_replay != "none"
+        self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
+        self.last_logprob_metrics: dict[str, float] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -110,6 +119,21 @@ class Actor:
         while len(mbs) < n_micro:
             mbs += microbatches(batch, [], micro_batch_size, seq_len)
         return mbs, seq_len, dp
+
+    @staticmethod
+    def _step(sweep, loss):
+        """megatron's forward step: one microbatch through one chunk (routing set around it)."""
+
+        def step(it, model):
+            mb = next(it)
+            if sweep is not None:
+                sweep.enter(model, mb)
+            out = model(mb.tokens, mb.position_ids, None)
+            if sweep is not None:
+                out = sweep.leave(model, mb, out)
+            return out, partial(loss, mb)
+
+        return step
 
     def _run(self, mbs, seq_len, micro_batch_size, forward_step, forward_only):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -129,28 +153,50 @@ class Actor:
 
     @torch.no_grad()
     def logprobs(self, batch: RLBatch, micro_batch_size: int = 8) -> list[list[float | None]]:
-        """Token-aligned log-probs of every sample under the current weights (entry 0 None)."""
+        """Token-aligned log-probs of every sample under the current weights (entry 0 None).
+
+        On an MoE model it also records every sample's natural routing into batch.routing (r3:
+        while replaying batch.rollout_experts, whose agreement it measures); its metrics are in
+        `last_logprob_metrics`."""
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+        sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
+        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
+        if self.routing:
+            self.last_logprob_metrics = self.routing.finish_record(sweep, batch)
+        return rows
+
+    @torch.no_grad()
+    def replayed_logprobs(self, batch: RLBatch, micro_batch_size: int = 8) -> list:
+        """Log-probs under the current weights with the batch's routing replayed as `train_step`
+        would (r2: recorded, r3: rollout; "none": recorded too). batch.routing is unchanged;
+        routing/changed_fraction of this forward goes to `last_logprob_metrics`."""
+        if self.routing is None:
+            raise UserError("replayed_logprobs needs an MoE model")
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+        source = "rollout" if self.routing.mode == "r3" else "recorded"
+        sweep = self.routing.train_sweep(batch, mbs, seq_len, source)
+        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
+        self.last_logprob_metrics = self.routing.finish_train(sweep)
+        return rows
+
+    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, n) -> list:
         for c in self.chunks:
             c.eval()
-        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         vocab = self.spec.vocab_size
 
         def loss(mb, logits):
             lp, _ = next_token_logprobs(logits, mb.tokens, vocab)
             return torch.zeros(()), {"lp": lp, "mb": mb}
 
-        def step(it, model):
-            mb = next(it)
-            return model(mb.tokens, mb.position_ids, None), partial(loss, mb)
-
+        step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=True)
         mine = []
         for out in outputs:
             for row, i in enumerate(out["mb"].index.tolist()):
                 if i >= 0:
-                    n = int(out["mb"].lengths[row])
-                    mine.append((i, [None] + out["lp"][row, : n - 1].tolist()))
-        return _gather_rows(mine, len(batch))
+                    k = int(out["mb"].lengths[row])
+                    mine.append((i, [None] + out["lp"][row, : k - 1].tolist()))
+        return _gather_rows(mine, n)
 
     # ---- one optimizer step ------------------------------------------------------------------
 
@@ -184,13 +230,13 @@ class Actor:
             stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
             return value * scale, stats
 
-        def step(it, model):
-            mb = next(it)
-            return model(mb.tokens, mb.position_ids, None), partial(loss, mb)
-
+        sweep = self.routing.train_sweep(batch, mbs, seq_len) if self.routing else None
+        step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
+        routing = self.routing.finish_train(sweep) if self.routing else {}
         ok, grad_norm, _ = self.optimizer.step()
         metrics = _reduce_stats(outputs)
+        metrics.update(routing)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             update_ok=bool(ok),

@@ -21,6 +21,10 @@ class RLBatch:
     advantages: list[float] | list[list[float]]  # per sequence, or per token
     old_logprobs: list[list[float]] | None = None  # token-aligned; None until computed
     rollout_logprobs: list[list[float]] | None = None  # token-aligned, from the rollout server
+    # R3: per sample, as Sample.routed_experts (int32 [len(tokens) - 1, layers, k]) or None
+    rollout_experts: list | None = None
+    # per-sample recorded routing (megatron_gspo.routing.SampleRouting); set by Actor.logprobs
+    routing: list | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -35,6 +39,8 @@ class RLBatch:
             pick(self.advantages),
             pick(self.old_logprobs),
             pick(self.rollout_logprobs),
+            pick(self.rollout_experts),
+            pick(self.routing),
         )
 
 

@@ -1,0 +1,96 @@
+"""One sweep of megatron's schedule over a batch's microbatches, seen from the routers.
+
+A `Sweep` says, for this sweep: which stored routing to replay ("recorded" | "rollout" | None),
+which to compare the natural routing with (counting changed positions), and whether to capture
+the natural routing. The forward step calls `enter(model, mb)` before the chunk's forward and
+`leave(model, mb, out)` after it. Targets are set per microbatch inside the forward step, since
+with pipelining several microbatch forwards run before their backwards. With activation
+recompute, `leave` hooks the chunk's output: its gradient arrives before any layer of the chunk
+is recomputed, and the hook switches that chunk's routers to REPLAY_BACKWARD (the core then pops
+the targets in forward order) and stops observing; the next forward step sets REPLAY_FORWARD again.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from megatron_gspo.routing.gather import gather_stage
+from megatron_gspo.routing.storage import SampleRouting, microbatch_targets
+
+
+class Sweep:
+    def __init__(self, owner, samples, mbs, seq_len, *, replay=None, compare=None, capture=False):
+        self.owner = owner
+        self.samples: list[SampleRouting | None] = samples
+        self.replay, self.compare, self.capture = replay, compare, capture
+        self.seq_len = seq_len
+        self.positions = owner.layout.positions(seq_len)
+        self.order = {id(mb): m for m, mb in enumerate(mbs)}
+        self.rows_Mb = torch.stack([mb.index for mb in mbs])
+        self.buffer = None
+        if capture:
+            n_tok = len(self.positions) * mbs[0].tokens.shape[0]
+            shape = (len(mbs), len(owner.layers), n_tok, owner.topk)
+            self.buffer = torch.zeros(shape, dtype=owner.torch_dtype, device=owner.device)
+
+    # ---- inside the forward step --------------------------------------------------------
+
+    def enter(self, model, mb) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
+        taps = self.owner.taps_of(model)
+        if not taps:
+            return
+        cols = [self.owner.column[t.layer] for t in taps]
+        target = self._targets(mb, self.replay, cols)
+        ref = target if self.compare == self.replay else self._targets(mb, self.compare, cols)
+        for j, tap in enumerate(taps):
+            tap.observing, tap.capture = True, self.capture
+            if target is not None:
+                tap.replay.set_router_replay_action(A.REPLAY_FORWARD)
+                tap.replay.set_target_indices(target[j])
+            elif self.capture:
+                tap.replay.set_router_replay_action(A.RECORD)
+            else:
+                tap.replay.clear_router_replay_action()
+            tap.ref_Nk = None if ref is None else ref[j]
+
+    def leave(self, model, mb, out):
+        taps = self.owner.taps_of(model)
+        if self.capture:
+            m = self.order[id(mb)]
+            for tap in taps:
+                self.buffer[m, self.owner.column[tap.layer]] = tap.natural.to(self.buffer.dtype)
+                tap.natural = None
+        if taps and self.owner.recompute and torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(partial(_to_recompute, taps))
+        return out
+
+    def _targets(self, mb, kind, cols):
+        if kind is None:
+            return None
+        rows = [None if i < 0 else getattr(self.samples[i], kind) for i in mb.index.tolist()]
+        o = self.owner
+        return microbatch_targets(rows, cols, self.positions, o.topk, o.device)
+
+    # ---- after the schedule -------------------------------------------------------------
+
+    def counts(self) -> dict[int, tuple[int, int]]:
+        return {t.layer: t.counts() for t in self.owner.all_taps()}
+
+    def captured(self, lengths: list[int]) -> dict[int, np.ndarray]:
+        """{sample: [n, L, k]} natural routing of every sample (collective over the stage)."""
+        return gather_stage(self.buffer, self.rows_Mb, self.owner.layout, self.seq_len, lengths)
+
+
+def _to_recompute(taps, grad):
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
+    for tap in taps:
+        tap.observing = False
+        if tap.replay.router_replay_action == A.REPLAY_FORWARD:
+            tap.replay.set_router_replay_action(A.REPLAY_BACKWARD)
+    return None
