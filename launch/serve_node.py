@@ -113,7 +113,10 @@ def cmd_servers(args) -> int:
     try:
         group.start()
     except ServerFailed as e:
-        print(f"error: node {args.node_rank}: {str(e).splitlines()[0]}", file=sys.stderr)
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        head = lines[0].removesuffix(" ends with:").rstrip(";")
+        last = f"; it ends with: {lines[-1].strip()}" if len(lines) > 1 else ""
+        print(f"error: node {args.node_rank}: {head}{last}", file=sys.stderr)
         return 1
     try:
         write_urls(Path(args.urls_file), group.urls)

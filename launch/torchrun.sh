@@ -81,7 +81,10 @@ if [[ "$NNODES" -gt 1 ]]; then
     [[ -n "${RDZV_ENDPOINT:-}" ]] || die "RDZV_ENDPOINT=host:port of the first node is required with NNODES=$NNODES"
     [[ -n "${LAUNCH_ID:-${SLURM_JOB_ID:-}}" ]] \
         || die "set LAUNCH_ID to the same value on every node of a multi-node launch"
-    SERVER_HOST="${SERVER_HOST:-${SLURMD_NODENAME:-$(hostname)}}"
+    case "${RDZV_ENDPOINT%:*}" in  # every node on this machine (a simulation): stay on loopback
+        127.0.0.1|localhost) SERVER_HOST="${SERVER_HOST:-127.0.0.1}" ;;
+        *) SERVER_HOST="${SERVER_HOST:-${SLURMD_NODENAME:-$(hostname)}}" ;;
+    esac
 else
     RDZV_ENDPOINT="${RDZV_ENDPOINT:-127.0.0.1:$(free_port)}"
     SERVER_HOST="${SERVER_HOST:-127.0.0.1}"
