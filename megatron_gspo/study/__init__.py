@@ -1,0 +1,89 @@
+"""`megatron-gspo study`: GSPO vs GRPO (plain, R2, R3) on the same model, data and seeds.
+
+    megatron-gspo study --config configs/tiny_moe_gspo.yaml --algos gspo,grpo,grpo_r2,grpo_r3 \\
+        --seeds 2 --out runs/study [key.sub=value ...] [ALGO:key.sub=value ...]
+
+Each (algorithm, seed) is one `megatron-gspo train` run in DIR/runs/<algo>/seed<k>, its config
+the base config with the algorithm's settings (plan.py). Then DIR/report.md and the figures are
+written (report_md.py, figures.py). Running the same command again skips the complete runs,
+continues the interrupted ones from their newest checkpoint, and rewrites the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from megatron_gspo.errors import UserError
+
+
+def run_study(args: argparse.Namespace, command: str) -> Path:
+    """Plan, run what is left, write the report; returns DIR/report.md."""
+    from megatron_gspo.study.plan import algo_table, build_study, check_manifest, parse_algos
+    from megatron_gspo.study.report_md import write_report
+    from megatron_gspo.study.runner import ensure_model, execute
+
+    if not args.collapse_margin > 0:
+        raise UserError(f"--collapse-margin {args.collapse_margin}: give a margin > 0")
+    table = algo_table()
+    algos = parse_algos(args.algos, table)
+    study = build_study(args.config, args.out, algos, args.seeds, args.overrides, args.steps, table)
+    check_manifest(study)
+    failed: list[str] = []
+    if not args.report_only:
+        ensure_model(study)
+        failed = [r.name for r in execute(study)]
+    report = write_report(study, args.collapse_margin, command, failed)
+    print(f"wrote {report}", flush=True)
+    if failed:
+        raise UserError(
+            f"{len(failed)} run(s) failed ({', '.join(failed)}); see {study.out}/logs, "
+            "then run the same command again to retry them"
+        )
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, type=Path, help="base YAML run config")
+    p.add_argument("--algos", default="gspo,grpo,grpo_r2,grpo_r3", help="comma-separated")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (config seed + i)")
+    p.add_argument("--out", required=True, type=Path, help="study directory")
+    p.add_argument("--steps", type=int, default=None, help="train.steps for every run")
+    p.add_argument(
+        "--collapse-margin", type=float, default=0.2,
+        help="a collapse is eval reward this far below its running best (or a non-finite loss)",
+    )  # fmt: skip
+    p.add_argument("--report-only", action="store_true", help="rewrite the report, run nothing")
+    p.add_argument(
+        "overrides", nargs="*", metavar="[ALGO:]key.sub=value",
+        help="config overrides for every run, or with ALGO: for that algorithm's runs",
+    )  # fmt: skip
+
+
+def _cmd_study(args: argparse.Namespace) -> None:
+    run_study(args, "megatron-gspo study " + shlex.join(sys.argv[2:]))
+
+
+def register(subparsers) -> None:
+    """Add the `study` subcommand to the CLI's subparsers."""
+    p = subparsers.add_parser("study", help="GSPO vs GRPO (+R2/R3) over seeds, with a report")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_study)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m megatron_gspo.study ...`: the same command without the CLI around it."""
+    import os
+
+    p = argparse.ArgumentParser(prog="megatron-gspo study", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        run_study(args, "megatron-gspo study " + shlex.join(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

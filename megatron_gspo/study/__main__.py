@@ -1,0 +1,3 @@
+from megatron_gspo.study import main
+
+main()

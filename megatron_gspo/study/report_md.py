@@ -1,0 +1,145 @@
+"""DIR/report.md: settings, the summary table per algorithm, findings in plain words, collapse
+events, the runs, and the figures. Written atomically after every invocation (also a partial
+study: what has run so far)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_gspo.study.analysis import RunSummary, Spread, spread, summarize_run
+from megatron_gspo.study.figures import CAPTIONS, write_figures
+from megatron_gspo.study.plan import Study
+from megatron_gspo.train.metrics import METRICS_FILE, read_metrics
+from megatron_gspo.train.report import aggregate_seeds
+
+SUMMARY = (  # column title, summary name, format
+    ("eval start", "eval_start", ".3f"),
+    ("eval final", "eval_final", ".3f"),
+    ("eval best", "eval_best", ".3f"),
+    ("train reward (last 5 steps)", "reward_last5", ".3f"),
+    ("ratio std", "ratio_std", ".2g"),
+    ("clipped tokens", "clip_tokens", ".2%"),
+    ("clipped seqs", "clip_seqs", ".2%"),
+    ("routing changed", "routing_changed", ".2%"),
+    ("train-rollout logp gap", "mismatch", ".2g"),
+    ("s/step", "step_s", ".2f"),
+)
+
+
+def load(study: Study) -> dict[str, list[tuple[int, list[dict]]]]:
+    """algo -> [(seed, rows)] for the runs that have logged anything."""
+    out: dict[str, list[tuple[int, list[dict]]]] = {a: [] for a in study.algos}
+    for run in study.runs:
+        if (run.run_dir / METRICS_FILE).is_file():
+            rows = [r for r in read_metrics(run.run_dir) if r["step"] <= study.steps]
+            out[run.algo].append((run.seed, rows))
+    return out
+
+
+def write_report(study: Study, margin: float, command: str, failed: list[str]) -> Path:
+    per_seed = load(study)
+    summaries = {a: [summarize_run(a, s, rows, margin) for s, rows in runs]
+                 for a, runs in per_seed.items()}  # fmt: skip
+    events = {(r.algo, r.seed): r.events for runs in summaries.values() for r in runs}
+    by_algo = [(a, aggregate_seeds([rows for _, rows in runs]))
+               for a, runs in per_seed.items() if runs]  # fmt: skip
+    levels = {a: s["level"] for a, s in study.algos.items()}
+    figures = write_figures(study.out, by_algo, levels, per_seed, events)
+    text = "\n".join([
+        *_header(study, margin, command),
+        *_settings(study),
+        *_summary(study, summaries, margin),
+        *_findings(study, summaries, margin),
+        *_events(summaries, margin),
+        *_runs(study, summaries, failed),
+        *_figures(figures),
+    ])  # fmt: skip
+    path = study.out / "report.md"
+    tmp = path.with_name(f".report.md.tmp-{os.getpid()}")
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _header(study: Study, margin: float, command: str) -> list[str]:
+    model = (
+        f"`{study.made_model}` (made by make-task-model)" if study.made_model else "from the config"
+    )
+    return [
+        "# GSPO vs GRPO on MoE: study report",
+        "",
+        f"Reproduce: `{command}` (running it again continues an interrupted study).",
+        "",
+        f"Base config `{study.config}`, {study.steps} steps, seeds {', '.join(map(str, study.seeds))}, "
+        f"starting model {model}. Overrides for every run: "
+        f"{', '.join(f'`{o}`' for o in study.common) or 'none'}. Collapse: eval reward more than "
+        f"{margin:g} below its running best, or a non-finite loss or grad norm.",
+        "",
+    ]
+
+
+def _settings(study: Study) -> list[str]:
+    rows = ["## Settings per algorithm", "",
+            "| algo | loss | ratio level | clip low | clip high | routing replay | minibatches | lr |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for a, s in study.algos.items():
+        rows.append(f"| {a} | {s['loss']} | {s['level']} | {s['clip_low']:g} | {s['clip_high']:g} "
+                    f"| {s['routing_replay']} | {s['minibatches']} | {s['lr']:g} |")  # fmt: skip
+    return rows + [""]
+
+
+def _summary(study: Study, summaries: dict[str, list[RunSummary]], margin: float) -> list[str]:
+    head = "| algo | runs | " + " | ".join(t for t, _, _ in SUMMARY) + " | runs with a collapse |"
+    rows = ["## Summary", "", "Mean over seeds, [lowest, highest seed] where there are several. "
+            "Ratio std: of the sequence-level ratio for GSPO, of the token-level ratio for GRPO.",
+            "", head, "|" + "---|" * (len(SUMMARY) + 3)]  # fmt: skip
+    for a, runs in summaries.items():
+        cells = [_cell(spread(runs, name), fmt) for _, name, fmt in SUMMARY]
+        collapsed = sum(bool(r.events) for r in runs)
+        rows.append(f"| {a} | {len(runs)}/{len(study.seeds)} | " + " | ".join(cells)
+                    + f" | {collapsed}/{len(runs)} |")  # fmt: skip
+    return rows + [""]
+
+
+def _cell(s: Spread | None, fmt: str) -> str:
+    return "n/a" if s is None else s.text(fmt)
+
+
+def _findings(study: Study, summaries: dict[str, list[RunSummary]], margin: float) -> list[str]:
+    from megatron_gspo.study.findings import findings
+
+    lines = findings(summaries, {a: s["level"] for a, s in study.algos.items()}, margin)
+    return ["## Findings", "", *[f"- {line}" for line in lines], ""]
+
+
+def _events(summaries: dict[str, list[RunSummary]], margin: float) -> list[str]:
+    rows = ["## Collapse events", ""]
+    found = [(r, e) for runs in summaries.values() for r in runs for e in r.events]
+    if not found:
+        return rows + [f"None: no eval reward fell more than {margin:g} below its best and every "
+                       "loss and grad norm was finite.", ""]  # fmt: skip
+    rows += ["| algo | seed | step | kind | detail |", "|---|---|---|---|---|"]
+    rows += [f"| {r.algo} | {r.seed} | {e.step} | {e.kind} | {e.detail} |" for r, e in found]
+    return rows + [""]
+
+
+def _runs(study: Study, summaries: dict[str, list[RunSummary]], failed: list[str]) -> list[str]:
+    done = {(r.algo, r.seed): r for runs in summaries.values() for r in runs}
+    rows = ["## Runs", "", "| run | steps | final eval | status | log |", "|---|---|---|---|---|"]
+    for run in study.runs:
+        s = done.get((run.algo, run.seed))
+        steps = s.steps_done if s else 0
+        status = "failed" if run.name in failed else ("complete" if steps >= study.steps
+                                                      else "not finished")  # fmt: skip
+        final = f"{s.values['eval_final']:.3f}" if s and "eval_final" in s.values else "n/a"
+        log = Path("logs") / f"{run.algo}-seed{run.seed}.log"
+        rows.append(f"| {run.name} | {steps}/{study.steps} | {final} | {status} | `{log}` |")
+    return rows + [""]
+
+
+def _figures(names: list[str]) -> list[str]:
+    rows = ["## Figures", ""]
+    for name in names:
+        rows += [f"### {CAPTIONS[name]}", "", f"![{CAPTIONS[name]}]({name})", ""]
+    return rows

@@ -1,0 +1,93 @@
+"""Running a study: each run is a `megatron-gspo train` subprocess in DIR/runs/<algo>/seed<k>.
+
+A run whose newest checkpoint is its last step is complete and skipped; one with an earlier
+checkpoint is continued with `--resume`; one with none (killed before its first checkpoint) is
+cleared and started again. Runs go one at a time (seed by seed, every algorithm per seed first),
+so an interrupted study has comparable runs for the seeds it finished. A failed run is reported
+and the others still run; the same command retries it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.study.plan import RunSpec, Study, task_of
+from megatron_gspo.train.metrics import format_duration
+
+
+@dataclass(frozen=True)
+class RunState:
+    kind: str  # complete | resume | fresh
+    step: int  # the newest complete checkpoint's step (0: none)
+
+
+def run_state(run: RunSpec, steps: int) -> RunState:
+    from megatron_gspo.train.checkpointing import latest
+
+    ckpt = latest(run.run_dir)
+    step = int(ckpt.name.removeprefix("step_")) if ckpt is not None else 0
+    if ckpt is None:
+        return RunState("fresh", 0)
+    return RunState("complete" if step >= steps else "resume", step)
+
+
+def train_command(study: Study, run: RunSpec, resume: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", str(study.config)]
+    cmd += ["--run-dir", str(run.run_dir), *(["--resume"] if resume else []), *run.overrides]
+    return cmd
+
+
+def log_path(study: Study, run: RunSpec) -> Path:
+    return study.out / "logs" / f"{run.algo}-seed{run.seed}.log"
+
+
+def ensure_model(study: Study) -> None:
+    """Make the starting model in DIR/model when the base config's model.path does not exist."""
+    path = study.made_model
+    if path is None or path.exists():
+        return
+    task = task_of(study.config, study.common)
+    print(f"starting model: making {path} (make-task-model --task {task})", flush=True)
+    cmd = [sys.executable, "-m", "megatron_gspo", "make-task-model", "--out", str(path)]
+    log = study.out / "logs" / "make-task-model.log"
+    if _call(cmd + ["--task", task], log) != 0:
+        raise UserError(f"make-task-model failed; see {log}")
+
+
+def execute(study: Study) -> list[RunSpec]:
+    """Run what is not complete; returns the runs that failed."""
+    failed = []
+    states = {run: run_state(run, study.steps) for run in study.runs}
+    todo = [run for run in study.runs if states[run].kind != "complete"]
+    done = len(study.runs) - len(todo)
+    print(f"study: {len(study.runs)} runs, {done} complete, {len(todo)} to run", flush=True)
+    for i, run in enumerate(todo, start=1):
+        state = states[run]
+        what = f"resume from step {state.step}" if state.kind == "resume" else "start"
+        print(f"[{i}/{len(todo)}] {run.name}: {what}", flush=True)
+        if state.kind == "fresh" and run.run_dir.exists():
+            shutil.rmtree(run.run_dir)  # no checkpoint: nothing to continue from
+        t0 = time.monotonic()
+        rc = _call(train_command(study, run, state.kind == "resume"), log_path(study, run))
+        took = format_duration(time.monotonic() - t0)
+        if rc == 0:
+            print(f"[{i}/{len(todo)}] {run.name}: done in {took}", flush=True)
+        else:
+            print(f"[{i}/{len(todo)}] {run.name}: FAILED (exit {rc}) after {took}; "
+                  f"see {log_path(study, run)}", flush=True)  # fmt: skip
+            failed.append(run)
+    return failed
+
+
+def _call(cmd: list[str], log: Path) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"\n== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        f.flush()
+        return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
