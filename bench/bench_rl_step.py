@@ -125,11 +125,20 @@ class Cycle:
     sync_s: float
     step_s: float
     length: float  # mean completion tokens
+    tokens_per_s: float = 0.0  # prompt + completion tokens of the batch / step_s
 
 
 def run_ours(
-    model: Path, data: Path, size: Size, cycles: int, threads: int, work: Path
+    model: Path,
+    data: Path,
+    size: Size,
+    cycles: int,
+    threads: int,
+    work: Path,
+    nproc: int = 1,
+    extra: tuple[str, ...] = (),
 ) -> list[Cycle]:
+    """`megatron-gspo train` for `cycles` steps (under torchrun when nproc > 1); per-step times."""
     run_dir = Path(tempfile.mkdtemp(prefix="ours-", dir=work))
     run_dir.rmdir()
     overrides = [
@@ -141,16 +150,26 @@ def run_ours(
         "algo.routing_replay=none", f"optim.lr={LR}", "optim.clip_grad=1.0",
         f"train.steps={cycles}", f"train.micro_batch_size={PROMPTS * GROUP // MINIBATCHES}",
         "train.eval_every=0", "train.checkpoint_every=0", "logging.tensorboard=false",
-        "logging.console=false", "sync.method=tensor",
+        "logging.console=false", "sync.method=tensor", *extra,
     ]  # fmt: skip
-    cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config",
-           str(ROOT / "configs" / "tiny_moe_gspo.yaml"), "--run-dir", str(run_dir), *overrides]  # fmt: skip
+    config = str(ROOT / "configs" / "tiny_moe_gspo.yaml")
+    cmd = [*_launcher(nproc), "train", "--config", config, "--run-dir", str(run_dir), *overrides]
     pythonpath = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=pythonpath)
     _check(subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True), "megatron-gspo")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [Cycle(r["time/rollout_s"], r["time/train_s"], r["time/sync_s"], r["time/step_s"],
-                  r["response/length_mean"]) for r in rows if r["step"] >= 1]  # fmt: skip
+                  r["response/length_mean"], r["tokens_per_s"])
+            for r in rows if r["step"] >= 1]  # fmt: skip
+
+
+def _launcher(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_gspo"]
+    from megatron_gspo.model.parallel import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", "-m", "megatron_gspo.cli"]  # fmt: skip
 
 
 def run_trl(
