@@ -154,6 +154,12 @@ def _add_report(sub) -> None:
     register(sub)
 
 
+def _add_study(sub) -> None:
+    from megatron_gspo.study import register
+
+    register(sub)
+
+
 def _add_serve(sub) -> None:
     try:
         from megatron_gspo.rollout.server import add_serve_args, serve_main
@@ -174,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_make_task_model(sub)
     _add_report(sub)
+    _add_study(sub)
     return parser
 
 
