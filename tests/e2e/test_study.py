@@ -1,0 +1,163 @@
+"""`megatron-gspo study` end to end on a tiny setting (2 algorithms x 1 seed x 2 steps): killed
+mid-study with kill -9, continued by the same command (the finished run skipped, the interrupted
+one resumed from its checkpoint), report.md with both algorithms, the figures; plus the plan's
+rules (algorithm table from the configs, overrides, bad input) and collapse detection."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.study.analysis import collapse_events
+from megatron_gspo.study.figures import CAPTIONS
+from megatron_gspo.study.plan import algo_table, build_study, check_manifest
+from tests.conftest import cli_env
+
+pytestmark = [pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ROOT / "configs" / "tiny_moe_gspo.yaml"
+QUICK = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "train.micro_batch_size=4",
+    "train.eval_prompts=8",
+    "train.eval_every=1",
+    "train.checkpoint_every=1",
+    "logging.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="module")
+def task_model(tmp_path_factory) -> Path:
+    from megatron_gspo.data.warmstart import make_task_model
+
+    return make_task_model(tmp_path_factory.mktemp("task") / "model", seed=0)
+
+
+def study_cmd(out: Path, model: Path) -> list[str]:
+    args = ["--config", str(BASE), "--algos", "gspo,grpo", "--seeds", "1", "--steps", "2"]
+    return [sys.executable, "-m", "megatron_gspo.study", *args, "--out", str(out),
+            f"model.path={model}", *QUICK]  # fmt: skip
+
+
+def run_study(out: Path, model: Path) -> tuple[int, str]:
+    proc = subprocess.run(study_cmd(out, model), capture_output=True, text=True, timeout=300,
+                          env=cli_env(), cwd=ROOT)  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_study_killed_then_resumed_then_skipped(task_model, tmp_path):
+    out = tmp_path / "study"
+    log = open(tmp_path / "first.log", "wb")
+    proc = subprocess.Popen(study_cmd(out, task_model), stdout=log, stderr=subprocess.STDOUT,
+                            env=cli_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
+    second = out / "runs" / "grpo" / "seed1"
+    deadline = time.monotonic() + 240
+    while not (second / "checkpoints" / "step_1" / "trainer_state.json").is_file():
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "timed out waiting for the second run's checkpoint"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the study and its train run, no clean-up
+    proc.wait(timeout=60)
+    first = out / "runs" / "gspo" / "seed1" / "metrics.jsonl"
+    done_before = first.read_bytes()
+
+    rc, text = run_study(out, task_model)
+    assert rc == 0, text[-3000:]
+    assert "2 runs, 1 complete, 1 to run" in text
+    assert "grpo/seed1: resume from step 1" in text or "grpo/seed1: resume from step 2" in text
+    assert first.read_bytes() == done_before  # the finished run was not run again
+    steps = [json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().split()]
+    assert steps == [0, 1, 2]
+
+    report = (out / "report.md").read_text()
+    summary = report.split("## Summary")[1].split("## Findings")[0]
+    assert "| gspo | 1/1 |" in summary and "| grpo | 1/1 |" in summary
+    assert "| gspo | gspo | sequence |" in report and "| grpo | grpo | token |" in report
+    assert "## Findings" in report and "## Collapse events" in report
+    for name in CAPTIONS:
+        assert (out / name).stat().st_size > 5000, name
+        assert f"]({name})" in report
+
+    rc, text = run_study(out, task_model)
+    assert rc == 0, text[-3000:]
+    assert "2 runs, 2 complete, 0 to run" in text
+    assert first.read_bytes() == done_before
+
+
+def test_algo_table_reads_the_configs(tmp_path):
+    table = algo_table()
+    for name, row in table.items():
+        algo = yaml.safe_load((ROOT / "configs" / f"tiny_moe_{name}.yaml").read_text())["algo"]
+        assert row == {k: algo[k] for k in row}
+        assert {"loss", "clip_low", "clip_high", "routing_replay"} <= set(row)
+    assert [table[a]["routing_replay"] for a in ("grpo", "grpo_r2", "grpo_r3")] == [
+        "none", "r2", "r3",
+    ]  # fmt: skip
+    study = build_study(BASE, tmp_path, ["gspo", "grpo_r2"], 2,
+                        ["gspo:algo.clip_high=0.5", "optim.lr=0.002"], steps=3)  # fmt: skip
+    assert study.seeds == [1, 2] and study.steps == 3
+    assert [r.name for r in study.runs] == ["gspo/seed1", "grpo_r2/seed1", "gspo/seed2",
+                                            "grpo_r2/seed2"]  # fmt: skip
+    assert study.algos["gspo"]["clip_high"] == 0.5
+    assert study.algos["grpo_r2"]["clip_high"] == table["grpo_r2"]["clip_high"]
+    assert study.algos["grpo_r2"]["routing_replay"] == "r2"
+    assert all(r.overrides[-1].startswith(("seed=", "model.path=")) for r in study.runs)
+    assert all("optim.lr=0.002" in r.overrides for r in study.runs)
+
+
+def test_unknown_algorithm_is_a_user_error():
+    from megatron_gspo.study.plan import parse_algos
+
+    with pytest.raises(UserError, match="choose a comma-separated list of gspo, grpo"):
+        parse_algos("gspo,dapo", algo_table())
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["grpo:algo.clip_low=0.1"], "not in --algos"),
+        (["seed=3"], "use --seeds"),
+        (["algo.clip_hihg=0.3"], "did you mean 'algo.clip_high'"),
+    ],
+)
+def test_bad_override_is_a_user_error(tmp_path, overrides, message):
+    with pytest.raises(UserError, match=message):
+        build_study(BASE, tmp_path, ["gspo"], 1, overrides)
+
+
+def test_changed_settings_are_refused_for_a_started_run(tmp_path):
+    check_manifest(build_study(BASE, tmp_path, ["gspo"], 1, []))
+    (tmp_path / "runs" / "gspo" / "seed1").mkdir(parents=True)
+    changed = build_study(BASE, tmp_path, ["gspo"], 1, ["optim.lr=0.5"])
+    with pytest.raises(UserError, match="optim.lr=0.5"):
+        check_manifest(changed)
+    check_manifest(build_study(BASE, tmp_path, ["gspo", "grpo"], 1, []))  # adding is fine
+
+
+def test_collapse_events():
+    rows = [
+        {"step": 0, "eval/reward": 0.5},
+        {"step": 1, "loss/policy": 0.1, "grad_norm": 1.0},
+        {"step": 2, "eval/reward": 0.8},
+        {"step": 3, "eval/reward": 0.55},  # 0.25 below the best: a fall
+        {"step": 4, "eval/reward": 0.5},  # still down: the same fall
+        {"step": 5, "eval/reward": 0.7, "loss/policy": math.nan},  # back within; NaN loss
+        {"step": 6, "grad_norm": math.inf},  # the same non-finite stretch
+        {"step": 7, "grad_norm": 1.0, "eval/reward": 0.59},  # a second fall (0.21 below)
+    ]
+    got = [(e.step, e.kind) for e in collapse_events(rows, margin=0.2)]
+    assert got == [(3, "eval drop"), (5, "non-finite"), (7, "eval drop")]
+    assert collapse_events(rows, margin=0.3) == [e for e in collapse_events(rows, 0.2)
+                                                 if e.kind == "non-finite"]  # fmt: skip
