@@ -8,6 +8,8 @@ reports.
 
     routing/changed_fraction          = sum_l changed_l / sum_l seen_l      (and per layer l)
     routing/rollout_train_agreement   = 1 - sum_l differ_l / sum_l seen_l   (and per layer l)
+    routing/bytes_per_token           = host bytes of the batch's stored routing (all stages)
+                                        / the batch's tokens
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def reduce_counts(local: LayerCounts, report: bool) -> LayerCounts:
             acc[0] += diff
             acc[1] += seen
     return {layer: (d, s) for layer, (d, s) in sorted(total.items())}
+
+
+def model_bytes(stage_bytes: int) -> int:
+    """The bytes this rank's stage stores, summed over the pipeline stages (the ranks of one
+    stage hold the same)."""
+    from megatron.core import parallel_state as mpu
+
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (mpu.get_pipeline_model_parallel_rank(), stage_bytes))
+    return sum(dict(parts).values())
 
 
 def fraction_metrics(name: str, counts: LayerCounts, agreement: bool = False) -> dict[str, float]:

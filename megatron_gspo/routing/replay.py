@@ -25,7 +25,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.routing import metrics as M
 from megatron_gspo.routing.align import align_rollout_experts
 from megatron_gspo.routing.layout import current_layout
-from megatron_gspo.routing.storage import SampleRouting, bytes_per_token, index_dtype
+from megatron_gspo.routing.storage import SampleRouting, index_dtype
 from megatron_gspo.routing.sweep import Sweep
 from megatron_gspo.routing.taps import RouterTap
 
@@ -99,8 +99,8 @@ class RoutingReplay:
             if s.recorded is None:  # a stage without MoE layers
                 s.recorded = np.zeros((lengths[i], len(self.layers), self.topk), self.np_dtype)
         batch.routing = sweep.samples
-        n_moe = len(self.spec.moe_layer_ids)
-        out = {M.BYTES_PER_TOKEN: float(bytes_per_token(n_moe, self.topk, self.num_experts))}
+        stored = sum(s.nbytes for s in sweep.samples)
+        out = {M.BYTES_PER_TOKEN: M.model_bytes(stored) / max(sum(lengths), 1)}
         if self.mode == "r3":
             out.update(M.fraction_metrics(M.AGREEMENT, self._counts(sweep), agreement=True))
         self.reset()

@@ -13,8 +13,6 @@ b microbatch rows, N router tokens of this rank (see layout.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -31,15 +29,55 @@ def bytes_per_token(num_moe_layers: int, topk: int, num_experts: int) -> int:
     return num_moe_layers * topk * index_dtype(num_experts).itemsize
 
 
-@dataclass
 class SampleRouting:
-    layers: tuple[int, ...]  # global ids of the MoE layers held (this pipeline stage's)
-    recorded: np.ndarray | None = None  # [n, L, k] natural routing of the old-log-prob pass
-    rollout: np.ndarray | None = None  # [r, L, k] the rollout server's routing (R3)
+    """One sample's routing for this stage's MoE layers (`layers`, global ids).
+
+    recorded: [n, L, k] the natural routing of the old-log-prob pass.
+    rollout:  [r, L, k] the rollout server's routing (R3), r = n - 1 (or n).
+    Under R3 `recorded` is kept as a patch on `rollout`: one bit per (token, layer) saying whether
+    the two differ, and the recorded ids where they do. Where the engines mostly agree that costs
+    a small fraction of a second full array: (L/8 + f L k itemsize) bytes per token for a share
+    f of differing positions, against L k itemsize."""
+
+    def __init__(self, layers, recorded: np.ndarray | None = None, rollout=None):
+        self.layers: tuple[int, ...] = tuple(layers)
+        self.rollout: np.ndarray | None = rollout
+        self._full: np.ndarray | None = None
+        self._patch: tuple[tuple[int, ...], np.ndarray, np.ndarray] | None = (
+            None  # shape, bits, ids
+        )
+        self.recorded = recorded
+
+    @property
+    def recorded(self) -> np.ndarray | None:
+        if self._patch is None:
+            return self._full
+        shape, bits, ids = self._patch
+        out = self._base(shape[0])
+        flat = out.reshape(-1, shape[-1])
+        flat[np.unpackbits(bits, count=len(flat)).astype(bool)] = ids
+        return out
+
+    @recorded.setter
+    def recorded(self, arr: np.ndarray | None) -> None:
+        if arr is None or self.rollout is None:
+            self._full, self._patch = arr, None
+            return
+        k = arr.shape[-1]
+        flat = arr.reshape(-1, k)
+        differs = (flat != self._base(arr.shape[0]).reshape(-1, k)).any(-1)
+        self._full, self._patch = None, (arr.shape, np.packbits(differs), flat[differs])
+
+    def _base(self, n: int) -> np.ndarray:
+        r = self.rollout
+        out = np.zeros((n, *r.shape[1:]), dtype=r.dtype)
+        out[: min(n, len(r))] = r[:n]
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.recorded, self.rollout) if a is not None)
+        parts = [self.rollout, self._full, *(self._patch[1:] if self._patch else ())]
+        return sum(a.nbytes for a in parts if a is not None)
 
 
 def microbatch_targets(

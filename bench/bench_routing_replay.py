@@ -1,0 +1,164 @@
+"""Cost of routing replay: train-step time with and without R2 / R3, and the bytes it stores.
+
+Four actors on the same weights in one process (gloo, TP1), one batch each:
+  - plain: no routing code at all (the actor's routing object removed)
+  - none:  natural routing; old log-probs record it and the step measures routing drift
+  - r2:    the step replays the routing recorded with the old log-probs
+  - r3:    the step replays rollout routing: the SGLang-format int32 payload [n - 1, layers, k]
+           (dense layers zero) made from the natural routing with 10% of the (token, MoE layer)
+           positions moved to other experts, as a different engine would route them
+Each rep times, for every actor in a rotating order, `logprobs` (recording) and `train_step`
+(replaying); medians over the reps of the process CPU time (all threads) and of the wall time.
+The headline ratio uses CPU time: on a shared machine the wall time also counts the waits for
+other processes. Storage: the bytes the batch's routing holds on host memory per token (all
+stages) against the int32 payload SGLang sends per token (every decoder layer x k x 4).
+
+Goal (issue 6): under 3% step overhead; 4x smaller storage than the int32 payload.
+
+    .venv/bin/python bench/bench_routing_replay.py [--hidden 256 --layers 4 --experts 64
+        --topk 8 --batch 8 --seq 256 --reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_gspo.model.parallel import ParallelDims, init_distributed
+from megatron_gspo.model.policy import load_policy
+from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.batch import RLBatch
+
+VARIANTS = ("plain", "none", "r2", "r3")
+LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
+
+
+def make_batch(n: int, seq: int, vocab: int, seed: int = 0) -> RLBatch:
+    """n samples of lengths between seq/2 and seq, prompts of 16 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(seq // 2, seq + 1, (n,), generator=g).tolist()
+    tokens = [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths]
+    masks = [[0] * 16 + [1] * (t - 16) for t in lengths]
+    return RLBatch(tokens, masks, torch.randn(n, generator=g).tolist())
+
+
+def rollout_payload(recorded, spec, moved: float, seed: int = 0) -> list[np.ndarray]:
+    """SGLang-format int32 [n - 1, layers, k] from recorded routing, `moved` of it re-routed."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in recorded:
+        n = r.shape[0]
+        every = np.zeros((n - 1, spec.num_layers, spec.topk), np.int32)
+        every[:, spec.moe_layer_ids] = r[: n - 1]
+        for t, layer in zip(*np.nonzero(rng.random((n - 1, spec.num_layers)) < moved)):
+            if spec.moe_layers[layer]:
+                every[t, layer] = rng.choice(spec.num_experts, spec.topk, replace=False)
+        out.append(every)
+    return out
+
+
+def strip_routing(actor) -> None:
+    """No routing code left in this actor: no routing object, no RouterReplay on its routers."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    actor.routing = None
+    for chunk in actor.chunks:
+        for m in chunk.modules():
+            if isinstance(m, TopKRouter):
+                m.router_replay = None
+
+
+def record(actor, batch, mbs: int) -> None:
+    batch.old_logprobs = actor.logprobs(batch, mbs)
+
+
+def timed(fn) -> tuple[float, float]:
+    c0, w0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - w0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    for name, default in [("hidden", 256), ("layers", 4), ("experts", 64), ("topk", 8)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
+    for name, default in [("batch", 8), ("seq", 256), ("reps", 7), ("mbs", 4)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    spec = TinySpec(
+        hidden=a.hidden, layers=a.layers, heads=8, kv_heads=4, head_dim=a.hidden // 8,
+        ffn=2 * a.hidden, moe_ffn=a.hidden // 2, experts=a.experts, topk=a.topk,
+        dense_layers=[0], vocab_size=1024, init_std=0.2,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_model(spec, Path(tmp) / "model")
+        init_distributed(ParallelDims(world_size=1))
+        actors = {v: Actor(load_policy(ckpt, ParallelDims()), OptimConfig(lr=1e-6),
+                           routing_replay="none" if v == "plain" else v)
+                  for v in VARIANTS}  # fmt: skip
+    strip_routing(actors["plain"])
+    model_spec = actors["none"].spec
+    base = make_batch(a.batch, a.seq, vocab=1000)
+    batches = {v: base.rows(list(range(len(base)))) for v in VARIANTS}
+    actors["none"].logprobs(batches["none"], a.mbs)
+    payload = rollout_payload([s.recorded for s in batches["none"].routing], model_spec, 0.10)
+    batches["r3"].rollout_experts = payload
+    cpu = {f"{v}/{p}": [] for v in VARIANTS for p in ("logprobs", "step")}
+    wall = {k: [] for k in cpu}
+    for rep in range(a.reps + 1):  # rep 0 warms up
+        order = VARIANTS[rep % 4 :] + VARIANTS[: rep % 4]
+        for v in order:
+            c, w = timed(partial(record, actors[v], batches[v], a.mbs))
+            c2, w2 = timed(partial(actors[v].train_step, batches[v], LOSS, a.mbs))
+            if rep:
+                for key, (ci, wi) in {"logprobs": (c, w), "step": (c2, w2)}.items():
+                    cpu[f"{v}/{key}"].append(ci)
+                    wall[f"{v}/{key}"].append(wi)
+    report(a, actors, batches, cpu, wall, model_spec)
+
+
+def report(a, actors, batches, cpu, wall, spec) -> None:
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    medw = {k: statistics.median(v) for k, v in wall.items()}
+    n_tok = sum(len(t) for t in batches["r2"].tokens)
+    print(
+        f"model: hidden {a.hidden}, {spec.num_layers} layers ({len(spec.moe_layer_ids)} MoE), "
+        f"{spec.num_experts} experts top-{spec.topk}; batch {a.batch} x <= {a.seq} tokens "
+        f"({n_tok}), microbatch {a.mbs}, {a.reps} reps"
+    )
+    print(f"{'variant':8} {'logprobs cpu/wall ms':>22} {'train_step cpu/wall ms':>24}")
+    for v in VARIANTS:
+        lp = f"{1e3 * med[v + '/logprobs']:.1f} / {1e3 * medw[v + '/logprobs']:.1f}"
+        st = f"{1e3 * med[v + '/step']:.1f} / {1e3 * medw[v + '/step']:.1f}"
+        print(f"{v:8} {lp:>22} {st:>24}")
+    r3 = actors["r3"].last_logprob_metrics
+    print(f"r3 rollout/train agreement: {r3['routing/rollout_train_agreement']:.3f}")
+    payload = spec.num_layers * spec.topk * 4
+    stored = {v: sum(s.nbytes for s in batches[v].routing) / n_tok for v in ("r2", "r3")}
+    print(
+        f"bytes per token: SGLang int32 payload {payload}, r2 stored {stored['r2']:.1f}, "
+        f"r3 stored {stored['r3']:.1f} (rollout ids + the recorded ones as a patch)"
+    )
+    for v in ("none", "r2", "r3"):
+        over = {p: 100 * (med[f"{v}/{p}"] / med[f"plain/{p}"] - 1) for p in ("logprobs", "step")}
+        print(
+            f"overhead {v} vs plain: train_step {over['step']:+.1f}%, "
+            f"logprobs {over['logprobs']:+.1f}% (CPU time)"
+        )
+    print(
+        f"storage ratio (int32 payload / stored): r2 {payload / stored['r2']:.2f}x, "
+        f"r3 {payload / stored['r3']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Worker for the routing-replay tests: every layout and mode of a list in one launch.
+
+torchrun --nproc-per-node N tests/distributed/routing_worker.py CKPT BATCH.json OUT.json PLAN.json
+
+BATCH.json: tokens, loss_mask, advantages, rollout_experts (int lists [n - 1, layers, k]).
+PLAN.json: [{"name", "tp", "pp", "ep", "vpp", "mbs", "recompute", "modes": [...]}, ...].
+For each layout and mode, on fresh weights: old log-probs (recording), a step on the whole batch
+(weights unchanged: ratios must be 1), log-probs with the batch's routing replayed under the
+changed weights while forward hooks on every router collect the experts it really used, then a
+step on a reordered minibatch. Rank 0 writes everything as JSON.
+"""
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.model.builder import BuildOptions
+from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
+from megatron_gspo.model.policy import load_policy
+from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.batch import RLBatch
+
+LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
+MINIBATCH = [5, 2, 7, 0]
+
+
+def load_batch(path: str) -> RLBatch:
+    d = json.loads(open(path).read())
+    experts = [np.array(e, dtype=np.int32) for e in d["rollout_experts"]]
+    return RLBatch(d["tokens"], d["loss_mask"], d["advantages"], rollout_experts=experts)
+
+
+class UsedExperts:
+    """Forward hooks on every router: the experts each router token really went to."""
+
+    def __init__(self, chunks):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.maps: dict[int, list[torch.Tensor]] = {}
+        self.handles = []
+        for c in chunks:
+            for m in c.modules():
+                if isinstance(m, TopKRouter):
+                    self.handles.append(m.register_forward_hook(self._hook(m.layer_number - 1)))
+
+    def _hook(self, layer):
+        def hook(module, args, output):
+            self.maps.setdefault(layer, []).append(output[1].detach().clone())  # [N, E] bool
+
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def expert_mismatches(used: UsedExperts, batch: RLBatch, source: str, mbs, sp: bool) -> dict:
+    """Per layer: (positions with a stored id, positions whose used experts differ from it).
+    Router token j of a microbatch is row j % b at sequence position offset + j // b, where the
+    offset is this TP rank's slice start under sequence parallelism."""
+    from megatron.core import parallel_state as mpu
+
+    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    out = {}
+    for layer, maps in used.maps.items():
+        checked = wrong = 0
+        for mb, used_NE in zip(mbs, maps):
+            b, s = mb.tokens.shape
+            s_loc = s // tp if sp else s
+            offset = rank * s_loc if sp else 0
+            for j in range(used_NE.shape[0]):
+                i = int(mb.index[j % b])
+                if i < 0:
+                    continue
+                store = getattr(batch.routing[i], source)
+                col = batch.routing[i].layers.index(layer)
+                t = offset + j // b
+                if t >= store.shape[0]:
+                    continue
+                want = set(store[t, col].tolist())
+                got = set(torch.nonzero(used_NE[j]).flatten().tolist())
+                checked += 1
+                wrong += want != got
+        out[layer] = (checked, wrong)
+    return out
+
+
+def full_recorded(batch: RLBatch) -> list:
+    """Every sample's recorded routing over all MoE layers, gathered from every stage."""
+    mine = {}
+    for i, s in enumerate(batch.routing):
+        for col, layer in enumerate(s.layers):
+            mine[(i, layer)] = s.recorded[:, col].tolist()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    merged = {}
+    for p in parts:
+        merged.update(p)
+    layers = sorted({layer for _, layer in merged})
+    return [[merged[(i, layer)] for layer in layers] for i in range(len(batch))]
+
+
+def run_mode(checkpoint, batch_path, layout, mode) -> dict:
+    dims = ParallelDims(
+        tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], vpp=layout.get("vpp"),
+        world_size=world_size_from_env(),
+    )  # fmt: skip
+    init_distributed(dims)
+    opts = BuildOptions(routing_replay=True, recompute="full" if layout.get("recompute") else None)
+    chunks = load_policy(checkpoint, dims, opts)
+    actor = Actor(chunks, OptimConfig(lr=layout.get("lr", 1e-3)), routing_replay=mode)
+    mbs = layout["mbs"]
+    batch = load_batch(batch_path)
+    old = actor.logprobs(batch, mbs)
+    record_metrics = dict(actor.last_logprob_metrics)
+    batch.old_logprobs = old
+    step1 = actor.train_step(batch, LOSS, mbs)
+    used = UsedExperts(chunks)
+    replayed = actor.replayed_logprobs(batch, mbs)
+    used.close()
+    replay_metrics = dict(actor.last_logprob_metrics)
+    source = "rollout" if mode == "r3" else "recorded"
+    layout_mbs, _, _ = actor._layout(batch, mbs)
+    sp = bool(chunks[0].config.sequence_parallel)
+    local = expert_mismatches(used, batch, source, layout_mbs, sp)
+    step2 = actor.train_step(batch.rows(MINIBATCH), LOSS, mbs)
+    checks = [None] * dist.get_world_size()
+    dist.all_gather_object(checks, {str(k): v for k, v in local.items()})
+    result = {
+        "old": old,
+        "record_metrics": record_metrics,
+        "step1": step1,
+        "replayed": replayed,
+        "replay_metrics": replay_metrics,
+        "step2": step2,
+        "experts": checks,
+        "recorded": full_recorded(batch),
+    }
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("batch")
+    ap.add_argument("out")
+    ap.add_argument("plan")
+    a = ap.parse_args()
+    results = {}
+    for layout in json.loads(open(a.plan).read()):
+        for mode in layout["modes"]:
+            results[f"{layout['name']}/{mode}"] = run_mode(a.checkpoint, a.batch, layout, mode)
+    if dist.get_rank() == 0:
+        with open(a.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

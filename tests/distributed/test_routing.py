@@ -1,0 +1,224 @@
+"""Routing replay (R2, R3) under TP1, TP2 (+SP), EP2, PP2, PP2xVPP2, TP2xEP2, with and without
+activation recompute (PP, where several forwards run before their backwards), on a model whose first layer is dense and a batch of samples of different
+lengths (gloo, 4 ranks, every layout in one launch).
+
+R3's routed experts come from the built-in rollout server serving checkpoint A; the trainer loads
+B, A with its router weights perturbed, so its natural routing differs from the server's and
+replay matters from the first forward. Independent references: an HF transformers forward of B
+(natural top-k for R2's recording; top-k forced to the server's for R3's log-probs and agreement).
+"""
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_gspo.rollout.client import RolloutClient
+from tests.conftest import cli_env
+from tests.e2e.server_process import running_server
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("routing_worker.py")
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34], [40, 41, 42, 43]]
+MODES = ["r2", "r3"]
+PLAN = [  # 4 ranks: every layout has data-parallel replicas too
+    {"name": "tp1", "tp": 1, "pp": 1, "ep": 1, "mbs": 1},
+    {"name": "tp2", "tp": 2, "pp": 1, "ep": 1, "mbs": 2},
+    {"name": "ep2", "tp": 1, "pp": 1, "ep": 2, "mbs": 1},
+    {"name": "pp2", "tp": 1, "pp": 2, "ep": 1, "mbs": 2},
+    {"name": "tp2xep2", "tp": 2, "pp": 1, "ep": 2, "mbs": 2},
+    {"name": "tp2xpp2-recompute", "tp": 2, "pp": 2, "ep": 1, "mbs": 2, "recompute": True},
+    {"name": "pp2xvpp2-recompute", "tp": 1, "pp": 2, "ep": 1, "vpp": 2, "mbs": 1,
+     "recompute": True},
+]  # fmt: skip
+REF = "tp1"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_models, tmp_path_factory):
+    """(A, B): B is A with every router weight moved by noise of its own scale."""
+    a = tiny_models["moe4"]
+    b = tmp_path_factory.mktemp("perturbed") / "b"
+    shutil.copytree(a, b)
+    weights = load_file(b / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    for name, w in weights.items():
+        if name.endswith("mlp.gate.weight"):
+            weights[name] = w + 0.3 * w.std() * torch.randn(w.shape, generator=g)
+    save_file(weights, b / "model.safetensors", metadata={"format": "pt"})
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def batch_file(checkpoints, tmp_path_factory):
+    """Samples of different lengths from the built-in server on A, with routed experts."""
+    sp = {"max_new_tokens": 7, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}
+
+    async def go(url):
+        async with RolloutClient([url], topk=2) as c:
+            return await c.generate(PROMPTS, n=2, sampling_params=sp, return_routed_experts=True)
+
+    with running_server(checkpoints[0], "--enable-return-routed-experts") as url:
+        groups = asyncio.run(go(url))
+    samples = [s for group in groups for s in group][:8]
+    g = torch.Generator().manual_seed(0)
+    out = tmp_path_factory.mktemp("batch") / "batch.json"
+    out.write_text(
+        json.dumps(
+            {
+                "tokens": [s.prompt_ids + s.tokens for s in samples],
+                "loss_mask": [[0] * len(s.prompt_ids) + [1] * len(s.tokens) for s in samples],
+                "advantages": torch.randn(len(samples), generator=g).tolist(),
+                "rollout_experts": [s.routed_experts.tolist() for s in samples],
+            }
+        )
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, batch_file, tmp_path_factory):
+    from megatron_gspo.model.parallel import free_port
+
+    tmp = tmp_path_factory.mktemp("routing")
+    plan = tmp / "plan.json"
+    plan.write_text(json.dumps([dict(layout, modes=MODES) for layout in PLAN]))
+    out = tmp / "out.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
+        f"--master-port={free_port()}", str(WORKER), str(checkpoints[1]), str(batch_file),
+        str(out), str(plan),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def run_names():
+    return [f"{layout['name']}/{mode}" for layout in PLAN for mode in MODES]
+
+
+@pytest.mark.parametrize("name", run_names())
+def test_unchanged_weights_give_ratios_of_exactly_one(runs, name):
+    step = runs[name]["step1"]
+    assert step["ratio_min"] == 1.0 and step["ratio_max"] == 1.0
+    assert step["routing/changed_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("name", run_names())
+def test_replayed_forward_uses_the_stored_experts(runs, name):
+    """After the update the router's own top-k moved, but every router token of the replayed
+    forward went to exactly the stored experts (checked per layer from the routers' output)."""
+    run = runs[name]
+    per_layer: dict[str, list[int]] = {}
+    for rank in run["experts"]:
+        for layer, (checked, wrong) in rank.items():
+            acc = per_layer.setdefault(layer, [0, 0])
+            acc[0] += checked
+            acc[1] += wrong
+    assert sorted(per_layer) == ["1", "2", "3"]
+    for layer, (checked, wrong) in per_layer.items():
+        assert checked > 0 and wrong == 0, (layer, checked, wrong)
+    changed = run["replay_metrics"]
+    assert changed["routing/changed_fraction"] > 0.05
+    assert all(changed[f"routing/changed_fraction/layer_{i}"] > 0 for i in (1, 2, 3))
+    assert run["step2"]["routing/changed_fraction"] > 0.05
+
+
+@pytest.mark.parametrize("name", [n for n in run_names() if not n.startswith(REF + "/")])
+def test_layouts_give_identical_replay(runs, name):
+    got, ref = runs[name], runs[f"{REF}/{name.split('/')[1]}"]
+    for key in ("old", "replayed"):
+        for g, r in zip(got[key], ref[key]):
+            assert np.allclose(g[1:], r[1:], rtol=0, atol=2e-5), key
+    assert got["recorded"] == ref["recorded"]
+    for step in ("step1", "step2"):
+        for key in ("loss", "grad_norm", "ratio_max", "routing/changed_fraction"):
+            assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (step, key)
+    for metrics in ("record_metrics", "replay_metrics"):
+        assert got[metrics] == pytest.approx(ref[metrics], rel=1e-9)
+
+
+def test_metrics_have_their_keys(runs):
+    r2, r3 = runs[f"{REF}/r2"], runs[f"{REF}/r3"]
+    # 3 MoE layers x top-2 x uint8, against SGLang's 4 layers x 2 x int32 = 32 bytes per token.
+    assert r2["record_metrics"] == {"routing/bytes_per_token": 6.0}
+    keys = {"routing/rollout_train_agreement"} | {
+        f"routing/rollout_train_agreement/layer_{i}" for i in (1, 2, 3)
+    }
+    assert keys | {"routing/bytes_per_token"} == set(r3["record_metrics"])
+    # R3 keeps the rollout's ids (n - 1 tokens) and the recorded ones as a patch on them.
+    assert 5.0 < r3["record_metrics"]["routing/bytes_per_token"] < 12.0
+
+
+# ---- independent references: an HF forward of the trainer's checkpoint --------------------
+
+
+def hf_forward(path, tokens, forced=None):
+    """(log p(token_t | prefix) [n-1], natural top-k sets per MoE layer [n, L, k]) from HF.
+    forced: {moe column: [n-1, k]} replaces the router's top-k (the last token routes freely),
+    with its weights taken from the same softmax, as megatron's replay does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gates = [m.mlp.gate for m in model.model.layers if hasattr(m.mlp, "gate")]
+    natural = []
+    for col, gate in enumerate(gates):
+        gate.forward = _forced_gate(gate, None if forced is None else forced[col], natural)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0]
+    logp = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return logp, torch.stack(natural, 1).sort(-1).values
+
+
+def _forced_gate(gate, forced, natural):
+    def forward(hidden):
+        logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+        probs = logits.softmax(-1, dtype=torch.float)
+        top = torch.topk(probs, gate.top_k, dim=-1).indices
+        natural.append(top)
+        if forced is not None:
+            top = top.clone()
+            top[: len(forced)] = torch.as_tensor(forced, dtype=torch.long)
+        values = probs.gather(1, top)
+        if gate.norm_topk_prob:
+            values = values / values.sum(-1, keepdim=True)
+        return logits, values.to(logits.dtype), top
+
+    return forward
+
+
+def test_r2_records_the_natural_routing(runs, checkpoints, batch_file):
+    batch = json.loads(batch_file.read_text())
+    recorded = runs[f"{REF}/r2"]["recorded"]  # [sample][layer][token][k]
+    for i, tokens in enumerate(batch["tokens"]):
+        _, natural = hf_forward(checkpoints[1], tokens)
+        got = torch.tensor(recorded[i]).permute(1, 0, 2).sort(-1).values
+        assert torch.equal(got, natural)
+
+
+def test_r3_replays_the_rollout_routing(runs, checkpoints, batch_file):
+    """Old log-probs under R3 equal HF's with the router forced to the server's experts; the
+    agreement metric equals the share of (token, layer) positions where HF's own top-k under
+    that forcing matches the server's."""
+    batch = json.loads(batch_file.read_text())
+    run = runs[f"{REF}/r3"]
+    same = total = 0
+    for i, tokens in enumerate(batch["tokens"]):
+        rollout = np.array(batch["rollout_experts"][i])[:, [1, 2, 3]]  # drop the dense layer 0
+        logp, natural = hf_forward(checkpoints[1], tokens, rollout.transpose(1, 0, 2))
+        assert np.allclose(run["old"][i][1:], logp.numpy(), rtol=0, atol=2e-5)
+        want = torch.from_numpy(np.sort(rollout, -1)).long()
+        hits = (natural[:-1] == want).all(-1)
+        same, total = same + int(hits.sum()), total + hits.numel()
+    agreement = run["record_metrics"]["routing/rollout_train_agreement"]
+    assert 0.3 < agreement < 0.99  # the perturbation moved some routing, not all
+    assert agreement == pytest.approx(same / total, abs=1e-12)
