@@ -156,7 +156,7 @@ def run_ours(
     cmd = [*_launcher(nproc), "train", "--config", config, "--run-dir", str(run_dir), *overrides]
     pythonpath = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=pythonpath)
-    _check(subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True), "megatron-gspo")
+    _check(subprocess.run(cmd, env=env, capture_output=True, text=True), "megatron-gspo")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [Cycle(r["time/rollout_s"], r["time/train_s"], r["time/sync_s"], r["time/step_s"],
                   r["response/length_mean"], r["tokens_per_s"])

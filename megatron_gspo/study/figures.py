@@ -71,7 +71,7 @@ def _ratio_figure(by_algo: Runs, levels: dict[str, str]):
         runs.append((f"{label} ({levels.get(label, '?')}-level)", shifted))
     fig = build_figure(runs, RATIO, ncols=2)
     for ax in fig.axes[: len(RATIO)]:
-        if ax.lines:
+        if any((line.get_ydata() > 0).any() for line in ax.lines):
             ax.set_yscale("log")
     return fig
 

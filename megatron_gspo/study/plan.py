@@ -58,11 +58,14 @@ class Study:
     made_model: Path | None = None
 
 
-def algo_table(configs_dir: Path = CONFIGS_DIR) -> dict[str, dict]:
-    """{name: {loss, clip_low, clip_high, routing_replay[, agg]}} from configs/tiny_moe_<name>.yaml."""
+def algo_table(configs_dir: Path = CONFIGS_DIR, fallback: Path | None = None) -> dict[str, dict]:
+    """{name: {loss, clip_low, clip_high, routing_replay[, agg]}} from configs/tiny_moe_<name>.yaml
+    (the repository's configs, else `fallback`: the base config's directory)."""
     table = {}
     for name in ALGOS:
         path = configs_dir / f"tiny_moe_{name}.yaml"
+        if not path.is_file() and fallback is not None:
+            path = fallback / path.name
         if not path.is_file():
             raise UserError(f"{path} is missing: the study reads each algorithm's settings there")
         algo = (yaml.safe_load(path.read_text()) or {}).get("algo") or {}
