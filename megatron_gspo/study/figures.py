@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from megatron_gspo.study.analysis import Event
 from megatron_gspo.train.report import (
     LAYER_KEY,
@@ -71,7 +73,7 @@ def _ratio_figure(by_algo: Runs, levels: dict[str, str]):
         runs.append((f"{label} ({levels.get(label, '?')}-level)", shifted))
     fig = build_figure(runs, RATIO, ncols=2)
     for ax in fig.axes[: len(RATIO)]:
-        if any((line.get_ydata() > 0).any() for line in ax.lines):
+        if any((np.asarray(line.get_ydata(), float) > 0).any() for line in ax.lines):
             ax.set_yscale("log")
     return fig
 
