@@ -143,8 +143,18 @@ def test_layouts_give_identical_replay(runs, name):
     for step in ("step1", "step2"):
         for key in ("loss", "grad_norm", "ratio_max", "routing/changed_fraction"):
             assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (step, key)
-    for metrics in ("record_metrics", "replay_metrics"):
-        assert got[metrics] == pytest.approx(ref[metrics], rel=1e-9)
+    # Under R3 each stage packs its own patch bits (n x its layers, rounded up to bytes).
+    key = "routing/bytes_per_token"
+    (got_rec, got_bytes), (ref_rec, ref_bytes) = (
+        split(r["record_metrics"], key) for r in (got, ref)
+    )
+    assert got_bytes == pytest.approx(ref_bytes, rel=0.03)
+    assert got_rec == pytest.approx(ref_rec, rel=1e-9)
+    assert got["replay_metrics"] == pytest.approx(ref["replay_metrics"], rel=1e-9)
+
+
+def split(metrics: dict, key: str) -> tuple[dict, float]:
+    return {k: v for k, v in metrics.items() if k != key}, metrics[key]
 
 
 def test_metrics_have_their_keys(runs):
