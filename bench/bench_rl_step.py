@@ -265,7 +265,7 @@ def make_inputs(name: str, size: Size, work: Path) -> tuple[Path, Path, float]:
     params = sum(t.numel() for f in model.glob("*.safetensors") for t in load_file(f).values())
     data = work / "prompts.jsonl"
     if not data.exists():
-        rows = [json.dumps({"prompt": p, "answer": ""}) + "\n" for p in prompt_texts()]
+        rows = [json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompt_texts()]
         data.write_text("".join(rows))
     return model, data, params / 1e6
 
