@@ -13,15 +13,15 @@ length of each is printed.
 Two sizes: `tiny` (~0.1M params, 16-token completions: fixed overheads dominate) and `small`
 (~90M params, 32 experts top-2, 128-token completions: the work dominates). For each size the two
 stacks alternate, `--rounds` times each, every run a fresh process; the first `--warmup` cycles
-of a run are dropped and the medians of the rest are reported. The ratio printed last is TRL's
+of a run are dropped (start-up effects) and the medians of the rest are reported. The ratio printed last is TRL's
 cycle time / ours (> 1: ours is faster); goals: >= 1.5 at `small`, >= 0.67 at `tiny`.
 
 TRL is installed on first use into its own virtual environment ($TRL_VENV, default
 ~/.cache/megatron-gspo/trl-venv) that sees this environment's packages (torch, transformers)
 through a .pth file, so nothing here is changed and torch is not downloaded again.
 
-    .venv/bin/python bench/bench_rl_step.py [--sizes tiny,small] [--rounds 3] [--cycles 6]
-                                            [--warmup 2] [--threads 1]
+    .venv/bin/python bench/bench_rl_step.py [--sizes tiny,small] [--rounds 2] [--cycles N]
+                                            [--warmup N] [--threads 1]
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ LR, CLIP_LOW, CLIP_HIGH = 1e-5, 3e-4, 4e-4
 class Size:
     spec: dict  # TinySpec fields
     new_tokens: int
+    cycles: int = 8  # RL cycles per run (default of --cycles)
+    warmup: int = 2  # cycles dropped at the start of a run (default of --warmup)
 
 
 SIZES = {
@@ -56,7 +58,7 @@ SIZES = {
     "small": Size(
         {"vocab_size": 8192, "hidden": 512, "layers": 6, "heads": 8, "kv_heads": 4,
          "head_dim": 64, "ffn": 1024, "moe_ffn": 256, "experts": 32, "topk": 2, "seed": 0},
-        128,
+        128, cycles=3, warmup=1,
     ),
 }  # fmt: skip
 
@@ -276,6 +278,10 @@ def median(cycles: list[Cycle], field: str) -> float:
 
 def bench_size(name: str, args, py: Path, work: Path) -> float:
     size = SIZES[name]
+    cycles = args.cycles or size.cycles
+    warmup = size.warmup if args.warmup is None else args.warmup
+    if cycles <= warmup:
+        sys.exit(f"error: {name}: --cycles ({cycles}) must exceed --warmup ({warmup})")
     model, data, mparams = make_inputs(name, size, work)
     print(f"\n{name}: Qwen3-MoE {mparams:.2f}M params, {PROMPTS} prompts x {GROUP} completions of "
           f"<= {size.new_tokens} tokens, {MINIBATCHES} updates per rollout batch, "
@@ -285,11 +291,11 @@ def bench_size(name: str, args, py: Path, work: Path) -> float:
         order = ("ours", "trl") if rnd % 2 == 0 else ("trl", "ours")
         for who in order:
             if who == "ours":
-                got = run_ours(model, data, size, args.cycles, args.threads, work)
+                got = run_ours(model, data, size, cycles, args.threads, work)
             else:
-                got = run_trl(py, model, size, args.cycles, args.threads, work)
-            kept[who] += got[args.warmup :]
-            print(f"  round {rnd + 1} {who:4s}: median cycle {median(got[args.warmup:], 'step_s'):.3f} s",
+                got = run_trl(py, model, size, cycles, args.threads, work)
+            kept[who] += got[warmup:]
+            print(f"  round {rnd + 1} {who:4s}: median cycle {median(got[warmup:], 'step_s'):.3f} s",
                   flush=True)  # fmt: skip
     _table(kept)
     return median(kept["trl"], "step_s") / median(kept["ours"], "step_s")
@@ -307,9 +313,9 @@ def _table(kept: dict[str, list[Cycle]]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="tiny,small")
-    p.add_argument("--rounds", type=int, default=3, help="runs of each stack per size")
-    p.add_argument("--cycles", type=int, default=6, help="RL cycles per run")
-    p.add_argument("--warmup", type=int, default=2, help="cycles dropped at the start of a run")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each stack per size")
+    p.add_argument("--cycles", type=int, help="RL cycles per run (default: tiny 8, small 3)")
+    p.add_argument("--warmup", type=int, help="cycles dropped per run (default: tiny 2, small 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each stack")
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -319,8 +325,8 @@ def main() -> None:
     if args.trl_worker:
         return trl_worker(args)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    if not sizes or any(s not in SIZES for s in sizes) or args.cycles <= args.warmup:
-        sys.exit(f"error: --sizes from {', '.join(SIZES)}, and --cycles > --warmup")
+    if not sizes or any(s not in SIZES for s in sizes):
+        sys.exit(f"error: --sizes: choose from {', '.join(SIZES)}")
     py = trl_python()
     ratios = {}
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
