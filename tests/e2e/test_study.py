@@ -33,7 +33,7 @@ QUICK = [
     "train.micro_batch_size=4",
     "train.eval_prompts=8",
     "train.eval_every=1",
-    "train.checkpoint_every=1",
+    "train.checkpoint_every=2",
     "logging.tensorboard=false",
 ]
 
@@ -64,7 +64,7 @@ def test_study_killed_then_resumed_then_skipped(task_model, tmp_path):
                             env=cli_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
     second = out / "runs" / "grpo" / "seed1"
     deadline = time.monotonic() + 240
-    while not (second / "checkpoints" / "step_1" / "trainer_state.json").is_file():
+    while not (second / "checkpoints" / "step_2" / "trainer_state.json").is_file():
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "timed out waiting for the second run's checkpoint"
         time.sleep(0.2)
@@ -76,7 +76,7 @@ def test_study_killed_then_resumed_then_skipped(task_model, tmp_path):
     rc, text = run_study(out, task_model)
     assert rc == 0, text[-3000:]
     assert "2 runs, 1 complete, 1 to run" in text
-    assert "grpo/seed1: resume from step" in text
+    assert "grpo/seed1: resume from step 2" in text
     assert first.read_bytes() == done_before  # the finished run was not run again
     steps = [
         json.loads(line)["step"] for line in (second / "metrics.jsonl").read_text().splitlines()
