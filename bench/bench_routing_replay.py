@@ -10,18 +10,22 @@ Four actors on the same weights in one process (gloo, TP1), one batch each:
 Each rep times, for every actor in a rotating order, `logprobs` (recording) and `train_step`
 (replaying); medians over the reps of the process CPU time (all threads) and of the wall time.
 The headline ratio uses CPU time: on a shared machine the wall time also counts the waits for
-other processes. Storage: the bytes the batch's routing holds on host memory per token (all
+other processes; on a busy one even CPU-time medians move by +-10%, so one more logprobs +
+train_step per variant runs under cProfile and the time spent in the routing code's entry points
+is printed as a share of it (an upper bound: profiling slows Python more than torch). Storage: the bytes the batch's routing holds on host memory per token (all
 stages) against the int32 payload SGLang sends per token (every decoder layer x k x 4).
 
 Goal (issue 6): under 3% step overhead; 4x smaller storage than the int32 payload.
 
     .venv/bin/python bench/bench_routing_replay.py [--hidden 256 --layers 4 --experts 64
-        --topk 8 --batch 8 --seq 256 --reps 7]
+        --topk 8 --batch 8 --seq 256 --reps 9]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
@@ -80,6 +84,36 @@ def record(actor, batch, mbs: int) -> None:
     batch.old_logprobs = actor.logprobs(batch, mbs)
 
 
+ROUTING_ENTRIES = {  # (file suffix, function): the routing code's entry points in a step
+    ("routing/replay.py", "record_sweep"), ("routing/replay.py", "train_sweep"),
+    ("routing/replay.py", "finish_record"), ("routing/replay.py", "finish_train"),
+    ("routing/sweep.py", "enter"), ("routing/sweep.py", "leave"),
+    ("routing/sweep.py", "_to_recompute"), ("routing/taps.py", "_get_replay_topk"),
+}  # fmt: skip
+
+
+def routing_share(actor, batch, mbs: int) -> float:
+    """Share of one logprobs + train_step spent in the routing code, from a cProfile run: the
+    cumulative time of its entry points, less the core's own top-k inside the router wrapper
+    (which every routing mode runs). Profiling slows pure-Python code more than torch kernels,
+    so this overstates the share somewhat."""
+    prof = cProfile.Profile(time.process_time)
+    start = time.process_time()
+    prof.enable()
+    record(actor, batch, mbs)
+    actor.train_step(batch, LOSS, mbs)
+    prof.disable()
+    total = time.process_time() - start
+    stats = pstats.Stats(prof).stats
+    ours = core = 0.0
+    for (path, _, func), (_, _, _, ct, _) in stats.items():
+        if any(path.endswith(f) and func == name for f, name in ROUTING_ENTRIES):
+            ours += ct
+        elif path.endswith("moe/router_replay.py") and func == "get_replay_topk":
+            core += ct
+    return (ours - core) / total
+
+
 def timed(fn) -> tuple[float, float]:
     c0, w0 = time.process_time(), time.perf_counter()
     fn()
@@ -90,7 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     for name, default in [("hidden", 256), ("layers", 4), ("experts", 64), ("topk", 8)]:
         ap.add_argument(f"--{name}", type=int, default=default)
-    for name, default in [("batch", 8), ("seq", 256), ("reps", 7), ("mbs", 4)]:
+    for name, default in [("batch", 8), ("seq", 256), ("reps", 9), ("mbs", 4)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -123,10 +157,11 @@ def main() -> None:
                 for key, (ci, wi) in {"logprobs": (c, w), "step": (c2, w2)}.items():
                     cpu[f"{v}/{key}"].append(ci)
                     wall[f"{v}/{key}"].append(wi)
-    report(a, actors, batches, cpu, wall, model_spec)
+    shares = {v: routing_share(actors[v], batches[v], a.mbs) for v in VARIANTS[1:]}
+    report(a, actors, batches, cpu, wall, model_spec, shares)
 
 
-def report(a, actors, batches, cpu, wall, spec) -> None:
+def report(a, actors, batches, cpu, wall, spec, shares) -> None:
     med = {k: statistics.median(v) for k, v in cpu.items()}
     medw = {k: statistics.median(v) for k, v in wall.items()}
     n_tok = sum(len(t) for t in batches["r2"].tokens)
@@ -152,7 +187,8 @@ def report(a, actors, batches, cpu, wall, spec) -> None:
         over = {p: 100 * (med[f"{v}/{p}"] / med[f"plain/{p}"] - 1) for p in ("logprobs", "step")}
         print(
             f"overhead {v} vs plain: train_step {over['step']:+.1f}%, "
-            f"logprobs {over['logprobs']:+.1f}% (CPU time)"
+            f"logprobs {over['logprobs']:+.1f}% (CPU time medians); time in the routing code "
+            f"(profiled logprobs + train_step): {100 * shares[v]:.1f}%"
         )
     print(
         f"storage ratio (int32 payload / stored): r2 {payload / stored['r2']:.2f}x, "

@@ -35,7 +35,8 @@ class SampleRouting:
     recorded: [n, L, k] the natural routing of the old-log-prob pass.
     rollout:  [r, L, k] the rollout server's routing (R3), r = n - 1 (or n).
     Under R3 `recorded` is kept as a patch on `rollout`: one bit per (token, layer) saying whether
-    the two differ, and the recorded ids where they do. Where the engines mostly agree that costs
+    the two top-k SETS differ, and the recorded ids where they do (where they agree the rollout's
+    ids come back, maybe in another order: replay and drift only use the set). Where the engines mostly agree that costs
     a small fraction of a second full array: (L/8 + f L k itemsize) bytes per token for a share
     f of differing positions, against L k itemsize."""
 
@@ -65,7 +66,8 @@ class SampleRouting:
             return
         k = arr.shape[-1]
         flat = arr.reshape(-1, k)
-        differs = (flat != self._base(arr.shape[0]).reshape(-1, k)).any(-1)
+        base = self._base(arr.shape[0]).reshape(-1, k)
+        differs = (np.sort(flat, axis=-1) != np.sort(base, axis=-1)).any(-1)
         self._full, self._patch = None, (arr.shape, np.packbits(differs), flat[differs])
 
     def _base(self, n: int) -> np.ndarray:
