@@ -137,10 +137,39 @@ stop_pid() {  # stop_pid PID NAME GRACE_S: SIGTERM, wait, SIGKILL
     fi
     wait "$pid" 2>/dev/null || true
 }
+# torchrun starts each rank in its own session (process group = the rank's PID) and, when a rank
+# dies, stops only the groups of ranks still alive: what a killed rank had started (checkpoint
+# writer processes) would outlive the job. So note each rank's group while it runs and stop those
+# groups at the end, by their IDs.
+WORKER_GROUPS=()
+note_workers() {
+    [[ -n "$TRAIN_PID" ]] || return 0
+    local pid
+    for pid in $(ps -o pid= --ppid "$TRAIN_PID" 2>/dev/null); do
+        [[ " ${WORKER_GROUPS[*]} " == *" $pid "* ]] || WORKER_GROUPS+=("$pid")
+    done
+}
+# shellcheck disable=SC2317,SC2329
+stop_worker_groups() {
+    local pg live=() i any
+    for pg in "${WORKER_GROUPS[@]}"; do
+        kill -TERM -- "-$pg" 2>/dev/null && live+=("$pg")
+    done
+    ((${#live[@]})) || return 0
+    for ((i = 0; i < 50; i++)); do
+        any=0
+        for pg in "${live[@]}"; do kill -0 -- "-$pg" 2>/dev/null && any=1; done
+        ((any)) || return 0
+        sleep 0.2
+    done
+    for pg in "${live[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+}
 # shellcheck disable=SC2317,SC2329
 cleanup() {
     trap - EXIT INT TERM
+    note_workers
     stop_pid "$TRAIN_PID" "torchrun" 30
+    stop_worker_groups
     stop_pid "$ROUTER_PID" "sglang-router" 20
     stop_pid "$SERVE_PID" "rollout servers" 30
 }
@@ -253,6 +282,7 @@ TRAIN_PID=$!
 
 code=""
 while true; do
+    note_workers
     if ! kill -0 "$TRAIN_PID" 2>/dev/null; then
         code=0; wait "$TRAIN_PID" || code=$?
         TRAIN_PID=""
