@@ -1,0 +1,68 @@
+"""Verifiable rewards: exact answers for the built-in tasks, math answers, or the user's function.
+
+A reward function is fn(prompt, response_text, answer) -> float, 1.0 for a right answer and 0.0
+for a wrong one (the built-in ones return exactly these). `score_rewards` calls it on a batch and
+turns what can go wrong in a plugin into a one-line UserError; `dynamic_sampling_keep` drops the
+groups that carry no learning signal.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.rewards.exact import exact_answer
+from megatron_gspo.rewards.math_answer import math_answer
+from megatron_gspo.rewards.plugin import load_plugin
+
+RewardFn = Callable[[str, str, str], float]
+BUILTIN: dict[str, RewardFn] = {"exact": exact_answer, "math": math_answer}
+
+__all__ = ["RewardFn", "load_reward", "score_rewards", "dynamic_sampling_keep"]
+
+
+def load_reward(spec: str) -> RewardFn:
+    """ "exact", "math", or a plugin "module:function" / "file.py:function"."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise UserError(
+            f"unknown reward {spec!r}; use exact, math, or module:function for your own"
+        )
+    return load_plugin(spec)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def score_rewards(fn: RewardFn, items: list[tuple[str, str, str]], name: str) -> list[float]:
+    """[float(fn(prompt, response, answer)) for each item]; any failure is a UserError."""
+    rewards = []
+    for i, (prompt, response, answer) in enumerate(items):
+        try:
+            value = fn(prompt, response, answer)
+        except Exception as e:
+            raise UserError(
+                f"reward {name!r} raised {type(e).__name__}: {e} on item {i} (prompt "
+                f"{_short(prompt)!r}); fix the reward function"
+            ) from e
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise UserError(
+                f"reward {name!r} returned {_short(repr(value))} ({type(value).__name__}) on "
+                f"item {i} (prompt {_short(prompt)!r}); it must return a finite number"
+            )
+        rewards.append(float(value))
+    return rewards
+
+
+def dynamic_sampling_keep(rewards: list[float], group_size: int) -> list[int]:
+    """Indices of the groups to keep: group g (rewards[g*G:(g+1)*G]) is kept when
+    max(group) > min(group). A group whose rewards are all equal has zero advantage everywhere
+    (A_i = r_i - mean(r) = 0) and only dilutes the batch."""
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    groups = [rewards[g : g + group_size] for g in range(0, len(rewards), group_size)]
+    return [k for k, group in enumerate(groups) if max(group) > min(group)]

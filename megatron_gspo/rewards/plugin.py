@@ -1,0 +1,65 @@
+"""A reward function from the user's code: "package.module:function" or "path/to/file.py:function".
+
+Loading imports exactly the named module (a file path is imported as a module of its own, under
+a private name) and nothing else; the function must be callable as fn(prompt, response, answer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_gspo.errors import UserError
+
+
+def _import_file(spec: str, path: Path):
+    if not path.is_file():
+        raise UserError(f"reward plugin {spec!r}: file {str(path)!r} does not exist")
+    name = f"_megatron_gspo_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import(spec: str, module_name: str):
+    try:
+        if module_name.endswith(".py"):
+            return _import_file(spec, Path(module_name))
+        return importlib.import_module(module_name)
+    except UserError:
+        raise
+    except ModuleNotFoundError as e:
+        raise UserError(
+            f"reward plugin {spec!r}: cannot import {module_name!r} ({e}); put its package on "
+            "PYTHONPATH or give the path of a .py file"
+        ) from e
+    except Exception as e:
+        raise UserError(
+            f"reward plugin {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
+        ) from e
+
+
+def load_plugin(spec: str) -> Callable[[str, str, str], float]:
+    """The function named by `spec` ("module:function"), checked to be callable."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise UserError(f"reward plugin {spec!r}: write it as module:function or file.py:function")
+    module = _import(spec, module_name)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UserError(f"reward plugin {spec!r}: {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise UserError(
+            f"reward plugin {spec!r}: {attr!r} is a {type(fn).__name__}, not a function; it "
+            "must be callable as fn(prompt, response, answer) -> float"
+        )
+    return fn
