@@ -40,9 +40,11 @@ QUICK = [
 
 @pytest.fixture(scope="module")
 def task_model(tmp_path_factory) -> Path:
-    from megatron_gspo.data.warmstart import make_task_model
+    """A random tiny MoE: the study's mechanics do not need a competent model (and making the
+    task model would take most of this file's time budget)."""
+    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 
-    return make_task_model(tmp_path_factory.mktemp("task") / "model", seed=0)
+    return make_tiny_model(TinySpec(seed=0), tmp_path_factory.mktemp("task") / "model")
 
 
 def study_cmd(out: Path, model: Path) -> list[str]:
