@@ -95,9 +95,8 @@ class RoutingReplay:
         lengths = [len(t) for t in batch.tokens]
         captured = sweep.captured(lengths)
         for i, s in enumerate(sweep.samples):
-            s.recorded = captured.get(i)
-            if s.recorded is None:  # a stage without MoE layers
-                s.recorded = np.zeros((lengths[i], len(self.layers), self.topk), self.np_dtype)
+            none = np.zeros((lengths[i], 0, self.topk), self.np_dtype)  # a stage without MoE
+            s.recorded = captured.get(i, none)
         batch.routing = sweep.samples
         stored = sum(s.nbytes for s in sweep.samples)
         out = {M.BYTES_PER_TOKEN: M.model_bytes(stored) / max(sum(lengths), 1)}
@@ -128,9 +127,10 @@ class RoutingReplay:
 
     def _align(self, batch, i: int) -> np.ndarray:
         experts = batch.rollout_experts
-        if experts is None:
+        if experts is None or len(experts) != len(batch):
             raise UserError(
-                "routing_replay r3 needs batch.rollout_experts (the samples' routed_experts)"
+                "routing_replay r3 needs batch.rollout_experts, one entry per sample (the "
+                "samples' routed_experts)"
             )
         spec = self.spec
         return align_rollout_experts(
@@ -140,7 +140,7 @@ class RoutingReplay:
 
     def _check(self, samples, source) -> None:
         for i, s in enumerate(samples):
-            if not isinstance(s, SampleRouting) or s.layers != self.layers or s.recorded is None:
+            if not isinstance(s, SampleRouting) or s.layers != self.layers or not s.has_recorded:
                 raise UserError(
                     f"batch.routing[{i}] was not recorded by this actor's logprobs; compute old "
                     "log-probs with actor.logprobs(batch) first"

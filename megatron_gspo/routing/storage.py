@@ -70,6 +70,10 @@ class SampleRouting:
         differs = (np.sort(flat, axis=-1) != np.sort(base, axis=-1)).any(-1)
         self._full, self._patch = None, (arr.shape, np.packbits(differs), flat[differs])
 
+    @property
+    def has_recorded(self) -> bool:
+        return self._full is not None or self._patch is not None
+
     def _base(self, n: int) -> np.ndarray:
         r = self.rollout
         out = np.zeros((n, *r.shape[1:]), dtype=r.dtype)
