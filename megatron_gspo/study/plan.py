@@ -7,8 +7,10 @@ config is layered, later wins:
     BASE.yaml < the algorithm's row < overrides for every run < `ALGO:key=value` overrides
               < seed=<k> (and model.path when the study made the starting model)
 
-DIR/study.json records each run's resolved overrides; a later invocation with other settings for
-a run that already started is refused instead of mixing two settings in one curve.
+The base config is copied to DIR/base_config.yaml when the study starts and every run reads
+that copy, so editing the source file mid-study cannot change the runs still to come. DIR/study.json
+records each run's resolved overrides; a later invocation whose base config or settings differ for
+a run that already started is refused instead of mixing two settings in one comparison.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")
 ALGO_KEYS = ("loss", "clip_low", "clip_high", "agg", "routing_replay")
 LEVEL = {"gspo": "sequence", "gspo_token": "sequence", "grpo": "token"}
 MANIFEST = "study.json"
+SNAPSHOT = "base_config.yaml"
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class RunSpec:
     @property
     def name(self) -> str:
         return f"{self.algo}/seed{self.seed}"
+
+    @property
+    def train_config(self) -> Path:
+        """The config file the runs read: the study's copy of the base config."""
+        return self.run_dir.parents[2] / SNAPSHOT
 
 
 @dataclass
@@ -171,14 +179,16 @@ def task_of(cfg_path: Path, common: list[str]) -> str:
 
 
 def check_manifest(study: Study) -> None:
-    """Refuse to continue a run that was started with other settings; record the new ones."""
+    """Refuse to continue a run that was started with other settings; record the new ones and
+    (re)write the base config's copy that the runs read."""
     path = study.out / MANIFEST
     old = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
     sha = _sha(study.config)
     new = {r.name: {"overrides": list(r.overrides), "config_sha256": sha} for r in study.runs}
-    for run in study.runs:
+    started = [r for r in study.runs if r.run_dir.exists()]
+    for run in started:
         before = old["runs"].get(run.name)
-        if before is None or before == new[run.name] or not run.run_dir.exists():
+        if before is None or before == new[run.name]:
             continue
         changed = sorted(set(run.overrides) ^ set(before["overrides"]))
         what = ", ".join(changed) or f"{study.config} changed since"
@@ -188,6 +198,15 @@ def check_manifest(study: Study) -> None:
         )
     record = {"config": str(study.config.resolve()), "runs": old["runs"] | new}
     _write_json(path, record)
+    snapshot = study.out / SNAPSHOT
+    if not started or not snapshot.is_file():
+        _copy_atomic(study.config, snapshot)
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(Path(src).read_bytes())
+    os.replace(tmp, dst)
 
 
 def _sha(path: Path) -> str:

@@ -38,7 +38,7 @@ def run_state(run: RunSpec, steps: int) -> RunState:
 
 
 def train_command(study: Study, run: RunSpec, resume: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", str(study.config)]
+    cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", str(run.train_config)]
     cmd += ["--run-dir", str(run.run_dir), *(["--resume"] if resume else []), *run.overrides]
     return cmd
 

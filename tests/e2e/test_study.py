@@ -143,6 +143,7 @@ def test_bad_override_is_a_user_error(tmp_path, overrides, message):
 
 def test_changed_settings_are_refused_for_a_started_run(tmp_path):
     check_manifest(build_study(BASE, tmp_path, ["gspo"], 1, []))
+    assert (tmp_path / "base_config.yaml").read_bytes() == BASE.read_bytes()  # what runs read
     (tmp_path / "runs" / "gspo" / "seed1").mkdir(parents=True)
     changed = build_study(BASE, tmp_path, ["gspo"], 1, ["optim.lr=0.5"])
     with pytest.raises(UserError, match="optim.lr=0.5"):
