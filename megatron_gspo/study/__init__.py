@@ -62,8 +62,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def command_text(args: argparse.Namespace) -> str:
+    """The command that reproduces (and continues) this study, for the report."""
+    parts = ["--config", str(args.config), "--algos", args.algos, "--seeds", str(args.seeds)]
+    parts += ["--out", str(args.out)]
+    if args.steps is not None:
+        parts += ["--steps", str(args.steps)]
+    if args.collapse_margin != 0.2:
+        parts += ["--collapse-margin", f"{args.collapse_margin:g}"]
+    return "megatron-gspo study " + shlex.join(parts + list(args.overrides))
+
+
 def _cmd_study(args: argparse.Namespace) -> None:
-    run_study(args, "megatron-gspo study " + shlex.join(sys.argv[2:]))
+    run_study(args, command_text(args))
 
 
 def register(subparsers) -> None:
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        run_study(args, "megatron-gspo study " + shlex.join(argv))
+        run_study(args, command_text(args))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
