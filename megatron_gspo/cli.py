@@ -184,8 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None):
+    """Overrides (`key.sub=value`) may sit between or after the flags: argparse stops filling a
+    positional list at the first flag, so the rest are collected here."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides"):
+        flags = [e for e in extra if e.startswith("-") or "=" not in e]
+        if not flags:
+            args.overrides = list(args.overrides) + extra
+            return args
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # megatron-core announces at import that optional CUDA extensions are missing; on a CPU run
     # that is expected (model/cpu_compat.py), so keep the console for our own messages.

@@ -59,20 +59,20 @@ class TrainerSetup:
             )
 
     def _build_actor(self, dims):
+        import torch
+
         from megatron_gspo.model.builder import BuildOptions
         from megatron_gspo.model.policy import load_policy
         from megatron_gspo.train.actor import Actor
 
-        opts = BuildOptions()
-        if self.cfg.model.dtype == "bfloat16":
-            import torch
-
-            opts = BuildOptions(params_dtype=torch.bfloat16)
-        chunks = load_policy(self.cfg.model.path, dims, opts)
-        kwargs = {}
-        if self.cfg.algo.routing_replay != "none" or _actor_takes_routing():
-            kwargs["routing_replay"] = self.cfg.algo.routing_replay
-        return Actor(chunks, self.cfg.optim.build(), **kwargs)
+        m = self.cfg.model
+        opts = BuildOptions(
+            params_dtype=torch.bfloat16 if m.dtype == "bfloat16" else None,
+            recompute="full" if m.recompute else None,
+            routing_replay=True,
+        )
+        chunks = load_policy(m.path, dims, opts)
+        return Actor(chunks, self.cfg.optim.build(), routing_replay=self.cfg.algo.routing_replay)
 
     def sampler(self, n_rows: int):
         from megatron_gspo.data.prompts import PromptSampler
@@ -108,11 +108,3 @@ class TrainerSetup:
         if self.rank0:
             log.info("resumed from %s (step %d)", self.resume_from, state["step"])
         return state
-
-
-def _actor_takes_routing() -> bool:
-    import inspect
-
-    from megatron_gspo.train.actor import Actor
-
-    return "routing_replay" in inspect.signature(Actor.__init__).parameters
