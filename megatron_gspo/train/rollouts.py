@@ -14,6 +14,7 @@ resume's first sync).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,9 @@ class Rollouts:
         self.urls = list(cfg.rollout.urls) or self._launch()
         self._loop = asyncio.new_event_loop()
         topk = _topk(self.hf_dir)
-        self.client = RolloutClient(self.urls, topk=topk, timeout_s=cfg.rollout.health_timeout_s)
+        self.client = RolloutClient(
+            self.urls, api_key=api_key(), topk=topk, timeout_s=cfg.rollout.health_timeout_s
+        )
         self._run(self.client.wait_healthy(cfg.rollout.health_timeout_s))
 
     def _launch(self) -> list[str]:
@@ -94,8 +97,9 @@ class Rollouts:
             extra_args=list(r.extra_server_args),
             threads=1 if r.backend == "builtin" else 0,
         )
-        if r.backend == "sglang" and r.sglang_python:
-            server.python = r.sglang_python
+        python = r.sglang_python or os.environ.get("SGLANG_PYTHON")
+        if r.backend == "sglang" and python:
+            server.python = python  # SGLang lives in its own environment (the image sets this)
         self.group = ServerGroup(
             [server] * r.servers, self.run_dir / "logs", health_timeout_s=r.health_timeout_s
         )
@@ -124,7 +128,10 @@ class Rollouts:
         self._memory("/release_memory_occupation")
 
     def resume_memory(self) -> None:
-        """...and take it back before the weight sync."""
+        """...and take it back before the weight sync, once the trainer's cached blocks are
+        back with the driver."""
+        if self.cfg.rollout.release_memory and torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self._memory("/resume_memory_occupation")
 
     def _memory(self, path: str) -> None:
@@ -218,6 +225,12 @@ class Rollouts:
         ]
         rewards = score_rewards(self.reward_fn, items, self.cfg.reward.fn)
         return sum(rewards) / max(len(rewards), 1)
+
+
+def api_key() -> str | None:
+    """Servers a launch script started off loopback require a key; it comes in the environment
+    (never on a command line or in the config file)."""
+    return os.environ.get("MEGATRON_GSPO_API_KEY") or None
 
 
 def _topk(hf_dir: Path) -> int | None:

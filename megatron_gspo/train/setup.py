@@ -81,10 +81,11 @@ class TrainerSetup:
         return self._sampler
 
     def weight_sync(self, urls: list[str]):
+        from megatron_gspo.train.rollouts import api_key
         from megatron_gspo.weight_sync.config import ServerRef
         from megatron_gspo.weight_sync.sync import WeightSync
 
-        refs = [ServerRef(u, self.cfg.rollout.server_tp) for u in urls]
+        refs = [ServerRef(u, self.cfg.rollout.server_tp, api_key()) for u in urls]
         self.sync = WeightSync(
             self.actor.chunks,
             refs,
