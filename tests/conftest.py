@@ -31,6 +31,18 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {name: make_tiny_model(spec, root / name) for name, spec in TINY.items()}
 
 
+# Overrides that make a tiny config's training run quick (a few seconds a step) in tests.
+QUICK_TRAIN = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "train.micro_batch_size=4",
+    "train.eval_prompts=8",
+    "train.eval_every=2",
+    "logging.tensorboard=false",
+    "logging.console=false",
+]
+
+
 def cli_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("RANK", None)

@@ -17,22 +17,14 @@ import psutil
 import pytest
 
 from megatron_gspo.rollout.launcher import free_port
-from tests.conftest import cli_env
+from tests.conftest import QUICK_TRAIN, cli_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny_moe_gspo.yaml"
-QUICK = [
-    "parallel.ep=2",  # experts split over the two nodes: the step needs both
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "train.micro_batch_size=4",
-    "train.eval_prompts=8",
-    "train.eval_every=2",
-    "logging.tensorboard=false",
-    "logging.console=false",
-]
+# Experts split over the two nodes: the step needs both.
+QUICK = ["parallel.ep=2", *QUICK_TRAIN]
 # Wall-clock metrics differ between any two runs; everything else must be equal, except the
 # rollout-vs-trainer log-prob gap: the rollout server's log-probs depend (in the last bits) on
 # which requests it happened to batch together.

@@ -13,20 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env
+from tests.conftest import QUICK_TRAIN, cli_env
 
 pytestmark = [pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = [
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "train.micro_batch_size=4",
-    "train.eval_prompts=8",
-    "train.eval_every=2",
-    "logging.tensorboard=false",
-    "logging.console=false",
-]
+QUICK = QUICK_TRAIN
 
 
 @pytest.fixture(scope="module")
