@@ -38,9 +38,14 @@ def _import(spec: str, module_name: str):
     except UserError:
         raise
     except ModuleNotFoundError as e:
+        named = e.name is not None and (module_name + ".").startswith(e.name + ".")
+        fix = (
+            "put its package on PYTHONPATH or give the path of a .py file"
+            if named
+            else f"install {e.name!r}, which it imports"
+        )
         raise UserError(
-            f"reward plugin {spec!r}: cannot import {module_name!r} ({e}); put its package on "
-            "PYTHONPATH or give the path of a .py file"
+            f"reward plugin {spec!r}: cannot import {module_name!r} ({e}); {fix}"
         ) from e
     except Exception as e:
         raise UserError(

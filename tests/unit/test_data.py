@@ -1,0 +1,177 @@
+"""Prompt datasets: built-in task splits, JSONL / Parquet files with broken rows, the prompt
+sampler's order and resume, and prompt encoding with the tiny tokenizer."""
+
+import json
+import re
+
+import pytest
+
+from megatron_gspo.data.prompts import PromptSampler, encode_prompt, load_prompts
+from megatron_gspo.data.tasks import sloppy_answer
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.tiny import build_tokenizer, vocabulary
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The tiny models' tokenizer, saved and loaded back the way a checkpoint's is."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tok")
+    PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(128),
+        pad_token="<|pad|>",
+        eos_token="<|endoftext|>",
+        unk_token="<unk>",
+    ).save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _solve(task: str, prompt: str) -> str:
+    digits = [int(d) for d in re.findall(r"\d", prompt)]
+    return str(sum(digits)) if task == "arith" else "".join(map(str, sorted(digits)))
+
+
+@pytest.mark.parametrize("task", ["arith", "sort"])
+def test_builtin_splits_are_disjoint_complete_and_correct(task):
+    train = load_prompts(f"builtin:{task}", "train")
+    evals = load_prompts(f"builtin:{task}", "eval")
+    train_p = {r.prompt for r in train.rows}
+    eval_p = {r.prompt for r in evals.rows}
+    assert not train_p & eval_p
+    assert len(train_p) + len(eval_p) == 1000  # every triple of digits, once
+    assert 150 <= len(eval_p) <= 250  # about one in five held out
+    for row in train.rows + evals.rows:
+        assert row.answer == _solve(task, row.prompt)
+    assert (train.skipped, train.source) == (0, f"builtin:{task}")
+
+
+def test_builtin_seed_shuffles_order_not_membership():
+    a, b = load_prompts("builtin:arith", "eval", seed=0), load_prompts("builtin:arith", "eval", 1)
+    assert [r.prompt for r in a.rows] != [r.prompt for r in b.rows]
+    assert sorted(r.prompt for r in a.rows) == sorted(r.prompt for r in b.rows)
+    assert a.rows == load_prompts("builtin:arith", "eval", seed=0).rows
+
+
+def test_sloppy_answers():
+    assert sloppy_answer("arith", "what is 7 + 5 + 3 ?", "15") == "5"
+    assert sloppy_answer("arith", "what is 1 + 2 + 3 ?", "6") == "6"
+    assert sloppy_answer("sort", "sort 3 1 2", "123") == "312"
+    rows = load_prompts("builtin:arith", "train").rows + load_prompts("builtin:arith", "eval").rows
+    wrong = sum(sloppy_answer("arith", r.prompt, r.answer) != r.answer for r in rows)
+    assert wrong == 1000 - 220  # sums of three digits >= 10: 1000 - C(12, 3)
+
+
+def test_builtin_errors():
+    with pytest.raises(UserError, match="unknown built-in task 'nope'.*arith"):
+        load_prompts("builtin:nope")
+    with pytest.raises(UserError, match="unknown split 'test'"):
+        load_prompts("builtin:arith", "test")
+
+
+def test_jsonl_broken_rows_are_skipped_and_counted(tmp_path):
+    lines = [
+        json.dumps({"prompt": "what is 1 + 1 ?", "answer": "2"}),
+        json.dumps({"prompt": "p2", "answer": 18, "extra": [1]}),  # a number answer is kept
+        "",  # blank lines are not rows
+        "{not json",
+        json.dumps(["prompt", "answer"]),
+        json.dumps({"prompt": "p3"}),
+        json.dumps({"prompt": " ", "answer": "1"}),
+        json.dumps({"prompt": "p4", "answer": True}),
+        json.dumps({"prompt": 5, "answer": "1"}),
+        json.dumps({"prompt": "p5", "answer": None}),
+        json.dumps({"prompt": "p6", "answer": 0.5}),
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe broken utf-8\n")
+    got = load_prompts(str(path))
+    assert [(r.prompt, r.answer) for r in got.rows] == [
+        ("what is 1 + 1 ?", "2"),
+        ("p2", "18"),
+        ("p6", "0.5"),
+    ]
+    assert got.skipped == 8
+    assert got.source == str(path)
+
+
+def test_parquet_rows_and_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    table = pa.table({"prompt": ["a", None, "", "d"], "answer": [1, 2, 3, None], "x": [0] * 4})
+    pq.write_table(table, path)
+    got = load_prompts(str(path))
+    assert [(r.prompt, r.answer) for r in got.rows] == [("a", "1")]
+    assert got.skipped == 3
+
+    pq.write_table(pa.table({"question": ["a"], "answer": ["1"]}), tmp_path / "q.parquet")
+    with pytest.raises(UserError, match="no column 'prompt' \\(it has question, answer\\)"):
+        load_prompts(str(tmp_path / "q.parquet"))
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(UserError, match="not a readable Parquet file"):
+        load_prompts(str(tmp_path / "bad.parquet"))
+
+
+def test_unusable_datasets_are_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(UserError, match="unknown format.*\\.jsonl or \\.parquet"):
+        load_prompts(str(tmp_path / "d.csv"))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\nnope\n')
+    with pytest.raises(UserError, match="no usable row \\(2 broken\\)"):
+        load_prompts(str(tmp_path / "bad.jsonl"))
+
+
+def test_sampler_epochs_are_permutations_and_deterministic():
+    sampler = PromptSampler(10, 3, seed=5)
+    epochs = [[sampler.next_batch() for _ in range(3)] for _ in range(4)]
+    for batches in epochs:
+        flat = [i for b in batches for i in b]
+        assert len(set(flat)) == 9 and set(flat) <= set(range(10))  # 10 % 3 rows left out
+    orders = [sum(batches, []) for batches in epochs]
+    assert len({tuple(o) for o in orders}) == 4  # a fresh permutation each epoch
+    again = PromptSampler(10, 3, seed=5)
+    assert [again.next_batch() for _ in range(12)] == sum(epochs, [])
+    other = PromptSampler(10, 3, seed=6)
+    assert [other.next_batch() for _ in range(3)] != epochs[0]
+
+
+def test_sampler_resumes_from_json_state():
+    sampler = PromptSampler(7, 2, seed=1)
+    for _ in range(5):  # into the second epoch
+        sampler.next_batch()
+    state = json.loads(json.dumps(sampler.state_dict()))
+    expected = [sampler.next_batch() for _ in range(6)]
+    resumed = PromptSampler(7, 2, seed=1)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch() for _ in range(6)] == expected
+    with pytest.raises(UserError, match="resume with the same dataset"):
+        PromptSampler(8, 2, seed=1).load_state_dict(state)
+
+
+def test_sampler_errors():
+    with pytest.raises(UserError, match="3 usable rows, fewer than the 4 prompts"):
+        PromptSampler(3, 4, seed=0)
+    with pytest.raises(UserError, match="at least 1"):
+        PromptSampler(3, 0, seed=0)
+
+
+def test_encode_prompt(tokenizer):
+    words = vocabulary(128)
+    ids = encode_prompt(tokenizer, "what is 12 + 3 ?")
+    assert ids == [words.index(w) for w in ["what", "is", "1", "2", "+", "3", "?"]]
+    ids = encode_prompt(tokenizer, "sort 3 1", template="{prompt} answer :")
+    assert ids == [words.index(w) for w in ["sort", "3", "1", "answer", ":"]]
+    # braces in the prompt are text, not template fields
+    assert encode_prompt(tokenizer, "{x}") == [words.index(w) for w in ["<unk>", "x", "<unk>"]]
+    with pytest.raises(UserError, match="no '\\{prompt\\}'"):
+        encode_prompt(tokenizer, "a", template="question")
+    with pytest.raises(UserError, match="cannot be filled"):
+        encode_prompt(tokenizer, "a", template="{prompt} {other}")
+    with pytest.raises(UserError, match="encodes to no tokens"):
+        encode_prompt(tokenizer, "   ")
