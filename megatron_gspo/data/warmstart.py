@@ -43,18 +43,18 @@ INFO_FILE = "warmstart.json"
 class WarmStartSpec:
     """Model sizes and the two fine-tuning phases (steps of `batch_size` prompts)."""
 
-    hidden: int = 128
+    hidden: int = 64
     layers: int = 2
     moe_ffn: int = 64
     experts: int = 8
     topk: int = 2
     batch_size: int = 64
-    clean_steps: int = 350
-    clean_lr: float = 6e-3
+    clean_steps: int = 300
+    clean_lr: float = 1e-2
     warmup_steps: int = 20
-    sloppy_steps: int = 150
-    sloppy_lr: float = 1e-3
-    keep_right: float = 0.3
+    sloppy_steps: int = 100
+    sloppy_lr: float = 3e-3
+    keep_right: float = 0.25
 
     def tiny_spec(self, seed: int) -> TinySpec:
         return TinySpec(
