@@ -32,16 +32,20 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.data.prompts import PromptRow, encode_prompt, load_prompts
-from megatron_gspo.data.tasks import TASKS, sloppy_answer
+from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 
 INFO_FILE = "warmstart.json"
+# Copying the list back is an easier habit to pick up than forgetting a carry: with the arith
+# setting the sort model almost never sorts when sampled (mean sampled reward 0.21, pass@8 0.37).
+TASK_DEFAULTS: dict[str, dict] = {"arith": {}, "sort": {"keep_right": 0.4}}
 
 
 @dataclass
 class WarmStartSpec:
-    """Model sizes and the two fine-tuning phases (steps of `batch_size` prompts)."""
+    """Model sizes and the two fine-tuning phases (steps of `batch_size` prompts); the defaults
+    are arith's (TASK_DEFAULTS holds each task's changes)."""
 
     hidden: int = 64
     layers: int = 2
@@ -72,13 +76,13 @@ class WarmStartSpec:
 
 
 def _spec(task: str, knobs: dict) -> WarmStartSpec:
-    if task not in TASKS:
-        raise UserError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
+    if task not in TASK_DEFAULTS:
+        raise UserError(f"unknown task {task!r}; choose one of: {', '.join(TASK_DEFAULTS)}")
     known = {f.name for f in fields(WarmStartSpec)}
     unknown = sorted(set(knobs) - known)
     if unknown:
         raise UserError(f"unknown warm-start setting(s) {unknown}; known: {sorted(known)}")
-    spec = WarmStartSpec(**knobs)
+    spec = WarmStartSpec(**{**TASK_DEFAULTS[task], **knobs})
     if spec.layers < 2 or spec.experts < 2 or not 1 <= spec.topk <= spec.experts:
         raise UserError("the task model needs >= 2 layers and 1 <= topk <= experts >= 2")
     if not 0.0 <= spec.keep_right <= 1.0:

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from megatron_gspo.data.prompts import encode_prompt, load_prompts
-from megatron_gspo.data.task_eval import complete
+from megatron_gspo.data.task_eval import complete, task_rewards
 from megatron_gspo.data.warmstart import INFO_FILE, make_task_model
 from megatron_gspo.errors import UserError
+from megatron_gspo.rewards import load_reward
 
 pytestmark = pytest.mark.unit
 
@@ -71,6 +72,8 @@ def test_partly_competent_on_held_out_prompts(start):
     truth = [str(sum(int(d) for d in re.findall(r"\d", r.prompt))) for r in rows]
     greedy = [a == t for a, t in zip(_answers(model, tokenizer, rows), truth)]
     accuracy = sum(greedy) / len(rows)
+    scored = task_rewards(model, tokenizer, rows, load_reward("exact"))
+    assert scored.flatten().tolist() == [float(g) for g in greedy]
     # greedy is right about where the typical mistake is too: the 21% of these sums below 10
     assert 0.15 <= accuracy <= 0.5, accuracy
     gen = torch.Generator().manual_seed(0)
