@@ -12,7 +12,9 @@ raised held-out greedy accuracy by 0.1-0.2, unreliably. So the model is taught i
 
 The result knows the task but prefers the mistake: greedy answers are right mainly where the
 mistake coincides with the answer (~22% of prompts), while sampling still finds the right answer
-on many others, so reward-driven RL has a clear, learnable signal on held-out prompts.
+on many others, so reward-driven RL has a clear, learnable signal on held-out prompts. Measured
+(arith, seed 0, HF model, 8 prompts x 8 samples a step, sequence-ratio loss with 4 minibatches,
+Adam lr 2e-4): held-out greedy accuracy 0.22 -> 0.43 / 0.73 / 0.88 after 10 / 15 / 20 steps.
 
 Deterministic for a seed: batches come from random.Random(seed), weights from torch.manual_seed,
 and training runs on one thread (the reduction order of a matmul changes with the thread count).
