@@ -226,6 +226,12 @@ class Config:
             section = getattr(self, f.name)
             if hasattr(section, "check"):
                 section.check()
+        d = self.data
+        if self.train.eval_every and d.eval is None and not d.train.startswith("builtin:"):
+            raise UserError(
+                "data.eval is required with a dataset file (only builtin tasks have a held-out "
+                "split); set data.eval=FILE, or train.eval_every=0 to turn eval off"
+            )
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.algo.minibatches:
             raise UserError(

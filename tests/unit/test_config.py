@@ -40,6 +40,7 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("algo: {loss: gspo}\n", [], "model.path is required"),
         ("model: [1, 2]\n", [], "model must be a mapping"),
         ("model: {path: m}\n", ["novalue"], "must look like key.sub=value"),
+        ("model: {path: m}\n", ["data.train=rows.jsonl"], "data.eval is required"),
         ("model: {path: m\n", [], "not valid YAML"),
     ],
 )
