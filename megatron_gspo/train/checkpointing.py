@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.train.files import fsync_dir
 
 _NAME = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -70,7 +71,7 @@ def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
         if final.exists():  # the same step saved before a crash and again after resume
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
@@ -94,11 +95,3 @@ def _write_json(path: Path, obj: dict) -> None:
         json.dump(obj, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

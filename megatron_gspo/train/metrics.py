@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.train.files import fsync_dir
 
 METRICS_FILE = "metrics.jsonl"
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -118,15 +119,7 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 class JsonlSink:
