@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.rollout.launcher import ServerConfig
+
 
 def sglang_venv() -> Path:
     default = Path.home() / ".cache" / "megatron-gspo" / "sglang-venv"
@@ -25,3 +27,14 @@ def sglang_python() -> Path:
             pytrace=False,
         )
     return python
+
+
+def server_config(kind: str, model) -> ServerConfig:
+    """A contract-test server of either kind on `model`, routed experts on, seeded."""
+    common = dict(model_path=str(model), enable_return_routed_experts=True, random_seed=0)
+    if kind == "builtin":
+        return ServerConfig(threads=1, env={"OMP_NUM_THREADS": "1"}, **common)
+    return ServerConfig(
+        kind="sglang", python=str(sglang_python()), device="cpu", disable_cuda_graph=True,
+        max_total_tokens=4096, max_running_requests=16, dtype="float32", **common,
+    )  # fmt: skip

@@ -27,8 +27,8 @@ from megatron_gspo.model.parallel import free_port
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
-from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
-from tests.contract.sglang_venv import sglang_python
+from megatron_gspo.rollout.launcher import ServerGroup
+from tests.contract.sglang_venv import server_config
 
 pytestmark = pytest.mark.contract
 
@@ -46,16 +46,6 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("contract")
     other = TinySpec(**{**SPEC.__dict__, "seed": 9})
     return make_tiny_model(SPEC, root / "a"), make_tiny_model(other, root / "b")
-
-
-def server_config(kind: str, model) -> ServerConfig:
-    common = dict(model_path=str(model), enable_return_routed_experts=True, random_seed=0)
-    if kind == "builtin":
-        return ServerConfig(threads=1, env={"OMP_NUM_THREADS": "1"}, **common)
-    return ServerConfig(
-        kind="sglang", python=str(sglang_python()), device="cpu", disable_cuda_graph=True,
-        max_total_tokens=4096, max_running_requests=16, dtype="float32", **common,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["builtin", "sglang"])

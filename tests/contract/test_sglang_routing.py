@@ -25,9 +25,9 @@ import torch
 
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
-from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
+from megatron_gspo.rollout.launcher import ServerGroup
 from tests.conftest import cli_env
-from tests.contract.sglang_venv import sglang_python
+from tests.contract.sglang_venv import server_config
 
 pytestmark = pytest.mark.contract
 
@@ -45,16 +45,6 @@ PLAN = [
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_tiny_model(SPEC, tmp_path_factory.mktemp("r3") / "model")
-
-
-def server_config(kind: str, model) -> ServerConfig:
-    common = dict(model_path=str(model), enable_return_routed_experts=True, random_seed=0)
-    if kind == "builtin":
-        return ServerConfig(threads=1, env={"OMP_NUM_THREADS": "1"}, **common)
-    return ServerConfig(
-        kind="sglang", python=str(sglang_python()), device="cpu", disable_cuda_graph=True,
-        max_total_tokens=4096, max_running_requests=16, dtype="float32", **common,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["builtin", "sglang"])
