@@ -11,8 +11,16 @@ is one TP rank: it reads `serialized_named_tensors[0]` and joins a distributed g
 /update_weights_from_disk: wait for running requests unless generation is paused. Distributed
 receives run on a worker thread, so generation goes on while the trainer broadcasts.
 
-On CPU, releasing memory drops the KV cache (it is rebuilt on resume, or on demand); the weights
-stay, as on a GPU without --enable-memory-saver.
+Transfers copy each byte once on this side: a flattened bucket is loaded straight from its
+shared-memory views (tensor) or from the receive buffer the broadcast wrote into (distributed).
+Two things are kept between requests so that a sync does not fault in fresh pages per bucket
+(on this CPU that costs as much as the copy itself): the distributed receive buffer, and the
+shared-memory buffers of flattened buckets, as long as the sender reuses them: those of the last
+finished session and of the open one are held, older ones let go (the sender's pool holds them
+anyway while it lives).
+
+On CPU, releasing memory drops the KV cache (it is rebuilt on resume, or on demand) and the
+transfer buffers above; the weights stay, as on a GPU without --enable-memory-saver.
 """
 
 from __future__ import annotations
@@ -46,11 +54,35 @@ class WeightUpdates:
     released: set[str] = field(default_factory=set)
     session: str | None = None  # the selector of the open begin/end_weight_update session
     group_timeout_s: float = 300.0
+    recv_buffer: torch.Tensor | None = None  # distributed flattened buckets land here
+    held: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # this session's buckets
+    held_before: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # the last one's
+
+    def receive_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.recv_buffer is None or self.recv_buffer.numel() < nbytes:
+            self.recv_buffer = None  # let the old one go before the new one is allocated
+            self.recv_buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.recv_buffer
+
+    def hold(self, storage: torch.UntypedStorage) -> None:
+        """Keep a received bucket's shared memory mapped: the next payload naming the same
+        memory then reuses the mapping (torch's shared-storage cache) instead of a fresh one."""
+        self.held[storage.data_ptr()] = storage
+
+    def end_session(self) -> None:
+        self.session = None
+        self.held_before, self.held = self.held, {}
+
+    def drop_buffers(self) -> None:
+        self.recv_buffer = None
+        self.held.clear()
+        self.held_before.clear()
 
     def close(self) -> None:
         for group in self.groups.values():
             dist.destroy_process_group(group)
         self.groups.clear()
+        self.drop_buffers()
 
 
 def _ok(message: str, **extra) -> web.Response:
@@ -78,7 +110,7 @@ async def end_weight_update(request: web.Request) -> web.Response:
     await read_json(request)
     if updates.session is None:
         raise BadRequest("no weight-update session is open; call begin_weight_update() first")
-    updates.session = None
+    updates.end_session()
     return _ok("Success")
 
 
@@ -133,6 +165,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     version, abort_all = _options(body)
     _require_session(st.weights, "update_weights_from_tensor")
     named = await asyncio.to_thread(safe_unpickle.decode_named_tensors, payloads[0], load_format)
+    if load_format == "flattened_bucket" and named:
+        st.weights.hold(named[0][1].untyped_storage())
     if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_tensor")
     return await _load(st, named, version, "tensor")
@@ -207,17 +241,22 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     names, dtypes, shapes = _distributed_spec(body)
     version, abort_all = _options(body)
     _require_session(updates, "update_weights_from_distributed")
+    # The lock spans the load too: the received tensors are views into the receive buffer,
+    # which the next request's broadcast overwrites.
     async with updates.lock:
+        buffer = None
+        if load_format == "flattened_bucket":
+            buffer = updates.receive_buffer(weight_payload.bucket_layout(names, dtypes, shapes)[1])
         try:
             named = await asyncio.to_thread(
                 weight_payload.receive_named,
-                updates.groups[name], names, dtypes, shapes, load_format,
+                updates.groups[name], names, dtypes, shapes, load_format, buffer,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a failed broadcast is reported, not raised
             return bad(f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}")
-    if abort_all:
-        st.engine.abort(None, "Abort by update_weights_from_distributed")
-    return await _load(st, named, version, "distributed")
+        if abort_all:
+            st.engine.abort(None, "Abort by update_weights_from_distributed")
+        return await _load(st, named, version, "distributed")
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
@@ -252,6 +291,7 @@ async def release_memory_occupation(request: web.Request) -> web.Response:
             return False
         if "kv_cache" in tags:
             engine.cache = engine.model.new_cache(0, 0)
+        st.weights.drop_buffers()
         st.weights.released.update(tags)
         return True
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import types
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -239,19 +240,46 @@ def broadcast_named(
         dist.broadcast(t.detach().contiguous(), src=0, group=group)
 
 
+def bucket_layout(
+    names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+) -> tuple[list[types.SimpleNamespace], int]:
+    """The flattened_bucket metadata of tensors packed back to back in this order, and the
+    bucket's size in bytes (what the sender's broadcast holds)."""
+    metadata, start = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        n = math.prod(shape) * dtype.itemsize
+        metadata.append(
+            types.SimpleNamespace(
+                name=name, shape=torch.Size(shape), dtype=dtype,
+                start_idx=start, end_idx=start + n, numel=n,
+            )
+        )  # fmt: skip
+        start += n
+    return metadata, start
+
+
 def receive_named(
     group: dist.ProcessGroup,
     names: list[str],
     dtypes: list[torch.dtype],
     shapes: list[list[int]],
     load_format: str | None = None,
+    buffer: torch.Tensor | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """A server rank's side of broadcast_named: fresh tensors, received in the same order."""
-    empty = [(n, torch.empty(s, dtype=d)) for n, d, s in zip(names, dtypes, shapes)]
+    """A server rank's side of broadcast_named, received in the same order.
+
+    flattened_bucket: the bucket is received straight into `buffer` (a uint8 tensor reused
+    across requests, used if it is large enough) or a fresh one, and the tensors returned are
+    views into it, so the bytes are copied once more only when they are loaded into the weights.
+    """
     if load_format == "flattened_bucket":
-        bucket = flatten_bucket(empty)
-        dist.broadcast(bucket["flattened_tensor"], src=0, group=group)
-        return unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"])
+        metadata, nbytes = bucket_layout(names, dtypes, shapes)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        flat = buffer[:nbytes]
+        dist.broadcast(flat, src=0, group=group)
+        return unflatten_bucket(flat, metadata)
+    empty = [(n, torch.empty(s, dtype=d)) for n, d, s in zip(names, dtypes, shapes)]
     for _, t in empty:
         dist.broadcast(t, src=0, group=group)
     return empty

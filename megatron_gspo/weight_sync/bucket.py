@@ -17,6 +17,7 @@ sender holds `buffers` buckets at most; a tensor larger than a bucket gets a buf
 from __future__ import annotations
 
 import queue
+import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ class Bucket:
     nbytes: int = 0
     metadata: list[types.SimpleNamespace] = field(default_factory=list)
     checksum: int | None = None  # see sum()
-    pooled: bool = True  # False: a one-off buffer for an oversized tensor
+    pooled: bool = True  # False: an oversized tensor's own buffer (BufferPool.take_big)
 
     @property
     def flat(self) -> torch.Tensor:
@@ -79,6 +80,8 @@ class Bucket:
         self.nbytes += n
 
     def fits(self, t: torch.Tensor) -> bool:
+        if not self.pooled:  # an oversized tensor's buffer holds that tensor alone
+            return False
         n = t.numel() * t.element_size()
         return self.nbytes + n <= self.buffer.numel() and self.nbytes % t.element_size() == 0
 
@@ -104,12 +107,19 @@ def unflatten(flat: torch.Tensor, metadata: Iterable) -> list[tuple[str, torch.T
 
 
 class BufferPool:
-    """`size` reusable buffers of `capacity` bytes, allocated on first use by `alloc`."""
+    """`size` reusable buffers of `capacity` bytes, allocated on first use by `alloc`.
+
+    A tensor larger than `capacity` gets a buffer of its own (`take_big`); those are kept too
+    (at most `size`, the largest) and reused by later syncs, because allocating shared memory
+    costs as much as copying the bytes twice.
+    """
 
     def __init__(self, capacity: int, size: int, alloc: Alloc):
         self.capacity, self.size, self.alloc = capacity, size, alloc
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         self._made = 0
+        self._big: list[torch.Tensor] = []  # free oversized buffers, smallest first
+        self._big_lock = threading.Lock()
 
     def take(self, timeout_s: float | None = None) -> torch.Tensor:
         if self._free.empty() and self._made < self.size:
@@ -119,6 +129,19 @@ class BufferPool:
 
     def give(self, buf: torch.Tensor) -> None:
         self._free.put(buf)
+
+    def take_big(self, nbytes: int) -> torch.Tensor:
+        with self._big_lock:
+            for i, buf in enumerate(self._big):
+                if buf.numel() >= nbytes:
+                    return self._big.pop(i)
+        return self.alloc(nbytes)
+
+    def give_big(self, buf: torch.Tensor) -> None:
+        with self._big_lock:
+            self._big.append(buf)
+            self._big.sort(key=torch.Tensor.numel)
+            del self._big[: max(len(self._big) - self.size, 0)]
 
 
 def pack(
@@ -135,7 +158,7 @@ def pack(
             cur, index = None, index + 1
         if cur is None:
             if n > pool.capacity:
-                cur = Bucket(stage, index, pool.alloc(n), pooled=False)
+                cur = Bucket(stage, index, pool.take_big(n), pooled=False)
             else:
                 cur = Bucket(stage, index, pool.take())
         cur.add(name, t)
@@ -146,4 +169,6 @@ def pack(
 def release(bucket: Bucket, pool: BufferPool) -> None:
     if bucket.pooled:
         pool.give(bucket.buffer)
+    else:
+        pool.give_big(bucket.buffer)
     bucket.buffer = bucket.buffer[:0]
