@@ -27,7 +27,10 @@ class SyncConfig:
     probe_sequences: int = 4
     probe_length: int = 32
     probe_seed: int = 0
-    dir: str | None = None  # disk versions, snapshots and the restore record live here
+    # Disk versions, snapshots and the restore record live here. Unset: a fresh directory in
+    # /dev/shm (memory, not disk), allowed when the trainer is one node and every server local;
+    # WeightSync.close() removes it.
+    dir: str | None = None
     snapshot_every: int = 0  # tensor/distributed: also write an HF snapshot every N syncs
     keep_versions: int = 2  # weight directories kept under `dir` (the base model never deleted)
     timeout_s: float = 600.0  # one HTTP request, one group rendezvous or broadcast
@@ -54,11 +57,6 @@ class SyncConfig:
             raise UserError("sync.keep_versions must be >= 1")
         if self.timeout_s <= 0:
             raise UserError("sync.timeout_s must be > 0")
-        if self.dir is None and (self.transport == "disk" or self.snapshot_every):
-            raise UserError(
-                "sync.dir is required for the disk transport and for snapshots; "
-                "set it to a directory every trainer rank and server can read"
-            )
 
     @property
     def bucket_bytes(self) -> int:

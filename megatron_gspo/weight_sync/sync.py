@@ -29,20 +29,26 @@ left labelled partial.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from megatron_gspo.errors import UserError
 from megatron_gspo.weight_sync import gather, verify
 from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDirs
 from megatron_gspo.weight_sync.servers import Servers
 from megatron_gspo.weight_sync.transport import (
+    LOCAL_HOSTS,
     PARTIAL,
     StageContext,
     Transport,
@@ -109,7 +115,11 @@ class WeightSync:
         self.transport = transport or make_transport(config)
         self.base_hf = hf_files_dir(base_model)
         base = RestorePoint(str(Path(base_model).resolve()), base_version)
-        self.dirs = VersionDirs(config.dir, config.keep_versions, base) if config.dir else None
+        self._own_dir = None
+        root = config.dir
+        if root is None and (self.transport.writes_files or config.snapshot_every):
+            root = self._own_dir = _shm_dir(self.servers)
+        self.dirs = VersionDirs(root, config.keep_versions, base) if root else None
         self._base = base
         self.device = next(self.chunks[0].parameters()).device
         self.pool = BufferPool(
@@ -334,6 +344,23 @@ class WeightSync:
 
     def close(self) -> None:
         self.servers.close()
+        if self._own_dir and self.coordinator:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+def _shm_dir(servers: Servers) -> str:
+    """A fresh directory in /dev/shm for versions on disk, named by the coordinator."""
+    hosts = {urlparse(r.url).hostname for r in servers.refs}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    if not (os.path.isdir("/dev/shm") and one_node and hosts <= LOCAL_HOSTS):
+        raise UserError(
+            "sync.dir is required for the disk transport and for snapshots unless the trainer "
+            "is one node with local servers (then /dev/shm is used); set it to a directory "
+            "every trainer rank and server can read"
+        )
+    path = tempfile.mkdtemp(prefix="megatron-gspo-sync-", dir="/dev/shm") if _rank() == 0 else None
+    return _bcast(path)
 
 
 def _rank() -> int:

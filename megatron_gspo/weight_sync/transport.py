@@ -35,6 +35,7 @@ from megatron_gspo.weight_sync.bucket import Bucket
 from megatron_gspo.weight_sync.config import SyncConfig
 from megatron_gspo.weight_sync.servers import Servers, collect
 
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 PARTIAL = "partial:"  # weight_version prefix a server carries while an update is incomplete
 
 
@@ -192,7 +193,7 @@ class DistributedTransport(Transport):
 
 def _master_address(servers: Servers) -> str:
     hosts = {urlparse(r.url).hostname for r in servers.refs}
-    if hosts <= {"127.0.0.1", "localhost", "::1"}:
+    if hosts <= LOCAL_HOSTS:
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
 

@@ -2,6 +2,7 @@
 safetensors shards, version directories, config checks, probe comparison, server errors."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -138,11 +139,17 @@ def test_version_dirs_keep_the_newest_and_persist_the_restore_point(tmp_path):
         dirs.set_restore(RestorePoint(str(out), v))
         made.append(out)
     assert not made[0].exists() and made[1].exists() and made[2].exists()
+    (made[1] / "x.safetensors").write_bytes(b"old")
+    tmp = dirs.start("4")  # reuses the oldest version's directory, never the restore point's
+    assert not made[1].exists() and made[2].exists() and (tmp / "x.safetensors").exists()
+    out = dirs.finish("4", [{"weight_map": {"w": "y.safetensors"}, "bytes": 4}], base)
+    assert not (out / "x.safetensors").exists()  # a shard the new version did not write
+    dirs.set_restore(RestorePoint(str(out), "4"))
     again = VersionDirs(tmp_path / "sync", keep=2, base=RestorePoint(str(base), "default"))
-    assert again.restore == RestorePoint(str(made[2]), "3")
-    dirs.start("4")
-    dirs.discard("4")
-    assert not dirs.tmp("4").exists()
+    assert again.restore == RestorePoint(str(out), "4")
+    dirs.start("5")
+    dirs.discard("5")
+    assert not dirs.tmp("5").exists() and out.exists()
 
 
 @pytest.mark.parametrize(
@@ -151,14 +158,22 @@ def test_version_dirs_keep_the_newest_and_persist_the_restore_point(tmp_path):
         ({"transport": "nccl"}, "sync.transport"),
         ({"bucket_mb": 0}, "bucket_mb"),
         ({"verify_every": -1}, "verify_every"),
-        ({"transport": "disk"}, "sync.dir"),
-        ({"snapshot_every": 2}, "sync.dir"),
         ({"tolerance": 0}, "tolerance"),
     ],
 )
 def test_config_refuses_bad_values(kwargs, words):
     with pytest.raises(UserError, match=words):
         SyncConfig(**kwargs)
+
+
+def test_versions_default_to_shared_memory_only_for_local_servers():
+    from megatron_gspo.weight_sync.sync import _shm_dir
+
+    with pytest.raises(UserError, match="sync.dir"):
+        _shm_dir(Servers(["http://10.1.2.3:30000"]))
+    path = _shm_dir(Servers(["http://127.0.0.1:30000"]))
+    assert path.startswith("/dev/shm/") and os.path.isdir(path)
+    os.rmdir(path)
 
 
 def test_probe_is_fixed_and_compared_token_by_token():
