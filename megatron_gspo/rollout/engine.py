@@ -240,7 +240,7 @@ class Engine:
                 req.routed.append(out.routed[i])
             if chunk.start == 0 and chunk.logits_from >= 0:
                 self._input_logprobs(req, out.logits[i])
-        self._sample([(r, lg[-1]) for r, lg in zip(batch, out.logits)])
+        self._sample(batch, out.last_BV)
 
     def _input_logprobs(self, req: Request, logits_NV: torch.Tensor) -> None:
         start, first = req.logprob_start_len, max(req.logprob_start_len - 1, 0)
@@ -252,25 +252,26 @@ class Engine:
         vals = logp.gather(1, targets[:, None])[:, 0].tolist() if len(targets) else []
         req.input_logprobs = ([None] if start == 0 else []) + vals
 
-    def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> None:
-        """Sample one token for each request from its last logits; finish those that stop."""
-        for req, _ in rows:
-            if req.params.max_new_tokens == 0:
-                self._finish(req, {"type": "length", "length": 0})
-        rows = [(r, lg) for r, lg in rows if r.params.max_new_tokens > 0]
-        if not rows:
+    def _sample(self, reqs: list[Request], logits_BV: torch.Tensor) -> None:
+        """Sample one token for each request from its row of logits; finish those that stop."""
+        if any(r.params.max_new_tokens == 0 for r in reqs):
+            keep = [i for i, r in enumerate(reqs) if r.params.max_new_tokens > 0]
+            for req in reqs:
+                if req.params.max_new_tokens == 0:
+                    self._finish(req, {"type": "length", "length": 0})
+            reqs, logits_BV = [reqs[i] for i in keep], logits_BV[keep]
+        if not reqs:
             return
-        logits = []
-        for req, lg in rows:
-            if needs_adjust(req.params, len(req.output_ids)):
-                lg = adjust_logits(lg, req.params, req.input_ids, req.output_ids, self.eos_ids)
-            logits.append(lg)
-        reqs = [r for r, _ in rows]
+        adjust = [i for i, r in enumerate(reqs) if needs_adjust(r.params, len(r.output_ids))]
+        if adjust:
+            logits_BV = logits_BV.clone()
+            for i in adjust:
+                r = reqs[i]
+                logits_BV[i] = adjust_logits(
+                    logits_BV[i], r.params, r.input_ids, r.output_ids, self.eos_ids
+                )
         tokens, logprobs = sample_batch(
-            torch.stack(logits),
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            self.generator,
+            logits_BV, [r.params for r in reqs], [r.generator for r in reqs], self.generator
         )
         for req, token, logprob in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)

@@ -21,6 +21,9 @@ H heads, G kv heads, Dh head dim, E experts, F expert ffn, V vocab, L MoE layers
 
 from __future__ import annotations
 
+import array
+import functools
+import itertools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,8 +54,21 @@ class Chunk:
 
 @dataclass
 class StepOutput:
-    logits: list[torch.Tensor]  # per chunk, [n_i - logits_from_i, V] in fp32
+    rows_NV: torch.Tensor  # the wanted logits of all chunks, packed in chunk order, fp32
+    counts: list[int]  # rows of each chunk in rows_NV (n_i - logits_from_i)
     routed: list[torch.Tensor] | None  # per chunk, [n_i, L, k] int32 (None when not recorded)
+
+    @functools.cached_property
+    def logits(self) -> list[torch.Tensor]:
+        """Per chunk, [n_i - logits_from_i, V]."""
+        return list(self.rows_NV.split(self.counts))
+
+    @functools.cached_property
+    def last_BV(self) -> torch.Tensor:
+        """Each chunk's last logits row: the one its next token is sampled from."""
+        if len(self.counts) == self.rows_NV.shape[0]:
+            return self.rows_NV
+        return self.rows_NV[_longs(list(itertools.accumulate(self.counts))) - 1]
 
 
 class KVCache:
@@ -94,9 +110,13 @@ class RolloutModel:
         self.fused: dict[str, torch.Tensor] = {}
         self.experts: dict[int, dict[str, torch.Tensor]] = {}
         self._alloc()
+        # Tensors computed from the weights once (e.g. the per-head q|k norm weight); emptied by
+        # every load, so a partial update is never served stale.
+        self._derived: dict[str, torch.Tensor] = {}
         self.moe_layer_ids = spec.moe_layer_ids
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        self._rope_CSd = torch.zeros(0, 2, hd, dtype=self.dtype)  # grown by _rope_table
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> RolloutModel:
@@ -189,6 +209,7 @@ class RolloutModel:
         with torch.no_grad():
             for name, t in items:
                 self._target(name).copy_(t)
+        self._derived.clear()
         return len(items)
 
     def load_checkpoint(self, path: str | Path) -> None:
@@ -212,81 +233,103 @@ class RolloutModel:
         x = self.params["model.embed_tokens.weight"][meta.ids_T]
         routed: list[torch.Tensor] = []
         for i in range(self.spec.num_layers):
-            x, topk_Tk = self._layer(i, x, cache, meta)
+            topk_Tk = self._layer(i, x, cache, meta)
             if topk_Tk is not None:
                 routed.append(topk_Tk)
+        firsts = [n - 1 if c.logits_from < 0 else c.logits_from for c, n in zip(chunks, lens)]
+        counts = [n - f for f, n in zip(firsts, lens)]
+        if meta.q_len > 1:  # only the wanted rows go through the norm and the head
+            offsets = [0, *itertools.accumulate(lens)][:-1]
+            rows = [r for o, f, n in zip(offsets, firsts, lens) for r in range(o + f, o + n)]
+            x = x[_longs(rows)]
         x = _rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps)
         head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
-        firsts = [n - 1 if c.logits_from < 0 else c.logits_from for c, n in zip(chunks, lens)]
-        offsets = meta.offsets_B.tolist()
-        rows = torch.tensor(
-            [r for o, f, n in zip(offsets, firsts, lens) for r in range(o + f, o + n)]
-        )
-        logits = F.linear(x[rows], head).float().split([n - f for f, n in zip(firsts, lens)])
+        rows_NV = F.linear(x, head).float()
         routed_out = None
         if record_routing and routed:
             routed_out = list(torch.stack(routed, 1).to(torch.int32).split(lens))
-        return StepOutput(list(logits), routed_out)
+        return StepOutput(rows_NV, counts, routed_out)
 
     def _batch(self, chunks: list[Chunk], lens: list[int], cache: KVCache) -> _Batch:
-        need = max(c.start + n for c, n in zip(chunks, lens))
-        cache.ensure(max(c.slot for c in chunks) + 1, need)
-        ids_T = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        lens_B = torch.tensor(lens)
-        offsets_B = torch.cumsum(lens_B, 0) - lens_B
-        b_T = torch.repeat_interleave(torch.arange(len(chunks)), lens_B)
-        j_T = torch.arange(len(ids_T)) - offsets_B[b_T]
-        start_B = torch.tensor([c.start for c in chunks])
+        s, q_len = self.spec, max(lens)
+        k_len = max(c.start + n for c, n in zip(chunks, lens))
+        cache.ensure(max(c.slot for c in chunks) + 1, k_len)
         slots = [c.slot for c in chunks]
-        slot_B = torch.tensor(slots)
+        start_B, slot_B = _longs([c.start for c in chunks], slots)
+        if q_len == 1:  # a decode step: token t is chunk t
+            ids_T, pos_T, slot_T = _longs([c.tokens[0] for c in chunks]), start_B, slot_B
+            b_T = j_T = mask_BQK = None
+            # The causal mask as an additive bias, one row per chunk and kv head.
+            keys_BK = torch.arange(k_len)[None, :] <= start_B[:, None]
+            bias_BG1K = torch.zeros(len(chunks), s.num_kv_heads, 1, k_len, dtype=self.dtype)
+            bias_BG1K.masked_fill_(~keys_BK[:, None, None], float("-inf"))
+        else:
+            ids_T = _longs([t for c in chunks for t in c.tokens])
+            lens_B = _longs(lens)
+            b_T = torch.repeat_interleave(torch.arange(len(chunks)), lens_B)
+            j_T = torch.arange(len(ids_T)) - (torch.cumsum(lens_B, 0) - lens_B)[b_T]
+            pos_T, slot_T = start_B[b_T] + j_T, slot_B[b_T]
+            mask_BQK, bias_BG1K = _mask(start_B, q_len, k_len), None
         # Slots s0, s0+1, ... in order (the usual case: slots are handed out in order): the
         # cache rows are read as a view instead of gathered.
-        rows = (
-            slice(slots[0], slots[0] + len(slots))
-            if slots == list(range(slots[0], slots[0] + len(slots)))
-            else slot_B
-        )
-        pos_T = start_B[b_T] + j_T
-        mask_BQK = _mask(start_B, max(lens), need)
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        # Where each token's k/v rows go in the cache seen as [slots * G * capacity, Dh].
+        kv_rows = (slot_T[:, None] * s.num_kv_heads + torch.arange(s.num_kv_heads)) * cache.capacity
         return _Batch(
             ids_T=ids_T,
-            offsets_B=offsets_B,
-            slot_T=slot_B[b_T],
             slot_B=slot_B,
-            rows=rows,
+            rows=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_B,
+            kv_rows=(kv_rows + pos_T[:, None]).view(-1),
             b_T=b_T,
             j_T=j_T,
-            pos_T=pos_T,
-            q_len=max(lens),
-            k_len=need,
+            q_len=q_len,
+            k_len=k_len,
             mask_BQK=mask_BQK,
-            bias_B11K=torch.zeros(mask_BQK.shape, dtype=self.dtype).masked_fill_(
-                ~mask_BQK, float("-inf")
-            )[:, None],
-            rope=self._rope(pos_T),
+            bias_BG1K=None if bias_BG1K is None else bias_BG1K.view(-1, 1, k_len),
+            rope_T2d=self._rope_table(k_len)[pos_T],
         )
 
     def _layer(self, i: int, x: torch.Tensor, cache: KVCache, meta: _Batch):
-        """One decoder layer; returns the new residual and the top-k experts (MoE layers)."""
+        """One decoder layer, adding into the residual `x` in place; returns the top-k experts
+        [T, k] of an MoE layer (None for a dense one)."""
         p, eps = f"model.layers.{i}.", self.spec.rms_norm_eps
-        x = x + self._attention(
+        x += self._attention(
             i, _rms(x, self.params[p + "input_layernorm.weight"], eps), cache, meta
         )
         h = _rms(x, self.params[p + "post_attention_layernorm.weight"], eps)
         if self.spec.moe_layers[i]:
             out, topk_Tk = self._moe(i, h)
-            return x + out, topk_Tk
-        return x + self._mlp(p, h), None
+            x += out
+            return topk_Tk
+        x += self._mlp(p, h)
+        return None
 
     def full_logits(self, tokens: list[int], record_routing: bool = False) -> StepOutput:
         """Logits at every position of one sequence (a fresh cache); for tests and scoring."""
         cache = self.new_cache(1, len(tokens))
         return self.forward([Chunk(0, 0, list(tokens), logits_from=0)], cache, record_routing)
 
-    def _rope(self, pos_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos_T.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], -1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+    def _rope_table(self, n: int) -> torch.Tensor:
+        """[P >= n, 2, Dh]: cos and sign-folded sin of positions 0..P-1, so that
+        rope(x) = x * cos + swap_halves(x) * sin (HF's rotate_half with its sign in the table)."""
+        if n > self._rope_CSd.shape[0]:
+            pos = torch.arange(max(n, 2 * self._rope_CSd.shape[0], 256))
+            freqs = pos.float()[:, None] * self.inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], -1)
+            sin = emb.sin()
+            sin[:, : freqs.shape[1]].neg_()
+            self._rope_CSd = torch.stack([emb.cos(), sin], 1).to(self.dtype)
+        return self._rope_CSd
+
+    def _qk_norm(self, i: int) -> torch.Tensor:
+        """[H + G, Dh]: the q-norm weight for each q head, then the k-norm weight for each kv head."""
+        key = f"{i}.qk_norm"
+        if key not in self._derived:
+            s, pre = self.spec, f"model.layers.{i}.self_attn."
+            q = self.params[pre + "q_norm.weight"].expand(s.num_heads, -1)
+            k = self.params[pre + "k_norm.weight"].expand(s.num_kv_heads, -1)
+            self._derived[key] = torch.cat([q, k])
+        return self._derived[key]
 
     def _attention(self, i: int, x: torch.Tensor, cache: KVCache, m: _Batch) -> torch.Tensor:
         s, p = self.spec, self.params
@@ -296,22 +339,23 @@ class RolloutModel:
         qkv = qkv.view(T, H + 2 * G, hd)
         qk, v = qkv[:, : H + G], qkv[:, H + G :]  # q and k heads normed and rotated together
         if s.qk_norm:
-            w = torch.cat(
-                [p[pre + "self_attn.q_norm.weight"].expand(H, hd),
-                 p[pre + "self_attn.k_norm.weight"].expand(G, hd)]
-            )  # fmt: skip
-            qk = _rms(qk, w, s.rms_norm_eps)
-        cos, sin = m.rope[0][:, None, :], m.rope[1][:, None, :]
-        qk = qk * cos + _rotate_half(qk) * sin
+            qk = _rms(qk, self._qk_norm(i), s.rms_norm_eps)
+        half = hd // 2
+        swapped = torch.cat([qk[..., half:], qk[..., :half]], -1)
+        qk = qk * m.rope_T2d[:, 0:1] + swapped * m.rope_T2d[:, 1:2]
         q, k = qk[:, :H], qk[:, H:]
-        cache.k[i][m.slot_T, :, m.pos_T] = k
-        cache.v[i][m.slot_T, :, m.pos_T] = v
-        k_BGKd = cache.k[i][m.rows, :, : m.k_len]
-        v_BGKd = cache.v[i][m.rows, :, : m.k_len]
-        if m.q_len == 1:  # decode: one query per chunk, attention by hand (SDPA's GQA is slow)
-            q_BGhd = q.reshape(T, G, H // G, hd)
-            scores = torch.matmul(q_BGhd, k_BGKd.transpose(-1, -2)) * hd**-0.5 + m.bias_B11K
-            o_T = torch.matmul(torch.softmax(scores, -1), v_BGKd).reshape(T, H * hd)
+        k_cache, v_cache = cache.k[i], cache.v[i]
+        k_cache.view(-1, hd).index_copy_(0, m.kv_rows, k.reshape(-1, hd))
+        v_cache.view(-1, hd).index_copy_(0, m.kv_rows, v.reshape(-1, hd))
+        k_BGKd = k_cache[m.rows, :, : m.k_len]
+        v_BGKd = v_cache[m.rows, :, : m.k_len]
+        if m.q_len == 1:  # decode: one query per chunk; GQA as [B * G] small matmuls
+            k_NKd = k_BGKd.reshape(T * G, m.k_len, hd)  # N = B * G
+            scores_NhK = torch.baddbmm(
+                m.bias_BG1K, q.reshape(T * G, H // G, hd), k_NKd.transpose(1, 2), alpha=hd**-0.5
+            )
+            v_NKd = v_BGKd.reshape(T * G, m.k_len, hd)
+            o_T = torch.bmm(torch.softmax(scores_NhK, -1), v_NKd).view(T, H * hd)
         else:
             q_BQHd = q.new_zeros(len(m.slot_B), m.q_len, H, hd)
             q_BQHd[m.b_T, m.j_T] = q
@@ -333,18 +377,17 @@ class RolloutModel:
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         w_Tk, idx_Tk = torch.topk(probs_TE, s.topk, dim=-1)
         if s.norm_topk_prob:
-            w_Tk = w_Tk / w_Tk.sum(-1, keepdim=True)
-        w_Tk = w_Tk.to(x.dtype)
-        return self._experts(i, x, w_Tk, idx_Tk), idx_Tk
+            w_Tk /= w_Tk.sum(-1, keepdim=True)
+        return self._experts(i, x, w_Tk.to(x.dtype), idx_Tk), idx_Tk
 
     def _experts(self, i, x, w_Tk, idx_Tk) -> torch.Tensor:
         """The (token, expert) pairs sorted by expert once; each expert's block goes through its
         weights (one grouped matmul for all experts where torch has it), and one index_add sums
         the k outputs of each token."""
         s, ex = self.spec, self.experts[i]
-        order_N = torch.argsort(idx_Tk.reshape(-1), stable=True)  # N = T * k pairs
+        order_N = torch.argsort(idx_Tk.view(-1), stable=True)  # N = T * k pairs
         tok_N = order_N // s.topk
-        counts_E = torch.bincount(idx_Tk.reshape(-1), minlength=s.num_experts)
+        counts_E = torch.bincount(idx_Tk.view(-1), minlength=s.num_experts)
         h_ND = x[tok_N]
         if _GROUPED_MM:
             offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
@@ -359,25 +402,30 @@ class RolloutModel:
                     gate, up = F.linear(h, ex["gate_up"][e]).chunk(2, -1)
                     outs.append(F.linear(F.silu(gate) * up, ex["down"][e]))
             y_ND = torch.cat(outs)
-        y_ND = y_ND * w_Tk.reshape(-1)[order_N, None]
+        y_ND *= w_Tk.view(-1)[order_N, None]
         return torch.zeros_like(x).index_add_(0, tok_N, y_ND)
 
 
 @dataclass
 class _Batch:
     ids_T: torch.Tensor
-    offsets_B: torch.Tensor
-    slot_T: torch.Tensor
     slot_B: torch.Tensor
     rows: slice | torch.Tensor  # the cache rows of the chunks, in chunk order
-    b_T: torch.Tensor
-    j_T: torch.Tensor
-    pos_T: torch.Tensor
+    kv_rows: torch.Tensor  # [T * G]: each token's k/v row per kv head in the flat cache
+    b_T: torch.Tensor | None  # chunk and index in it of each token (prefill batches only)
+    j_T: torch.Tensor | None
     q_len: int
     k_len: int
-    mask_BQK: torch.Tensor
-    bias_B11K: torch.Tensor  # the mask as 0 / -inf, for the decode path (Q = 1)
-    rope: tuple[torch.Tensor, torch.Tensor]
+    mask_BQK: torch.Tensor | None  # prefill batches
+    bias_BG1K: torch.Tensor | None  # decode steps (Q = 1): the mask as 0 / -inf, [B * G, 1, K]
+    rope_T2d: torch.Tensor  # cos and sign-folded sin at each token's position
+
+
+def _longs(*lists: list[int]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """int64 tensors from equally long int lists, in one copy (torch.tensor(list) is slow)."""
+    flat = array.array("q", lists[0] if len(lists) == 1 else itertools.chain(*lists))
+    t = torch.frombuffer(flat, dtype=torch.long)
+    return t if len(lists) == 1 else t.view(len(lists), -1).unbind(0)
 
 
 def _mask(start_B: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
@@ -392,11 +440,6 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], -1)
 
 
 def _shape_key(spec: ModelSpec) -> tuple:

@@ -182,38 +182,68 @@ def sample_batch(
     generators: list[torch.Generator | None],
     fallback: torch.Generator | None,
 ) -> tuple[list[int], list[float]]:
-    """Next tokens for a batch of adjusted fp32 logit rows, by the Gumbel-max trick.
+    """Next tokens for a batch of adjusted fp32 logit rows, by inverse-CDF sampling.
 
-    A row with its own generator (a `sampling_seed`) draws its noise from it alone, so its tokens
-    do not depend on what else is in the batch; other rows share `fallback`.
+    Each sampled row takes one uniform draw u and picks the first token whose cumulative
+    (filtered) probability exceeds u times the row's total. A row with its own generator (a
+    `sampling_seed`) draws from it alone, so its tokens do not depend on what else is in the
+    batch; other rows share `fallback`.
     """
-    greedy_B = torch.tensor([sp.greedy for sp in params])
-    temp_B = torch.tensor([1.0 if sp.greedy else sp.temperature for sp in params])
-    logp_BV = torch.log_softmax(logits_BV / temp_B[:, None], -1)
-    tokens_B = logp_BV.argmax(-1)
-    rows = (~greedy_B).nonzero()[:, 0].tolist()
-    if rows:
-        lp = logp_BV[rows]
-        keep = _keep_mask(lp.exp(), [params[i] for i in rows])
-        noise = torch.empty_like(lp)
-        shared = [k for k, i in enumerate(rows) if generators[i] is None]
-        if shared:
-            noise[shared] = torch.rand(len(shared), lp.shape[1], generator=fallback)
-        for k, i in enumerate(rows):
-            if generators[i] is not None:
-                noise[k] = torch.rand(lp.shape[1], generator=generators[i])
-        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1 - 1e-7)))
-        score = torch.where(keep, lp + gumbel, torch.full_like(lp, float("-inf")))
-        tokens_B[rows] = score.argmax(-1)
-    logprobs = logp_BV.gather(1, tokens_B[:, None])[:, 0]
-    return tokens_B.tolist(), logprobs.tolist()
+    B = len(params)
+    greedy = [sp.greedy for sp in params]
+    temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]
+    if all(t == 1.0 for t in temps):
+        logp_BV = torch.log_softmax(logits_BV, -1)
+    else:
+        logp_BV = torch.log_softmax(logits_BV / torch.tensor(temps)[:, None], -1)
+    rows = [i for i, g in enumerate(greedy) if not g]
+    if len(rows) == B:
+        tokens_B = _draw(logp_BV, params, generators, fallback)
+    else:
+        tokens_B = logp_BV.argmax(-1)
+        if rows:
+            picks = [params[i] for i in rows], [generators[i] for i in rows]
+            tokens_B[rows] = _draw(logp_BV[rows], *picks, fallback)
+    logprobs_B = logp_BV.gather(1, tokens_B[:, None])[:, 0]
+    return tokens_B.tolist(), logprobs_B.tolist()
 
 
-def _keep_mask(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """top-k, top-p and min-p filters (the most likely token always stays)."""
+def _draw(
+    logp_BV: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    fallback: torch.Generator | None,
+) -> torch.Tensor:
+    """One token per row from exp(logp) restricted to the top-k/top-p/min-p filters."""
+    probs_BV = logp_BV.exp()
+    keep = _keep_mask(probs_BV, params)
+    if keep is not None:
+        probs_BV = probs_BV.masked_fill_(~keep, 0.0)
+    u_B = torch.empty(len(params))
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if len(shared) == len(params):
+        u_B = torch.rand(len(params), generator=fallback)
+    elif shared:
+        u_B[shared] = torch.rand(len(shared), generator=fallback)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u_B[i] = torch.rand(1, generator=g)[0]
+    cdf_BV = torch.cumsum(probs_BV, -1)
+    target_B1 = u_B[:, None] * cdf_BV[:, -1:]
+    tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True)[:, 0]
+    # u * total can round up to the total itself; such a row falls back to its likeliest token
+    # (so a token of probability 0 is never picked).
+    bad = tokens_B >= logp_BV.shape[1]
+    if bad.any():
+        tokens_B = torch.where(bad, probs_BV.argmax(-1), tokens_B)
+    return tokens_B
+
+
+def _keep_mask(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """top-k, top-p and min-p filters (the most likely token always stays); None: keep all."""
     B, V = probs_BV.shape
     if all(sp.top_k <= 0 and sp.top_p >= 1 and sp.min_p <= 0 for sp in params):
-        return torch.ones(B, V, dtype=torch.bool)
+        return None
     top_k = torch.tensor([sp.top_k if sp.top_k > 0 else V for sp in params])
     top_p = torch.tensor([sp.top_p for sp in params])
     min_p = torch.tensor([sp.min_p for sp in params])
