@@ -8,6 +8,13 @@ every transport at least 10x the naive sync. Each transport syncs `--reps` times
 (which also allocates the shared buffers) is shown apart, the rest as the median. The server is
 idle, the trainer's weights are perturbed once so that the final probe check means something.
 
+The machine may be shared, so the memcpy is timed right before every sync (and the naive one) and
+its median over the run is the reference; its spread and the load average are printed. CPU
+seconds per sync (trainer process + server process, all threads) are printed beside the wall
+time: they do not grow when other processes take the cores. The distributed transport's floor,
+a bare gloo broadcast of the same bytes in buckets between two processes over loopback, is
+measured too. The disk transport writes its versions to the default directory (/dev/shm).
+
     .venv/bin/python bench/bench_weight_sync.py [--reps 4] [--bucket-mb 64] [--model DIR]
 """
 
@@ -47,26 +54,70 @@ def start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     return proc, m.group(1)
 
 
-def memcpy_gbps(nbytes: int, reps: int) -> float:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.fill_(0)  # fault the pages in: steady state, as the syncs' buffers
-    times = []
-    for _ in range(reps):
+class Memcpy:
+    """A plain copy of the sync's bytes, timed whenever `sample` is called."""
+
+    def __init__(self, nbytes: int):
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.dst.fill_(0)  # fault the pages in: steady state, as the syncs' buffers
+        self.gbps: list[float] = []
+
+    def sample(self) -> None:
         t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return nbytes / 1e9 / statistics.median(times)  # the syncs' statistic too
+        self.dst.copy_(self.src)
+        self.gbps.append(self.src.numel() / 1e9 / (time.perf_counter() - t))
+
+    def median(self) -> float:
+        return statistics.median(self.gbps)  # the syncs' statistic too
 
 
-def naive_sync(chunks, url: str, version: str) -> float:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _gloo_peer(rank: int, port: int, nbytes: int, bucket: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    buf = torch.ones(bucket, dtype=torch.uint8)
+    dist.broadcast(buf, src=0)  # connect
+    t = time.perf_counter()
+    for _ in range(max(nbytes // bucket, 1)):
+        dist.broadcast(buf, src=0)
+    if rank == 0:
+        out.put(max(nbytes // bucket, 1) * bucket / 1e9 / (time.perf_counter() - t))
+    dist.destroy_process_group()
+
+
+def gloo_gbps(nbytes: int, bucket: int) -> float:
+    """A bare gloo broadcast of `nbytes` in `bucket`-byte pieces between two fresh processes."""
+    import torch.multiprocessing as mp
+
+    from megatron_gspo.model.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_gloo_peer, args=(r, port, nbytes, bucket, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    gbps = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    return gbps
+
+
+def naive_sync(chunks, url: str, version: str) -> None:
     """One request per tensor, as a first implementation would: clone, share, POST, wait."""
     from megatron_gspo.rollout import weight_payload as wp
     from megatron_gspo.weight_sync.gather import iter_stage
     from megatron_gspo.weight_sync.servers import Servers
 
     servers = Servers([url])
-    t = time.perf_counter()
     servers.post(0, "/begin_weight_update", {"selector": "target"})
     for name, tensor in iter_stage(chunks):
         with wp.TensorSharing():
@@ -74,9 +125,7 @@ def naive_sync(chunks, url: str, version: str) -> float:
         servers.post(0, "/update_weights_from_tensor", body)
     servers.post(0, "/update_weight_version", {"new_version": version})
     servers.post(0, "/end_weight_update", {})
-    dt = time.perf_counter() - t
     servers.close()
-    return dt
 
 
 def main() -> None:
@@ -95,14 +144,14 @@ def main() -> None:
         print(f"made the model in {time.perf_counter() - t:.0f} s", flush=True)
     server, url = start_server(model, work / "server.log")
     try:
-        run(a, model, url, work)
+        run(a, model, url, server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
 
 
 @torch.no_grad()
-def run(a, model: Path, url: str, work: Path) -> None:
+def run(a, model: Path, url: str, server_pid: int) -> None:
     from megatron_gspo.model.parallel import ParallelDims, init_distributed
     from megatron_gspo.model.policy import load_policy
     from megatron_gspo.weight_sync.config import SyncConfig
@@ -115,36 +164,66 @@ def run(a, model: Path, url: str, work: Path) -> None:
             p.mul_(1.5)  # the trainer now differs from the server's checkpoint
     nbytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
     nbytes -= (chunks[0].padded_vocab_size - SPEC.vocab_size) * SPEC.hidden * 4 * 2  # padding
-    print(f"model: {nbytes / 1e9:.2f} GB fp32, {os.cpu_count()} CPUs, load {os.getloadavg()}")
-    rows: dict[str, tuple[float, float]] = {}
-    memcpy = memcpy_gbps(nbytes, max(a.reps, 3))
+    print(f"model: {nbytes / 1e9:.2f} GB fp32, {os.cpu_count()} CPUs, load {load()}", flush=True)
+    memcpy = Memcpy(nbytes)
+    memcpy.sample()
+
+    def timed(fn, *args):
+        """fn(*args), its wall seconds and trainer + server CPU seconds; after a memcpy sample."""
+        memcpy.sample()
+        c = time.process_time() + cpu_seconds(server_pid)
+        t = time.perf_counter()
+        out = fn(*args)
+        wall = time.perf_counter() - t
+        return out, wall, time.process_time() + cpu_seconds(server_pid) - c
+
+    rows: dict[str, tuple[float, float, float]] = {}
     version = 0
     for name in a.transports.split(","):
-        cfg = SyncConfig(transport=name, bucket_mb=a.bucket_mb, dir=str(work / "sync"))
+        cfg = SyncConfig(transport=name, bucket_mb=a.bucket_mb)
         ws = WeightSync(chunks, [url], cfg, base_model=model)
-        times = []
+        times, cpus = [], []
         for _ in range(a.reps):
             version += 1
-            report = ws.sync(version)
-            times.append(report.seconds)
+            report, wall, cpu = timed(ws.sync, version)
+            times.append(wall)
+            cpus.append(cpu)
             assert report.bytes == nbytes, (report.bytes, nbytes)
         ws.verify(str(version))  # the server's probe log-probs are the trainer's
-        rows[name] = (times[0], statistics.median(times[1:] or times))
-        print(f"{name:12s} first {times[0]:6.2f} s  then {rows[name][1]:6.2f} s", flush=True)
+        rest = slice(1, None) if a.reps > 1 else slice(None)
+        rows[name] = (times[0], statistics.median(times[rest]), statistics.median(cpus[rest]))
+        print(f"{name:12s} first {times[0]:6.2f} s  then {rows[name][1]:6.2f} s  "
+              f"({rows[name][2]:.2f} CPU s)  load {load()}", flush=True)  # fmt: skip
         ws.close()
     version += 1
-    naive = naive_sync(chunks, url, str(version))
-    print(f"{'naive':12s} {naive:6.2f} s (one request per tensor)", flush=True)
+    _, naive, naive_cpu = timed(naive_sync, chunks, url, str(version))
+    print(f"{'naive':12s} {naive:6.2f} s ({naive_cpu:.2f} CPU s, one request per tensor)")
+    gloo = gloo_gbps(nbytes, int(a.bucket_mb * (1 << 20)))
+    memcpy.sample()
+    ref = memcpy.median()
     print()
-    print(f"memcpy of the same bytes: {memcpy:.2f} GB/s (a sync's bound is half of it)")
+    print(f"load average at the end: {load()}")
+    print(
+        f"memcpy of the same bytes: {ref:.2f} GB/s median of {len(memcpy.gbps)} "
+        f"(range {min(memcpy.gbps):.2f}-{max(memcpy.gbps):.2f}; a sync's bound is half of it)"
+    )
     print(f"naive sync: {nbytes / 1e9 / naive:.3f} GB/s")
-    print("transport     GB/s   x memcpy   x naive   (steady state; first sync in brackets)")
-    for name, (first, steady) in rows.items():
+    print(f"bare gloo broadcast, {a.bucket_mb:g} MB pieces: {gloo:.2f} GB/s (distributed's floor)")
+    print(
+        "transport     GB/s   x memcpy   x naive   CPU s/sync   (steady state; first in brackets)"
+    )
+    for name, (first, steady, cpu) in rows.items():
         gbps = nbytes / 1e9 / steady
         print(
-            f"{name:12s} {gbps:5.2f}   {gbps / memcpy:6.3f}    {naive / steady:6.1f}   "
-            f"[{nbytes / 1e9 / first:.2f} GB/s]"
+            f"{name:12s} {gbps:5.2f}   {gbps / ref:6.3f}    {naive / steady:6.1f}   "
+            f"{cpu:8.2f}     [{nbytes / 1e9 / first:.2f} GB/s]"
         )
+    print(f"{'naive':12s} {nbytes / 1e9 / naive:5.2f}   {nbytes / 1e9 / naive / ref:6.3f}    "
+          f"{1.0:6.1f}   {naive_cpu:8.2f}")  # fmt: skip
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 A version is the directory `DIR/v{version}`: one shard per bucket (`model-s{stage}-{index}`, the
 bucket's bytes written as they are behind a safetensors header that also records the bucket's
-checksum), the index, and the base model's config and tokenizer. Stage senders write into
+checksum over every byte), the index, and the base model's config and tokenizer. Stage senders write into
 `DIR/.v{version}.tmp`; the coordinator renames it when every stage is done, so a server never
 reads a half-written version. `DIR/restore.json` names the last complete version (the base model
 the servers started from until then) and the directories this sync created, of which the newest
@@ -42,7 +42,8 @@ ST_DTYPES = {
 
 def write_shard(path: Path, bucket: Bucket) -> None:
     """The bucket as a safetensors file: its offsets are already safetensors data offsets."""
-    header: dict = {"__metadata__": {"format": "pt", "checksum": str(bucket.sum())}}
+    every = checksum(bucket.flat, every_byte=True)  # a file can rot byte by byte
+    header: dict = {"__metadata__": {"format": "pt", "checksum": str(every)}}
     for m in bucket.metadata:
         header[m.name] = {
             "dtype": ST_DTYPES[m.dtype],
@@ -67,7 +68,7 @@ def verify_shard(path: Path) -> None:
         header = json.loads(f.read(n))
         data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
     want = header.get("__metadata__", {}).get("checksum")
-    if want is not None and checksum(data) != int(want):
+    if want is not None and checksum(data, every_byte=True) != int(want):
         raise ValueError(f"{path} does not match its checksum: the file is damaged")
 
 

@@ -91,6 +91,22 @@ def test_checksum_sees_every_byte_and_the_length():
     assert checksum(x[1:]) == checksum(x[1:].clone())  # a misaligned view
 
 
+def test_checksum_of_a_large_bucket_sees_every_page_and_the_length():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g)
+    c = checksum(x)
+    assert c == checksum(x.clone()) and c != checksum(x, every_byte=True)
+    for page in (0, 17, 255):  # a zeroed or stale (other bytes) page
+        for fill in (torch.zeros(4096, dtype=torch.uint8), torch.roll(x[:4096], 1)):
+            y = x.clone()
+            y[page * 4096 : (page + 1) * 4096] = fill
+            assert checksum(y) != c
+    assert checksum(x[:-8]) != c and checksum(x[:-4096]) != c  # truncated
+    y = x.clone()
+    y[-20] ^= 1  # the words after the last whole page all count
+    assert checksum(x[:-3]) != checksum(y[:-3])
+
+
 def test_tensor_payload_decodes_as_flattened_bucket_repeatedly():
     transport = TensorTransport()
     pool = BufferPool(512, 1, lambda n: transport.alloc(n, torch.device("cpu")))
