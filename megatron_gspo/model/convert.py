@@ -1,9 +1,14 @@
 """Checkpoint conversion HF <-> Megatron dist-checkpoint, under any TP/PP/EP/expert-TP layout.
 
 Both directions run on every rank of the layout (torchrun converts large checkpoints in parallel:
-each rank reads or writes only its own slices). Output goes to a temporary directory beside the
+each rank reads or writes only its own share). Output goes to a temporary directory beside the
 target and is renamed into place only when every rank has finished, so a failed conversion
 leaves nothing behind.
+
+Neither direction loads weights into a model. HF -> Megatron builds the layout's model only for
+its sharded state dict (keys, shapes, shards) and writes HF tensors through it; Megatron -> HF
+reads the dist-checkpoint's tensors directly, split among the ranks by size whatever layout the
+checkpoint was saved under (the layout given only sets the number of processes).
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.model import checkpoint as mckpt
-from megatron_gspo.model import hf_io
+from megatron_gspo.model import hf_io, weights
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
-from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir, load_policy
+from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
 
 SHARD_BYTES = 4 << 30  # largest HF shard file a rank writes
 
@@ -62,20 +67,24 @@ def _finish(tmp: Path, out: Path, ok: bool) -> None:
 
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> None:
+    from megatron_gspo.model.builder import BuildOptions, build_model
+
     hf_dir, out = Path(hf_dir), Path(out)
     spec = _check_inputs(hf_dir, out, dims, want_megatron=False)
     init_distributed(dims)
     tmp = _shared_tmpdir(out)
     ok = False
     try:
-        chunks = load_policy(hf_dir, dims)
+        reader = hf_io.HFReader(hf_dir)
+        dtype = reader.dtype()
+        chunks = build_model(spec, dims, BuildOptions(params_dtype=dtype))
+        state = weights.hf_sharded_state(chunks, reader)
         (tmp / "model").mkdir(exist_ok=True)
         dist.barrier()
-        mckpt.save_model(chunks, tmp / "model", fsync=False)
+        mckpt.save_sharded(state, tmp / "model", fsync=False, checksums=False)
         if dist.get_rank() == 0:
             (tmp / "hf").mkdir()
             hf_io.copy_non_weight_files(hf_dir, tmp / "hf")
-            dtype = chunks[0].config.params_dtype
             mckpt.write_meta(tmp, spec=spec, padded_vocab=chunks[0].padded_vocab_size, dtype=dtype)
         ok = True
     finally:
@@ -84,13 +93,18 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
 
 def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> None:
     meg_dir, out = Path(meg_dir), Path(out)
-    _check_inputs(meg_dir, out, dims, want_megatron=True)
+    spec = _check_inputs(meg_dir, out, dims, want_megatron=True)
     init_distributed(dims)
     tmp = _shared_tmpdir(out)
     ok = False
     try:
-        chunks = load_policy(meg_dir, dims)
-        written = _write_rank_shards(chunks, tmp)
+        reader = mckpt.DistCheckpointReader(meg_dir / "model")
+        try:
+            mine = _my_share(weights.stored_params(reader, spec), reader)
+            tensors = (t for sp in mine for t in weights.read_stored(reader, sp, spec))
+            written = _write_rank_shards(tensors, tmp)
+        finally:
+            reader.close()
         _name_shards(tmp, written)
         if dist.get_rank() == 0:
             hf_io.copy_non_weight_files(hf_files_dir(meg_dir), tmp)
@@ -99,11 +113,22 @@ def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> 
         _finish(tmp, out, ok)
 
 
-def _write_rank_shards(chunks, tmp: Path) -> list[tuple[str, list[str], int]]:
-    """Each writer rank saves its tensors in files of at most SHARD_BYTES; returns
-    [(filename, tensor names, bytes)] for this rank."""
-    from megatron_gspo.model.weights import iter_hf
+def _my_share(params: list, reader) -> list:
+    """This rank's parameters: largest first to the least loaded rank (the same split on every
+    rank), then in file order so each rank reads its files front to back."""
+    load = [0] * dist.get_world_size()
+    mine = []
+    for sp in sorted(params, key=lambda sp: -sp.nbytes):
+        r = load.index(min(load))
+        load[r] += sp.nbytes
+        if r == dist.get_rank():
+            mine.append(sp)
+    return sorted(mine, key=lambda sp: (reader.where(sp.key), sp.index))
 
+
+def _write_rank_shards(tensors, tmp: Path) -> list[tuple[str, list[str], int]]:
+    """Save (name, tensor) pairs in files of at most SHARD_BYTES; returns
+    [(filename, tensor names, bytes)] for this rank."""
     rank = dist.get_rank()
     files, pending, size = [], {}, 0
 
@@ -115,7 +140,7 @@ def _write_rank_shards(chunks, tmp: Path) -> list[tuple[str, list[str], int]]:
             files.append((name, list(pending), size))
             pending, size = {}, 0
 
-    for name, tensor in iter_hf(chunks):
+    for name, tensor in tensors:
         pending[name] = tensor
         size += tensor.numel() * tensor.element_size()
         if size >= SHARD_BYTES:
