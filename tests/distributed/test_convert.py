@@ -1,10 +1,20 @@
 """HF -> Megatron -> HF conversion is bit-exact across layouts, and the result loads in transformers."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from megatron_gspo.model.hf_io import HFReader
-from tests.conftest import hf_token_logprobs, random_sequences, read_logprobs, run_cli, write_jsonl
+from tests.conftest import (
+    cli_env,
+    hf_token_logprobs,
+    random_sequences,
+    read_logprobs,
+    run_cli,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -41,6 +51,49 @@ def test_round_trip_is_bit_exact(tmp_path, tiny_models, model, to_megatron, to_h
     convert(["megatron-to-hf", "--megatron", str(meg), "--out", str(back), *to_hf[1]], to_hf[0])
     assert_bit_exact(src, back)
     assert not list(tmp_path.glob(".*tmp*")), "temporary directories left behind"
+
+
+# A Megatron checkpoint saved the way the trainer saves: a model loaded from HF, then megatron's
+# own dist_checkpointing writer (forked writer processes, CRCs set).
+MEGATRON_WRITER = """
+import sys
+from pathlib import Path
+
+from megatron_gspo.model import checkpoint as mckpt, hf_io
+from megatron_gspo.model.parallel import ParallelDims, init_distributed
+from megatron_gspo.model.policy import checkpoint_spec, load_policy
+
+if __name__ == "__main__":
+    src, out = Path(sys.argv[1]), Path(sys.argv[2])
+    init_distributed(ParallelDims())
+    chunks = load_policy(src, ParallelDims())
+    (out / "model").mkdir(parents=True)
+    mckpt.save_model(chunks, out / "model")
+    (out / "hf").mkdir()
+    hf_io.copy_non_weight_files(src, out / "hf")
+    mckpt.write_meta(
+        out,
+        spec=checkpoint_spec(src)[0],
+        padded_vocab=chunks[0].padded_vocab_size,
+        dtype=chunks[0].config.params_dtype,
+    )
+"""
+
+
+def test_checkpoint_from_megatrons_own_writer_converts_back(tmp_path, tiny_models):
+    src, meg, back = tiny_models["moe"], tmp_path / "megatron", tmp_path / "hf"
+    script = tmp_path / "write.py"
+    script.write_text(MEGATRON_WRITER)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(src), str(meg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cli_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    convert(["megatron-to-hf", "--megatron", str(meg), "--out", str(back), "--ep", "2"], 2)
+    assert_bit_exact(src, back)
 
 
 def test_bf16_round_trip_and_transformers_loads_it(tmp_path):
