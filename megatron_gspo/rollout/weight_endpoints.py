@@ -14,7 +14,8 @@ receives run on a worker thread, so generation goes on while the trainer broadca
 Transfers copy each byte once on this side: a flattened bucket is loaded straight from its
 shared-memory views (tensor) or from the receive buffer the broadcast wrote into (distributed).
 Two things are kept between requests so that a sync does not fault in fresh pages per bucket
-(on this CPU that costs as much as the copy itself): the distributed receive buffer, and the
+(on this CPU that costs as much as the copy itself): two distributed receive buffers (a bucket
+is received while the one before it loads), and the
 shared-memory buffers of flattened buckets, as long as the sender reuses them: those of the last
 finished session and of the open one are held, older ones let go (the sender's pool holds them
 anyway while it lives).
@@ -54,15 +55,22 @@ class WeightUpdates:
     released: set[str] = field(default_factory=set)
     session: str | None = None  # the selector of the open begin/end_weight_update session
     group_timeout_s: float = 300.0
-    recv_buffer: torch.Tensor | None = None  # distributed flattened buckets land here
+    recv_free: list[torch.Tensor] = field(default_factory=list)  # distributed receive buffers
     held: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # this session's buckets
     held_before: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # the last one's
 
-    def receive_buffer(self, nbytes: int) -> torch.Tensor:
-        if self.recv_buffer is None or self.recv_buffer.numel() < nbytes:
-            self.recv_buffer = None  # let the old one go before the new one is allocated
-            self.recv_buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self.recv_buffer
+    def take_buffer(self, nbytes: int) -> torch.Tensor:
+        """A receive buffer of at least `nbytes`: a kept one, else a new one. Two are kept, so
+        one bucket can be received while the one before is loaded."""
+        for i, buf in enumerate(self.recv_free):
+            if buf.numel() >= nbytes:
+                return self.recv_free.pop(i)
+        if len(self.recv_free) >= 2:
+            self.recv_free.pop(0)  # too small: let it go before allocating
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_buffer(self, buf: torch.Tensor) -> None:
+        self.recv_free = sorted([*self.recv_free, buf], key=torch.Tensor.numel)[-2:]
 
     def hold(self, storage: torch.UntypedStorage) -> None:
         """Keep a received bucket's shared memory mapped: the next payload naming the same
@@ -74,7 +82,7 @@ class WeightUpdates:
         self.held_before, self.held = self.held, {}
 
     def drop_buffers(self) -> None:
-        self.recv_buffer = None
+        self.recv_free = []
         self.held.clear()
         self.held_before.clear()
 
@@ -241,12 +249,12 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     names, dtypes, shapes = _distributed_spec(body)
     version, abort_all = _options(body)
     _require_session(updates, "update_weights_from_distributed")
-    # The lock spans the load too: the received tensors are views into the receive buffer,
-    # which the next request's broadcast overwrites.
+    # The lock covers the receive only: the next bucket is received (into another buffer)
+    # while this one loads. The load keeps the buffer until it has copied the bytes.
+    buffer = None
     async with updates.lock:
-        buffer = None
         if load_format == "flattened_bucket":
-            buffer = updates.receive_buffer(weight_payload.bucket_layout(names, dtypes, shapes)[1])
+            buffer = updates.take_buffer(weight_payload.bucket_layout(names, dtypes, shapes)[1])
         try:
             named = await asyncio.to_thread(
                 weight_payload.receive_named,
@@ -254,9 +262,13 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a failed broadcast is reported, not raised
             return bad(f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}")
+    try:
         if abort_all:
             st.engine.abort(None, "Abort by update_weights_from_distributed")
         return await _load(st, named, version, "distributed")
+    finally:
+        if buffer is not None:
+            updates.give_buffer(buffer)
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:

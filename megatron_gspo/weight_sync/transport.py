@@ -15,8 +15,11 @@ answered (the server has copied it by then).
 Distributed (disaggregated): one group per pipeline stage, the stage sender as rank 0 and every
 server TP rank after it (rank_offset), rendezvous over PrefixStore(group_name) as SGLang requires;
 per bucket, /update_weights_from_distributed is posted to every server and then the bucket is
-broadcast once (gloo on CPU, NCCL on GPU). The group lives for one sync: a restarted server never
-holds a stale group.
+broadcast once (gloo on CPU, NCCL on GPU). The answers to a bucket are awaited after the next
+bucket's broadcast (or when the stage closes), so a server loads one bucket while it receives
+the next; a server that failed a bucket has still received the one after it, so the group never
+hangs on it, and it is dropped then. The group lives for one sync: a restarted server never holds
+a stale group.
 """
 
 from __future__ import annotations
@@ -172,17 +175,23 @@ class DistributedTransport(Transport):
         try:
             torch.distributed.broadcast(bucket.flat, group=ctx.state["group"], group_src=0)
         except Exception as e:
-            _, errors = collect(futures)
+            _, errors = collect({**ctx.state.pop("pending", {}), **futures})
             ctx.fail(errors)
             raise TransportError(f"broadcast of bucket {bucket.index} failed: {e}") from None
-        bucket.sum()  # while the servers load
+        bucket.sum()  # while the servers receive and load
+        pending, ctx.state["pending"] = ctx.state.pop("pending", {}), futures
+        return self._check(pending, ctx, bucket.index - 1)
+
+    def _check(self, futures: dict, ctx: StageContext, index: int) -> dict[int, str]:
         _, errors = collect(futures)
         if errors:  # a member that failed may have left the group: later broadcasts would hang
             ctx.fail(errors)
-            raise TransportError(f"servers failed bucket {bucket.index}; the group is broken")
+            raise TransportError(f"servers failed bucket {index}; the group is broken")
         return errors
 
     def close_stage(self, ctx: StageContext) -> None:
+        _, errors = collect(ctx.state.pop("pending", {}))  # the last bucket's answers
+        ctx.fail(errors)
         group = ctx.state.pop("group", None)
         if group is None:
             return
