@@ -3,9 +3,10 @@
 Makes a random Qwen3-MoE of about 1 GB (fp32), then alternates:
   - limit:  plain safetensors read of every tensor + write of the same bytes to a new file
   - ours:   `convert hf-to-megatron` (1 rank) and `convert megatron-to-hf` (1 rank)
-and prints GB/s of each and the ratio ours / limit (goal: >= 0.5) last.
+and prints GB/s of each and the ratio ours / limit (goal: >= 0.5) last, with the load average
+before and after (the machine may be shared; only ratios from one run compare).
 
-    .venv/bin/python bench/bench_convert.py [--reps 2] [--workdir /tmp/bench-convert]
+    .venv/bin/python bench/bench_convert.py [--reps 3] [--workdir /tmp/bench-convert]
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def plain_copy(hf_dir: Path, out: Path) -> None:
         save_file(load_file(str(f)), str(out / f.name))
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def timed(fn) -> float:
     os.sync()  # every phase starts with no dirty pages left by the one before
     t = time.perf_counter()
@@ -59,7 +64,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-convert-"))
@@ -67,7 +72,7 @@ def main() -> None:
     if not src.exists():
         make_tiny_model(ONE_GB_MOE, src)
     gb = model_bytes(src) / 1e9
-    print(f"model: {gb:.2f} GB fp32 safetensors at {src}")
+    print(f"model: {gb:.2f} GB fp32 safetensors at {src}; load average {_load()}")
     dims = ParallelDims()
     limit, to_meg, to_hf = [], [], []
     for rep in range(args.reps):
@@ -89,6 +94,7 @@ def main() -> None:
         f"ratio vs plain safetensors read+write: hf->megatron {meg / plain:.2f}x, "
         f"megatron->hf {hf / plain:.2f}x (goal >= 0.5x)"
     )
+    print(f"load average {_load()}")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

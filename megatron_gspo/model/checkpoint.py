@@ -36,6 +36,7 @@ from megatron_gspo.errors import UserError
 
 META = "megatron_gspo.json"
 FORMAT = "megatron-gspo/dist-v1"
+WRITE_THREADS = 1  # files each rank writes in parallel in `save_sharded`
 
 
 def is_megatron_checkpoint(path: str | Path) -> bool:
@@ -150,7 +151,7 @@ def _in_process_strategy(fsync: bool):
                 ),
             )
 
-    return InProcessTorchDistSave("torch_dist", 1, thread_count=1)
+    return InProcessTorchDistSave("torch_dist", 1, thread_count=WRITE_THREADS)
 
 
 @contextlib.contextmanager

@@ -274,7 +274,10 @@ def _check_complete(params: list[StoredParam], spec) -> None:
     for sp in params:
         for name in sp.map.hf_names:
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", name)
-            (per_layer[int(m[1])].add(m[2]) if m else top.add(name))
+            if m:
+                per_layer[int(m[1])].add(m[2])
+            else:
+                top.add(name)
     kinds = spec.moe_layers or (False,) * spec.num_layers
     want = {}
     for layer in range(spec.num_layers):
