@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan import add_layout_args, layout_from_args  # noqa: E402
 
 from megatron_gspo.errors import UserError  # noqa: E402
+from megatron_gspo.model.parallel import free_port  # noqa: E402
 
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
 
@@ -141,6 +142,10 @@ def cmd_router(args) -> int:
     python = os.environ.get("SGLANG_PYTHON") or sys.executable
     cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *args.worker_urls]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    # The router's metrics exporter: on the router's own address (its default is 0.0.0.0:29000,
+    # which a second router on the host, or another job, would collide with).
+    metrics_port = args.prometheus_port or free_port()
+    cmd += ["--prometheus-host", args.host, "--prometheus-port", str(metrics_port)]
     log_path = Path(args.log_dir) / "router.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as f:
@@ -211,6 +216,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, required=True)
     r.add_argument("--policy", default="cache_aware")
+    r.add_argument("--prometheus-port", type=int, default=0, help="router metrics (0: free)")
     r.add_argument("--timeout-s", type=float, default=120.0)
     r.add_argument("--log-dir", required=True)
     r.add_argument("--urls-file", required=True)

@@ -248,6 +248,7 @@ for n in $SERVING_NODES; do
 done
 log "rollout servers ready: ${URLS[*]}"
 
+ROUTER_URL=""
 if ((START_ROUTER)) && [[ "$NODE_RANK" == 0 ]]; then
     ROUTER_PORT="${ROUTER_PORT:-$(free_port)}"
     "$PYTHON" "$HERE/serve_node.py" router --worker-urls "${URLS[@]}" --host "$SERVER_HOST" \
@@ -258,8 +259,8 @@ if ((START_ROUTER)) && [[ "$NODE_RANK" == 0 ]]; then
         kill -0 "$ROUTER_PID" 2>/dev/null || { abort_job "sglang-router did not start; see $SERVER_LOGS/router.log"; exit 1; }
         pause 0.5
     done
-    export MEGATRON_GSPO_ROUTER_URL; MEGATRON_GSPO_ROUTER_URL="$(head -1 "$STATE/router.txt")"
-    log "sglang-router in front of $TOTAL_SERVERS servers: $MEGATRON_GSPO_ROUTER_URL"
+    ROUTER_URL="$(head -1 "$STATE/router.txt")"
+    log "sglang-router in front of $TOTAL_SERVERS servers: $ROUTER_URL"
 fi
 
 # ---- the trainer -----------------------------------------------------------------------------
@@ -268,6 +269,7 @@ TRAIN_ARGS=(--config "$CONFIG" --run-dir "$RUN_DIR")
 [[ -n "$STEPS" ]] && TRAIN_ARGS+=(--steps "$STEPS")
 ((RESUME)) && TRAIN_ARGS+=(--resume)
 TRAIN_ARGS+=("${OVERRIDES[@]}" "rollout.urls=[${url_list%,}]")
+[[ -n "$ROUTER_URL" ]] && TRAIN_ARGS+=("rollout.router_url=$ROUTER_URL")  # generation goes through it
 if [[ -n "${TRAINER_GPUS:-}" && "$PLACEMENT" == disaggregated && "$NNODES" == 1 ]]; then
     export CUDA_VISIBLE_DEVICES="$TRAINER_GPUS"  # the servers hold the node's other GPUs
 fi

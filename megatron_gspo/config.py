@@ -68,6 +68,9 @@ class RolloutSection:
     backend: str = "builtin"  # builtin | sglang
     servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
     urls: list[str] = field(default_factory=list)  # servers started by someone else
+    # sglang-router in front of `urls`: generation goes through it (it balances the requests);
+    # weight syncs, health checks and memory release still address every server in `urls`
+    router_url: str | None = None
     placement: str = "colocated"  # colocated | disaggregated
     # colocated on GPUs: servers free their memory while the trainer trains (SGLang needs
     # --enable-memory-saver) and take it back before the weight sync
@@ -87,6 +90,13 @@ class RolloutSection:
         _choice(self.placement, "rollout.placement", ("colocated", "disaggregated"))
         if not self.urls:
             _positive(self.servers, "rollout.servers")
+        if self.router_url and not self.urls:
+            raise UserError(
+                "rollout.router_url needs rollout.urls: the servers behind the router (weight "
+                "syncs go to each of them)"
+            )
+        if self.router_url and not self.router_url.startswith(("http://", "https://")):
+            raise UserError(f"rollout.router_url must be an http(s) URL, got {self.router_url!r}")
         for name in ("server_tp", "group_size", "prompts_per_step", "max_new_tokens"):
             _positive(getattr(self, name), f"rollout.{name}")
         if self.group_size < 2:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A separate virtual environment with real SGLang 0.5.23, for the contract tests only
-# (tests/contract, `pytest -m contract`). Reuses the environment when it is there and complete.
+# A separate virtual environment with real SGLang 0.5.23 and sglang-router 0.3.2, for the
+# contract tests only (tests/contract, `pytest -m contract`). Reuses the environment when it is
+# there and complete.
 #
 #   bash scripts/sglang_env.sh            # path: $SGLANG_VENV or ~/.cache/megatron-gspo/sglang-venv
 #
@@ -13,6 +14,7 @@ set -euo pipefail
 VENV="${SGLANG_VENV:-$HOME/.cache/megatron-gspo/sglang-venv}"
 PYTHON="${PYTHON:-python3.11}"
 SGLANG_VERSION="0.5.23"
+ROUTER_VERSION="0.3.2"
 MARK="$VENV/.megatron-gspo-sglang-$SGLANG_VERSION"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
@@ -25,6 +27,12 @@ else
     [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install "sglang==$SGLANG_VERSION"
+fi
+
+if ! "$VENV/bin/python" -c "import importlib.metadata as m
+assert m.version('sglang-router') == '$ROUTER_VERSION'" 2>/dev/null; then
+    echo "sglang venv: pip install sglang-router==$ROUTER_VERSION"
+    "$VENV/bin/python" -m pip install -q "sglang-router==$ROUTER_VERSION"
 fi
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

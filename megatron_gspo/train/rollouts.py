@@ -43,7 +43,8 @@ class Rollouts:
         self.hf_dir = hf_dir
         self.rank0 = dist.get_rank() == 0
         self.group = None
-        self.client = None
+        self.client = None  # every server: health, memory release/resume
+        self.generator = None  # generation: the router when there is one, else `client`
         self._loop = None
         self.urls: list[str] = []
 
@@ -59,8 +60,8 @@ class Rollouts:
 
     def __exit__(self, *exc) -> None:
         if self._loop is not None:
-            if self.client is not None:
-                self._loop.run_until_complete(self.client.close())
+            for c in {id(c): c for c in (self.client, self.generator) if c is not None}.values():
+                self._loop.run_until_complete(c.close())
             self._loop.close()
         if self.group is not None:
             self.group.stop()
@@ -84,6 +85,14 @@ class Rollouts:
             self.urls, api_key=api_key(), topk=topk, timeout_s=cfg.rollout.health_timeout_s
         )
         self._run(self.client.wait_healthy(cfg.rollout.health_timeout_s))
+        self.generator = self.client
+        if cfg.rollout.router_url:
+            self.generator = RolloutClient(
+                [cfg.rollout.router_url], api_key=api_key(), topk=topk,
+                timeout_s=cfg.rollout.health_timeout_s, max_concurrency=self.client.max_concurrency
+                * len(self.urls),
+            )  # fmt: skip
+            self._run(self.generator.wait_healthy(cfg.rollout.health_timeout_s))
 
     def _launch(self) -> list[str]:
         from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
@@ -157,7 +166,7 @@ class Rollouts:
         rows = [self.train_rows.rows[i] for i in prompt_index]
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
         groups = self._run(
-            self.client.generate(
+            self.generator.generate(
                 prompts,
                 n=r.group_size,
                 sampling_params=self._sampling(step),
@@ -217,7 +226,7 @@ class Rollouts:
         rows = self.eval_rows.rows[: self.cfg.train.eval_prompts]
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
         groups = self._run(
-            self.client.generate(prompts, n=1, sampling_params=self._sampling(0, greedy=True))
+            self.generator.generate(prompts, n=1, sampling_params=self._sampling(0, greedy=True))
         )
         items = [
             (row.prompt, self.tokenizer.decode(g[0].tokens, skip_special_tokens=True), row.answer)

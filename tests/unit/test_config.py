@@ -42,6 +42,8 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("model: {path: m}\n", ["novalue"], "must look like key.sub=value"),
         ("model: {path: m}\n", ["data.train=rows.jsonl"], "data.eval is required"),
         ("model: {path: m\n", [], "not valid YAML"),
+        ("model: {path: m}\n", ["rollout.router_url=http://r:1"], "router_url needs rollout.urls"),
+        ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path, text, override, message):

@@ -163,11 +163,15 @@ def test_dockerfile_megatron_core_pin_is_inside_pyproject_range():
     assert spec.contains(pin), f"Dockerfile pins megatron-core {pin}, pyproject allows {spec}"
 
 
-def test_dockerfile_sglang_is_the_version_the_contract_tier_checks():
-    pin = _dockerfile_args()["SGLANG_VERSION"]
+@pytest.mark.parametrize(
+    "docker_arg, script_var",
+    [("SGLANG_VERSION", "SGLANG_VERSION"), ("SGLANG_ROUTER_VERSION", "ROUTER_VERSION")],
+)
+def test_dockerfile_sglang_is_the_version_the_contract_tier_checks(docker_arg, script_var):
+    pin = _dockerfile_args()[docker_arg]
     script = (ROOT / "scripts/sglang_env.sh").read_text()
-    tested = re.search(r'^SGLANG_VERSION="([^"]+)"', script, flags=re.M).group(1)
-    assert pin == tested, f"Dockerfile pins sglang {pin}; the contract tier tests {tested}"
+    tested = re.search(rf'^{script_var}="([^"]+)"', script, flags=re.M).group(1)
+    assert pin == tested, f"Dockerfile: {docker_arg}={pin}; the contract tier tests {tested}"
 
 
 def test_every_dockerfile_pin_of_a_project_dependency_agrees_with_pyproject():
