@@ -25,12 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_gspo.rollout.model import Chunk, RolloutModel
-from megatron_gspo.rollout.sampling import (
-    SamplingParams,
-    adjust_logits,
-    needs_adjust,
-    sample_batch,
-)
+from megatron_gspo.rollout.sampling import SamplingParams, adjust_logits, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +54,11 @@ class Request:
     fed: int = 0  # tokens whose k/v are in the cache
     generator: torch.Generator | None = None
     abort_message: str | None = None
+    # Set on admission, so the per-token checks stay cheap: the ids that may stop it, the output
+    # length that ends it, and whether its logits are adjusted regardless of the output so far.
+    stop_ids: frozenset[int] = frozenset()
+    limit: int = 0
+    adjusted: bool = False
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Engine:
         self.record_routing = record_routing
         self.weight_version = weight_version
         self.context_len = model.spec.max_position_embeddings
-        self.cache = model.new_cache(min(max_running, 8), 256)
+        self.cache = model.new_cache(min(max_running, 8), 64)
         self.generator = torch.Generator().manual_seed(seed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -211,8 +211,14 @@ class Engine:
             self.waiting.popleft()
             budget -= len(req.input_ids)
             req.slot = self.free_slots.pop()
-            if req.params.sampling_seed is not None:
-                req.generator = torch.Generator().manual_seed(req.params.sampling_seed)
+            sp = req.params
+            if sp.sampling_seed is not None:
+                req.generator = torch.Generator().manual_seed(sp.sampling_seed)
+            req.stop_ids = frozenset(sp.stop_token_ids) | (
+                frozenset() if sp.ignore_eos else frozenset(self.eos_ids)
+            )
+            req.limit = min(sp.max_new_tokens, self.context_len - len(req.input_ids))
+            req.adjusted = sp.penalised or bool(sp.logit_bias)
             self.running.append(req)
 
     def _chunk(self, req: Request) -> Chunk:
@@ -262,7 +268,11 @@ class Engine:
             reqs, logits_BV = [reqs[i] for i in keep], logits_BV[keep]
         if not reqs:
             return
-        adjust = [i for i, r in enumerate(reqs) if needs_adjust(r.params, len(r.output_ids))]
+        adjust = [
+            i
+            for i, r in enumerate(reqs)
+            if r.adjusted or len(r.output_ids) < r.params.min_new_tokens
+        ]
         if adjust:
             logits_BV = logits_BV.clone()
             for i in adjust:
@@ -276,9 +286,12 @@ class Engine:
         for req, token, logprob in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
+            n, sp = len(req.output_ids), req.params
+            may_stop = (token in req.stop_ids or bool(sp.stop)) and n >= sp.min_new_tokens
+            if may_stop or n >= req.limit:  # the full check only where it can stop
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self._finish(req, reason)
 
     def _stop_reason(self, req: Request, token: int) -> dict | None:
         sp, n = req.params, len(req.output_ids)

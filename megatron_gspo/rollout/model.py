@@ -38,6 +38,10 @@ from megatron_gspo.model.hf_io import HFReader
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")  # one matmul over all experts (CPU too, torch >= 2.9)
 
+# KV-cache capacity grows in blocks of this many positions; a tight capacity keeps the rows a
+# decode step reads close together in memory (measured faster than doubling from 256 on CPU).
+_CACHE_BLOCK = 64
+
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
@@ -85,9 +89,10 @@ class KVCache:
         if slots <= self.slots and capacity <= self.capacity:
             return
         new_s = max(slots, self.slots)
-        new_c = max(capacity, self.capacity)
-        if capacity > self.capacity:
-            new_c = max(capacity, 2 * self.capacity)
+        new_c = self.capacity
+        if capacity > self.capacity:  # a quarter more at least, rounded up to a whole block
+            grown = max(capacity, self.capacity + self.capacity // 4)
+            new_c = -(-grown // _CACHE_BLOCK) * _CACHE_BLOCK
         shape = (new_s, self.spec.num_kv_heads, new_c, self.spec.head_dim)
         layers = self.spec.num_layers
         k = [torch.zeros(shape, dtype=self.dtype) for _ in range(layers)]
@@ -251,41 +256,43 @@ class RolloutModel:
         return StepOutput(rows_NV, counts, routed_out)
 
     def _batch(self, chunks: list[Chunk], lens: list[int], cache: KVCache) -> _Batch:
-        s, q_len = self.spec, max(lens)
+        G, q_len = self.spec.num_kv_heads, max(lens)
         k_len = max(c.start + n for c, n in zip(chunks, lens))
         cache.ensure(max(c.slot for c in chunks) + 1, k_len)
-        slots = [c.slot for c in chunks]
-        start_B, slot_B = _longs([c.start for c in chunks], slots)
-        if q_len == 1:  # a decode step: token t is chunk t
-            ids_T, pos_T, slot_T = _longs([c.tokens[0] for c in chunks]), start_B, slot_B
+        cap, slots, starts = cache.capacity, [c.slot for c in chunks], [c.start for c in chunks]
+        if q_len == 1:  # a decode step: token t is chunk t; index lists built in Python
+            ids_T, pos_T, slot_B = _longs([c.tokens[0] for c in chunks], starts, slots)
             b_T = j_T = mask_BQK = None
+            # Where each token's k/v rows go in the cache seen as [slots * G * capacity, Dh].
+            kv_rows = _longs(
+                [(sl * G + g) * cap + p for sl, p in zip(slots, starts) for g in range(G)]
+            )
             # The causal mask as an additive bias, one row per chunk and kv head.
-            keys_BK = torch.arange(k_len)[None, :] <= start_B[:, None]
-            bias_BG1K = torch.zeros(len(chunks), s.num_kv_heads, 1, k_len, dtype=self.dtype)
-            bias_BG1K.masked_fill_(~keys_BK[:, None, None], float("-inf"))
+            bias_BG1K = torch.zeros(len(chunks), G, 1, k_len, dtype=self.dtype)
+            future_B11K = (torch.arange(k_len) > pos_T[:, None])[:, None, None]
+            bias_BG1K = bias_BG1K.masked_fill_(future_B11K, float("-inf")).view(-1, 1, k_len)
         else:
             ids_T = _longs([t for c in chunks for t in c.tokens])
-            lens_B = _longs(lens)
+            lens_B, start_B, slot_B = _longs(lens, starts, slots)
             b_T = torch.repeat_interleave(torch.arange(len(chunks)), lens_B)
             j_T = torch.arange(len(ids_T)) - (torch.cumsum(lens_B, 0) - lens_B)[b_T]
-            pos_T, slot_T = start_B[b_T] + j_T, slot_B[b_T]
+            pos_T = start_B[b_T] + j_T
+            kv_rows = ((slot_B[b_T, None] * G + torch.arange(G)) * cap + pos_T[:, None]).view(-1)
             mask_BQK, bias_BG1K = _mask(start_B, q_len, k_len), None
         # Slots s0, s0+1, ... in order (the usual case: slots are handed out in order): the
         # cache rows are read as a view instead of gathered.
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        # Where each token's k/v rows go in the cache seen as [slots * G * capacity, Dh].
-        kv_rows = (slot_T[:, None] * s.num_kv_heads + torch.arange(s.num_kv_heads)) * cache.capacity
         return _Batch(
             ids_T=ids_T,
             slot_B=slot_B,
             rows=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_B,
-            kv_rows=(kv_rows + pos_T[:, None]).view(-1),
+            kv_rows=kv_rows,
             b_T=b_T,
             j_T=j_T,
             q_len=q_len,
             k_len=k_len,
             mask_BQK=mask_BQK,
-            bias_BG1K=None if bias_BG1K is None else bias_BG1K.view(-1, 1, k_len),
+            bias_BG1K=bias_BG1K,
             rope_T2d=self._rope_table(k_len)[pos_T],
         )
 

@@ -164,10 +164,6 @@ def adjust_logits(
     return x
 
 
-def needs_adjust(sp: SamplingParams, num_output: int) -> bool:
-    return sp.penalised or bool(sp.logit_bias) or num_output < sp.min_new_tokens
-
-
 def sample(
     logits_V: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None
 ) -> tuple[int, float]:

@@ -100,6 +100,9 @@ def test_kv_cache_decoding_equals_full_forward(ckpts, arch):
         got_a.append(out.logits[1])
     out = model.forward([Chunk(3, 11, a[11:], logits_from=0)], cache)
     got_a.append(out.logits[0])
+    # each chunk's last row, batched: what the sampler reads
+    out = model.forward([Chunk(0, 0, b[:5], logits_from=2), Chunk(3, 0, a[:7])], cache)
+    torch.testing.assert_close(out.last_BV, torch.stack([out.logits[0][-1], out.logits[1][-1]]))
     torch.testing.assert_close(torch.cat(got_a), full_a, atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.cat(got_b), full_b, atol=1e-4, rtol=0)
 
@@ -126,3 +129,51 @@ def test_load_weights_by_hf_name(ckpts, tmp_path):
         model.load_weights([("model.layers.0.mlp.experts.0.up_proj.weight", up[0])])
     with pytest.raises(UserError, match="shape"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_partial_update_lands_in_fused_layout_and_matches_hf(ckpts, tmp_path):
+    """Updating only some tensors (a k projection inside the fused q|k|v weight, a q-norm weight
+    that the forward keeps expanded per head, one expert) gives HF's forward of those weights."""
+    import transformers
+
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"])
+    tokens = prompt(20, seed=5)
+    model.full_logits(tokens)  # derived per-head norm weights are built here, then must refresh
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpts["qwen3_moe"], dtype=torch.float32)
+    g = torch.Generator().manual_seed(9)
+    names = [
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.2.mlp.experts.3.down_proj.weight",
+    ]
+    update = [(n, torch.randn(model._target(n).shape, generator=g) * 0.3) for n in names]
+    assert model.load_weights(update) == len(update)
+    hf_params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, t in update:
+            if ".experts." in name:  # transformers 5 keeps the experts fused: [E, D, F]
+                hf_params["model.layers.2.mlp.experts.down_proj"][3].copy_(t)
+            else:
+                hf_params[name].copy_(t)
+        ref = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), -1)
+    mine = torch.log_softmax(model.full_logits(tokens).logits[0], -1)
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    s = model.spec
+    q_rows, kv_rows = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    k_part = model.fused["model.layers.1.qkv"][q_rows : q_rows + kv_rows]
+    assert torch.equal(k_part, update[0][1])  # the k rows of the one fused q|k|v matmul
+
+
+def test_long_sequence_past_the_rope_table_equals_hf(ckpts):
+    """Positions beyond the first rope table (256) and a cache that grows block by block."""
+    tokens = prompt(300, seed=6)
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"])
+    _, out = hf_forward(ckpts["qwen3_moe"], tokens)
+    ref = torch.log_softmax(out.logits[0].float(), -1)
+    cache = model.new_cache(1, 64)
+    got = [model.forward([Chunk(0, 0, tokens[:200], logits_from=0)], cache).logits[0]]
+    for i in range(200, 300):
+        got.append(model.forward([Chunk(0, i, tokens[i : i + 1])], cache).logits[0])
+    mine = torch.log_softmax(torch.cat(got), -1)
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)

@@ -9,6 +9,7 @@ from megatron_gspo.rollout.sampling import (
     adjust_logits,
     parse_sampling_params,
     sample,
+    sample_batch,
 )
 
 pytestmark = pytest.mark.unit
@@ -54,3 +55,38 @@ def test_adjust_logits_min_tokens_and_penalties():
     assert x[2] == -2.0 and x[3] == 0 and x[4] == 0
     x = adjust_logits(logits, sp, context=[0], output=[2], eos={4})
     assert x[3] == float("-inf") and x[4] == float("-inf") and x[2] == -1.0
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution():
+    """Many rows of one batch: token frequencies match the (filtered, renormalised) softmax, a
+    banned token (-inf) is never drawn, and a seeded row ignores its neighbours."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, float("-inf"), -1.0])
+    rows = 20000
+    gen = torch.Generator().manual_seed(1)
+    tokens, logprobs = sample_batch(
+        logits.expand(rows, -1), [SamplingParams()] * rows, [None] * rows, gen
+    )
+    freq = torch.bincount(torch.tensor(tokens), minlength=6).float() / rows
+    torch.testing.assert_close(freq, torch.softmax(logits, -1), atol=0.015, rtol=0)
+    assert freq[4] == 0
+    assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[tokens[0]]))
+
+    tokens, _ = sample_batch(
+        logits.expand(rows, -1), [SamplingParams(top_k=2)] * rows, [None] * rows, gen
+    )
+    freq = torch.bincount(torch.tensor(tokens), minlength=6).float() / rows
+    want = torch.softmax(logits[:2], -1)
+    torch.testing.assert_close(freq[:2], want, atol=0.015, rtol=0)
+    assert freq[2:].sum() == 0
+
+    def seeded_row(batch: int) -> list[int]:
+        g = torch.Generator().manual_seed(7)
+        out = []
+        for _ in range(10):
+            gens = [None] * (batch - 1) + [g]
+            out.append(
+                sample_batch(logits.expand(batch, -1), [SamplingParams()] * batch, gens, gen)[0][-1]
+            )
+        return out
+
+    assert seeded_row(1) == seeded_row(5)
