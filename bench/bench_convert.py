@@ -4,7 +4,9 @@ Makes a random Qwen3-MoE of about 1 GB (fp32), then alternates:
   - limit:  plain safetensors read of every tensor + write of the same bytes to a new file
   - ours:   `convert hf-to-megatron` (1 rank) and `convert megatron-to-hf` (1 rank)
 and prints GB/s of each and the ratio ours / limit (goal: >= 0.5) last, with the load average
-before and after (the machine may be shared; only ratios from one run compare).
+before and after (the machine may be shared; only ratios from one run compare). Process start-up
+(torch.distributed, importing megatron: seconds, whatever the checkpoint size) happens once before
+the timed phases, so rep 0 times the conversion like the others.
 
     .venv/bin/python bench/bench_convert.py [--reps 3] [--workdir /tmp/bench-convert]
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
-from megatron_gspo.model.parallel import ParallelDims
+from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 
 ONE_GB_MOE = TinySpec(
@@ -74,6 +76,7 @@ def main() -> None:
     gb = model_bytes(src) / 1e9
     print(f"model: {gb:.2f} GB fp32 safetensors at {src}; load average {_load()}")
     dims = ParallelDims()
+    init_distributed(dims)
     limit, to_meg, to_hf = [], [], []
     for rep in range(args.reps):
         for p in work.glob("out-*"):
