@@ -17,9 +17,9 @@ server TP rank after it (rank_offset), rendezvous over PrefixStore(group_name) a
 per bucket, /update_weights_from_distributed is posted to every server and then the bucket is
 broadcast once (gloo on CPU, NCCL on GPU). The answers to a bucket are awaited after the next
 bucket's broadcast (or when the stage closes), so a server loads one bucket while it receives
-the next; a server that failed a bucket has still received the one after it, so the group never
-hangs on it, and it is dropped then. The group lives for one sync: a restarted server never holds
-a stale group.
+the next. A server that failed a bucket has still received the one after it, so that broadcast
+does not hang; then the stage stops (the group is broken) or, after the last bucket, that server
+alone is dropped. The group lives for one sync: a restarted server never holds a stale group.
 """
 
 from __future__ import annotations
