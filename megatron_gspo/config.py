@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,9 @@ class AlgoSection:
     routing_replay: str = "none"  # none | r2 | r3
     advantage_std_norm: bool = True  # False: Dr. GRPO (no division by the group std)
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    # truncated importance sampling for the train-vs-rollout mismatch (off: none)
+    tis: str = "none"  # none | token | sequence
+    tis_cap: float = 2.0
 
     def check(self) -> None:
         from megatron_gspo.algo import AGGS, KINDS
@@ -134,16 +138,25 @@ class AlgoSection:
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
             raise UserError("algo.clip_low must be in (0, 1) and algo.clip_high > 0")
         _positive(self.minibatches, "algo.minibatches")
+        _choice(self.tis, "algo.tis", ("none", "token", "sequence"))
+        if not self.tis_cap >= 1:
+            raise UserError(f"algo.tis_cap must be >= 1, not {self.tis_cap}")
 
     def loss_config(self):
         from megatron_gspo.train.actor import LossConfig
 
-        return LossConfig(self.loss, self.clip_low, self.clip_high, self.agg)
+        return LossConfig(
+            self.loss, self.clip_low, self.clip_high, self.agg, self.tis, self.tis_cap
+        )
 
 
 @dataclass
 class OptimSection:
     lr: float = 1e-6
+    # per RL step: linear warmup from lr/warmup_steps to lr over the first warmup_steps steps,
+    # then constant, or a linear / cosine decay to min_lr at train.steps
+    warmup_steps: int = 0
+    decay: str = "constant"  # constant | linear | cosine
     min_lr: float = 0.0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
@@ -157,6 +170,19 @@ class OptimSection:
             raise UserError(f"optim.lr must be > 0, not {self.lr}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise UserError("optim.adam_beta1 and optim.adam_beta2 must be in [0, 1)")
+        _choice(self.decay, "optim.decay", ("constant", "linear", "cosine"))
+        if self.warmup_steps < 0 or not 0 <= self.min_lr <= self.lr:
+            raise UserError("optim.warmup_steps must be >= 0 and optim.min_lr in [0, optim.lr]")
+
+    def lr_at(self, step: int, total: int) -> float:
+        """The learning rate of RL step `step` (1-based) of a run of `total` steps."""
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.decay == "constant" or total <= self.warmup_steps:
+            return self.lr
+        done = min(1.0, (step - self.warmup_steps) / (total - self.warmup_steps))
+        shape = 1 - done if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * done))
+        return self.min_lr + (self.lr - self.min_lr) * shape
 
     def build(self):
         from megatron_gspo.train.actor import OptimConfig

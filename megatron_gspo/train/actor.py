@@ -28,8 +28,10 @@ from megatron_gspo.algo import (
     combine_stats,
     loss_denominator,
     policy_loss,
+    sequence_tis_weights,
     stat_reduce_op,
     summarize_stats,
+    token_tis_weights,
 )
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.forward import next_token_logprobs, padded_length
@@ -55,6 +57,10 @@ class LossConfig:
     clip_low: float = 3e-4
     clip_high: float = 4e-4
     agg: str | None = None  # None: the kind's published default
+    # truncated importance sampling against the train-vs-rollout mismatch: each token's (token)
+    # or each sequence's (sequence) objective times min(pi_old / pi_rollout, tis_cap)
+    tis: str = "none"  # none | token | sequence
+    tis_cap: float = 2.0
 
 
 class Actor:
@@ -213,6 +219,9 @@ class Actor:
         scale = len(mbs) * dp
         vocab = self.spec.vocab_size
 
+        if loss_cfg.tis != "none" and batch.rollout_logprobs is None:
+            raise ValueError(f"tis={loss_cfg.tis} needs the batch's rollout_logprobs")
+
         def loss(mb, logits):
             lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
             value, stats = policy_loss(
@@ -225,6 +234,7 @@ class Actor:
                 clip_high=loss_cfg.clip_high,
                 agg=loss_cfg.agg,
                 rollout_logprobs=mb.rollout_logprobs,
+                tis_weights=_tis_weights(mb, loss_cfg),
                 loss_scale_denominator=denom,
             )
             stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
@@ -243,6 +253,11 @@ class Actor:
             lr=self.optimizer.param_groups[0]["lr"],
         )
         return metrics
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of every parameter group (the loop's schedule sets it per step)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     # ---- checkpoint -------------------------------------------------------------------------
 
@@ -274,6 +289,13 @@ class Actor:
         for i, c in enumerate(modules):
             _take_over(c, state["model"][f"model{i}"], directory, copy=True)
         optim_state.restore(self.optimizer, modules, state["optimizer"])
+
+
+def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
+    if loss_cfg.tis == "none":
+        return None
+    fn = token_tis_weights if loss_cfg.tis == "token" else sequence_tis_weights
+    return fn(mb.old_logprobs, mb.rollout_logprobs, mb.mask, cap=loss_cfg.tis_cap)
 
 
 def _gather_rows(mine: list, n: int) -> list:

@@ -51,6 +51,7 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
 def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
     """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch."""
     t0 = time.perf_counter()
+    actor.set_lr(cfg.optim.lr_at(step, cfg.train.steps))
     batch.old_logprobs = actor.logprobs(batch, cfg.train.micro_batch_size)
     metrics = {"time/old_logprobs_s": time.perf_counter() - t0}
     metrics |= _mismatch(batch)
@@ -92,6 +93,7 @@ _KEYS = {
     "clip_frac_seqs": ("ratio/clip_fraction_seqs", "mean"),
     "approx_kl_old": ("kl/old", "mean"),
     "entropy": ("entropy", "mean"),
+    "tis_weight_mean": ("tis/weight_mean", "mean"),
 }
 
 

@@ -35,6 +35,14 @@ def off_policy(old: list) -> list:
     ]
 
 
+def rollout_of(old: list) -> list:
+    """Rollout log-probs that differ from the old ones by log rho = 0.3 * k, k in -2..2."""
+    return [
+        [None] + [v - 0.3 * ((i * 3 + j) % 5 - 2) for j, v in enumerate(r[1:])]
+        for i, r in enumerate(old)
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
@@ -48,6 +56,9 @@ def main() -> None:
     ap.add_argument("--save-after", type=int, default=None, help="save after this many steps")
     ap.add_argument("--save-dir", default=None)
     ap.add_argument("--load", default=None, help="resume from this checkpoint first")
+    ap.add_argument("--tis", default="none", help="truncated IS: none | token | sequence")
+    ap.add_argument("--tis-cap", type=float, default=2.0)
+    ap.add_argument("--on-policy", action="store_true", help="old log-probs as computed")
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
     init_distributed(dims)
@@ -56,8 +67,11 @@ def main() -> None:
         OptimConfig(lr=1e-3, use_distributed_optimizer=not a.no_dist_opt),
     )
     batch = fixed_batch()
-    batch.old_logprobs = off_policy(actor.logprobs(batch, a.mbs))
-    loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28)
+    old = actor.logprobs(batch, a.mbs)
+    batch.old_logprobs = old if a.on_policy else off_policy(old)
+    if a.tis != "none":
+        batch.rollout_logprobs = rollout_of(batch.old_logprobs)
+    loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28, tis=a.tis, tis_cap=a.tis_cap)
     if a.load:
         actor.load(a.load)
     steps = []
@@ -70,7 +84,8 @@ def main() -> None:
         steps.append(actor.train_step(batch, loss_cfg, a.mbs))
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
-            json.dump({"steps": steps, "old": batch.old_logprobs}, f)
+            json.dump({"steps": steps, "old": batch.old_logprobs, "rollout": batch.rollout_logprobs,
+                       "mask": batch.loss_mask, "adv": batch.advantages}, f)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 one microbatch vs four, DP1 vs DP2, TP1 vs TP2, EP2, PP2 (1F1B and VPP2), TP2xEP2 (gloo)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,33 @@ def test_sequence_level_kinds_split_the_same(tmp_path, tiny_models, kind):
     ref = run_worker(tmp_path, tiny_models["moe"], 1, 8, kind=kind, tag="ref")
     got = run_worker(tmp_path, tiny_models["moe"], 2, 2, ["--ep", "2"], kind=kind, tag="ep2")
     assert_same_steps(got, ref)
+
+
+@pytest.mark.parametrize("tis", ["token", "sequence"])
+def test_truncated_importance_sampling_weights_the_objective(tmp_path, tiny_models, tis):
+    """On-policy first step (ratio 1), rollout log-probs off by log rho = 0.3 k: the GRPO loss
+    is -(1/B) sum_i (1/|y_i|) sum_t A_i w_it, w = min(rho, cap) per token or per sequence
+    (written out here), the same under TP2 with 4 microbatches."""
+    flags = ["--steps", "1", "--on-policy", "--tis", tis, "--tis-cap", "1.5"]
+    got = run_worker(tmp_path, tiny_models["moe4"], 1, 8, tag="tp1", extra=flags)
+    mask, adv = got["mask"], got["adv"]
+    per_seq, weights = [], []
+    for i in range(len(mask)):
+        idx = [t for t in range(len(mask[i])) if mask[i][t]]
+        log_rho = [got["old"][i][t] - got["rollout"][i][t] for t in idx]
+        if tis == "token":
+            w = [min(math.exp(x), 1.5) for x in log_rho]
+        else:
+            w = [min(math.exp(sum(log_rho)), 1.5)] * len(idx)
+        weights += w
+        per_seq.append(adv[i] * sum(w) / len(idx))
+    step = got["steps"][0]
+    assert step["loss"] == pytest.approx(-sum(per_seq) / len(mask), rel=1e-6)
+    assert step["tis_weight_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-6)
+    assert min(weights) < 1 < max(weights) and max(weights) == 1.5  # both sides, and capped
+    tp2 = run_worker(tmp_path, tiny_models["moe4"], 2, 2, ["--tp", "2"], tag="tp2", extra=flags)
+    assert tp2["steps"][0]["loss"] == pytest.approx(step["loss"], rel=1e-6)
+    assert tp2["steps"][0]["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-6)
 
 
 RESUME = {  # name: (optimizer flags, save layout, resume layout); each layout (processes, flags)

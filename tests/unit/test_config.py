@@ -43,6 +43,10 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("model: {path: m}\n", ["data.train=rows.jsonl"], "data.eval is required"),
         ("model: {path: m\n", [], "not valid YAML"),
         ("model: {path: m}\n", ["rollout.router_url=http://r:1"], "router_url needs rollout.urls"),
+        ("model: {path: m}\n", ["algo.tis=seq"], "algo.tis must be one of"),
+        ("model: {path: m}\n", ["algo.tis_cap=0.5"], "tis_cap must be >= 1"),
+        ("model: {path: m}\n", ["optim.decay=step"], "optim.decay must be one of"),
+        ("model: {path: m}\n", ["optim.min_lr=1"], "min_lr in"),
         ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
     ],
 )
@@ -68,3 +72,21 @@ def test_shipped_tiny_configs_load():
         load_config(root / name)
     assert load_config(root / "tiny_moe_grpo_r3.yaml").algo.routing_replay == "r3"
     assert load_config(root / "tiny_moe_gspo.yaml").algo.minibatches == 4
+
+
+def test_lr_schedule_per_rl_step(tmp_path):
+    import math
+
+    def lr(*overrides):
+        cfg = load_config(_write(tmp_path, "model: {path: m}\n"), ["optim.lr=1e-3", *overrides])
+        return [cfg.optim.lr_at(step, 10) for step in range(1, 11)]
+
+    assert lr() == [1e-3] * 10  # the default: constant
+    warm = lr("optim.warmup_steps=4")
+    assert warm == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3] + [1e-3] * 6)
+    linear = lr("optim.warmup_steps=2", "optim.decay=linear", "optim.min_lr=1e-4")
+    expect = [5e-4, 1e-3] + [1e-4 + 9e-4 * (1 - k / 8) for k in range(1, 9)]
+    assert linear == pytest.approx(expect)
+    cosine = lr("optim.decay=cosine")
+    assert cosine == pytest.approx([5e-4 * (1 + math.cos(math.pi * k / 10)) for k in range(1, 11)])
+    assert cosine[-1] == pytest.approx(0.0, abs=1e-12)
