@@ -163,3 +163,14 @@ def test_rollout_server_that_will_not_start(task_model, tmp_path):
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert errors and "rollout server did not start" in errors[0]
     assert "server-0.log" in errors[0] or (run_dir / "logs" / "server-0.log").is_file()
+
+
+def test_tis_and_lr_warmup_reach_the_step(task_model, tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_grpo.yaml", run_dir, task_model, "algo.tis=token",
+                    "algo.tis_cap=1.5", "optim.warmup_steps=2", "optim.lr=1e-4")  # fmt: skip
+    assert rc == 0, out[-3000:]
+    rows = metrics(run_dir)[1:]
+    assert [r["lr"] for r in rows] == pytest.approx([5e-5, 1e-4])
+    for r in rows:  # min(pi_old / pi_rollout, 1.5) averaged over tokens: ~1 (tiny mismatch)
+        assert 0.9 < r["tis/weight_mean"] <= 1.5, r["tis/weight_mean"]
