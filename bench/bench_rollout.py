@@ -6,6 +6,10 @@ Each repetition runs both (alternating which goes first): 8 prompts x 8 samples,
 generated tokens/s of each (median over repetitions) and the ratio server / HF last (goal >= 2).
 Both use the same number of torch threads; the server is idle while HF runs.
 
+On a shared machine wall-clock rates swing with the load, so each repetition also reports tokens
+per CPU-second: the server process's CPU time (all its threads, HTTP included; the client's is
+not counted) against the CPU time of the process running HF `generate`.
+
     .venv/bin/python bench/bench_rollout.py [--reps 5] [--new-tokens 64] [--threads 1]
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -34,38 +39,48 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [torch.randint(10, vocab, (k,), generator=g).tolist() for k in lens]
 
 
-def run_server(url: str, batch: list[list[int]], samples: int, new: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_server(
+    url: str, pid: int, batch: list[list[int]], samples: int, new: int
+) -> tuple[float, float]:
+    """(tokens/s, tokens per CPU-second of the server process)."""
     sp = {"max_new_tokens": new, "ignore_eos": True, "temperature": 1.0}
 
     async def go():
         async with RolloutClient([url], max_concurrency=256) as c:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), cpu_seconds(pid)
             out = await c.generate(batch, n=samples, sampling_params=sp, return_logprob=True)
-            dt = time.perf_counter() - t
+            dt, dcpu = time.perf_counter() - t, cpu_seconds(pid) - cpu
         tokens = sum(len(s.tokens) for g in out for s in g)
         assert tokens == len(batch) * samples * new, tokens
-        return tokens / dt
+        return tokens / dt, tokens / max(dcpu, 1e-9)
 
     return asyncio.run(go())
 
 
-def run_hf(model, batch: list[list[int]], samples: int, new: int) -> float:
+def run_hf(model, batch: list[list[int]], samples: int, new: int) -> tuple[float, float]:
+    """(tokens/s, tokens per CPU-second of this process)."""
     width = max(map(len, batch))
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(batch):  # left padding
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
             max_new_tokens=new, min_new_tokens=new, num_return_sequences=samples, pad_token_id=0,
         )  # fmt: skip
-    dt = time.perf_counter() - t
+    dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     tokens = (out.shape[1] - width) * out.shape[0]
     assert tokens == len(batch) * samples * new, tokens
-    return tokens / dt
+    return tokens / dt, tokens / max(dcpu, 1e-9)
 
 
 def main() -> None:
@@ -95,17 +110,24 @@ def main() -> None:
           f"{len(batch)} prompts x {n} samples x {new} new tokens, {args.threads} thread(s)")  # fmt: skip
     ours, theirs = [], []
     with ServerGroup([cfg], work / "logs") as servers:
-        url = servers.urls[0]
-        run_server(url, batch, n, new)  # warm-up, both sides
+        url, pid = servers.urls[0], servers.servers[0].pid
+        run_server(url, pid, batch, n, new)  # warm-up, both sides
         run_hf(hf, batch, n, new)
         for rep in range(args.reps):
-            pair = [("server", lambda: run_server(url, batch, n, new)),
+            pair = [("server", lambda: run_server(url, pid, batch, n, new)),
                     ("hf", lambda: run_hf(hf, batch, n, new))]  # fmt: skip
             for name, fn in pair if rep % 2 == 0 else pair[::-1]:
                 (ours if name == "server" else theirs).append(fn())
-            print(f"rep {rep}: built-in server {ours[-1]:8.0f} tok/s   HF generate "
-                  f"{theirs[-1]:8.0f} tok/s")  # fmt: skip
-    a, b = statistics.median(ours), statistics.median(theirs)
+            (a, a_cpu), (b, b_cpu) = ours[-1], theirs[-1]
+            print(f"rep {rep}: built-in server {a:8.0f} tok/s   HF generate {b:8.0f} tok/s   "
+                  f"ratio {a / b:.2f}x | per CPU-second: server {a_cpu:.0f}, HF {b_cpu:.0f}, "
+                  f"ratio {a_cpu / b_cpu:.2f}x")  # fmt: skip
+    med = statistics.median
+    a, b = med(x for x, _ in ours), med(x for x, _ in theirs)
+    a_cpu, b_cpu = med(x for _, x in ours), med(x for _, x in theirs)
+    paired = med(x / y for (x, _), (y, _) in zip(ours, theirs))
+    print(f"median tokens per CPU-second: built-in server {a_cpu:.0f}, HF generate {b_cpu:.0f} "
+          f"(ratio {a_cpu / b_cpu:.2f}x); median of per-repetition ratios {paired:.2f}x")  # fmt: skip
     print(f"median generated tokens/s: built-in server {a:.0f}, HF transformers generate {b:.0f}")
     print(f"ratio built-in server / HF generate: {a / b:.2f}x (goal >= 2x)")
 

@@ -232,21 +232,44 @@ class Engine:
     def _step(self) -> None:
         batch = sorted(self.running, key=lambda r: r.slot)  # cache rows in order: a view
         chunks = [self._chunk(r) for r in batch]
+        src = _shared_prefills(chunks)
+        run = [i for i, j in enumerate(src) if i == j]
         try:
-            out = self.model.forward(chunks, self.cache, record_routing=self.record_routing)
+            out = self.model.forward(
+                [chunks[i] for i in run], self.cache, record_routing=self.record_routing
+            )
+            if len(run) < len(chunks):
+                self._copy_shared(chunks, src)
         except Exception as e:  # a bug or an out-of-memory: fail these requests, keep serving
             log.exception("forward failed")
             for req in batch:
                 req.error = f"forward failed: {type(e).__name__}: {e}"
                 self._finish(req, {"type": "abort", "message": req.error})
             return
+        at = {i: k for k, i in enumerate(run)}  # batch index -> index in the forward's output
         for i, (req, chunk) in enumerate(zip(batch, chunks)):
             req.fed += len(chunk.tokens)
+            k = at[src[i]]
             if out.routed is not None and req.return_routed:
-                req.routed.append(out.routed[i])
+                req.routed.append(out.routed[k])
             if chunk.start == 0 and chunk.logits_from >= 0:
-                self._input_logprobs(req, out.logits[i])
-        self._sample(batch, out.last_BV)
+                self._input_logprobs(req, out.logits[k])
+        last_BV = out.last_BV
+        if len(run) < len(chunks):
+            last_BV = last_BV[[at[j] for j in src]]
+        self._sample(batch, last_BV)
+
+    def _copy_shared(self, chunks: list[Chunk], src: list[int]) -> None:
+        """Give each request that shared another's prefill that request's cached k/v rows."""
+        copies: dict[int, list[int]] = {}
+        for i, j in enumerate(src):
+            if i != j:
+                copies.setdefault(j, []).append(i)
+        self.cache.ensure(max(c.slot for c in chunks) + 1, max(len(c.tokens) for c in chunks))
+        for j, dups in copies.items():
+            n, rows = len(chunks[j].tokens), [chunks[i].slot for i in dups]
+            for t in (*self.cache.k, *self.cache.v):
+                t[rows, :, :n] = t[chunks[j].slot, :, :n]
 
     def _input_logprobs(self, req: Request, logits_NV: torch.Tensor) -> None:
         start, first = req.logprob_start_len, max(req.logprob_start_len - 1, 0)
@@ -330,3 +353,15 @@ class Engine:
             return None
         fed = len(req.input_ids) + len(req.output_ids) - 1
         return torch.cat(req.routed)[:fed][start:]
+
+
+def _shared_prefills(chunks: list[Chunk]) -> list[int]:
+    """For each chunk, the index of the chunk whose forward serves it: itself, or the first
+    chunk prefilling the same prompt (the n samples of one prompt, as SGLang's prefix cache
+    shares them), whose k/v rows and logits it then copies."""
+    first: dict[tuple, int] = {}
+    src = []
+    for i, c in enumerate(chunks):
+        key = (tuple(c.tokens), c.logits_from) if c.start == 0 and len(c.tokens) > 1 else i
+        src.append(first.setdefault(key, i))
+    return src

@@ -177,3 +177,43 @@ def test_long_sequence_past_the_rope_table_equals_hf(ckpts):
         got.append(model.forward([Chunk(0, i, tokens[i : i + 1])], cache).logits[0])
     mine = torch.log_softmax(torch.cat(got), -1)
     torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+
+
+def test_engine_shared_prefill_equals_separate_prefills(ckpts, monkeypatch):
+    """The n samples of one prompt prefill once (k/v rows and logits copied to the others):
+    greedy tokens, log-probs, prompt log-probs and routed experts are those of separate prefills."""
+    from megatron_gspo.rollout import engine as rollout_engine
+    from megatron_gspo.rollout.engine import Engine, Request
+    from megatron_gspo.rollout.sampling import SamplingParams
+
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"])
+
+    def generate() -> list[Request]:
+        eng = Engine(model, eos_ids=set(), record_routing=True)
+        for seed in (1, 2):
+            for _ in range(3):
+                sp = SamplingParams(max_new_tokens=5, temperature=0)
+                eng.waiting.append(
+                    Request(
+                        prompt(9 + seed, seed),
+                        sp,
+                        return_logprob=True,
+                        logprob_start_len=0,
+                        return_routed=True,
+                    )  # fmt: skip
+                )
+        reqs = list(eng.waiting)
+        while eng.running or eng.waiting:
+            eng._admit()
+            eng._step()
+        return [
+            (r.output_ids, r.output_logprobs, r.input_logprobs, eng.routed_experts(r)) for r in reqs
+        ]
+
+    shared = generate()
+    monkeypatch.setattr(rollout_engine, "_shared_prefills", lambda chunks: list(range(len(chunks))))
+    separate = generate()
+    for (ids, lps, ilps, routed), (ids2, lps2, ilps2, routed2) in zip(shared, separate):
+        assert ids == ids2 and torch.equal(routed, routed2)
+        assert lps == pytest.approx(lps2, abs=1e-5)
+        assert ilps[0] is None and ilps[1:] == pytest.approx(ilps2[1:], abs=1e-5)
