@@ -154,10 +154,11 @@ def _check(cfg: Config, lay: Layout) -> None:
     if lay.gpus_per_node:
         _check_gpus(cfg, lay)
     multi_host = lay.nnodes > 1
-    if multi_host and lay.placement == "disaggregated" and cfg.sync.method == "tensor":
+    if multi_host and cfg.sync.method == "tensor":
         raise UserError(
             "sync.method=tensor hands over shared-memory / CUDA IPC handles, which only work on "
-            "the same host; disaggregated rollout nodes need sync.method=distributed"
+            f"one host; a job on {lay.nnodes} nodes needs sync.method=distributed (one broadcast "
+            "group per pipeline stage reaches every node's servers, colocated or not)"
         )
     if cfg.sync.method == "disk" and multi_host:
         pass  # works when RUN_DIR is on a filesystem every node mounts (it must be anyway)

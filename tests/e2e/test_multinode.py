@@ -171,7 +171,8 @@ def _alive(pid: int) -> bool:
 def test_killed_rank_stops_every_node_and_the_last_checkpoint_resumes(task_model, tmp_path):
     run = tmp_path / "run"
     steps = 3
-    procs = launch_nodes(run, task_model, "train.checkpoint_every=1", steps=steps, launch_id="a")
+    procs = launch_nodes(run, task_model, "train.checkpoint_every=1", "sync.method=distributed",
+                         steps=steps, launch_id="a")  # fmt: skip
     try:
         deadline = time.monotonic() + 600
         while not (run / "checkpoints" / "step_1" / "trainer_state.json").is_file():
@@ -202,8 +203,8 @@ def test_killed_rank_stops_every_node_and_the_last_checkpoint_resumes(task_model
     last = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
     assert last >= 1 and f"checkpoints/step_{last};" in killed_node
 
-    resumed = launch_nodes(run, task_model, "train.checkpoint_every=1", "--resume",
-                           steps=steps, launch_id="b")  # fmt: skip
+    resumed = launch_nodes(run, task_model, "train.checkpoint_every=1", "sync.method=distributed",
+                           "--resume", steps=steps, launch_id="b")  # fmt: skip
     results = finish(resumed)
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:]
     rows = metrics(run)

@@ -37,11 +37,16 @@ def cfg(*overrides: str):
     return load_config(None, ["model.path=/models/m", *overrides])
 
 
+def multi(*overrides: str):
+    """A config for several nodes: weights by broadcast (tensor handles stay on one host)."""
+    return cfg("sync.method=distributed", *overrides)
+
+
 # ---- placement -------------------------------------------------------------------------------
 
 
 def test_colocated_every_node_trains_and_serves_on_its_gpus():
-    lay = make_layout(cfg("rollout.server_tp=4", "parallel.ep=8"), nnodes=2, gpus_per_node=8)
+    lay = make_layout(multi("rollout.server_tp=4", "parallel.ep=8"), nnodes=2, gpus_per_node=8)
     assert (lay.train_nodes, lay.world_size, lay.servers_per_node) == (2, 16, 2)
     assert [lay.role(n) for n in range(2)] == ["both", "both"]
     assert lay.server_gpus(1) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -64,10 +69,10 @@ def test_disaggregated_on_one_node_splits_its_gpus():
 
 
 def test_router_only_in_front_of_several_sglang_servers():
-    one_per_node = cfg("rollout.backend=sglang", "rollout.server_tp=8")
+    one_per_node = multi("rollout.backend=sglang", "rollout.server_tp=8")
     assert not make_layout(one_per_node, nnodes=1, gpus_per_node=8).router
     assert make_layout(one_per_node, nnodes=2, gpus_per_node=8).router
-    assert not make_layout(cfg(), nnodes=2).router  # the built-in server: the client balances
+    assert not make_layout(multi(), nnodes=2).router  # the built-in server: the client balances
 
 
 @pytest.mark.parametrize(
@@ -75,7 +80,16 @@ def test_router_only_in_front_of_several_sglang_servers():
     [
         (["parallel.tp=4"], {"nnodes": 1, "nproc_per_node": 2}, "not a multiple of tp*pp=4"),
         (["rollout.placement=disaggregated"], {"nnodes": 2}, "sync.method=distributed"),
-        ([], {"nnodes": 2, "rollout_nodes": 1}, "rollout.placement is colocated"),
+        (
+            [],
+            {"nnodes": 2},
+            "only work on one host; a job on 2 nodes needs sync.method=distributed",
+        ),
+        (
+            ["sync.method=distributed"],
+            {"nnodes": 2, "rollout_nodes": 1},
+            "rollout.placement is colocated",
+        ),
         (
             ["rollout.placement=disaggregated", "sync.method=distributed"],
             {"nnodes": 2, "rollout_nodes": 2},
@@ -99,7 +113,7 @@ def test_shell_assignments_are_quoted_for_eval():
 
 
 def _cfg_layout(**kwargs):
-    c = cfg()
+    c = multi() if kwargs.get("nnodes", 1) > 1 else cfg()
     return c, make_layout(c, **kwargs)
 
 
