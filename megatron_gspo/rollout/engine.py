@@ -265,11 +265,10 @@ class Engine:
         for i, j in enumerate(src):
             if i != j:
                 copies.setdefault(j, []).append(i)
-        self.cache.ensure(max(c.slot for c in chunks) + 1, max(len(c.tokens) for c in chunks))
         for j, dups in copies.items():
-            n, rows = len(chunks[j].tokens), [chunks[i].slot for i in dups]
-            for t in (*self.cache.k, *self.cache.v):
-                t[rows, :, :n] = t[chunks[j].slot, :, :n]
+            self.cache.copy_prefix(
+                chunks[j].slot, [chunks[i].slot for i in dups], len(chunks[j].tokens)
+            )
 
     def _input_logprobs(self, req: Request, logits_NV: torch.Tensor) -> None:
         start, first = req.logprob_start_len, max(req.logprob_start_len - 1, 0)

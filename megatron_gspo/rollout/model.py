@@ -102,6 +102,13 @@ class KVCache:
                 n[: o.shape[0], :, : o.shape[2]] = o
         self.k, self.v, self.slots, self.capacity = k, v, new_s, new_c
 
+    @torch.inference_mode()  # the tensors may have been made by a forward (inference tensors)
+    def copy_prefix(self, src: int, dst: list[int], n: int) -> None:
+        """Copy the first n positions of slot src into each slot of dst, in every layer."""
+        self.ensure(max(dst) + 1, n)
+        for t in (*self.k, *self.v):
+            t[dst, :, :n] = t[src, :, :n]
+
 
 class RolloutModel:
     """Inference-only causal LM over HF-named weights. Not an nn.Module: no autograd, no hooks."""

@@ -190,8 +190,9 @@ def test_engine_shared_prefill_equals_separate_prefills(ckpts, monkeypatch):
 
     def generate() -> list[Request]:
         eng = Engine(model, eos_ids=set(), record_routing=True)
+        model.forward([Chunk(15, 0, [1, 2])], eng.cache)  # the cache grown by a forward
         for seed in (1, 2):
-            for _ in range(3):
+            for _ in range(5):
                 sp = SamplingParams(max_new_tokens=5, temperature=0)
                 eng.waiting.append(
                     Request(
