@@ -12,7 +12,7 @@ a checkpoint moves between the local and TE layer specs.
 Conversion takes two shortcuts through the format, both plain torch.distributed.checkpoint (DCP):
 `save_sharded` writes in this process with DCP's FileSystemWriter (megatron's default writer forks
 worker processes and starts a spawned queue manager, seconds per save on a small machine), and
-`DistCheckpointReader` reads tensors straight from the DCP files, without a model to load into.
+`DistCheckpointReader` maps tensors straight from the DCP files, without a model to load into.
 """
 
 from __future__ import annotations
@@ -224,8 +224,9 @@ def _take_over(chunk, state: dict, directory, copy: bool = False) -> None:
 class DistCheckpointReader:
     """Read regions of the tensors of a torch_dist dist-checkpoint directly from its files.
 
-    A region held whole by one stored chunk comes back as (a view of) that chunk as loaded, with
-    no further copy; a region spread over chunks is assembled into a new tensor.
+    Each file is memory-mapped and a stored chunk comes back as a view of the mapping (no read, no
+    copy; an item in another form falls back to torch.load). A region held whole by one chunk is a
+    view of it; a region spread over chunks is assembled into a new tensor.
     """
 
     def __init__(self, directory: str | Path):
