@@ -4,7 +4,9 @@ One engine thread owns the model, the KV cache and every running request. Other 
 it only through `submit`, `abort`, `pause`, `resume` and `call`, which post messages to an inbox;
 so no lock guards the request state. Each loop iteration: read the inbox, finish aborted requests,
 run commands (weight updates) that are due, admit waiting requests into free cache slots, and run
-one forward over every running request (prefills and decode steps in one batch).
+one forward over every running request (prefills and decode steps in one batch). Requests that
+prefill the same prompt in one step (the n samples of a prompt) share one prefill, whose cached
+k/v rows and logits are copied to the others, as SGLang's prefix cache shares them.
 
 A command marked `needs_idle` (a weight update while generation is not paused) waits until the
 running requests finish and holds new ones back meanwhile, so no request sees two weight versions,

@@ -9,6 +9,9 @@ One `forward` call runs a batch of *chunks*: each chunk is a run of new tokens f
 which owns a slot of the KV cache and already has `start` tokens cached. A prefill is a chunk of
 the whole prompt, a decode step a chunk of one token; both mix freely in a batch (continuous
 batching). Tokens travel packed ([T, ...] over all chunks); attention pads queries per chunk.
+A batch of one-token chunks (every decode step) takes a shorter path: index tensors built in one
+copy from Python lists, a rope table lookup, one flat index_copy per k/v, and the scores as one
+baddbmm with the mask as an additive bias; the numbers are the same as the general path's.
 
 Weights are held under their HF checkpoint names, except that experts are stacked per layer
 (gate/up [E, F, D], down [E, D, F]); `load_weights` takes HF names (per expert, or the fused
