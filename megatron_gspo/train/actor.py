@@ -271,10 +271,13 @@ class Actor:
         return {"model": model, "optimizer": optimizer}
 
     def save(self, directory) -> None:
-        """Model + optimizer state as one dist-checkpoint (collective; directory exists, empty)."""
-        from megatron.core import dist_checkpointing
+        """Model + optimizer state as one dist-checkpoint (collective; directory exists, empty).
 
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
+        Written by this process (megatron's torch_dist format): megatron's default writer forks
+        writer processes and spawns a queue manager that outlives a trainer killed with SIGKILL."""
+        from megatron_gspo.model.checkpoint import save_sharded
+
+        save_sharded(self._sharded_state(is_loading=False), directory)
 
     def load(self, directory) -> None:
         """Load a checkpoint saved by `save` under any layout and either optimizer kind

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import QUICK_TRAIN, cli_env
@@ -93,8 +94,11 @@ def test_kill9_then_resume_equals_uninterrupted(task_model, tmp_path):
     proc = train("tiny_moe_gspo.yaml", run, task_model, "train.checkpoint_every=1",
                  steps=steps, wait=False)  # fmt: skip
     _wait_for(lambda: (run / "checkpoints" / "step_2").is_dir(), proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGKILL)  # no handler, no atexit: servers die with their parent
     proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [" ".join(p.cmdline())[:200] for p in alive]  # nothing left behind
     rc, out = train("tiny_moe_gspo.yaml", run, task_model, "--resume",
                     "train.checkpoint_every=1", steps=steps)  # fmt: skip
     assert rc == 0, out[-3000:]
