@@ -17,6 +17,14 @@ in shared memory; a shard on disk, whose bytes can rot one by one, is checked ev
 
 Buffers come from a small pool and go back when the transport has handed the bucket over, so a
 sender holds `buffers` buckets at most; a tensor larger than a bucket gets a buffer of its own.
+
+Borrowed buckets (`pack(..., borrow=...)`, the tensor transport on CPU): a tensor that already
+lives, contiguous, in shared memory (the trainer's parameters once `gather.share_parameters` has
+moved them there) is not copied at all. Its bucket's `flat` is the span of that shared storage
+that covers its tensors, and the metadata points at each tensor's bytes inside the span (SGLang
+reads each entry by its start_idx/end_idx, so the gaps between them are never read). The server
+then copies every such byte once, straight from the trainer's weights. Such a bucket must only
+be read while the weights do not change, which holds for a sync: training waits for it.
 """
 
 from __future__ import annotations
@@ -72,10 +80,11 @@ class Bucket:
     metadata: list[types.SimpleNamespace] = field(default_factory=list)
     checksum: int | None = None  # see sum()
     pooled: bool = True  # False: an oversized tensor's own buffer (BufferPool.take_big)
+    borrowed: bool = False  # True: `buffer` is a span of shared storage the tensors live in
 
     @property
     def flat(self) -> torch.Tensor:
-        return self.buffer[: self.nbytes]
+        return self.buffer if self.borrowed else self.buffer[: self.nbytes]
 
     def payload(self) -> dict:
         """SGLang's flattened_bucket object: {flattened_tensor, metadata}."""
@@ -97,6 +106,8 @@ class Bucket:
         self.nbytes += n
 
     def fits(self, t: torch.Tensor) -> bool:
+        if self.borrowed:
+            return self.nbytes + t.numel() * t.element_size() <= self.buffer.numel()
         if not self.pooled:  # an oversized tensor's buffer holds that tensor alone
             return False
         n = t.numel() * t.element_size()
@@ -162,13 +173,31 @@ class BufferPool:
 
 
 def pack(
-    named: Iterable[tuple[str, torch.Tensor]], pool: BufferPool, stage: int = 0
+    named: Iterable[tuple[str, torch.Tensor]],
+    pool: BufferPool,
+    stage: int = 0,
+    borrow: Callable[[torch.Tensor], bool] | None = None,
 ) -> Iterator[Bucket]:
     """Buckets of `named`, each complete (on GPU: copied) when it is yielded. The consumer must
-    `release` every bucket, or packing stalls once the pool is empty."""
+    `release` every bucket, or packing stalls once the pool is empty.
+
+    `borrow(t)` True: `t` (contiguous, in shared memory) goes into a borrowed bucket of its
+    storage instead of being copied; those fill up to the pool's capacity too."""
     cur: Bucket | None = None
+    spans: dict[int, _Span] = {}  # storage -> the borrowed bucket being filled
     index = 0
     for name, t in named:
+        if borrow is not None and borrow(t):
+            key = t.untyped_storage().data_ptr()
+            span = spans.get(key)
+            if span is not None and not span.fits(t, pool.capacity):
+                yield span.seal(stage, index)
+                index += 1
+                span = None
+            if span is None:
+                span = spans[key] = _Span(t.untyped_storage())
+            span.add(name, t)
+            continue
         n = t.numel() * t.element_size()
         if cur is not None and not cur.fits(t):
             yield cur.seal()
@@ -181,10 +210,46 @@ def pack(
         cur.add(name, t)
     if cur is not None:
         yield cur.seal()
+        index += 1
+    for span in spans.values():
+        yield span.seal(stage, index)
+        index += 1
+
+
+class _Span:
+    """Tensors of one shared storage gathered into a borrowed bucket (offsets absolute until
+    `seal` knows where the span starts)."""
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.entries: list[tuple[str, torch.Tensor, int]] = []
+        self.nbytes = 0
+
+    def fits(self, t: torch.Tensor, capacity: int) -> bool:
+        return self.nbytes + t.numel() * t.element_size() <= capacity
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.entries.append((name, t, t.storage_offset() * t.element_size()))
+        self.nbytes += t.numel() * t.element_size()
+
+    def seal(self, stage: int, index: int) -> Bucket:
+        lo = min(start for _, _, start in self.entries)
+        hi = max(start + t.numel() * t.element_size() for _, t, start in self.entries)
+        metadata = [
+            types.SimpleNamespace(
+                name=name, shape=torch.Size(t.shape), dtype=t.dtype, start_idx=start - lo,
+                end_idx=start - lo + t.numel() * t.element_size(),
+                numel=t.numel() * t.element_size(),
+            )
+            for name, t, start in self.entries
+        ]  # fmt: skip
+        return Bucket(stage, index, self.bytes[lo:hi], self.nbytes, metadata, borrowed=True)
 
 
 def release(bucket: Bucket, pool: BufferPool) -> None:
-    if bucket.pooled:
+    if bucket.borrowed:
+        pass  # the storage belongs to the tensors
+    elif bucket.pooled:
         pool.give(bucket.buffer)
     else:
         pool.give_big(bucket.buffer)

@@ -12,7 +12,7 @@ The extra memory per rank is one full tensor (times EP on the sender for an expe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -113,3 +113,56 @@ def _gather_to_sender(t: torch.Tensor, group) -> list[torch.Tensor] | None:
         return parts
     dist.gather(t, None, dst=dst, group=group)
     return None
+
+
+def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
+    """Put this rank's CPU parameters in shared memory (file-system names), so the tensor
+    transport can lend the servers views of them instead of copying them into buckets (see
+    bucket.py, borrowed buckets). Returns the `borrow` test for `bucket.pack`.
+
+    A storage that several parameters share (megatron's DDP parameter buffer) moves in place:
+    every view of it, the optimizer's included, follows. Parameters that own their storage are
+    gathered into one shared slab per dtype, each parameter becoming a view of it, so a bucket
+    spans many of them. GPU parameters are left alone (None: nothing is borrowed)."""
+    from megatron_gspo.rollout.weight_payload import TensorSharing
+
+    params = list({id(p): p for c in unwrap(chunks) for p in c.parameters()}.values())
+    if not params or any(p.device.type != "cpu" for p in params):
+        return None
+    by_storage: dict[int, list] = {}
+    for p in params:
+        by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+    alone: dict[torch.dtype, list] = {}
+    moved: list = []  # parameters whose storage is ours to lend (not one shared some other way)
+    with TensorSharing(), torch.no_grad():
+        for group in by_storage.values():
+            storage = group[0].untyped_storage()
+            if storage.is_shared():
+                continue
+            moved += group
+            own = len(group) == 1 and storage.nbytes() == _nbytes(group[0])
+            if own and group[0].is_contiguous():
+                alone.setdefault(group[0].dtype, []).append(group[0])
+            else:
+                storage.share_memory_()
+        for dtype, group in alone.items():
+            slab = torch.empty(sum(p.numel() for p in group), dtype=dtype).share_memory_()
+            offset = 0
+            for p in group:
+                view = slab[offset : offset + p.numel()].view(p.shape)
+                view.copy_(p)
+                p.data = view
+                offset += p.numel()
+    shared = {p.untyped_storage().data_ptr() for p in moved}
+
+    def borrow(t: torch.Tensor) -> bool:
+        return (
+            t.device.type == "cpu" and t.is_contiguous()
+            and t.untyped_storage().data_ptr() in shared
+        )  # fmt: skip
+
+    return borrow
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -125,6 +125,55 @@ def test_tensor_payload_decodes_as_flattened_bucket_repeatedly():
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(seen, named))
 
 
+def test_shared_parameters_are_lent_not_copied():
+    """share_parameters moves a module's parameters into shared memory (a slab for those that
+    own their storage, in place for a storage several share, as megatron's DDP buffer); pack then
+    sends views of them (borrowed buckets, no pool buffer), copies the rest, and every tensor
+    decodes on the receiving side to the trainer's values, read from the trainer's memory."""
+    from megatron_gspo.weight_sync.gather import share_parameters
+
+    g = torch.Generator().manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    buffer = torch.randn(300, generator=g)  # several parameters viewing one storage
+    extra = torch.nn.Module()
+    extra.p = torch.nn.Parameter(buffer[:100].view(10, 10))
+    extra.q = torch.nn.Parameter(buffer[150:250])
+    m.append(extra)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    borrow = share_parameters([m])
+    assert borrow is not None and all(p.is_shared() for p in m.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
+    assert extra.p.untyped_storage().data_ptr() == extra.q.untyped_storage().data_ptr()
+    linears = {m[0].weight.untyped_storage().data_ptr(), m[1].bias.untyped_storage().data_ptr()}
+    assert len(linears) == 1  # the parameters that owned their storage now share one slab
+
+    named = [(n, p.detach()) for n, p in m.named_parameters()]
+    named.insert(1, ("copied", torch.randn(4, 4, generator=g).t()))  # not contiguous: copied
+    expected = {n: t.clone() for n, t in named}
+    taken = []
+    pool = BufferPool(256, 1, lambda n: taken.append(n) or TensorTransport().alloc(n, torch.device("cpu")))
+    seen, borrowed = {}, 0
+    for b in pack(named, pool, borrow=borrow):
+        borrowed += b.borrowed
+        assert b.nbytes == sum(m.numel for m in b.metadata) and b.nbytes <= 256 or b.borrowed
+        assert b.borrowed or len(b.metadata) == 1  # only "copied" took a pool buffer
+        with wp.TensorSharing():
+            payload = wp.serialize(b.payload())
+        got = safe_unpickle.decode_named_tensors(payload, "flattened_bucket")
+        seen.update((n, t.clone()) for n, t in got)
+        b.sum()
+        release(b, pool)
+    assert seen.keys() == expected.keys()
+    assert all(torch.equal(seen[n], expected[n]) for n in expected)
+    assert borrowed >= 2 and taken == [256]  # two storages lent; one pool buffer for the copy
+    loss = m[1](m[0](torch.randn(3, 16, generator=g)))[:, :1].sum() + extra.p.sum() + extra.q.sum()
+    loss.backward()
+    opt.step()  # the optimizer still drives the (moved) parameters
+    assert not torch.equal(m[0].weight, before["0.weight"])
+    assert not torch.equal(extra.q, before["2.q"]) and extra.q.is_shared()
+
+
 def test_shard_is_safetensors_with_checksum(tmp_path):
     named = [tensors()[0], tensors()[5], tensors()[4]]  # 128 + 64 + 48 B, aligned
     path = tmp_path / "s.safetensors"
