@@ -28,6 +28,7 @@ Padded vocabulary entries (>= the true vocab) are excluded and get zero gradient
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 import torch.distributed as dist
@@ -76,14 +77,22 @@ def tp_vocab_logprobs(logits, targets, vocab_size: int, with_entropy: bool = Fal
 
 
 def _chunks(token_shape: torch.Size, v_local: int):
-    """Index tuples covering `token_shape`, each selecting about _CHUNK_ELEMENTS logits as a view."""
+    """Index tuples covering `token_shape`, each selecting about _CHUNK_ELEMENTS logits as a view:
+    blocks of whole leading rows when a row fits (one chunk for a small batch), else pieces of
+    one row. Every op is per token, so the split changes no value."""
     if len(token_shape) == 0:
         yield ()
         return
-    rows = max(1, _CHUNK_ELEMENTS // max(v_local, 1))
+    tokens = max(1, _CHUNK_ELEMENTS // max(v_local, 1))
+    per_row = math.prod(token_shape[1:])
+    if per_row <= tokens:
+        step = tokens // max(per_row, 1)
+        for r0 in range(0, token_shape[0], step):
+            yield (slice(r0, r0 + step),)
+        return
     for lead in itertools.product(*map(range, token_shape[:-1])):
-        for t0 in range(0, token_shape[-1], rows):
-            yield (*lead, slice(t0, t0 + rows))
+        for t0 in range(0, token_shape[-1], tokens):
+            yield (*lead, slice(t0, t0 + tokens))
 
 
 def _local_fp32(chunk: torch.Tensor, n_valid: int) -> torch.Tensor:

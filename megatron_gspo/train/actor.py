@@ -14,6 +14,13 @@ The gradient therefore does not depend on how the batch was split.
 Routing (MoE models, megatron_gspo/routing): `logprobs` records every sample's natural routing
 into batch.routing (r3: while replaying the rollout server's); `train_step` replays it (r2:
 recorded, r3: rollout) and reports routing/changed_fraction, in every mode.
+
+Fixed costs per call are kept off the step (they dominate on a small model): the parallel
+layout is read once, train()/eval() walk the modules only when the mode changes, world-size-1
+runs skip their object gathers, torch's Adam takes its foreach path (the same arithmetic as its
+per-tensor loop, bit for bit, in a few batched calls), and a forward-only pass without
+pipelining scores up to `_FORWARD_LOGITS` logits per microbatch (never fewer rows than training
+uses: it keeps no activations for a backward).
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.model.forward import next_token_logprobs, padded_length
 from megatron_gspo.routing import RoutingReplay
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
+
+# Logits one forward-only microbatch may produce (1 GiB in fp32) when it takes more rows than a
+# training microbatch; a large-vocabulary model at a real sequence length stays at the training
+# size, a small one scores its whole share of the batch at once.
+_FORWARD_LOGITS = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -67,12 +79,14 @@ class Actor:
     """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
 
     def __init__(self, chunks, optim: OptimConfig = OptimConfig(), routing_replay: str = "none"):
+        from megatron.core import parallel_state as mpu
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.spec = chunks[0].model_spec
         self.config = chunks[0].config
@@ -105,26 +119,51 @@ class Actor:
             ),
             self.chunks,
         )
+        _foreach_adam(self.optimizer)
+        # The layout is fixed for the actor's life: read it once, not per step.
+        self.dp = mpu.get_data_parallel_world_size()
+        self.dp_rank = mpu.get_data_parallel_rank()
+        self.tp = mpu.get_tensor_model_parallel_world_size()
+        self.pp = mpu.get_pipeline_model_parallel_world_size()
+        self.world = dist.get_world_size()
+        self._schedule = get_forward_backward_func()
         use_routing = self.spec.is_moe or routing_replay != "none"
         self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
         self.last_logprob_metrics: dict[str, float] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _layout(self, batch: RLBatch, micro_batch_size: int):
-        from megatron.core import parallel_state as mpu
-
-        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-        tp = mpu.get_tensor_model_parallel_world_size()
-        seq_len = padded_length(max(len(t) for t in batch.tokens), tp)
+    def _layout(self, batch: RLBatch, micro_batch_size: int, forward_only: bool = False):
+        """This replica's microbatches, the padded length, the microbatch size used."""
+        dp = self.dp
+        seq_len = padded_length(max(len(t) for t in batch.tokens), self.tp)
         # Same number of microbatches on every replica (expert-parallel collectives span them).
         per_rank = -(-len(batch) // dp)
-        index = list(range(dp_rank, len(batch), dp))
+        if forward_only:
+            micro_batch_size = self._forward_micro_batch(micro_batch_size, per_rank, seq_len)
+        index = list(range(self.dp_rank, len(batch), dp))
         mbs = microbatches(batch, index, micro_batch_size, seq_len)
         n_micro = max(1, -(-per_rank // micro_batch_size))
         while len(mbs) < n_micro:
             mbs += microbatches(batch, [], micro_batch_size, seq_len)
-        return mbs, seq_len, dp
+        return mbs, seq_len, micro_batch_size
+
+    def _forward_micro_batch(self, micro_batch_size: int, per_rank: int, seq_len: int) -> int:
+        """Rows per forward-only microbatch: the replica's whole share if its logits fit in
+        `_FORWARD_LOGITS`, else as many as fit, never fewer than `micro_batch_size`. Pipeline
+        stages overlap microbatches, so under PP their number is kept. Every sample is computed
+        alone (causal attention, per-token routing), so only matmul blocking can differ."""
+        if self.pp > 1:
+            return micro_batch_size
+        v_local = -(-self.spec.vocab_size // self.tp)
+        fits = _FORWARD_LOGITS // max(seq_len * v_local, 1)
+        return max(micro_batch_size, min(per_rank, fits))
+
+    def _set_mode(self, training: bool) -> None:
+        """train()/eval() walk every submodule; skip the walk when the chunks are there."""
+        for c in self.chunks:
+            if c.training != training or c.module.training != training:
+                c.train(training)
 
     @staticmethod
     def _step(sweep, loss):
@@ -142,10 +181,8 @@ class Actor:
         return step
 
     def _run(self, mbs, seq_len, micro_batch_size, forward_step, forward_only):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         iters = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
-        return get_forward_backward_func()(
+        return self._schedule(
             forward_step_func=forward_step,
             data_iterator=iters,
             model=self.chunks,
@@ -164,9 +201,9 @@ class Actor:
         On an MoE model it also records every sample's natural routing into batch.routing (r3:
         while replaying batch.rollout_experts, whose agreement it measures); its metrics are in
         `last_logprob_metrics`."""
-        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+        mbs, seq_len, size = self._layout(batch, micro_batch_size, forward_only=True)
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
-        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
+        rows = self._forward_logprobs(mbs, seq_len, size, sweep, len(batch))
         if self.routing:
             self.last_logprob_metrics = self.routing.finish_record(sweep, batch)
         return rows
@@ -178,16 +215,15 @@ class Actor:
         routing/changed_fraction of this forward goes to `last_logprob_metrics`."""
         if self.routing is None:
             raise UserError("replayed_logprobs needs an MoE model")
-        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+        mbs, seq_len, size = self._layout(batch, micro_batch_size, forward_only=True)
         source = "rollout" if self.routing.mode == "r3" else "recorded"
         sweep = self.routing.train_sweep(batch, mbs, seq_len, source)
-        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
+        rows = self._forward_logprobs(mbs, seq_len, size, sweep, len(batch))
         self.last_logprob_metrics = self.routing.finish_train(sweep)
         return rows
 
     def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, n) -> list:
-        for c in self.chunks:
-            c.eval()
+        self._set_mode(False)
         vocab = self.spec.vocab_size
 
         def loss(mb, logits):
@@ -202,7 +238,7 @@ class Actor:
                 if i >= 0:
                     k = int(out["mb"].lengths[row])
                     mine.append((i, [None] + out["lp"][row, : k - 1].tolist()))
-        return _gather_rows(mine, n)
+        return _gather_rows(mine, n, self.world)
 
     # ---- one optimizer step ------------------------------------------------------------------
 
@@ -210,13 +246,13 @@ class Actor:
         """Forward/backward over all microbatches, then one optimizer step. Returns metrics."""
         if batch.old_logprobs is None:
             raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
+        self._set_mode(True)
         for c in self.chunks:
-            c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs, seq_len, dp = self._layout(batch, micro_batch_size)
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         denom = float(loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind))
-        scale = len(mbs) * dp
+        scale = len(mbs) * self.dp
         vocab = self.spec.vocab_size
 
         if loss_cfg.tis != "none" and batch.rollout_logprobs is None:
@@ -245,7 +281,7 @@ class Actor:
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
         routing = self.routing.finish_train(sweep) if self.routing else {}
         ok, grad_norm, _ = self.optimizer.step()
-        metrics = _reduce_stats(outputs)
+        metrics = _reduce_stats(outputs, self.world, self.tp)
         metrics.update(routing)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -301,10 +337,24 @@ def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
     return fn(mb.old_logprobs, mb.rollout_logprobs, mb.mask, cap=loss_cfg.tis_cap)
 
 
-def _gather_rows(mine: list, n: int) -> list:
+def _foreach_adam(optimizer) -> None:
+    """torch's Adam/AdamW off CUDA defaults to its per-tensor loop; the foreach path does the
+    same arithmetic in the same order (bit-identical) in a few batched calls. Fused optimizers
+    (Transformer Engine, apex) are left alone."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            for group in inner.param_groups:
+                if group.get("foreach") is None:
+                    group["foreach"] = True
+
+
+def _gather_rows(mine: list, n: int, world: int) -> list:
     """Every rank gets every row: gather (row, value) pairs over the whole world."""
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
+    parts = [mine]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
     out = [None] * n
     for part in parts:
         for i, v in part:
@@ -312,14 +362,15 @@ def _gather_rows(mine: list, n: int) -> list:
     return out
 
 
-def _reduce_stats(outputs: list[dict]) -> dict:
+def _reduce_stats(outputs: list[dict], world: int, tp: int) -> dict:
     """Sum/min/max the microbatch stats over the data-parallel replicas (on the last pipeline
     stage), then share them with every rank."""
-    from megatron.core import parallel_state as mpu
-
     local = combine_stats(outputs) if outputs else {}
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {k: float(v) for k, v in local.items()})
+    mine = {k: float(v) for k, v in local.items()}
+    parts = [mine]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
     total: dict[str, float] = {}
     for part in parts:
         if not part:
@@ -335,7 +386,6 @@ def _reduce_stats(outputs: list[dict]) -> dict:
             else:
                 total[k] += v
     # Every TP rank of a replica reports the same numbers: count one TP rank per replica.
-    tp = mpu.get_tensor_model_parallel_world_size()
     sums = {k: v / tp for k, v in total.items() if stat_reduce_op(k) == "sum"}
     total.update(sums)
     metrics = summarize_stats({k: torch.tensor(v) for k, v in total.items()})

@@ -60,11 +60,15 @@ class TrainMicrobatch:
         return torch.arange(s).unsqueeze(0).expand(b, s)
 
 
+def _padded(rows, b: int, s: int, fill, dtype: torch.dtype) -> torch.Tensor:
+    """[b, s] tensor of `rows` right-padded with `fill` (None entries too), built in one call."""
+    out = [[fill if v is None else v for v in r] + [fill] * (s - len(r)) for r in rows]
+    out += [[fill] * s for _ in range(b - len(rows))]
+    return torch.tensor(out, dtype=dtype)
+
+
 def _token_field(rows, b: int, s: int, fill: float = 0.0) -> torch.Tensor:
-    out = torch.full((b, s), fill, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor([fill if v is None else v for v in r], dtype=torch.float32)
-    return out[:, 1:]
+    return _padded(rows, b, s, fill, torch.float32)[:, 1:]
 
 
 def microbatches(batch: RLBatch, index: list[int], micro_batch_size: int, seq_len: int):
@@ -76,9 +80,7 @@ def microbatches(batch: RLBatch, index: list[int], micro_batch_size: int, seq_le
         idx = index[m * micro_batch_size : (m + 1) * micro_batch_size]
         part = batch.rows(idx)
         b = micro_batch_size
-        tokens = torch.zeros((b, seq_len), dtype=torch.long)
-        for i, t in enumerate(part.tokens):
-            tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        tokens = _padded(part.tokens, b, seq_len, 0, torch.long)
         mask = _token_field(part.loss_mask, b, seq_len)
         if per_token_adv:
             adv = _token_field(part.advantages, b, seq_len)
