@@ -1,28 +1,29 @@
 """Cost of routing replay: train-step time with and without R2 / R3, and the bytes it stores.
 
-Four actors on the same weights in one process (gloo, TP1), one batch each:
-  - plain: no routing code at all (the actor's routing object removed)
+One actor (gloo, TP1) and one batch; the variant is switched on that actor between runs, so
+every variant runs on the very same parameters, optimizer and memory (separate actors differ by a
+few percent on their own, which is larger than the effect measured):
+  - plain: no routing code at all (no routing object, no RouterReplay on the routers)
   - none:  natural routing; old log-probs record it and the step measures routing drift
   - r2:    the step replays the routing recorded with the old log-probs
   - r3:    the step replays rollout routing: the SGLang-format int32 payload [n - 1, layers, k]
            (dense layers zero) made from the natural routing with 10% of the (token, MoE layer)
            positions moved to other experts, as a different engine would route them
-Each rep times, for every actor in a rotating order, `logprobs` (recording) and `train_step`
-(replaying), as process CPU time and wall time, torch on one thread (`--threads 1`) so that idle
-OpenMP workers spinning on a busy machine do not count as work. The headline overhead is the
-ratio of the fastest rep of each variant (CPU time of logprobs + train_step): interference from
-other processes only ever adds time, so the minimum is the estimate of the work itself (as
-Python's timeit advises). Beside it: the median of per-rep ratios variant / plain with its
-interquartile range (each rep's variants run back to back), and one more logprobs + train_step
-per variant under cProfile with the time spent in the routing code's entry points as a share of
-it (an upper bound: profiling slows Python more than torch). Storage: the bytes the batch's
-routing holds on host memory per token (all stages) against the int32 payload SGLang sends per
-token (every decoder layer x k x 4).
+Each rep runs every variant once, in a rotating order: `logprobs` (recording) and `train_step`
+(replaying), timed as process CPU time and wall time, torch on one thread (`--threads 1`) so that
+idle OpenMP workers spinning on a busy machine do not count as work (lr 1e-7: the weights barely
+move). The overhead of a variant is the median over reps of its per-rep ratio to plain (CPU time
+of logprobs + train_step), with a 95% bootstrap confidence interval of that median; the goal is
+shown when the interval's upper end is under 3%. Beside it: the ratio of the fastest reps, and
+one more logprobs + train_step per variant under cProfile with the time spent in the routing
+code's entry points as a share of it (an upper bound: profiling slows Python more than torch).
+Storage: the bytes the batch's routing holds on host memory per token (all stages) against the
+int32 payload SGLang sends per token (every decoder layer x k x 4).
 
 Goal (issue 6): under 3% step overhead; 4x smaller storage than the int32 payload.
 
     .venv/bin/python bench/bench_routing_replay.py [--hidden 256 --layers 4 --experts 64
-        --topk 8 --batch 8 --seq 256 --reps 9]
+        --topk 8 --batch 8 --seq 256 --reps 24]
 """
 
 from __future__ import annotations
@@ -73,15 +74,30 @@ def rollout_payload(recorded, spec, moved: float, seed: int = 0) -> list[np.ndar
     return out
 
 
-def strip_routing(actor) -> None:
-    """No routing code left in this actor: no routing object, no RouterReplay on its routers."""
-    from megatron.core.transformer.moe.router import TopKRouter
+class Variants:
+    """Switches one actor between the variants: each has its own routing object (whose taps are
+    bound to the routers while it is in use); plain has none, and no RouterReplay either."""
 
-    actor.routing = None
-    for chunk in actor.chunks:
-        for m in chunk.modules():
-            if isinstance(m, TopKRouter):
-                m.router_replay = None
+    def __init__(self, actor):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from megatron_gspo.routing import RoutingReplay
+
+        self.actor = actor
+        self.routers = [m for c in actor.chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        self.routing = {v: RoutingReplay(actor.chunks, v) for v in VARIANTS[1:]}
+
+    def use(self, variant: str) -> None:
+        routing = self.routing.get(variant)
+        self.actor.routing = routing
+        if routing is None:
+            for router in self.routers:
+                router.router_replay = None
+            return
+        for router, tap in zip(self.routers, routing.all_taps(), strict=True):
+            router.router_replay = tap.replay
+            tap.replay.get_replay_topk = tap._get_replay_topk
+            tap.replay._tap = tap
 
 
 def record(actor, batch, mbs: int) -> None:
@@ -141,35 +157,44 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_model(spec, Path(tmp) / "model")
         init_distributed(ParallelDims(world_size=1))
-        actors = {v: Actor(load_policy(ckpt, ParallelDims()), OptimConfig(lr=1e-6),
-                           routing_replay="none" if v == "plain" else v)
-                  for v in VARIANTS}  # fmt: skip
-    strip_routing(actors["plain"])
-    model_spec = actors["none"].spec
+        actor = Actor(load_policy(ckpt, ParallelDims()), OptimConfig(lr=1e-7), "none")
+    variants = Variants(actor)
+    model_spec = actor.spec
     base = make_batch(a.batch, a.seq, vocab=1000)
     batches = {v: base.rows(list(range(len(base)))) for v in VARIANTS}
-    actors["none"].logprobs(batches["none"], a.mbs)
+    variants.use("none")
+    actor.logprobs(batches["none"], a.mbs)
     payload = rollout_payload([s.recorded for s in batches["none"].routing], model_spec, 0.10)
     batches["r3"].rollout_experts = payload
     cpu = {f"{v}/{p}": [] for v in VARIANTS for p in ("logprobs", "step")}
     wall = {k: [] for k in cpu}
+    metrics = {}
     for rep in range(a.reps + 1):  # rep 0 warms up
         order = VARIANTS[rep % 4 :] + VARIANTS[: rep % 4]
         for v in order:
-            c, w = timed(partial(record, actors[v], batches[v], a.mbs))
-            c2, w2 = timed(partial(actors[v].train_step, batches[v], LOSS, a.mbs))
+            variants.use(v)
+            c, w = timed(partial(record, actor, batches[v], a.mbs))
+            metrics[v] = actor.last_logprob_metrics
+            c2, w2 = timed(partial(actor.train_step, batches[v], LOSS, a.mbs))
             if rep:
                 for key, (ci, wi) in {"logprobs": (c, w), "step": (c2, w2)}.items():
                     cpu[f"{v}/{key}"].append(ci)
                     wall[f"{v}/{key}"].append(wi)
-    shares = {v: routing_share(actors[v], batches[v], a.mbs) for v in VARIANTS[1:]}
-    report(a, actors, batches, cpu, wall, model_spec, shares)
+    shares = {}
+    for v in VARIANTS[1:]:
+        variants.use(v)
+        shares[v] = routing_share(actor, batches[v], a.mbs)
+    report(a, metrics, batches, cpu, wall, model_spec, shares)
 
 
 def paired_overhead(variant: list[float], plain: list[float]) -> tuple[float, float, float]:
-    """Per-rep ratios variant / plain - 1 in percent: (median, 25th, 75th percentile)."""
-    q = np.percentile([100 * (v / p - 1) for v, p in zip(variant, plain)], [50, 25, 75])
-    return float(q[0]), float(q[1]), float(q[2])
+    """Per-rep ratios variant / plain - 1 in percent: their median and a 95% bootstrap
+    confidence interval of that median (resampling the reps, seeded)."""
+    r = np.array([100 * (v / p - 1) for v, p in zip(variant, plain)])
+    rng = np.random.default_rng(0)
+    boot = np.median(rng.choice(r, size=(4000, len(r)), replace=True), axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return float(np.median(r)), float(lo), float(hi)
 
 
 def min_overhead(variant: list[float], plain: list[float]) -> float:
@@ -181,7 +206,7 @@ def fmt(q: tuple[float, float, float]) -> str:
     return f"{q[0]:+.1f}% [{q[1]:+.1f}, {q[2]:+.1f}]"
 
 
-def report(a, actors, batches, cpu, wall, spec, shares) -> None:
+def report(a, metrics, batches, cpu, wall, spec, shares) -> None:
     med = {k: statistics.median(v) for k, v in cpu.items()}
     medw = {k: statistics.median(v) for k, v in wall.items()}
     n_tok = sum(len(t) for t in batches["r2"].tokens)
@@ -195,7 +220,7 @@ def report(a, actors, batches, cpu, wall, spec, shares) -> None:
         lp = f"{1e3 * med[v + '/logprobs']:.1f} / {1e3 * medw[v + '/logprobs']:.1f}"
         st = f"{1e3 * med[v + '/step']:.1f} / {1e3 * medw[v + '/step']:.1f}"
         print(f"{v:8} {lp:>22} {st:>24}")
-    r3 = actors["r3"].last_logprob_metrics
+    r3 = metrics["r3"]
     print(f"r3 rollout/train agreement: {r3['routing/rollout_train_agreement']:.3f}")
     payload = spec.num_layers * spec.topk * 4
     stored = {v: sum(s.nbytes for s in batches[v].routing) / n_tok for v in ("r2", "r3")}
@@ -203,8 +228,8 @@ def report(a, actors, batches, cpu, wall, spec, shares) -> None:
         f"bytes per token: SGLang int32 payload {payload}, r2 stored {stored['r2']:.1f}, "
         f"r3 stored {stored['r3']:.1f} (rollout ids + the recorded ones as a patch)"
     )
-    print(f"overhead vs plain, {a.threads} thread(s): fastest rep (median of per-rep ratios "
-          "[interquartile range]), CPU time")  # fmt: skip
+    print(f"overhead vs plain, {a.threads} thread(s), CPU time: median of per-rep ratios [95% "
+          "confidence interval] (fastest rep vs fastest rep)")  # fmt: skip
     headline = {}
     for v in ("none", "r2", "r3"):
         over = {
@@ -214,20 +239,20 @@ def report(a, actors, batches, cpu, wall, spec, shares) -> None:
             [x + y for x, y in zip(cpu[f"{v}/logprobs"], cpu[f"{v}/step"])],
             [x + y for x, y in zip(cpu["plain/logprobs"], cpu["plain/step"])],
         )
-        fast = {p: min_overhead(cpu[f"{v}/{p}"], cpu[f"plain/{p}"]) for p in ("logprobs", "step")}
         fast_both = min_overhead(
             [x + y for x, y in zip(cpu[f"{v}/logprobs"], cpu[f"{v}/step"])],
             [x + y for x, y in zip(cpu["plain/logprobs"], cpu["plain/step"])],
         )
         print(
-            f"  {v:4}: train_step {fast['step']:+.1f}% ({fmt(over['step'])}), logprobs "
-            f"{fast['logprobs']:+.1f}% ({fmt(over['logprobs'])}), both {fast_both:+.1f}% "
-            f"({fmt(both)}); time in the routing code (profiled): {100 * shares[v]:.1f}%"
+            f"  {v:4}: train_step {fmt(over['step'])}, logprobs {fmt(over['logprobs'])}, "
+            f"both {fmt(both)} ({fast_both:+.1f}%); time in the routing code (profiled): "
+            f"{100 * shares[v]:.1f}%"
         )
-        headline[v] = fast_both
+        headline[v] = both
+    verdict = {v: "under 3%" if headline[v][2] < 3 else "not shown" for v in ("r2", "r3")}
     print(
-        f"step overhead (logprobs + train_step, fastest reps): r2 {headline['r2']:+.1f}%, "
-        f"r3 {headline['r3']:+.1f}% (goal < 3%)"
+        f"step overhead (logprobs + train_step): r2 {fmt(headline['r2'])} {verdict['r2']}, "
+        f"r3 {fmt(headline['r3'])} {verdict['r3']} (goal < 3%)"
     )
     print(
         f"storage ratio (int32 payload / stored): r2 {payload / stored['r2']:.2f}x, "
