@@ -116,14 +116,17 @@ def _gather_to_sender(t: torch.Tensor, group) -> list[torch.Tensor] | None:
 
 
 def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
-    """Put this rank's CPU parameters in shared memory (file-system names), so the tensor
-    transport can lend the servers views of them instead of copying them into buckets (see
-    bucket.py, borrowed buckets). Returns the `borrow` test for `bucket.pack`.
+    """Move the storages that hold this rank's CPU parameters side by side (megatron DDP's
+    parameter buffers) into shared memory (file-system names), in place, so the tensor transport
+    can lend the servers views of them instead of copying them into buckets (see bucket.py,
+    borrowed buckets). Returns the `borrow` test for `bucket.pack`, or None when nothing can be
+    lent (GPU parameters: CUDA IPC; or no such buffer).
 
-    A storage that several parameters share (megatron's DDP parameter buffer) moves in place:
-    every view of it, the optimizer's included, follows. Parameters that own their storage are
-    gathered into one shared slab per dtype, each parameter becoming a view of it, so a bucket
-    spans many of them. GPU parameters are left alone (None: nothing is borrowed)."""
+    Moving a storage in place keeps every view of it valid (the optimizer's too) and the
+    training bit for bit the same. Parameters that own their storage (no DDP, or DDP without
+    the distributed optimizer) are left where they are and copied into buckets as before:
+    gathering them into one slab would change their memory layout, and with it the rounding
+    of some kernels."""
     from megatron_gspo.rollout.weight_payload import TensorSharing
 
     params = list({id(p): p for c in unwrap(chunks) for p in c.parameters()}.values())
@@ -132,28 +135,17 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
     by_storage: dict[int, list] = {}
     for p in params:
         by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
-    alone: dict[torch.dtype, list] = {}
-    moved: list = []  # parameters whose storage is ours to lend (not one shared some other way)
-    with TensorSharing(), torch.no_grad():
+    lent: list = []
+    with TensorSharing():
         for group in by_storage.values():
             storage = group[0].untyped_storage()
-            if storage.is_shared():
-                continue
-            moved += group
-            own = len(group) == 1 and storage.nbytes() == _nbytes(group[0])
-            if own and group[0].is_contiguous():
-                alone.setdefault(group[0].dtype, []).append(group[0])
-            else:
-                storage.share_memory_()
-        for dtype, group in alone.items():
-            slab = torch.empty(sum(p.numel() for p in group), dtype=dtype).share_memory_()
-            offset = 0
-            for p in group:
-                view = slab[offset : offset + p.numel()].view(p.shape)
-                view.copy_(p)
-                p.data = view
-                offset += p.numel()
-    shared = {p.untyped_storage().data_ptr() for p in moved}
+            if len(group) < 2 or storage.is_shared():
+                continue  # a parameter of its own, or memory shared some other way
+            storage.share_memory_()
+            lent += group
+    if not lent:
+        return None
+    shared = {p.untyped_storage().data_ptr() for p in lent}
 
     def borrow(t: torch.Tensor) -> bool:
         return (
@@ -162,7 +154,3 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
         )  # fmt: skip
 
     return borrow
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
