@@ -1,9 +1,12 @@
 """Weight-sync bandwidth: a ~1.1 GB random Qwen3-MoE from a Megatron trainer (one process, TP1)
 into one built-in rollout server, per transport, beside a plain memcpy of the same bytes (the
-limit) and a naive sync (one /update_weights_from_tensor request per tensor), in one run.
+limit) and a naive sync (one /update_weights_from_tensor request per tensor), in one run. The
+trainer holds the model as training does (megatron DDP, distributed optimizer: the parameters in
+one buffer), so the tensor transport lends that buffer to the server instead of copying it.
 
-A sync copies every byte at least twice (into a bucket, out of it into the server's weights), so
-half of memcpy's bandwidth is the bound; the goal is the tensor path at 0.35x memcpy or better and
+A sync that packs buckets copies every byte at least twice (into a bucket, out of it into the
+server's weights), so half of memcpy's bandwidth is its bound; lending the parameter buffer
+leaves one copy (the server's). The goal is the tensor path at 0.35x memcpy or better and
 every transport at least 10x the naive sync. Each transport syncs `--reps` times: the first sync
 (which also allocates the shared buffers) is shown apart, the rest as the median. The server is
 idle, the trainer's weights are perturbed once so that the final probe check means something.
@@ -154,11 +157,16 @@ def main() -> None:
 def run(a, model: Path, url: str, server_pid: int) -> None:
     from megatron_gspo.model.parallel import ParallelDims, init_distributed
     from megatron_gspo.model.policy import load_policy
+    from megatron_gspo.train.actor import Actor, OptimConfig
+    from megatron_gspo.weight_sync import gather
     from megatron_gspo.weight_sync.config import SyncConfig
     from megatron_gspo.weight_sync.sync import WeightSync
 
     init_distributed(ParallelDims())
-    chunks = load_policy(model, ParallelDims())
+    # The trainer's model as training holds it: megatron DDP with the distributed optimizer
+    # (the default), whose parameters live in one buffer the tensor transport can lend.
+    actor = Actor(load_policy(model, ParallelDims()), OptimConfig(lr=1e-6))
+    chunks = gather.unwrap(actor.chunks)
     for name, p in chunks[0].named_parameters():
         if "layernorm" in name or "final_layernorm" in name:
             p.mul_(1.5)  # the trainer now differs from the server's checkpoint
