@@ -10,7 +10,9 @@ prints shell assignments (`eval "$(python launch/plan.py ...)"`). launch/serve_n
 
 Placement (`rollout.placement`):
   colocated      every node trains and serves: its servers share the trainer's GPUs (SGLang
-                 releases its memory while the trainer trains; `rollout.release_memory`).
+                 releases its memory while the trainer trains; `rollout.release_memory`). On
+                 several nodes sync.method=tensor relays each node's weights through a trainer
+                 rank there; disaggregated nodes that only serve need sync.method=distributed.
   disaggregated  the last `rollout_nodes` nodes serve, the others train. On one node the GPUs
                  are split: the trainer takes the first nproc_per_node, the servers the rest.
 On a CPU-only machine a node runs `servers_per_node` servers (default 1) and nproc_per_node ranks.
@@ -154,11 +156,14 @@ def _check(cfg: Config, lay: Layout) -> None:
     if lay.gpus_per_node:
         _check_gpus(cfg, lay)
     multi_host = lay.nnodes > 1
-    if multi_host and cfg.sync.method == "tensor":
+    serve_only = [n for n in lay.serving_nodes if lay.role(n) == "serve"]
+    if cfg.sync.method == "tensor" and serve_only:
+        # Tensor handles only open on their own host: a trainer rank on each serving node relays
+        # the buckets to its servers (weight_sync/relay.py). A node that only serves has none.
         raise UserError(
-            "sync.method=tensor hands over shared-memory / CUDA IPC handles, which only work on "
-            f"one host; a job on {lay.nnodes} nodes needs sync.method=distributed (one broadcast "
-            "group per pipeline stage reaches every node's servers, colocated or not)"
+            f"sync.method=tensor needs a trainer rank on every serving node to relay the weights "
+            f"to its servers, and rollout node(s) {' '.join(map(str, serve_only))} only serve; "
+            "set sync.method=distributed"
         )
     if cfg.sync.method == "disk" and multi_host:
         pass  # works when RUN_DIR is on a filesystem every node mounts (it must be anyway)

@@ -7,7 +7,9 @@
 #
 # rollout.placement decides where servers go (launch/plan.py): colocated, every node serves on
 # the trainer's GPUs; disaggregated, the last ROLLOUT_NODES nodes only serve (on one node, the
-# GPUs after the trainer's). The servers' URLs reach the trainer as rollout.urls. Nodes meet
+# GPUs after the trainer's). The servers' URLs reach the trainer as rollout.urls, the node of
+# each as rollout.url_nodes, and each rank learns its own node from MEGATRON_GSPO_NODE_RANK (the
+# tensor weight sync relays to a node's servers through a rank on that node). Nodes meet
 # through RUN_DIR/launch/<LAUNCH_ID>/ (a filesystem every node mounts; checkpoints need it anyway):
 # urls/node<R>.txt per serving node, `done` when training ended, `abort` when a node failed.
 #
@@ -232,7 +234,7 @@ fi
 
 # ---- a training node: wait for every serving node's URLs --------------------------------------
 deadline=$((SECONDS + HEALTH_TIMEOUT_S + 120))
-URLS=()
+URLS=() URL_NODES=()
 for n in $SERVING_NODES; do
     f="$STATE/urls/node$n.txt"
     until [[ -f "$f" ]]; do
@@ -245,6 +247,7 @@ for n in $SERVING_NODES; do
         pause 0.5
     done
     mapfile -t -O "${#URLS[@]}" URLS < "$f"
+    while ((${#URL_NODES[@]} < ${#URLS[@]})); do URL_NODES+=("$n"); done
 done
 log "rollout servers ready: ${URLS[*]}"
 
@@ -265,15 +268,17 @@ fi
 
 # ---- the trainer -----------------------------------------------------------------------------
 url_list="$(printf '"%s",' "${URLS[@]}")"
+node_list="$(printf '%s,' "${URL_NODES[@]}")"
 TRAIN_ARGS=(--config "$CONFIG" --run-dir "$RUN_DIR")
 [[ -n "$STEPS" ]] && TRAIN_ARGS+=(--steps "$STEPS")
 ((RESUME)) && TRAIN_ARGS+=(--resume)
-TRAIN_ARGS+=("${OVERRIDES[@]}" "rollout.urls=[${url_list%,}]")
+TRAIN_ARGS+=("${OVERRIDES[@]}" "rollout.urls=[${url_list%,}]" "rollout.url_nodes=[${node_list%,}]")
 [[ -n "$ROUTER_URL" ]] && TRAIN_ARGS+=("rollout.router_url=$ROUTER_URL")  # generation goes through it
 if [[ -n "${TRAINER_GPUS:-}" && "$PLACEMENT" == disaggregated && "$NNODES" == 1 ]]; then
     export CUDA_VISIBLE_DEVICES="$TRAINER_GPUS"  # the servers hold the node's other GPUs
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export MEGATRON_GSPO_NODE_RANK="$NODE_RANK"  # the node of each rank, as rollout.url_nodes counts
 log "torchrun: $TRAIN_NODES node(s) x $NPROC_PER_NODE ranks, rendezvous $RDZV_ENDPOINT"
 "$PYTHON" -m torch.distributed.run \
     --nnodes "$TRAIN_NODES" --nproc-per-node "$NPROC_PER_NODE" \

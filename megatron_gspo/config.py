@@ -69,6 +69,10 @@ class RolloutSection:
     backend: str = "builtin"  # builtin | sglang
     servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
     urls: list[str] = field(default_factory=list)  # servers started by someone else
+    # the node (the launcher's node index) each of `urls` runs on; with sync.method=tensor, servers
+    # on several nodes get their buckets through a trainer rank on their own node (a relay).
+    # launch/torchrun.sh sets it, and tells each trainer rank its node (MEGATRON_GSPO_NODE_RANK)
+    url_nodes: list[int] = field(default_factory=list)
     # sglang-router in front of `urls`: generation goes through it (it balances the requests);
     # weight syncs, health checks and memory release still address every server in `urls`
     router_url: str | None = None
@@ -91,6 +95,13 @@ class RolloutSection:
         _choice(self.placement, "rollout.placement", ("colocated", "disaggregated"))
         if not self.urls:
             _positive(self.servers, "rollout.servers")
+        if self.url_nodes and len(self.url_nodes) != len(self.urls):
+            raise UserError(
+                f"rollout.url_nodes has {len(self.url_nodes)} entries for {len(self.urls)} "
+                "rollout.urls; give the node index of each URL's server, in the same order"
+            )
+        if any(n < 0 for n in self.url_nodes):
+            raise UserError(f"rollout.url_nodes must be node indices >= 0, not {self.url_nodes}")
         if self.router_url and not self.urls:
             raise UserError(
                 "rollout.router_url needs rollout.urls: the servers behind the router (weight "

@@ -4,6 +4,7 @@ sampler, the weight sync, and the restore of a checkpoint on `--resume`."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from megatron_gspo.config import Config, dump_config
@@ -85,13 +86,20 @@ class TrainerSetup:
         from megatron_gspo.weight_sync.config import ServerRef
         from megatron_gspo.weight_sync.sync import WeightSync
 
-        refs = [ServerRef(u, self.cfg.rollout.server_tp, api_key()) for u in urls]
+        r = self.cfg.rollout
+        nodes = r.url_nodes if r.urls and r.url_nodes else [None] * len(urls)
+        refs = [
+            ServerRef(u, r.server_tp, api_key(), node) for u, node in zip(urls, nodes, strict=True)
+        ]
         self.sync = WeightSync(
             self.actor.chunks,
             refs,
             self.cfg.sync.build(self.run_dir),
             base_model=self.hf_dir,
+            node=_launcher_node(),
         )
+        if self.rank0 and self.sync.relay is not None:
+            print(f"weight sync: {self.sync.relay.describe(self.sync.servers)}", flush=True)
         return self.sync
 
     def restore(self, sampler, sync, rollouts) -> dict:
@@ -109,3 +117,15 @@ class TrainerSetup:
         if self.rank0:
             log.info("resumed from %s (step %d)", self.resume_from, state["step"])
         return state
+
+
+def _launcher_node() -> int | None:
+    """The launcher's index of this rank's node (launch/torchrun.sh exports it), if given."""
+    from megatron_gspo.weight_sync.relay import NODE_ENV
+
+    value = os.environ.get(NODE_ENV)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise UserError(f"{NODE_ENV}={value!r} must be this node's index (0, 1, ...)")
+    return int(value)

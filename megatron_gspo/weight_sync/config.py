@@ -65,11 +65,14 @@ class SyncConfig:
 
 @dataclass(frozen=True)
 class ServerRef:
-    """One rollout server: its URL, how many TP ranks it has (one payload or group rank each)."""
+    """One rollout server: its URL, how many TP ranks it has (one payload or group rank each),
+    and the launcher's index of the node it runs on (None: unknown, taken as the trainer's own;
+    the tensor transport relays to servers on other nodes, relay.py)."""
 
     url: str
     tp_size: int = 1
     api_key: str | None = None
+    node: int | None = None
 
     @classmethod
     def of(cls, server: str | ServerRef) -> ServerRef:

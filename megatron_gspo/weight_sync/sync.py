@@ -4,14 +4,17 @@
     report = ws.sync(version=str(step))      # every trainer rank calls it: it runs collectives
 
 Roles: the coordinator (global rank 0) talks to the servers about the update as a whole; each
-pipeline stage's sender (gather.py) streams that stage's buckets. One sync:
+pipeline stage's sender (gather.py) streams that stage's buckets. With the tensor transport and
+servers on several nodes, a sender posts to its own node's servers and a relay on every other
+node (relay.py) receives the buckets by broadcast and posts them to that node's servers. One sync:
  1. begin (coordinator): optionally /pause_generation (in place), then /begin_weight_update on
     every server. One that does not answer is left out: untouched, still on its whole version.
  2. stream (every rank): gather -> pack (bucket.py) -> transport, on a sender thread so the next
     bucket is packed while this one is sent. The first bucket labels each server
     `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
-    but the gathers run on (they are collectives).
+    but the gathers run on (they are collectives). A relay is a sender to its node's servers in
+    every respect: its failures and the servers it touched reach the coordinator the same way.
  3. commit (coordinator): servers that took every bucket get `version` (/update_weight_version;
     disk: /update_weights_from_disk of the finished directory).
  4. restore: a server that failed after it was touched, or every touched server when the trainer
@@ -35,10 +38,12 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
@@ -46,6 +51,7 @@ from megatron_gspo.weight_sync import gather, verify
 from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDirs
+from megatron_gspo.weight_sync.relay import Fanout, make_plan, receive
 from megatron_gspo.weight_sync.servers import Servers
 from megatron_gspo.weight_sync.transport import (
     LOCAL_HOSTS,
@@ -70,6 +76,7 @@ class SyncReport:
     failures: dict[str, str] = field(default_factory=dict)  # url -> what went wrong
     trainer_error: str | None = None
     checksums: dict[int, list[int]] = field(default_factory=dict)  # stage -> per bucket
+    sent_by: dict[str, dict[int, int]] = field(default_factory=dict)  # url -> {stage: its rank}
 
     @property
     def ok(self) -> bool:
@@ -104,9 +111,12 @@ class WeightSync:
         base_model: str | Path,
         base_version: str = "default",
         transport: Transport | None = None,
+        node: int | None = None,
     ):
         """`base_model`: the HF directory the servers started from (config and tokenizer for
-        disk versions, and the first restore point, at `base_version`)."""
+        disk versions, and the first restore point, at `base_version`). `node`: the launcher's
+        index of this rank's node; the tensor transport needs it when the servers are on several
+        nodes (`ServerRef.node`), to relay each node's buckets through a rank there."""
         from megatron_gspo.model.policy import hf_files_dir
 
         self.chunks = gather.unwrap(chunks)
@@ -122,11 +132,19 @@ class WeightSync:
         self.dirs = VersionDirs(root, config.keep_versions, base) if root else None
         self._base = base
         self.device = next(self.chunks[0].parameters()).device
-        self.pool = BufferPool(
-            config.bucket_bytes, config.buffers, lambda n: self.transport.alloc(n, self.device)
-        )
+        self.pool = self._new_pool()
         self.count = 0
         self.coordinator = _rank() == 0
+        self.relay = None
+        if self.transport.name == "tensor":
+            self.relay = make_plan(self.servers, node, self.device, config.timeout_s)
+        relayed = self.relay.relayed_by(_rank()) if self.relay else []
+        self._relay_pools = {s: self._new_pool() for s in relayed}
+        self._relaying = ThreadPoolExecutor(len(relayed), "weight-sync-relay") if relayed else None
+
+    def _new_pool(self) -> BufferPool:
+        alloc = lambda n: self.transport.alloc(n, self.device)  # noqa: E731
+        return BufferPool(self.config.bucket_bytes, self.config.buffers, alloc)
 
     @property
     def restore_point(self) -> RestorePoint:
@@ -140,12 +158,12 @@ class WeightSync:
         t0 = time.perf_counter()
         plan = _bcast(self._begin(version) if self.coordinator else None)
         try:
-            outcome = self._stream(version, plan)
+            mine = self._stream(version, plan)
         except BaseException:
             if self.coordinator:  # our own gather failed: leave no server half-updated
                 self._finish_session(version, plan, [], crashed=True)
             raise
-        outcomes = [o for o in _all_gather(outcome) if o is not None]
+        outcomes = [o for of_rank in _all_gather(mine) for o in of_rank]
         report = None
         if self.coordinator:
             report = self._finish_session(version, plan, outcomes)
@@ -173,14 +191,30 @@ class WeightSync:
         live = [i for i in range(len(self.servers)) if i not in errors]
         return {"live": live, "errors": errors, "write": write}
 
-    def _stream(self, version: str, plan: dict) -> dict | None:
+    def _stream(self, version: str, plan: dict) -> list[dict]:
+        """This rank's outcomes: its stage's if it is a sender, and one per stage it relays."""
+        relaying = [
+            self._relaying.submit(self._relay_stage, version, plan, stage, pool)
+            for stage, pool in self._relay_pools.items()
+        ]
+        try:
+            mine = self._stream_stage(version, plan)
+        finally:
+            relayed = [f.result() for f in relaying]
+        return ([mine] if mine else []) + relayed
+
+    def _stream_stage(self, version: str, plan: dict) -> dict | None:
         named = gather.iter_stage(self.chunks)
         if not gather.is_stage_sender():
             for _ in named:  # drive the collectives
                 pass
             return None
         stage = gather.stage_index()
-        ctx = StageContext(self.servers, self.config, version, stage, list(plan["live"]))
+        live, fanout = list(plan["live"]), None
+        if self.relay:  # this node's servers; the relays reach the others'
+            live = self.relay.servers_on(self.relay.rank_nodes[_rank()], live)
+            fanout = Fanout(self.relay, stage) if stage in self.relay.groups else None
+        ctx = StageContext(self.servers, self.config, version, stage, live)
         writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
         error, nbytes, sums = None, 0, []
         try:
@@ -189,29 +223,57 @@ class WeightSync:
             error = str(e)
         try:
             buckets = pack(named, self.pool, stage)
-            error, nbytes, sums = self._send_all(buckets, ctx, writer, error)
+            error, nbytes, sums = self._send_all(buckets, ctx, writer, error, fanout)
         finally:
-            try:
-                self.transport.close_stage(ctx)
-            except Exception as e:  # noqa: BLE001 - reported with the rest
-                error = error or f"closing stage {stage}: {type(e).__name__}: {e}"
-        return {
-            "stage": stage, "failed": ctx.failed, "touched": sorted(ctx.touched),
-            "error": error, "bytes": nbytes, "buckets": ctx.buckets, "checksums": sums,
-            "files": writer.outcome() if writer else None,
-        }  # fmt: skip
+            closing = self._close_stage(ctx, fanout)
+        return _outcome(ctx, error or closing, nbytes, sums, writer.outcome() if writer else None)
 
-    def _send_all(self, buckets, ctx: StageContext, writer, error: str | None):
-        """Send each bucket on a worker thread while the caller packs the next one."""
-        q: queue.Queue = queue.Queue(maxsize=self.pool.size)
+    def _close_stage(self, ctx: StageContext, fanout: Fanout | None) -> str | None:
+        errors = []
+        if fanout is not None:
+            try:
+                fanout.close()  # the relays stop waiting, also after a failure
+            except Exception as e:  # noqa: BLE001 - reported with the rest
+                errors.append(f"ending stage {ctx.stage} for the relays: {type(e).__name__}: {e}")
+        try:
+            self.transport.close_stage(ctx)
+        except Exception as e:  # noqa: BLE001 - reported with the rest
+            errors.append(f"closing stage {ctx.stage}: {type(e).__name__}: {e}")
+        return "; ".join(errors) or None
+
+    def _relay_stage(self, version: str, plan: dict, stage: int, pool: BufferPool) -> dict:
+        """On a relay's thread: `stage`'s buckets from its sender to this node's servers."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
+        node = self.relay.rank_nodes[_rank()]
+        live = self.relay.servers_on(node, plan["live"])
+        ctx = StageContext(self.servers, self.config, version, stage, live)
+        error, nbytes, sums = None, 0, []
+        try:
+            buckets = receive(self.relay, stage, pool)
+            error, nbytes, sums = self._send_all(buckets, ctx, None, None, pool=pool)
+        except Exception as e:  # noqa: BLE001 - a trainer-side failure of this relay
+            error = str(e) if isinstance(e, TransportError) else repr(e)
+        return _outcome(ctx, error, nbytes, sums, None, relay=node)
+
+    def _send_all(self, buckets, ctx: StageContext, writer, error: str | None, fanout=None,
+                  pool: BufferPool | None = None):  # fmt: skip
+        """Send each bucket on a worker thread while the caller packs (or, on a relay,
+        receives) the next one: to the relays of other nodes first, then to `ctx.live`."""
+        pool = pool or self.pool
+        q: queue.Queue = queue.Queue(maxsize=pool.size)
         state = {"error": error, "bytes": 0, "checksums": []}
 
         def work():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0
             while (b := q.get()) is not None:
                 try:
                     if state["error"] is None:
                         if writer is not None:
                             writer.write(b)
+                        if fanout is not None:
+                            fanout.send(b)
                         if ctx.live:
                             ctx.fail(self.transport.send(b, ctx))
                         ctx.buckets += 1
@@ -220,7 +282,7 @@ class WeightSync:
                 except Exception as e:  # noqa: BLE001 - a trainer-side failure of this stage
                     state["error"] = str(e) if isinstance(e, TransportError) else repr(e)
                 finally:
-                    release(b, self.pool)
+                    release(b, pool)
 
         worker = threading.Thread(target=work, name=f"weight-sync-s{ctx.stage}", daemon=True)
         worker.start()
@@ -244,10 +306,19 @@ class WeightSync:
         for o in outcomes:
             failed.update(o["failed"])
             touched.update(o["touched"])
-            errors += [f"stage {o['stage']}: {o['error']}"] if o["error"] else []
-            report.bytes += o["bytes"]
-            report.buckets += o["buckets"]
-            report.checksums[o["stage"]] = o["checksums"]
+            errors += [f"{_who(o)}: {o['error']}"] if o["error"] else []
+            for i in o["touched"]:
+                report.sent_by.setdefault(self.servers.url(i), {})[o["stage"]] = o["rank"]
+            if o["relay"] is None:  # a relay moves its sender's bytes again: counted once
+                report.bytes += o["bytes"]
+                report.buckets += o["buckets"]
+                report.checksums[o["stage"]] = o["checksums"]
+        if not errors:
+            errors = [
+                f"{_who(o)}: received buckets whose checksums differ from its sender's"
+                for o in outcomes
+                if o["relay"] is not None and o["checksums"] != report.checksums.get(o["stage"])
+            ]
         report.trainer_error = "; ".join(errors) or None
         live = [i for i in plan["live"] if i not in failed]
         if report.trainer_error is None:
@@ -275,7 +346,8 @@ class WeightSync:
     def _finish_files(self, version: str, plan: dict, outcomes: list[dict]) -> Path | None:
         if not plan["write"]:
             return None
-        new_dir = self.dirs.finish(version, [o["files"] for o in outcomes], self.base_hf)
+        files = [o["files"] for o in outcomes if o["relay"] is None]
+        new_dir = self.dirs.finish(version, files, self.base_hf)
         self.dirs.set_restore(RestorePoint(str(new_dir), version))
         return new_dir
 
@@ -344,8 +416,25 @@ class WeightSync:
 
     def close(self) -> None:
         self.servers.close()
+        if self._relaying is not None:
+            self._relaying.shutdown(wait=False)
         if self._own_dir and self.coordinator:
             shutil.rmtree(self._own_dir, ignore_errors=True)
+
+
+def _outcome(ctx: StageContext, error, nbytes: int, sums: list, files, relay: int | None = None):
+    """What a stage sender (relay: None) or a relay (relay: its node) did in one sync."""
+    return {
+        "stage": ctx.stage, "rank": _rank(), "relay": relay, "failed": ctx.failed,
+        "touched": sorted(ctx.touched), "error": error, "bytes": nbytes, "buckets": ctx.buckets,
+        "checksums": sums, "files": files,
+    }  # fmt: skip
+
+
+def _who(outcome: dict) -> str:
+    if outcome["relay"] is None:
+        return f"stage {outcome['stage']}"
+    return f"stage {outcome['stage']} relay (rank {outcome['rank']}, node {outcome['relay']})"
 
 
 def _shm_dir(servers: Servers) -> str:

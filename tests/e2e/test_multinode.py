@@ -1,7 +1,10 @@
 """Two nodes simulated on one machine: two torchrun agents (`--nnodes 2`, c10d rendezvous on
 loopback) train the tiny config to the same metrics as one agent with the same layout, and a rank
 killed mid-run stops both nodes with a clear message, leaving a checkpoint that --resume loads
-(through launch/torchrun.sh, the script Slurm runs once per node)."""
+(through launch/torchrun.sh, the script Slurm runs once per node). That run is colocated with the
+tensor weight sync: each node's server gets its weights from a trainer rank of its own node (the
+other node's through a relay), and every sync is verified on every server (sync.verify_every=1:
+the servers' probe log-probs against the trainer's, and their weight_version)."""
 
 from __future__ import annotations
 
@@ -168,11 +171,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# Colocated on both nodes, weights by shared memory through a per-node relay, in a few buckets,
+# every sync verified on every server (a mismatch fails the run).
+RELAYED = ["train.checkpoint_every=1", "sync.method=tensor", "sync.bucket_mb=0.5",
+           "sync.verify_every=1"]  # fmt: skip
+
+
 def test_killed_rank_stops_every_node_and_the_last_checkpoint_resumes(task_model, tmp_path):
     run = tmp_path / "run"
     steps = 3
-    procs = launch_nodes(run, task_model, "train.checkpoint_every=1", "sync.method=distributed",
-                         steps=steps, launch_id="a")  # fmt: skip
+    procs = launch_nodes(run, task_model, *RELAYED, steps=steps, launch_id="a")
     try:
         deadline = time.monotonic() + 600
         while not (run / "checkpoints" / "step_1" / "trainer_state.json").is_file():
@@ -203,13 +211,18 @@ def test_killed_rank_stops_every_node_and_the_last_checkpoint_resumes(task_model
     last = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
     assert last >= 1 and f"checkpoints/step_{last};" in killed_node
 
-    resumed = launch_nodes(run, task_model, "train.checkpoint_every=1", "sync.method=distributed",
-                           "--resume", steps=steps, launch_id="b")  # fmt: skip
+    resumed = launch_nodes(run, task_model, *RELAYED, "--resume", steps=steps, launch_id="b")
     results = finish(resumed)
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:]
     rows = metrics(run)
-    assert rows[-1]["step"] == steps
+    assert rows[-1]["step"] == steps and rows[-1]["weight_version"] == steps
     assert (run / "checkpoints" / f"step_{steps}" / "trainer_state.json").is_file()
+    # Each node's server got its weights from a rank of its own node: the stage sender's node
+    # directly, the other through its relay; every sync up to the last was verified on both.
+    plan = [line for _, text in results for line in text.splitlines() if "weight sync: " in line]
+    assert plan and "relayed by rank 1 to node" in plan[0], plan
+    urls = [(run / "launch" / "b" / "urls" / f"node{n}.txt").read_text().split() for n in (0, 1)]
+    assert all(url in plan[0] for node_urls in urls for url in node_urls), (plan, urls)
 
 
 def test_disaggregated_node_serves_while_the_other_trains(task_model, tmp_path):

@@ -38,7 +38,8 @@ def cfg(*overrides: str):
 
 
 def multi(*overrides: str):
-    """A config for several nodes: weights by broadcast (tensor handles stay on one host)."""
+    """A config for several nodes, any placement: weights by broadcast (a node that only serves
+    has no trainer rank to relay tensor handles to its servers)."""
     return cfg("sync.method=distributed", *overrides)
 
 
@@ -68,6 +69,16 @@ def test_disaggregated_on_one_node_splits_its_gpus():
     assert lay.server_gpus(0) == [[6, 7]]
 
 
+@pytest.mark.parametrize("gpus", [0, 8])
+def test_colocated_on_several_nodes_keeps_the_tensor_sync(gpus):
+    """Every node trains, so each node's servers get tensor handles from a rank of their own
+    node (weight_sync/relay.py)."""
+    c = cfg("parallel.ep=2")
+    lay = make_layout(c, nnodes=2, gpus_per_node=gpus)
+    assert [lay.role(n) for n in range(2)] == ["both", "both"]
+    assert "SYNC_METHOD=tensor" in shell_assignments(c, lay).splitlines()
+
+
 def test_router_only_in_front_of_several_sglang_servers():
     one_per_node = multi("rollout.backend=sglang", "rollout.server_tp=8")
     assert not make_layout(one_per_node, nnodes=1, gpus_per_node=8).router
@@ -81,9 +92,10 @@ def test_router_only_in_front_of_several_sglang_servers():
         (["parallel.tp=4"], {"nnodes": 1, "nproc_per_node": 2}, "not a multiple of tp*pp=4"),
         (["rollout.placement=disaggregated"], {"nnodes": 2}, "sync.method=distributed"),
         (
-            [],
-            {"nnodes": 2},
-            "only work on one host; a job on 2 nodes needs sync.method=distributed",
+            ["rollout.placement=disaggregated"],
+            {"nnodes": 3, "rollout_nodes": 2},
+            "needs a trainer rank on every serving node to relay the weights to its servers, and "
+            "rollout node(s) 1 2 only serve; set sync.method=distributed",
         ),
         (
             ["sync.method=distributed"],

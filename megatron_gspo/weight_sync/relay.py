@@ -1,0 +1,182 @@
+"""Per-node relays: the tensor transport when the rollout servers sit on several nodes.
+
+The tensor transport hands a server a shared-memory file name (CPU) or a CUDA IPC handle (GPU),
+which only a process on the server's own host can open. So on several nodes each stage sender
+posts its buckets to the servers of its own node only, and every other node with servers has a
+relay, its lowest global trainer rank, which posts the same buckets from a buffer of its own:
+
+    stage sender --broadcast--> relay of node n --/update_weights_from_tensor--> node n's servers
+                 (gloo on CPU, NCCL on GPU)      (its own shared memory / IPC handle)
+
+One process group per pipeline stage that has relays (its sender and the relays of the nodes
+other than the sender's), made once, when the WeightSync is built. Per bucket the sender
+broadcasts a header (index, size, metadata) and then the bytes; a None header ends the stage, also
+after a failure, so a relay never waits for a bucket that will not come. A relay receives on a
+thread of its own (its main thread drives the gathers of its own stage: collectives that the
+sender of another stage may be waiting for) and posts each bucket on a second thread while it
+receives the next, as a sender does. Its outcome (servers failed and touched, bucket checksums)
+reaches the coordinator with the senders'; the checksums must equal the sender's.
+
+Nodes are the launcher's node indices: `ServerRef.node` of each server (`rollout.url_nodes`) and
+each trainer rank's own (launch/torchrun.sh exports it as MEGATRON_GSPO_NODE_RANK).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.weight_sync import gather
+from megatron_gspo.weight_sync.bucket import Bucket, BufferPool
+from megatron_gspo.weight_sync.servers import Servers
+from megatron_gspo.weight_sync.transport import TransportError
+
+NODE_ENV = "MEGATRON_GSPO_NODE_RANK"  # the launcher's index of the node a trainer rank runs on
+
+
+@dataclass
+class RelayPlan:
+    """Who sends which stage to which node's servers; the same on every rank."""
+
+    rank_nodes: list[int]  # node of each global rank
+    server_nodes: list[int]  # node of each server, by server index
+    senders: dict[int, int]  # stage -> global rank of its sender
+    relays: dict[int, int]  # node with servers -> its relay (lowest global rank on it)
+    members: dict[int, list[int]] = field(default_factory=dict)  # stage -> sender, relays
+    groups: dict[int, object] = field(default_factory=dict)  # stage -> its process group
+    device: torch.device = torch.device("cpu")
+
+    def servers_on(self, node: int, indices: list[int]) -> list[int]:
+        return [i for i in indices if self.server_nodes[i] == node]
+
+    def relayed_by(self, rank: int) -> list[int]:
+        """The stages whose buckets `rank` relays to its node's servers."""
+        return [s for s, m in sorted(self.members.items()) if rank in m[1:]]
+
+    def describe(self, servers: Servers) -> str:
+        def urls(node: int) -> str:
+            return " ".join(servers.url(i) for i in self.servers_on(node, range(len(servers))))
+
+        parts = []
+        for s, src in sorted(self.senders.items()):
+            home = self.rank_nodes[src]
+            text = f"stage {s} from rank {src} to node {home}'s servers ({urls(home) or 'none'})"
+            for r in self.members.get(s, [])[1:]:
+                n = self.rank_nodes[r]
+                text += f", relayed by rank {r} to node {n}'s ({urls(n)})"
+            parts.append(text)
+        return "tensor buckets through per-node relays: " + "; ".join(parts)
+
+
+def make_plan(
+    servers: Servers, node: int | None, device: torch.device, timeout_s: float
+) -> RelayPlan | None:
+    """The relay plan when the servers are on several nodes, else None (every rank calls it:
+    it gathers each rank's node and makes the groups)."""
+    nodes = [r.node for r in servers.refs]
+    if len(set(nodes)) <= 1:
+        return None  # one node: the stage senders reach every server themselves
+    if None in nodes:
+        raise UserError(
+            "some rollout servers have a node index and others do not; give every URL its node "
+            "in rollout.url_nodes"
+        )
+    infos = _all_gather((node, gather.stage_index(), gather.is_stage_sender()))
+    if any(n is None for n, _, _ in infos):
+        raise UserError(
+            f"the rollout servers are on nodes {sorted(set(nodes))} and sync.method=tensor relays "
+            "buckets through a trainer rank on each node, but a trainer rank does not know its "
+            f"node; set {NODE_ENV} on every node (launch/torchrun.sh does) or sync.method="
+            "distributed"
+        )
+    rank_nodes = [n for n, _, _ in infos]
+    plan = RelayPlan(
+        rank_nodes=rank_nodes,
+        server_nodes=nodes,
+        senders={s: r for r, (_, s, sender) in enumerate(infos) if sender},
+        relays={},
+        device=device,
+    )
+    for n in sorted(set(nodes)):
+        ranks = [r for r, m in enumerate(rank_nodes) if m == n]
+        if not ranks:
+            urls = " ".join(servers.url(i) for i in plan.servers_on(n, range(len(servers))))
+            raise UserError(
+                f"node {n}'s rollout servers ({urls}) have no trainer rank on their node to "
+                "receive the tensor transport's buckets; use sync.method=distributed"
+            )
+        plan.relays[n] = ranks[0]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for s, src in sorted(plan.senders.items()):
+        others = sorted(r for n, r in plan.relays.items() if n != rank_nodes[src])
+        if others:
+            plan.members[s] = [src, *others]
+            # Every rank makes every group, in the same order (new_group is a collective).
+            plan.groups[s] = dist.new_group(
+                sorted(plan.members[s]), timeout=timeout, backend=backend
+            )
+    return plan
+
+
+class Fanout:
+    """A stage sender's side: every bucket of its stage to the relays of the other nodes."""
+
+    def __init__(self, plan: RelayPlan, stage: int):
+        self.plan, self.stage = plan, stage
+        self.group, self.src = plan.groups[stage], plan.senders[stage]
+        self.broken = False
+
+    def send(self, bucket: Bucket) -> None:
+        try:
+            self._header((bucket.index, bucket.nbytes, bucket.pooled, bucket.metadata))
+            dist.broadcast(bucket.flat, src=self.src, group=self.group)
+            bucket.seal()  # on a GPU: sent before the buffer goes back to be packed again
+        except Exception as e:
+            self.broken = True  # the group cannot be trusted with another collective
+            raise TransportError(
+                f"broadcast of bucket {bucket.index} to the relays "
+                f"(ranks {self.plan.members[self.stage][1:]}) failed: {e}"
+            ) from None
+
+    def close(self) -> None:
+        """The end of the stage, also after a failure (unless the group itself broke)."""
+        if not self.broken:
+            self._header(None)
+
+    def _header(self, header) -> None:
+        box = [header]
+        dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.plan.device)
+
+
+def receive(plan: RelayPlan, stage: int, pool: BufferPool) -> Iterator[Bucket]:
+    """A relay's side: the stage's buckets as its sender broadcasts them, each in a buffer of
+    `pool` (the consumer releases it), until the sender ends the stage."""
+    group, src = plan.groups[stage], plan.senders[stage]
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=src, group=group, device=plan.device)
+        if box[0] is None:
+            return
+        index, nbytes, pooled, metadata = box[0]
+        buffer = pool.take() if pooled else pool.take_big(nbytes)
+        bucket = Bucket(stage, index, buffer, nbytes, metadata, pooled=pooled)
+        try:
+            dist.broadcast(bucket.flat, src=src, group=group)
+        except Exception as e:
+            (pool.give if pooled else pool.give_big)(buffer)
+            raise TransportError(f"receiving bucket {index} from rank {src} failed: {e}") from None
+        yield bucket.seal()
+
+
+def _all_gather(obj) -> list:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,92 @@
+"""Worker for the relay tests: a trainer whose ranks and servers are spread over simulated nodes.
+
+torchrun --nproc-per-node N tests/distributed/relay_worker.py CKPT OUT.json URL[,URL..]
+    --server-nodes 0,1,1 --rank-nodes 0,1 [--pp/--ep K] [--kill URL --kill-pid PID]
+
+Every rank is told its node (`--rank-nodes`, by global rank) and every server its node, so the
+tensor transport relays to the servers of the nodes other than a stage sender's. Version "1": the
+policy perturbed once, synced with verify_every=1 (each server's probe log-probs against the
+trainer's). With --kill, version "2" is synced and the server at URL is killed just before the
+second bucket meant for it. Rank 0 writes the reports and what each server serves afterwards.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch.distributed as dist
+from weight_sync_worker import perturb, serving
+
+from megatron_gspo.model.forward import score
+from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
+from megatron_gspo.model.policy import load_policy
+from megatron_gspo.weight_sync import verify
+from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
+from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
+from megatron_gspo.weight_sync.transport import TensorTransport
+
+
+class KillMidSync(TensorTransport):
+    """The tensor transport; once armed, it kills one server before the second bucket to it."""
+
+    def __init__(self, victim: str | None, pid: int | None):
+        self.victim, self.pid, self.armed = victim, pid, False
+
+    def send(self, bucket, ctx):
+        urls = {ctx.servers.url(i) for i in ctx.live}
+        if self.armed and ctx.buckets == 1 and self.victim in urls:
+            os.kill(self.pid, signal.SIGKILL)
+            time.sleep(0.3)
+        return super().send(bucket, ctx)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("servers")
+    ap.add_argument("--server-nodes", required=True)
+    ap.add_argument("--rank-nodes", required=True)
+    for name in ("pp", "ep"):
+        ap.add_argument("--" + name, type=int, default=1)
+    ap.add_argument("--kill", default=None)
+    ap.add_argument("--kill-pid", type=int, default=None)
+    a = ap.parse_args()
+    dims = ParallelDims(pp=a.pp, ep=a.ep, world_size=world_size_from_env())
+    init_distributed(dims)
+    chunks = load_policy(a.checkpoint, dims)
+    nodes = [int(n) for n in a.server_nodes.split(",")]
+    refs = [ServerRef(u, node=n) for u, n in zip(a.servers.split(","), nodes, strict=True)]
+    cfg = SyncConfig(transport="tensor", bucket_mb=0.05, verify_every=1, timeout_s=60)
+    transport = KillMidSync(a.kill, a.kill_pid)
+    node = [int(n) for n in a.rank_nodes.split(",")][dist.get_rank()]
+    ws = WeightSync(chunks, refs, cfg, base_model=a.checkpoint, transport=transport, node=node)
+
+    seqs = verify.probe_batch(chunks[0].model_spec.vocab_size, cfg)
+    expected = {"0": score(chunks, seqs)}
+    result: dict = {"plan": ws.relay.describe(ws.servers)}
+    perturb(chunks, 1)
+    expected["1"] = score(chunks, seqs)
+    report = ws.sync("1")  # verify_every=1: raises unless every server serves "1" and matches
+    result["synced"] = report.__dict__
+    if a.kill:
+        perturb(chunks, 2)
+        expected["2"] = score(chunks, seqs)
+        transport.armed = True
+        try:
+            ws.sync("2")
+            result["error"] = None
+        except WeightSyncError as e:
+            result["error"] = str(e)
+            result["report"] = e.report.__dict__ if e.report else None
+    if dist.get_rank() == 0:
+        result["serving"] = serving(ws, seqs, expected)
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+    ws.close()
+
+
+if __name__ == "__main__":
+    main()
