@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_gspo.rollout import kernels
 from megatron_gspo.rollout.model import Chunk, RolloutModel
 from megatron_gspo.rollout.sampling import SamplingParams, adjust_logits, sample_batch
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the engine looks requests up in its lists
 class Request:
     input_ids: list[int]
     params: SamplingParams
@@ -81,8 +82,10 @@ class Engine:
         record_routing: bool = False,
         seed: int = 0,
         weight_version: str = "default",
+        decode_kernel: str = "auto",
     ):
         self.model = model
+        kernels.attach(model, decode_kernel)  # builds the C decode step once per machine
         self.eos_ids = set(eos_ids)
         self.decode = decode
         self.max_running = max_running
@@ -305,7 +308,11 @@ class Engine:
                     logits_BV[i], r.params, r.input_ids, r.output_ids, self.eos_ids
                 )
         tokens, logprobs = sample_batch(
-            logits_BV, [r.params for r in reqs], [r.generator for r in reqs], self.generator
+            logits_BV,
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            self.generator,
+            self.model.decode_kernel,
         )
         for req, token, logprob in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)

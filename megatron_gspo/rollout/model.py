@@ -31,6 +31,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ import torch.nn.functional as F
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.model.hf_io import HFReader
+
+if TYPE_CHECKING:
+    from megatron_gspo.rollout.kernels import CompiledDecode
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")  # one matmul over all experts (CPU too, torch >= 2.9)
 
@@ -132,6 +136,8 @@ class RolloutModel:
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
         self._rope_CSd = torch.zeros(0, 2, hd, dtype=self.dtype)  # grown by _rope_table
+        # Decode steps through the compiled kernel (kernels.attach sets it), else torch.
+        self.decode_kernel: CompiledDecode | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> RolloutModel:
@@ -244,6 +250,8 @@ class RolloutModel:
     def forward(self, chunks: list[Chunk], cache: KVCache, record_routing: bool = False):
         """Run one batch of chunks, writing their k/v into `cache`. Returns a StepOutput."""
         lens = [len(c.tokens) for c in chunks]
+        if self.decode_kernel is not None and max(lens) == 1:
+            return self._compiled_decode(chunks, cache, record_routing)
         meta = self._batch(chunks, lens, cache)
         x = self.params["model.embed_tokens.weight"][meta.ids_T]
         routed: list[torch.Tensor] = []
@@ -264,6 +272,12 @@ class RolloutModel:
         if record_routing and routed:
             routed_out = list(torch.stack(routed, 1).to(torch.int32).split(lens))
         return StepOutput(rows_NV, counts, routed_out)
+
+    def _compiled_decode(self, chunks: list[Chunk], cache: KVCache, record_routing: bool):
+        ids, pos, slots = zip(*((c.tokens[0], c.start, c.slot) for c in chunks))
+        rows_NV, routed = self.decode_kernel.step(ids, pos, slots, cache, record_routing)
+        routed_out = list(routed.split(1)) if routed is not None else None
+        return StepOutput(rows_NV, [1] * len(chunks), routed_out)
 
     def _batch(self, chunks: list[Chunk], lens: list[int], cache: KVCache) -> _Batch:
         G, q_len = self.spec.num_kv_heads, max(lens)

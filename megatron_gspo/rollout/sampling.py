@@ -9,8 +9,12 @@ Constrained decoding (json_schema, regex, ebnf) is not implemented: such request
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_gspo.rollout.kernels import CompiledDecode
 
 KNOWN_KEYS = {
     "max_new_tokens",
@@ -177,22 +181,30 @@ def sample_batch(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     fallback: torch.Generator | None,
+    kernel: CompiledDecode | None = None,
 ) -> tuple[list[int], list[float]]:
     """Next tokens for a batch of adjusted fp32 logit rows, by inverse-CDF sampling.
 
     Each sampled row takes one uniform draw u and picks the first token whose cumulative
     (filtered) probability exceeds u times the row's total. A row with its own generator (a
     `sampling_seed`) draws from it alone, so its tokens do not depend on what else is in the
-    batch; other rows share `fallback`.
+    batch; other rows share `fallback`. With a compiled `kernel`, batches without top-k/top-p/
+    min-p filters are sampled by it in one call (the same draws, the same rule).
     """
     B = len(params)
     greedy = [sp.greedy for sp in params]
+    rows = [i for i, g in enumerate(greedy) if not g]
+    if kernel is not None and not _keep_mask_needed(params):
+        u_B = torch.zeros(B)
+        if rows:
+            u_B[rows] = _uniforms([generators[i] for i in rows], fallback)
+        temps = [0.0 if g else sp.temperature for g, sp in zip(greedy, params)]
+        return kernel.sample(logits_BV, temps, u_B)
     temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]
     if all(t == 1.0 for t in temps):
         logp_BV = torch.log_softmax(logits_BV, -1)
     else:
         logp_BV = torch.log_softmax(logits_BV / torch.tensor(temps)[:, None], -1)
-    rows = [i for i, g in enumerate(greedy) if not g]
     if len(rows) == B:
         tokens_B = _draw(logp_BV, params, generators, fallback)
     else:
@@ -202,6 +214,21 @@ def sample_batch(
             tokens_B[rows] = _draw(logp_BV[rows], *picks, fallback)
     logprobs_B = logp_BV.gather(1, tokens_B[:, None])[:, 0]
     return tokens_B.tolist(), logprobs_B.tolist()
+
+
+def _uniforms(generators: list[torch.Generator | None], fallback: torch.Generator | None):
+    """One uniform draw per row: rows with their own generator from it, the others from one
+    draw of `fallback` for all of them."""
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if len(shared) == len(generators):
+        return torch.rand(len(generators), generator=fallback)
+    u_B = torch.empty(len(generators))
+    if shared:
+        u_B[shared] = torch.rand(len(shared), generator=fallback)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u_B[i] = torch.rand(1, generator=g)[0]
+    return u_B
 
 
 def _draw(
@@ -215,15 +242,7 @@ def _draw(
     keep = _keep_mask(probs_BV, params)
     if keep is not None:
         probs_BV = probs_BV.masked_fill_(~keep, 0.0)
-    u_B = torch.empty(len(params))
-    shared = [i for i, g in enumerate(generators) if g is None]
-    if len(shared) == len(params):
-        u_B = torch.rand(len(params), generator=fallback)
-    elif shared:
-        u_B[shared] = torch.rand(len(shared), generator=fallback)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u_B[i] = torch.rand(1, generator=g)[0]
+    u_B = _uniforms(generators, fallback)
     cdf_BV = torch.cumsum(probs_BV, -1)
     target_B1 = u_B[:, None] * cdf_BV[:, -1:]
     tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True)[:, 0]
@@ -235,10 +254,15 @@ def _draw(
     return tokens_B
 
 
+def _keep_mask_needed(params: list[SamplingParams]) -> bool:
+    """Whether any row filters (top-k, top-p or min-p)."""
+    return not all(sp.top_k <= 0 and sp.top_p >= 1 and sp.min_p <= 0 for sp in params)
+
+
 def _keep_mask(probs_BV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
     """top-k, top-p and min-p filters (the most likely token always stays); None: keep all."""
     B, V = probs_BV.shape
-    if all(sp.top_k <= 0 and sp.top_p >= 1 and sp.min_p <= 0 for sp in params):
+    if not _keep_mask_needed(params):
         return None
     top_k = torch.tensor([sp.top_k if sp.top_k > 0 else V for sp in params])
     top_p = torch.tensor([sp.top_p for sp in params])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import ipaddress
 import json
@@ -30,7 +31,7 @@ from aiohttp import web
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_config import load_hf_config
-from megatron_gspo.rollout import control, weight_endpoints
+from megatron_gspo.rollout import control, kernels, weight_endpoints
 from megatron_gspo.rollout.api import format_result, parse_generate
 from megatron_gspo.rollout.engine import Engine, Request
 from megatron_gspo.rollout.http_common import STATE, bad, read_json
@@ -39,6 +40,7 @@ from megatron_gspo.rollout.sampling import BadRequest, SamplingParams
 
 log = logging.getLogger("megatron_gspo.rollout.server")
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
+DECODE_KERNEL_ENV = "MEGATRON_GSPO_DECODE_KERNEL"
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
 
 
@@ -61,6 +63,7 @@ class ServerState:
             record_routing=args.enable_return_routed_experts,
             seed=args.random_seed,
             weight_version=args.weight_version,
+            decode_kernel=args.decode_kernel,
         )
         self.weights = weight_endpoints.WeightUpdates()
 
@@ -244,6 +247,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    parser.add_argument(
+        "--decode-kernel",
+        default=os.environ.get(DECODE_KERNEL_ENV, "auto"),
+        choices=kernels.MODES,
+        help=f"decode steps in compiled C, torch, or auto (default ${DECODE_KERNEL_ENV} or auto)",
+    )
     parser.add_argument("--log-level", default="warning")
 
 
@@ -273,6 +282,7 @@ def serve_main(args: argparse.Namespace) -> None:
     if args.max_running_requests < 1:
         raise UserError("--max-running-requests must be >= 1")
     state = ServerState(args)
+    gc.freeze()  # the model, torch and the libraries: never garbage, so never scanned again
     asyncio.run(_serve(state))
 
 
