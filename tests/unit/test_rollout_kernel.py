@@ -113,18 +113,21 @@ def test_failed_build_falls_back(ckpts, tmp_path, monkeypatch):
 
 def test_sampling_kernel_draws_the_torch_path_tokens(ckpts):
     """Same draws, same rule: greedy, tempered and seeded rows give the torch path's tokens."""
-    from megatron_gspo.rollout.sampling import SamplingParams, sample_batch
+    from megatron_gspo.rollout.sampling import SamplingParams
 
     kernel = compiled(ckpts["qwen3"]).decode_kernel
     g = torch.Generator().manual_seed(0)
     for trial in range(50):
         logits = torch.randn(12, 256, generator=g) * 3
         params = [SamplingParams(temperature=(0.0, 1.0, 0.7, 1.3)[i % 4]) for i in range(12)]
-
-        def draw(k):
-            gens = [None if i % 3 else torch.Generator().manual_seed(trial + i) for i in range(12)]
-            return sample_batch(logits, params, gens, torch.Generator().manual_seed(trial), k)
-
-        (tokens, logprobs), (want, want_lp) = draw(kernel), draw(None)
+        tokens, logprobs = draw(logits, params, trial, kernel)
+        want, want_lp = draw(logits, params, trial, None)
         assert tokens == want
         assert logprobs == pytest.approx(want_lp, abs=1e-5)
+
+
+def draw(logits, params, seed, kernel):
+    from megatron_gspo.rollout.sampling import sample_batch
+
+    gens = [None if i % 3 else torch.Generator().manual_seed(seed + i) for i in range(len(params))]
+    return sample_batch(logits, params, gens, torch.Generator().manual_seed(seed), kernel)
