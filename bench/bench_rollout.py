@@ -11,16 +11,19 @@ per CPU-second: the server process's CPU time (all its threads, HTTP included; t
 not counted) against the CPU time of the process running HF `generate`.
 
     .venv/bin/python bench/bench_rollout.py [--reps 5] [--new-tokens 64] [--threads 1]
+                                            [--decode-kernel auto|c|torch]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -91,6 +94,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, each side")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--decode-kernel", default="auto", choices=["auto", "c", "torch"],
+                    help="the server's decode path (torch: the plain-torch fallback)")  # fmt: skip
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-rollout-"))
     ckpt = work / "tiny-moe"
@@ -103,7 +108,8 @@ def main() -> None:
     batch = prompts(args.prompts, SPEC.vocab_size)
     cfg = ServerConfig(
         model_path=str(ckpt), threads=args.threads, max_running_requests=256,
-        env={"OMP_NUM_THREADS": str(args.threads)},
+        env={"OMP_NUM_THREADS": str(args.threads),
+             "MEGATRON_GSPO_DECODE_KERNEL": args.decode_kernel},
     )  # fmt: skip
     n, new = args.samples, args.new_tokens
     print(f"model: {ckpt} ({sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M params), "
@@ -111,6 +117,8 @@ def main() -> None:
     ours, theirs = [], []
     with ServerGroup([cfg], work / "logs") as servers:
         url, pid = servers.urls[0], servers.servers[0].pid
+        with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
+            print(f"built-in server decode steps: {json.load(r).get('decode_kernel', 'torch')}")
         run_server(url, pid, batch, n, new)  # warm-up, both sides
         run_hf(hf, batch, n, new)
         for rep in range(args.reps):

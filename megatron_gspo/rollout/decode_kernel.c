@@ -359,32 +359,44 @@ void mg_sample(const float *logits, int64_t B, int64_t V, const float *temp, con
                int64_t *tokens, float *logprobs, float *scratch /* [V] */) {
     for (int64_t b = 0; b < B; b++) {
         const float *x = logits + b * V;
+        const int sampled = temp[b] > 0.0f;
         float *z = scratch;
-        int64_t best = 0;
-        for (int64_t i = 0; i < V; i++) {
-            z[i] = temp[b] > 0.0f ? x[i] / temp[b] : x[i];
-            if (z[i] > z[best]) best = i;
-        }
-        const float mx = z[best];
-        v8 acc = splat(0.0f);
         int64_t i = 0;
-        for (; i + 8 <= V; i += 8) acc += exp8(ld(z + i) - splat(mx));
+        v8 mx8 = splat(-INFINITY);
+        if (sampled) { /* z = x / temp, as torch divides */
+            for (; i + 8 <= V; i += 8) st(z + i, ld(x + i) / splat(temp[b]));
+            for (; i < V; i++) z[i] = x[i] / temp[b];
+        } else {
+            memcpy(z, x, V * sizeof(float));
+        }
+        for (i = 0; i + 8 <= V; i += 8) {
+            v8 v = ld(z + i);
+            mx8 = select8(v > mx8, v, mx8);
+        }
+        float mx = -INFINITY;
+        for (int j = 0; j < 8; j++) mx = mx8[j] > mx ? mx8[j] : mx;
+        for (; i < V; i++) mx = z[i] > mx ? z[i] : mx;
+        int64_t best = 0; /* the first largest */
+        while (best < V - 1 && !(z[best] >= mx)) best++;
+        v8 acc = splat(0.0f);
+        for (i = 0; i + 8 <= V; i += 8) acc += exp8(ld(z + i) - splat(mx));
         float s = hsum(acc);
         for (; i < V; i++) s += exp1(z[i] - mx);
         const float lse = mx + logf(s);
         int64_t tok = best;
-        if (temp[b] > 0.0f) {
+        if (sampled) { /* z becomes the cdf: exp(z - lse) summed in double, stored as float */
             for (i = 0; i + 8 <= V; i += 8) st(z + i, exp8(ld(z + i) - splat(lse)));
             for (; i < V; i++) z[i] = exp1(z[i] - lse);
-            double total = 0.0;
-            for (i = 0; i < V; i++) total += z[i];
-            const float target = u[b] * (float)total;
             double c = 0.0;
-            for (i = 0; i < V; i++) {
-                c += z[i];
-                if ((float)c > target) break;
+            for (i = 0; i < V; i++) z[i] = (float)(c += z[i]);
+            const float target = u[b] * z[V - 1];
+            int64_t lo = 0, hi = V; /* the first index whose cdf exceeds the target */
+            while (lo < hi) {
+                int64_t mid = (lo + hi) / 2;
+                if (z[mid] > target) hi = mid;
+                else lo = mid + 1;
             }
-            tok = i < V ? i : best;
+            tok = lo < V ? lo : best;
             logprobs[b] = x[tok] / temp[b] - lse;
         } else {
             logprobs[b] = x[tok] - lse;

@@ -12,6 +12,9 @@ batching). Tokens travel packed ([T, ...] over all chunks); attention pads queri
 A batch of one-token chunks (every decode step) takes a shorter path: index tensors built in one
 copy from Python lists, a rope table lookup, one flat index_copy per k/v, and the scores as one
 baddbmm with the mask as an additive bias; the numbers are the same as the general path's.
+Where a compiled decode kernel is attached (`kernels.attach`, decode_kernel.c: the whole step in
+one C call, as dispatch dominates a torch step at these sizes), one-token chunks go through it
+and the rest through torch; both give the same numbers up to float rounding.
 
 Weights are held under their HF checkpoint names, except that experts are stacked per layer
 (gate/up [E, F, D], down [E, D, F]); `load_weights` takes HF names (per expert, or the fused
@@ -248,10 +251,17 @@ class RolloutModel:
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk], cache: KVCache, record_routing: bool = False):
-        """Run one batch of chunks, writing their k/v into `cache`. Returns a StepOutput."""
+        """Run one batch of chunks, writing their k/v into `cache`. Returns a StepOutput.
+        With a decode kernel attached, the one-token chunks go through it, the rest (prefills)
+        through torch."""
         lens = [len(c.tokens) for c in chunks]
-        if self.decode_kernel is not None and max(lens) == 1:
+        if self.decode_kernel is None or min(lens) > 1:
+            return self._forward(chunks, lens, cache, record_routing)
+        if max(lens) == 1:
             return self._compiled_decode(chunks, cache, record_routing)
+        return self._mixed(chunks, lens, cache, record_routing)
+
+    def _forward(self, chunks: list[Chunk], lens: list[int], cache: KVCache, record_routing):
         meta = self._batch(chunks, lens, cache)
         x = self.params["model.embed_tokens.weight"][meta.ids_T]
         routed: list[torch.Tensor] = []
@@ -278,6 +288,26 @@ class RolloutModel:
         rows_NV, routed = self.decode_kernel.step(ids, pos, slots, cache, record_routing)
         routed_out = list(routed.split(1)) if routed is not None else None
         return StepOutput(rows_NV, [1] * len(chunks), routed_out)
+
+    def _mixed(self, chunks: list[Chunk], lens: list[int], cache: KVCache, record_routing):
+        """Decode steps through the kernel, prefills through torch; outputs in chunk order."""
+        ones = [i for i, n in enumerate(lens) if n == 1]
+        more = [i for i, n in enumerate(lens) if n > 1]
+        cache.ensure(
+            max(c.slot for c in chunks) + 1, max(c.start + n for c, n in zip(chunks, lens))
+        )
+        fast = self._compiled_decode([chunks[i] for i in ones], cache, record_routing)
+        rest = [chunks[i] for i in more]
+        slow = self._forward(rest, [lens[i] for i in more], cache, record_routing)
+        logits: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
+        routed: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
+        for out, idx in ((fast, ones), (slow, more)):
+            for k, i in enumerate(idx):
+                logits[i] = out.logits[k]
+                if out.routed is not None:
+                    routed[i] = out.routed[k]
+        counts = [len(x) for x in logits]
+        return StepOutput(torch.cat(logits), counts, routed if fast.routed is not None else None)
 
     def _batch(self, chunks: list[Chunk], lens: list[int], cache: KVCache) -> _Batch:
         G, q_len = self.spec.num_kv_heads, max(lens)

@@ -195,9 +195,12 @@ def sample_batch(
     greedy = [sp.greedy for sp in params]
     rows = [i for i, g in enumerate(greedy) if not g]
     if kernel is not None and not _keep_mask_needed(params):
-        u_B = torch.zeros(B)
-        if rows:
-            u_B[rows] = _uniforms([generators[i] for i in rows], fallback)
+        if len(rows) == B:
+            u_B = _uniforms(generators, fallback)
+        else:
+            u_B = torch.zeros(B)
+            if rows:
+                u_B[rows] = _uniforms([generators[i] for i in rows], fallback)
         temps = [0.0 if g else sp.temperature for g, sp in zip(greedy, params)]
         return kernel.sample(logits_BV, temps, u_B)
     temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, params)]

@@ -176,6 +176,7 @@ async def server_info(request: web.Request) -> web.Response:
             "port": a.port,
             "dtype": str(e.model.dtype).removeprefix("torch."),
             "enable_return_routed_experts": e.record_routing,
+            "decode_kernel": "torch" if e.model.decode_kernel is None else "c",
             "max_running_requests": e.max_running,
             "context_length": e.context_len,
             "random_seed": a.random_seed,

@@ -131,3 +131,31 @@ def draw(logits, params, seed, kernel):
 
     gens = [None if i % 3 else torch.Generator().manual_seed(seed + i) for i in range(len(params))]
     return sample_batch(logits, params, gens, torch.Generator().manual_seed(seed), kernel)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
+def test_mixed_batches_split_between_kernel_and_torch(ckpts, arch):
+    """A prefill joining running decode steps: the one-token chunks go through the kernel, the
+    prefill through torch, in one forward; outputs (and routed experts) come in chunk order."""
+    model = compiled(ckpts[arch])
+    a, b = prompt(20, seed=2), prompt(13, seed=3)
+    full_a, full_b = model.full_logits(a).logits[0], model.full_logits(b).logits[0]
+    routing = arch == "qwen3_moe"
+    want_routed = model.full_logits(b, record_routing=True).routed if routing else None
+    cache = model.new_cache(slots=1, capacity=4)
+    got_a = [model.forward([Chunk(3, 0, a[:6], logits_from=0)], cache).logits[0]]
+    got_b = []
+    for i in range(6, 20):
+        step = [Chunk(3, i, a[i : i + 1])]
+        if i == 9:  # b's prefill joins, between and after one-token chunks
+            step = [Chunk(1, 0, [b[0]]), Chunk(0, 0, b[:9], logits_from=0), *step]
+        out = model.forward(step, cache, record_routing=routing)
+        got_a.append(out.logits[-1])
+        if i == 9:
+            assert out.counts == [1, 9, 1]
+            got_b.append(out.logits[1])
+            if routing:
+                assert [r.shape[0] for r in out.routed] == [1, 9, 1]
+                assert torch.equal(out.routed[1], want_routed[0][:9])
+    torch.testing.assert_close(torch.cat(got_a), full_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got_b[0], full_b[:9], atol=1e-4, rtol=0)
