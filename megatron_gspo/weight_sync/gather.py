@@ -138,10 +138,11 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
     lent: list = []
     with TensorSharing():
         for group in by_storage.values():
+            if len(group) < 2:
+                continue  # a parameter of its own
             storage = group[0].untyped_storage()
-            if len(group) < 2 or storage.is_shared():
-                continue  # a parameter of its own, or memory shared some other way
-            storage.share_memory_()
+            if not storage.is_shared():  # else moved already (an earlier WeightSync)
+                storage.share_memory_()
             lent += group
     if not lent:
         return None

@@ -10,7 +10,10 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
  1. begin (coordinator): optionally /pause_generation (in place), then /begin_weight_update on
     every server. One that does not answer is left out: untouched, still on its whole version.
  2. stream (every rank): gather -> pack (bucket.py) -> transport, on a sender thread so the next
-    bucket is packed while this one is sent. The first bucket labels each server
+    bucket is packed while this one is sent. With the tensor transport on CPU, tensors that are
+    views of the sender's parameter buffer are not packed: the buffer is moved into shared
+    memory once and lent (borrowed buckets), so the server's copy is the only one. The first
+    bucket labels each server
     `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
     but the gathers run on (they are collectives). A relay is a sender to its node's servers in
@@ -76,6 +79,7 @@ class SyncReport:
     failures: dict[str, str] = field(default_factory=dict)  # url -> what went wrong
     trainer_error: str | None = None
     checksums: dict[int, list[int]] = field(default_factory=dict)  # stage -> per bucket
+    lent_bytes: int = 0  # of `bytes`, sent as views of the trainer's parameters (not copied)
     sent_by: dict[str, dict[int, int]] = field(default_factory=dict)  # url -> {stage: its rank}
 
     @property
@@ -133,6 +137,10 @@ class WeightSync:
         self._base = base
         self.device = next(self.chunks[0].parameters()).device
         self.pool = self._new_pool()
+        # Tensor transport on CPU: the stage sender lends its parameter buffer (bucket.py).
+        self._borrow = None
+        if self.transport.name == "tensor" and gather.is_stage_sender():
+            self._borrow = gather.share_parameters(self.chunks)
         self.count = 0
         self.coordinator = _rank() == 0
         self.relay = None
@@ -216,17 +224,20 @@ class WeightSync:
             fanout = Fanout(self.relay, stage) if stage in self.relay.groups else None
         ctx = StageContext(self.servers, self.config, version, stage, live)
         writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
-        error, nbytes, sums = None, 0, []
+        error, nbytes, sums, lent = None, 0, [], 0
         try:
             self.transport.open_stage(ctx)
         except TransportError as e:
             error = str(e)
         try:
-            buckets = pack(named, self.pool, stage)
-            error, nbytes, sums = self._send_all(buckets, ctx, writer, error, fanout)
+            # Borrowed buckets go to this node's servers only: not to shard files or relays.
+            borrow = self._borrow if writer is None and fanout is None else None
+            buckets = pack(named, self.pool, stage, borrow=borrow)
+            error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
         finally:
             closing = self._close_stage(ctx, fanout)
-        return _outcome(ctx, error or closing, nbytes, sums, writer.outcome() if writer else None)
+        files = writer.outcome() if writer else None
+        return _outcome(ctx, error or closing, nbytes, sums, files, lent=lent)
 
     def _close_stage(self, ctx: StageContext, fanout: Fanout | None) -> str | None:
         errors = []
@@ -251,7 +262,7 @@ class WeightSync:
         error, nbytes, sums = None, 0, []
         try:
             buckets = receive(self.relay, stage, pool)
-            error, nbytes, sums = self._send_all(buckets, ctx, None, None, pool=pool)
+            error, nbytes, sums, _ = self._send_all(buckets, ctx, None, None, pool=pool)
         except Exception as e:  # noqa: BLE001 - a trainer-side failure of this relay
             error = str(e) if isinstance(e, TransportError) else repr(e)
         return _outcome(ctx, error, nbytes, sums, None, relay=node)
@@ -262,7 +273,7 @@ class WeightSync:
         receives) the next one: to the relays of other nodes first, then to `ctx.live`."""
         pool = pool or self.pool
         q: queue.Queue = queue.Queue(maxsize=pool.size)
-        state = {"error": error, "bytes": 0, "checksums": []}
+        state = {"error": error, "bytes": 0, "checksums": [], "lent": 0}
 
         def work():
             if self.device.type == "cuda":
@@ -278,6 +289,7 @@ class WeightSync:
                             ctx.fail(self.transport.send(b, ctx))
                         ctx.buckets += 1
                         state["bytes"] += b.nbytes
+                        state["lent"] += b.nbytes if b.borrowed else 0
                         state["checksums"].append(b.sum())
                 except Exception as e:  # noqa: BLE001 - a trainer-side failure of this stage
                     state["error"] = str(e) if isinstance(e, TransportError) else repr(e)
@@ -292,7 +304,7 @@ class WeightSync:
         finally:
             q.put(None)
             worker.join()
-        return state["error"], state["bytes"], state["checksums"]
+        return state["error"], state["bytes"], state["checksums"], state["lent"]
 
     # ---- the coordinator's end of a sync -------------------------------------------------
 
@@ -311,6 +323,7 @@ class WeightSync:
                 report.sent_by.setdefault(self.servers.url(i), {})[o["stage"]] = o["rank"]
             if o["relay"] is None:  # a relay moves its sender's bytes again: counted once
                 report.bytes += o["bytes"]
+                report.lent_bytes += o["lent"]
                 report.buckets += o["buckets"]
                 report.checksums[o["stage"]] = o["checksums"]
         if not errors:
@@ -422,12 +435,14 @@ class WeightSync:
             shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
-def _outcome(ctx: StageContext, error, nbytes: int, sums: list, files, relay: int | None = None):
+def _outcome(
+    ctx: StageContext, error, nbytes: int, sums: list, files, relay: int | None = None, lent=0
+):
     """What a stage sender (relay: None) or a relay (relay: its node) did in one sync."""
     return {
         "stage": ctx.stage, "rank": _rank(), "relay": relay, "failed": ctx.failed,
         "touched": sorted(ctx.touched), "error": error, "bytes": nbytes, "buckets": ctx.buckets,
-        "checksums": sums, "files": files,
+        "checksums": sums, "files": files, "lent": lent,
     }  # fmt: skip
 
 

@@ -113,10 +113,16 @@ def main() -> None:
     ap.add_argument("--fail", default=None)
     ap.add_argument("--kill-pid", type=int, default=None)
     ap.add_argument("--recover", action="store_true")
+    ap.add_argument("--ddp", action="store_true", help="hold the model as training does (Actor)")
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
     chunks = load_policy(a.checkpoint, dims)
+    if a.ddp:  # megatron DDP + distributed optimizer: the parameters live in one buffer
+        from megatron_gspo.train.actor import Actor, OptimConfig
+        from megatron_gspo.weight_sync.gather import unwrap
+
+        chunks = unwrap(Actor(chunks, OptimConfig(lr=1e-6)).chunks)
     transports = a.transports.split(",")
 
     def weight_sync(name: str) -> WeightSync:
@@ -148,6 +154,7 @@ def main() -> None:
         result["syncs"].append({
             "transport": name, "version": str(k), "seconds": time.perf_counter() - t0,
             "buckets": report.buckets, "verify": [r.__dict__ for r in checked],
+            "bytes": report.bytes, "lent": report.lent_bytes,
         })  # fmt: skip
     if a.fail:
         k = str(len(transports) + 1)
