@@ -10,7 +10,8 @@ Tensor (colocated): /update_weights_from_tensor with a flattened_bucket payload.
 allocated in shared memory ("file_system" strategy) on CPU and on the GPU otherwise (CUDA IPC), so
 serializing a bucket copies nothing: the payload holds a shared-memory file name or IPC handle, and
 the server copies the bytes straight into its weights. A buffer is reused once every server has
-answered (the server has copied it by then).
+answered (the server has copied it by then). A borrowed bucket (a span of the trainer's parameter
+buffer, lent in place; bucket.py) needs no buffer back, so two of those are in flight at a time.
 
 Distributed (disaggregated): one group per pipeline stage, the stage sender as rank 0 and every
 server TP rank after it (rank_offset), rendezvous over PrefixStore(group_name) as SGLang requires;
@@ -123,8 +124,20 @@ class TensorTransport(Transport):
         ctx.touched.update(ctx.live)
         futures = {i: ctx.servers.submit(i, "/update_weights_from_tensor", body(i)) for i in tp}
         bucket.sum()  # while the servers copy
-        _, errors = collect(futures)
+        # A borrowed bucket (the trainer's own parameters) has no buffer to give back, so its
+        # answers are awaited after the next bucket is posted: a server decodes that request
+        # while it loads this one. A pooled buffer goes back only once every server has copied.
+        _, errors = collect(ctx.state.pop("pending", {}))
+        if bucket.borrowed:
+            ctx.state["pending"] = futures
+        else:
+            for i, msg in collect(futures)[1].items():
+                errors.setdefault(i, msg)
         return errors
+
+    def close_stage(self, ctx: StageContext) -> None:
+        _, errors = collect(ctx.state.pop("pending", {}))  # the last borrowed bucket's answers
+        ctx.fail(errors)
 
 
 class DistributedTransport(Transport):

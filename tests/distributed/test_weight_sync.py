@@ -125,11 +125,13 @@ def test_every_transport_brings_every_server_to_the_trainer(tmp_path, tiny_model
         assert_serves(result, url, "3")
 
 
-def test_killed_server_is_named_and_the_others_finish(tmp_path, tiny_models):
+@pytest.mark.parametrize("held", ["plain", "ddp"])  # ddp: borrowed buckets, two in flight
+def test_killed_server_is_named_and_the_others_finish(tmp_path, tiny_models, held):
     started = start_servers(tiny_models["moe4"], tmp_path)
     try:
         (victim, dead_url), (_, live_url) = started
         flags = ["--transports", "tensor", "--fail", "kill-server", "--kill-pid", str(victim.pid)]
+        flags += ["--ddp"] if held == "ddp" else []
         result = run_worker(tmp_path, tiny_models["moe4"], [dead_url, live_url], flags=flags)
     finally:
         stop_servers(started)
