@@ -165,7 +165,8 @@ def run(a, model: Path, url: str, server_pid: int) -> None:
     init_distributed(ParallelDims())
     # The trainer's model as training holds it: megatron DDP with the distributed optimizer
     # (the default), whose parameters live in one buffer the tensor transport can lend.
-    actor = Actor(load_policy(model, ParallelDims()), OptimConfig(lr=1e-6))
+    with torch.enable_grad():  # DDP hooks need autograd
+        actor = Actor(load_policy(model, ParallelDims()), OptimConfig(lr=1e-6))
     chunks = gather.unwrap(actor.chunks)
     for name, p in chunks[0].named_parameters():
         if "layernorm" in name or "final_layernorm" in name:
