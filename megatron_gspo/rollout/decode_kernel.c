@@ -5,9 +5,10 @@
    model's table) -> k/v written into the cache -> causal attention over the cached rows -> o_proj
    -> residual; RMSNorm -> top-k router (softmax in fp32, optional renormalisation) and the routed
    experts grouped by expert, or the dense gated MLP -> residual; final RMSNorm and the head.
-   At these sizes a step in torch is dominated by per-op dispatch; here a step is one call.
-   Sums run in a different order than torch's kernels (8 lanes, then across lanes), so results
-   agree with the torch path to float rounding, not bit for bit.
+   At these sizes a step in torch is dominated by per-op dispatch; here a step is one call
+   (and one more samples the next tokens, mg_sample). Matmuls read packed copies of the weights
+   (kernels.py makes them). Sums run in another order than torch's kernels, so results agree
+   with the torch path to float rounding, not bit for bit.
 
    Built by kernels.py with the system C compiler (no torch headers, so it compiles in about a
    second) and called through ctypes with raw pointers; the tensors stay owned by Python.
