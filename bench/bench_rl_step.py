@@ -14,7 +14,9 @@ Two sizes: `tiny` (~0.1M params, 16-token completions: fixed overheads dominate)
 (~90M params, 32 experts top-2, 128-token completions: the work dominates). For each size the two
 stacks alternate, `--rounds` times each, every run a fresh process; the first `--warmup` cycles
 of a run are dropped (start-up effects) and the medians of the rest are reported. The ratio printed last is TRL's
-cycle time / ours (> 1: ours is faster); goals: >= 1.5 at `small`, >= 0.67 at `tiny`.
+cycle time / ours (> 1: ours is faster); goals: >= 1.5 at `small`, >= 0.67 at `tiny`. The load
+average is printed before each size and at the end: other work on the machine slows both stacks,
+not always equally.
 
 TRL is installed on first use into its own virtual environment ($TRL_VENV, default
 ~/.cache/megatron-gspo/trl-venv) that sees this environment's packages (torch, transformers)
@@ -272,6 +274,10 @@ def make_inputs(name: str, size: Size, work: Path) -> tuple[Path, Path, float]:
     return model, data, params / 1e6
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def median(cycles: list[Cycle], field: str) -> float:
     return statistics.median(getattr(c, field) for c in cycles)
 
@@ -285,7 +291,7 @@ def bench_size(name: str, args, py: Path, work: Path) -> float:
     model, data, mparams = make_inputs(name, size, work)
     print(f"\n{name}: Qwen3-MoE {mparams:.2f}M params, {PROMPTS} prompts x {GROUP} completions of "
           f"<= {size.new_tokens} tokens, {MINIBATCHES} updates per rollout batch, "
-          f"{args.threads} thread(s)", flush=True)  # fmt: skip
+          f"{args.threads} thread(s); load average {_load()}", flush=True)  # fmt: skip
     kept: dict[str, list[Cycle]] = {"ours": [], "trl": []}
     for rnd in range(args.rounds):
         order = ("ours", "trl") if rnd % 2 == 0 else ("trl", "ours")
@@ -335,6 +341,7 @@ def main() -> None:
     goals = {"tiny": 1 / 1.5, "small": 1.5}
     print("\nratio TRL cycle time / megatron-gspo cycle time (> 1: ours faster): " + ", ".join(
         f"{n} {r:.2f}x (goal >= {goals[n]:.2f}x)" for n, r in ratios.items()))  # fmt: skip
+    print(f"load average {_load()}")
 
 
 if __name__ == "__main__":
