@@ -17,10 +17,10 @@ recorded, r3: rollout) and reports routing/changed_fraction, in every mode.
 
 Fixed costs per call are kept off the step (they dominate on a small model): the parallel
 layout is read once, train()/eval() walk the modules only when the mode changes, world-size-1
-runs skip their object gathers, torch's Adam takes its foreach path (the same arithmetic as its
-per-tensor loop, bit for bit, in a few batched calls), and a forward-only pass without
-pipelining scores up to `_FORWARD_LOGITS` logits per microbatch (never fewer rows than training
-uses: it keeps no activations for a backward).
+runs skip their object gathers, and torch's Adam takes its foreach path (the same arithmetic as
+its per-tensor loop, bit for bit, in a few batched calls). `logprobs(..., fit_logits=True)` (the
+RL loop's choice) scores up to `_FORWARD_LOGITS` logits per microbatch without pipelining, never
+fewer rows than asked: a forward-only pass keeps no activations for a backward.
 """
 
 from __future__ import annotations
@@ -133,30 +133,27 @@ class Actor:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _layout(self, batch: RLBatch, micro_batch_size: int, forward_only: bool = False):
-        """This replica's microbatches, the padded length, the microbatch size used."""
+    def _layout(self, batch: RLBatch, micro_batch_size: int):
         dp = self.dp
         seq_len = padded_length(max(len(t) for t in batch.tokens), self.tp)
         # Same number of microbatches on every replica (expert-parallel collectives span them).
         per_rank = -(-len(batch) // dp)
-        if forward_only:
-            micro_batch_size = self._forward_micro_batch(micro_batch_size, per_rank, seq_len)
         index = list(range(self.dp_rank, len(batch), dp))
         mbs = microbatches(batch, index, micro_batch_size, seq_len)
         n_micro = max(1, -(-per_rank // micro_batch_size))
         while len(mbs) < n_micro:
             mbs += microbatches(batch, [], micro_batch_size, seq_len)
-        return mbs, seq_len, micro_batch_size
+        return mbs, seq_len, dp
 
-    def _forward_micro_batch(self, micro_batch_size: int, per_rank: int, seq_len: int) -> int:
+    def _fitted_micro_batch(self, batch: RLBatch, micro_batch_size: int) -> int:
         """Rows per forward-only microbatch: the replica's whole share if its logits fit in
         `_FORWARD_LOGITS`, else as many as fit, never fewer than `micro_batch_size`. Pipeline
-        stages overlap microbatches, so under PP their number is kept. Every sample is computed
-        alone (causal attention, per-token routing), so only matmul blocking can differ."""
+        stages overlap microbatches, so under PP their number is kept. The same on every rank."""
         if self.pp > 1:
             return micro_batch_size
-        v_local = -(-self.spec.vocab_size // self.tp)
-        fits = _FORWARD_LOGITS // max(seq_len * v_local, 1)
+        per_rank = -(-len(batch) // self.dp)
+        seq_len = padded_length(max(len(t) for t in batch.tokens), self.tp)
+        fits = _FORWARD_LOGITS // (seq_len * -(-self.spec.vocab_size // self.tp))
         return max(micro_batch_size, min(per_rank, fits))
 
     def _set_mode(self, training: bool) -> None:
@@ -195,15 +192,24 @@ class Actor:
     # ---- old log-probs -----------------------------------------------------------------------
 
     @torch.no_grad()
-    def logprobs(self, batch: RLBatch, micro_batch_size: int = 8) -> list[list[float | None]]:
+    def logprobs(
+        self, batch: RLBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
+    ) -> list[list[float | None]]:
         """Token-aligned log-probs of every sample under the current weights (entry 0 None).
 
         On an MoE model it also records every sample's natural routing into batch.routing (r3:
         while replaying batch.rollout_experts, whose agreement it measures); its metrics are in
-        `last_logprob_metrics`."""
-        mbs, seq_len, size = self._layout(batch, micro_batch_size, forward_only=True)
+        `last_logprob_metrics`.
+
+        With the training `micro_batch_size` the values are bit for bit those of `train_step`'s
+        forward (unchanged weights give ratios of exactly 1). `fit_logits=True` takes more rows
+        per microbatch where they fit (`_fitted_micro_batch`): one forward instead of several on
+        a small model, values equal to fp32 rounding (matmuls blocked over other row counts)."""
+        if fit_logits:
+            micro_batch_size = self._fitted_micro_batch(batch, micro_batch_size)
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
-        rows = self._forward_logprobs(mbs, seq_len, size, sweep, len(batch))
+        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
         if self.routing:
             self.last_logprob_metrics = self.routing.finish_record(sweep, batch)
         return rows
@@ -215,10 +221,10 @@ class Actor:
         routing/changed_fraction of this forward goes to `last_logprob_metrics`."""
         if self.routing is None:
             raise UserError("replayed_logprobs needs an MoE model")
-        mbs, seq_len, size = self._layout(batch, micro_batch_size, forward_only=True)
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         source = "rollout" if self.routing.mode == "r3" else "recorded"
         sweep = self.routing.train_sweep(batch, mbs, seq_len, source)
-        rows = self._forward_logprobs(mbs, seq_len, size, sweep, len(batch))
+        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
         self.last_logprob_metrics = self.routing.finish_train(sweep)
         return rows
 
@@ -250,9 +256,9 @@ class Actor:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+        mbs, seq_len, dp = self._layout(batch, micro_batch_size)
         denom = float(loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind))
-        scale = len(mbs) * self.dp
+        scale = len(mbs) * dp
         vocab = self.spec.vocab_size
 
         if loss_cfg.tis != "none" and batch.rollout_logprobs is None:

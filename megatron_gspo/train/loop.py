@@ -52,7 +52,9 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
     """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch."""
     t0 = time.perf_counter()
     actor.set_lr(cfg.optim.lr_at(step, cfg.train.steps))
-    batch.old_logprobs = actor.logprobs(batch, cfg.train.micro_batch_size)
+    # As many rows per forward as fit (one forward on a small model). The minibatches below are
+    # other row sets with their own padding, so their forwards equal these to fp32 rounding.
+    batch.old_logprobs = actor.logprobs(batch, cfg.train.micro_batch_size, fit_logits=True)
     metrics = {"time/old_logprobs_s": time.perf_counter() - t0}
     metrics |= _mismatch(batch)
     metrics |= getattr(actor, "last_logprob_metrics", {}) or {}
