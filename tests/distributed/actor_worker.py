@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--tis", default="none", help="truncated IS: none | token | sequence")
     ap.add_argument("--tis-cap", type=float, default=2.0)
     ap.add_argument("--on-policy", action="store_true", help="old log-probs as computed")
+    ap.add_argument("--fit-logits", action="store_true", help="logprobs(fit_logits=True)")
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
     init_distributed(dims)
@@ -67,7 +68,7 @@ def main() -> None:
         OptimConfig(lr=1e-3, use_distributed_optimizer=not a.no_dist_opt),
     )
     batch = fixed_batch()
-    old = actor.logprobs(batch, a.mbs)
+    old = actor.logprobs(batch, a.mbs, fit_logits=a.fit_logits)
     batch.old_logprobs = old if a.on_policy else off_policy(old)
     if a.tis != "none":
         batch.rollout_logprobs = rollout_of(batch.old_logprobs)

@@ -81,6 +81,14 @@ def test_layout_gives_the_same_step(tmp_path, tiny_models, reference, layout):
     assert_same_steps(got, reference)
 
 
+def test_fitted_forward_scores_the_batch_in_one_microbatch(tmp_path, tiny_models, reference):
+    """logprobs(fit_logits=True) with micro batch 2: the 8 samples' logits fit one forward, whose
+    log-probs are bit for bit those of the reference's one microbatch of 8."""
+    got = run_worker(tmp_path, tiny_models["moe4"], 1, 2, ["--fit-logits"], tag="fit")
+    assert got["old"] == reference["old"]
+    assert_same_steps(got, reference)
+
+
 @pytest.mark.parametrize("kind", ["gspo", "gspo_token"])
 def test_sequence_level_kinds_split_the_same(tmp_path, tiny_models, kind):
     ref = run_worker(tmp_path, tiny_models["moe"], 1, 8, kind=kind, tag="ref")
