@@ -27,7 +27,10 @@ def reduce_counts(local: LayerCounts, report: bool) -> LayerCounts:
     """Per-layer (differing, seen) summed over the world (`report`: this rank's tokens count)."""
     mine = local if report else {}
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
+    if len(parts) == 1:
+        parts = [mine]  # nothing to gather (and no pickling) on one process
+    else:
+        dist.all_gather_object(parts, mine)
     total: dict[int, list[int]] = {}
     for part in parts:
         for layer, (diff, seen) in part.items():

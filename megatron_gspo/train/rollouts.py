@@ -153,6 +153,8 @@ class Rollouts:
     def collect(self, prompt_index: list[int], step: int) -> Collected:
         """G responses for each prompt, scored; the same RLBatch on every rank."""
         result = self._collect(prompt_index, step) if self.rank0 else None
+        if dist.get_world_size() == 1:
+            return result  # one process: no pickled round trip of the batch
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]
