@@ -12,6 +12,8 @@ The extra memory per rank is one full tensor (times EP on the sender for an expe
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -20,6 +22,8 @@ import torch.distributed as dist
 from megatron_gspo.model.bridge import get_bridge
 from megatron_gspo.model.bridge.base import split
 from megatron_gspo.model.weights import gather_full, local_params, shard_info
+
+log = logging.getLogger(__name__)
 
 
 def unwrap(chunks) -> list:
@@ -136,6 +140,18 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
     for p in params:
         by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
     lent: list = []
+    moving = sum(
+        g[0].untyped_storage().nbytes()
+        for g in by_storage.values()
+        if len(g) > 1 and not g[0].untyped_storage().is_shared()
+    )
+    if moving and moving > 0.8 * _shm_free():
+        log.warning(
+            "weight sync: %.2f GB of parameters do not fit in /dev/shm (%.2f GB free); "
+            "copying them into buckets instead of lending them (enlarge /dev/shm, e.g. "
+            "docker --shm-size)", moving / 1e9, _shm_free() / 1e9,
+        )  # fmt: skip
+        return None
     with TensorSharing():
         for group in by_storage.values():
             if len(group) < 2:
@@ -155,3 +171,12 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
         )  # fmt: skip
 
     return borrow
+
+
+def _shm_free() -> int:
+    """Free bytes of /dev/shm, where torch's file-system sharing puts shared storages."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize

@@ -275,3 +275,17 @@ def test_unflatten_matches_rollout_helper():
     bucket = wp.flatten_bucket(named)
     ours = unflatten(bucket["flattened_tensor"], bucket["metadata"])
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(ours, named))
+
+
+def test_parameters_too_large_for_dev_shm_are_not_lent(monkeypatch):
+    """Where /dev/shm cannot hold the parameter buffer (a container's default 64 MB), nothing
+    is moved: the sync copies into buckets as before instead of failing on a full tmpfs."""
+    from megatron_gspo.weight_sync import gather
+
+    buffer = torch.randn(300)
+    m = torch.nn.Module()
+    m.p = torch.nn.Parameter(buffer[:100])
+    m.q = torch.nn.Parameter(buffer[100:200])
+    monkeypatch.setattr(gather, "_shm_free", lambda: 1000)  # the fault: a nearly full /dev/shm
+    assert gather.share_parameters([m]) is None
+    assert not m.p.is_shared() and m.p.data_ptr() == buffer.data_ptr()
