@@ -54,6 +54,15 @@ def num_stages() -> int:
     return mpu.get_pipeline_model_parallel_world_size()
 
 
+def all_gather_objects(obj) -> list:
+    """`obj` of every rank, in rank order (just [obj] on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _check_sender_is_expert_root() -> None:
     from megatron.core import parallel_state as mpu
 

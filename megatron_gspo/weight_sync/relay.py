@@ -86,7 +86,7 @@ def make_plan(
             "some rollout servers have a node index and others do not; give every URL its node "
             "in rollout.url_nodes"
         )
-    infos = _all_gather((node, gather.stage_index(), gather.is_stage_sender()))
+    infos = gather.all_gather_objects((node, gather.stage_index(), gather.is_stage_sender()))
     if any(n is None for n, _, _ in infos):
         raise UserError(
             f"the rollout servers are on nodes {sorted(set(nodes))} and sync.method=tensor relays "
@@ -172,11 +172,3 @@ def receive(plan: RelayPlan, stage: int, pool: BufferPool) -> Iterator[Bucket]:
             (pool.give if pooled else pool.give_big)(buffer)
             raise TransportError(f"receiving bucket {index} from rank {src} failed: {e}") from None
         yield bucket.seal()
-
-
-def _all_gather(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

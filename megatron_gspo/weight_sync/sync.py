@@ -171,7 +171,7 @@ class WeightSync:
             if self.coordinator:  # our own gather failed: leave no server half-updated
                 self._finish_session(version, plan, [], crashed=True)
             raise
-        outcomes = [o for of_rank in _all_gather(mine) for o in of_rank]
+        outcomes = [o for of_rank in gather.all_gather_objects(mine) for o in of_rank]
         report = None
         if self.coordinator:
             report = self._finish_session(version, plan, outcomes)
@@ -477,11 +477,3 @@ def _bcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _all_gather(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

@@ -11,20 +11,19 @@ second bucket meant for it. Rank 0 writes the reports and what each server serve
 """
 
 import argparse
-import json
 import os
 import signal
 import time
 
 import torch.distributed as dist
-from weight_sync_worker import perturb, serving
+from weight_sync_worker import armed_sync, finish, perturb
 
 from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.weight_sync import verify
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
-from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
+from megatron_gspo.weight_sync.sync import WeightSync
 from megatron_gspo.weight_sync.transport import TensorTransport
 
 
@@ -74,18 +73,8 @@ def main() -> None:
     if a.kill:
         perturb(chunks, 2)
         expected["2"] = score(chunks, seqs)
-        transport.armed = True
-        try:
-            ws.sync("2")
-            result["error"] = None
-        except WeightSyncError as e:
-            result["error"] = str(e)
-            result["report"] = e.report.__dict__ if e.report else None
-    if dist.get_rank() == 0:
-        result["serving"] = serving(ws, seqs, expected)
-        with open(a.out, "w") as f:
-            json.dump(result, f)
-    ws.close()
+        result.update(armed_sync(ws, transport, "2"))
+    finish(ws, seqs, expected, result, a.out)
 
 
 if __name__ == "__main__":

@@ -160,16 +160,25 @@ def main() -> None:
         k = str(len(transports) + 1)
         perturb(chunks, int(k))
         refs[k] = score(chunks, seqs)
-        ws.transport.armed = True
-        try:
-            ws.sync(k)
-            result["error"] = None
-        except WeightSyncError as e:
-            result["error"] = str(e)
-            result["report"] = e.report.__dict__ if e.report else None
+        result.update(armed_sync(ws, ws.transport, k))
+    finish(ws, seqs, refs, result, a.out)
+
+
+def armed_sync(ws: WeightSync, transport, version: str) -> dict:
+    """A sync with the injected fault armed: its error and report (None: it succeeded)."""
+    transport.armed = True
+    try:
+        ws.sync(version)
+        return {"error": None}
+    except WeightSyncError as e:
+        return {"error": str(e), "report": e.report.__dict__ if e.report else None}
+
+
+def finish(ws: WeightSync, seqs, refs: dict, result: dict, out: str) -> None:
+    """Rank 0 adds what each server serves and writes the result; every rank closes."""
     if dist.get_rank() == 0:
         result["serving"] = serving(ws, seqs, refs)
-        with open(a.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(result, f)
     ws.close()
 
