@@ -8,7 +8,9 @@ False is softmax over all experts then top-k), dense layers from `mlp_only_layer
 through the same function (Qwen2: qkv bias, no QK-norm).
 
 Fusions that need CUDA kernels are off on a CPU; the Transformer Engine layer spec is used when TE
-imports and the run is on a GPU, the local (pure torch) spec otherwise.
+imports and the run is on a GPU, the local (pure torch) spec otherwise, with our RMSNorm
+(`norm.py`) and SDPA core attention (`attention.py`). Without sequence parallelism the
+output layer computes its logits batch-major (`_batch_major_logits`).
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from megatron_gspo.model.attention import use_sdpa_attention
+
     dims.validate(spec)
     config = transformer_config(spec, dims, opts)
     use_te = opts.use_transformer_engine
@@ -157,6 +161,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
         )
         if not use_te:
             use_local_rmsnorm(layer_spec)
+            use_sdpa_attention(layer_spec)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -172,9 +177,29 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
         )
         model.model_spec = spec
         model.padded_vocab_size = vocab
+        if model.post_process and not config.sequence_parallel:
+            _batch_major_logits(model.output_layer)
         _mark_tensor_parallel(model)
         chunks.append(model)
     return chunks
+
+
+def _batch_major_logits(output_layer) -> None:
+    """Have the output layer compute its logits batch-major.
+
+    GPTModel returns `logits.transpose(0, 1).contiguous()` ([s, b, V] -> [b, s, V]): a copy of
+    the full-vocabulary logits in forward and of their gradient in backward, the largest tensors
+    of the step. Transposing the hidden states instead (V / h times smaller) and handing back the
+    [s, b, V] view of [b, s, V] logits makes that transpose a view and `.contiguous()` a no-op;
+    the values are the same matmul's. Not under sequence parallelism, where the layer all-gathers
+    its input along dim 0 (the sequence)."""
+    forward = output_layer.forward
+
+    def batch_major(input_, *args, **kwargs):
+        logits, bias = forward(input_.transpose(0, 1).contiguous(), *args, **kwargs)
+        return logits.transpose(0, 1), bias
+
+    output_layer.forward = batch_major
 
 
 def _mark_tensor_parallel(model) -> None:

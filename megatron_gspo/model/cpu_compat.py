@@ -32,6 +32,15 @@ What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
   `optimizer.py`, `distrib_optimizer.py` and `clip_grads.py` -> `Tensor.type()` reports the CUDA
   name for CPU tensors of those dtypes when called with no argument.
 
+- DDP's buffer collectives (`dist_all_gather_func`, `dist_reduce_scatter_func` in
+  `param_and_grad_buffer.py`) over a group of one rank: megatron calls them at data-parallel size
+  1 too, where the shard is the whole bucket and gloo copies the whole parameter (or gradient)
+  buffer onto itself, twice per optimizer step. They are skipped when input and output are the
+  same memory, a plain copy otherwise.
+- The alltoall dispatcher's `sort_chunks_by_idxs` (unfused: split + cat) with the identity order,
+  which it is with one expert-parallel rank: it returns its input instead of a copy of every
+  routed token, in the forward and in the backward.
+
 Upstream bugs worked around (they bite only without Transformer Engine, i.e. always on a CPU):
 
 - `moe_utils.te_general_gemm` is undefined when TE is missing (0.16.1): NameError in router
@@ -116,6 +125,8 @@ def apply() -> None:
     _patch_rng()
     _patch_token_dispatcher()
     _patch_uneven_collectives()
+    _patch_buffer_collectives()
+    _patch_identity_chunk_sort()
     _patch_upstream_bugs()
     _APPLIED = True
 
@@ -270,6 +281,42 @@ def _patch_uneven_collectives() -> None:
 
     mappings._gather_along_first_dim = gather
     mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+
+def _patch_buffer_collectives() -> None:
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+        orig = getattr(pgb, name, None)
+        if orig is None or getattr(orig, "_single_rank_skip", False):
+            continue
+
+        def collective(output, input_, *args, group=None, async_op=False, __orig=orig, **kwargs):
+            if group is None or group.size() > 1:
+                return __orig(output, input_, *args, group=group, async_op=async_op, **kwargs)
+            if output.data_ptr() != input_.data_ptr() or output.numel() != input_.numel():
+                output.copy_(input_.view_as(output))
+            return None
+
+        collective._single_rank_skip = True
+        setattr(pgb, name, collective)
+
+
+def _patch_identity_chunk_sort() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    orig = getattr(token_dispatcher, "sort_chunks_by_idxs", None)
+    if orig is None or getattr(orig, "_identity_skip", False):
+        return
+
+    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
+        n = sorted_idxs.numel()
+        if not fused and torch.equal(sorted_idxs.cpu(), torch.arange(n, dtype=sorted_idxs.dtype)):
+            return input, probs
+        return orig(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+    sort_chunks_by_idxs._identity_skip = True
+    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
 
 
 def _patch_upstream_bugs() -> None:

@@ -53,8 +53,13 @@ def make_microbatches(seqs: list[list[int]], micro_batch_size: int, seq_len: int
 def next_token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, with_entropy: bool = False
 ):
-    """logits [b, s, V_local] -> log p(tokens[:, t+1] | ..t) as [b, s-1] (and entropy [b, s-1])."""
-    return tp_vocab_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, with_entropy)
+    """logits [b, s, V_local] -> log p(tokens[:, t+1] | ..t) as [b, s-1] (and entropy [b, s-1]).
+
+    Runs over all s positions (the last one with a dummy target) and drops the last output:
+    slicing the logits instead would make autograd zero-fill and copy a full-vocabulary gradient."""
+    targets = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # last column: any valid id
+    lp, ent = tp_vocab_logprobs(logits, targets, vocab_size, with_entropy)
+    return lp[:, :-1], (None if ent is None else ent[:, :-1])
 
 
 def _score_loss(mb: Microbatch, vocab_size: int, logits: torch.Tensor):
