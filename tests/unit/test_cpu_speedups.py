@@ -1,0 +1,86 @@
+"""The CPU speed-ups of the local spec compute what megatron-core's own code computes.
+
+SDPA core attention against megatron's `DotProductAttention` (values and gradients, GQA, causal),
+the identity chunk sort and the single-rank buffer collectives against the unpatched functions.
+One subprocess: the CPU layer patches process-wide state.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = r"""
+import torch
+from megatron_gspo.model.parallel import ParallelDims, init_distributed
+init_distributed(ParallelDims())
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_gspo.model.attention import SdpaAttention
+
+torch.manual_seed(0)
+cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                        kv_channels=16, attention_dropout=0.0, hidden_dropout=0.0)
+args = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+ref, ours = DotProductAttention(**args), SdpaAttention(**args)
+s, b = 7, 3
+def inputs():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(s, b, 4, 16, generator=g).requires_grad_()
+    k = torch.randn(s, b, 2, 16, generator=g).requires_grad_()
+    v = torch.randn(s, b, 2, 16, generator=g).requires_grad_()
+    return q, k, v
+results = []
+for module in (ref, ours):
+    q, k, v = inputs()
+    out = module(q, k, v, None)
+    (out * torch.arange(out.numel()).reshape(out.shape).sin()).sum().backward()
+    results.append((out.detach(), q.grad, k.grad, v.grad))
+assert results[0][0].shape == results[1][0].shape == (s, b, 64), results[1][0].shape
+for a, c in zip(*results):
+    assert torch.allclose(a, c, atol=1e-5, rtol=1e-5), (a - c).abs().max()
+# Causal: the first position attends to itself only (its output is its value).
+q, k, v = inputs()
+first = ours(q, k, v, None)[0].reshape(b, 4, 16)
+assert torch.allclose(first, v[0].detach().repeat_interleave(2, dim=1), atol=1e-6)
+# A mask tensor goes to megatron's own forward.
+mask = torch.ones(b, 1, s, s, dtype=torch.bool).triu(1)
+q, k, v = inputs()
+assert torch.allclose(ours(q, k, v, mask), ref(q, k, v, mask), atol=1e-6)
+print("attention ok")
+
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+x = torch.randn(10, 4)
+split = torch.tensor([3, 0, 5, 2])
+same, probs = token_dispatcher.sort_chunks_by_idxs(x, split, torch.arange(4))
+assert same is x and probs is None
+perm = torch.tensor([2, 0, 3, 1])
+got, _ = token_dispatcher.sort_chunks_by_idxs(x, split, perm)
+want, _ = moe_utils.sort_chunks_by_idxs(x, split, perm)
+assert torch.equal(got, want) and not torch.equal(got, x)
+print("sort ok")
+
+import torch.distributed as dist
+from megatron.core.distributed import param_and_grad_buffer as pgb
+buf = torch.arange(12.0)
+before = buf.clone()
+pgb.dist_reduce_scatter_func(buf[:], buf, group=dist.group.WORLD)
+pgb.dist_all_gather_func(buf, buf[:], group=dist.group.WORLD)
+assert torch.equal(buf, before)
+out = torch.zeros(12)
+pgb.dist_all_gather_func(out, buf, group=dist.group.WORLD)
+assert torch.equal(out, before)
+print("collectives ok")
+"""
+
+
+def test_cpu_speedups_match_megatron():
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for part in ("attention ok", "sort ok", "collectives ok"):
+        assert part in proc.stdout
