@@ -132,6 +132,9 @@ class AlgoSection:
     clip_high: float = 4e-4
     agg: str | None = None  # None: the loss's published aggregation
     minibatches: int = 4  # optimizer steps per rollout batch
+    # The first update takes its old log-probs from its own forward (exact: the weights have not
+    # moved yet), so the old-log-prob forward skips that minibatch. Not under r3.
+    on_policy_first_update: bool = True
     routing_replay: str = "none"  # none | r2 | r3
     advantage_std_norm: bool = True  # False: Dr. GRPO (no division by the group std)
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal

@@ -25,7 +25,7 @@ fewer rows than asked: a forward-only pass keeps no activations for a backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -248,10 +248,28 @@ class Actor:
 
     # ---- one optimizer step ------------------------------------------------------------------
 
-    def train_step(self, batch: RLBatch, loss_cfg: LossConfig, micro_batch_size: int = 8) -> dict:
-        """Forward/backward over all microbatches, then one optimizer step. Returns metrics."""
-        if batch.old_logprobs is None:
+    def train_step(
+        self,
+        batch: RLBatch,
+        loss_cfg: LossConfig,
+        micro_batch_size: int = 8,
+        *,
+        on_policy: bool = False,
+    ) -> dict:
+        """Forward/backward over all microbatches, then one optimizer step. Returns metrics.
+
+        `on_policy=True`: the weights are the ones the batch's old log-probs would be computed
+        with (the first update of a rollout batch), so this forward's own log-probs, detached,
+        are the old ones (ratios exactly 1) and no separate old-log-prob forward is needed. The
+        routing is the natural one (which is what R2 would record and replay); R3 needs the
+        rollout's routing aligned by `logprobs` and is refused. batch.old_logprobs is then set
+        from this forward."""
+        if on_policy and self.routing is not None and self.routing.mode == "r3":
+            raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
+        if batch.old_logprobs is None and not on_policy:
             raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
+        if on_policy:
+            batch.old_logprobs = None  # set from this forward below
         self._set_mode(True)
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -266,6 +284,9 @@ class Actor:
 
         def loss(mb, logits):
             lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
+            if on_policy:
+                mb.old_logprobs = lp.detach()
+                own.append((mb, mb.old_logprobs))
             value, stats = policy_loss(
                 lp,
                 mb.old_logprobs,
@@ -282,10 +303,24 @@ class Actor:
             stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
             return value * scale, stats
 
-        sweep = self.routing.train_sweep(batch, mbs, seq_len) if self.routing else None
+        own: list = []  # on_policy: (microbatch, its log-probs) as the loss saw them
+        sweep = None
+        if self.routing:
+            source = None if on_policy else "mode"
+            unrecorded = replace(batch, routing=None)  # natural, nothing compared
+            sweep = self.routing.train_sweep(unrecorded if on_policy else batch, mbs, seq_len,
+                                             source)  # fmt: skip
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
         routing = self.routing.finish_train(sweep) if self.routing else {}
+        if on_policy:
+            mine = []
+            for mb, lp in own:
+                for row, i in enumerate(mb.index.tolist()):
+                    if i >= 0:
+                        k = int(mb.lengths[row])
+                        mine.append((i, [None] + lp[row, : k - 1].tolist()))
+            batch.old_logprobs = _gather_rows(mine, len(batch), self.world)
         ok, grad_norm, _ = self.optimizer.step()
         metrics = _reduce_stats(outputs, self.world, self.tp)
         metrics.update(routing)

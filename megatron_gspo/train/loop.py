@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_gspo.config import Config
+from megatron_gspo.routing.metrics import CHANGED
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
@@ -49,24 +50,61 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
 
 
 def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
-    """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch."""
+    """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch.
+
+    With `algo.on_policy_first_update` (default; not under R3) the first minibatch's old
+    log-probs are those of its own training forward: its update runs on the very weights old
+    log-probs are defined by, so they are exact there (ratios exactly 1) and the old-log-prob
+    forward runs over the other minibatches only. The routing drift of that update is 0 by
+    construction (its recorded routing is its natural routing) and is counted as such."""
     t0 = time.perf_counter()
     actor.set_lr(cfg.optim.lr_at(step, cfg.train.steps))
+    order = np.random.default_rng([cfg.seed, step]).permutation(len(batch)).tolist()
+    parts = [sorted(p.tolist()) for p in np.array_split(order, cfg.algo.minibatches) if len(p)]
+    first_on_policy = cfg.algo.on_policy_first_update and cfg.algo.routing_replay != "r3"
+    ahead = [i for p in parts[1:] for i in p] if first_on_policy else list(range(len(batch)))
     # As many rows per forward as fit (one forward on a small model). The minibatches below are
     # other row sets with their own padding, so their forwards equal these to fp32 rounding.
-    batch.old_logprobs = actor.logprobs(batch, cfg.train.micro_batch_size, fit_logits=True)
+    _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
     metrics = {"time/old_logprobs_s": time.perf_counter() - t0}
-    metrics |= _mismatch(batch)
     metrics |= getattr(actor, "last_logprob_metrics", {}) or {}
-    order = np.random.default_rng([cfg.seed, step]).permutation(len(batch)).tolist()
-    parts = np.array_split(order, cfg.algo.minibatches)
-    per_update = [
-        actor.train_step(batch.rows(sorted(p.tolist())), cfg.algo.loss_config(),
-                         cfg.train.micro_batch_size)
-        for p in parts
-        if len(p)
-    ]  # fmt: skip
+    loss_cfg, mbs = cfg.algo.loss_config(), cfg.train.micro_batch_size
+    per_update = []
+    for k, part in enumerate(parts):
+        rows = batch.rows(part)
+        if k == 0 and first_on_policy:
+            update = actor.train_step(rows, loss_cfg, mbs, on_policy=True)
+            for i, lp in zip(part, rows.old_logprobs):
+                batch.old_logprobs[i] = lp
+        else:
+            update = actor.train_step(rows, loss_cfg, mbs)
+        per_update.append(update)
+    if first_on_policy and len(per_update) > 1:
+        drift = {k for m in per_update[1:] for k in m if k.startswith(CHANGED)}
+        per_update[0].update(dict.fromkeys(drift, 0.0))
+    metrics |= _mismatch(batch)
     return metrics | _combine_updates(per_update)
+
+
+def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int) -> None:
+    """Old log-probs (and recorded routing) of `rows` into the batch; None for the others."""
+    n = len(batch)
+    if len(rows) == n:
+        batch.old_logprobs = actor.logprobs(batch, micro_batch_size, fit_logits=True)
+        return
+    batch.old_logprobs = batch.routing = None
+    sub = batch.rows(rows)
+    batch.old_logprobs = [None] * n
+    if not rows:  # one minibatch, on policy: no old-log-prob pass at all
+        actor.last_logprob_metrics = {}
+        return
+    old = actor.logprobs(sub, micro_batch_size, fit_logits=True)
+    routing = [None] * n if sub.routing is not None else None
+    for j, i in enumerate(rows):
+        batch.old_logprobs[i] = old[j]
+        if routing is not None:
+            routing[i] = sub.routing[j]
+    batch.routing = routing
 
 
 def _mismatch(batch: RLBatch) -> dict:

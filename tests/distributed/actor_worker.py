@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--tis-cap", type=float, default=2.0)
     ap.add_argument("--on-policy", action="store_true", help="old log-probs as computed")
     ap.add_argument("--fit-logits", action="store_true", help="logprobs(fit_logits=True)")
+    ap.add_argument("--own-forward", action="store_true",
+                    help="no logprobs pass: the first step is train_step(on_policy=True)")  # fmt: skip
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
     init_distributed(dims)
@@ -68,8 +70,9 @@ def main() -> None:
         OptimConfig(lr=1e-3, use_distributed_optimizer=not a.no_dist_opt),
     )
     batch = fixed_batch()
-    old = actor.logprobs(batch, a.mbs, fit_logits=a.fit_logits)
-    batch.old_logprobs = old if a.on_policy else off_policy(old)
+    if not a.own_forward:
+        old = actor.logprobs(batch, a.mbs, fit_logits=a.fit_logits)
+        batch.old_logprobs = old if a.on_policy else off_policy(old)
     if a.tis != "none":
         batch.rollout_logprobs = rollout_of(batch.old_logprobs)
     loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28, tis=a.tis, tis_cap=a.tis_cap)
@@ -82,7 +85,8 @@ def main() -> None:
                 os.makedirs(a.save_dir)
             dist.barrier()
             actor.save(a.save_dir)
-        steps.append(actor.train_step(batch, loss_cfg, a.mbs))
+        own = a.own_forward and i == 0
+        steps.append(actor.train_step(batch, loss_cfg, a.mbs, on_policy=own))
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump({"steps": steps, "old": batch.old_logprobs, "rollout": batch.rollout_logprobs,

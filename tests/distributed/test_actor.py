@@ -175,3 +175,22 @@ def test_resume_continues_the_run(tmp_path, tmp_path_factory, tiny_models, case)
         for g, r in zip(resumed["steps"], tail):
             for key in ("loss", "grad_norm"):
                 assert g[key] == pytest.approx(r[key], rel=1e-5), (key, g[key], r[key])
+
+
+@pytest.mark.parametrize(
+    "nproc,mbs,flags", [(1, 8, []), (2, 2, ["--pp", "2"]), (2, 4, ["--ep", "2"])],
+    ids=["tp1", "pp2", "ep2"],
+)  # fmt: skip
+def test_on_policy_step_takes_old_logprobs_from_its_own_forward(tmp_path, tiny_models, nproc,
+                                                                mbs, flags):  # fmt: skip
+    """train_step(on_policy=True) without a logprobs pass: the same two steps as old log-probs
+    computed first (first step: ratios exactly 1 either way), and the batch's old log-probs
+    equal the logprobs pass's."""
+    ckpt = tiny_models["moe4"]
+    ref = run_worker(tmp_path, ckpt, nproc, mbs, flags, tag="ref", extra=["--on-policy"])
+    got = run_worker(tmp_path, ckpt, nproc, mbs, flags, tag="own", extra=["--own-forward"])
+    assert got["steps"][0]["ratio_max"] == 1.0 and got["steps"][0]["ratio_mean"] == 1.0
+    assert_same_steps(got, ref)
+    for g, r in zip(got["old"], ref["old"], strict=True):
+        assert g[0] is None and r[0] is None and len(g) == len(r)
+        assert g[1:] == pytest.approx(r[1:], abs=1e-5)
