@@ -102,13 +102,17 @@ def score(chunks, seqs: list[list[int]], *, micro_batch_size: int = 8) -> list[l
     )
     result: list = [None] * len(seqs)
     for out in outputs:
-        mb = out["mb"]
-        for row, i in enumerate(mb.index.tolist()):
-            if i < 0:
-                continue
-            n = int(mb.lengths[row])
-            result[i] = [None] + out["logprobs"][row, : n - 1].tolist()
+        for i, row in token_rows(out["mb"], out["logprobs"]):
+            result[i] = row
     return _from_last_stage(result)
+
+
+def token_rows(mb, lp: torch.Tensor):
+    """(caller's index, token-aligned log-probs with entry 0 None) of each real row of a
+    microbatch (`index` and `lengths` fields), from its next-token log-probs lp [b, s-1]."""
+    for row, i in enumerate(mb.index.tolist()):
+        if i >= 0:
+            yield i, [None] + lp[row, : int(mb.lengths[row]) - 1].tolist()
 
 
 def _from_last_stage(result: list):

@@ -41,7 +41,7 @@ from megatron_gspo.algo import (
     token_tis_weights,
 )
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.forward import next_token_logprobs, padded_length
+from megatron_gspo.model.forward import next_token_logprobs, padded_length, token_rows
 from megatron_gspo.routing import RoutingReplay
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
@@ -238,12 +238,7 @@ class Actor:
 
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=True)
-        mine = []
-        for out in outputs:
-            for row, i in enumerate(out["mb"].index.tolist()):
-                if i >= 0:
-                    k = int(out["mb"].lengths[row])
-                    mine.append((i, [None] + out["lp"][row, : k - 1].tolist()))
+        mine = [r for out in outputs for r in token_rows(out["mb"], out["lp"])]
         return _gather_rows(mine, n, self.world)
 
     # ---- one optimizer step ------------------------------------------------------------------
@@ -305,21 +300,15 @@ class Actor:
 
         own: list = []  # on_policy: (microbatch, its log-probs) as the loss saw them
         sweep = None
-        if self.routing:
-            source = None if on_policy else "mode"
-            unrecorded = replace(batch, routing=None)  # natural, nothing compared
-            sweep = self.routing.train_sweep(unrecorded if on_policy else batch, mbs, seq_len,
-                                             source)  # fmt: skip
+        if self.routing and on_policy:  # natural routing, nothing compared
+            sweep = self.routing.train_sweep(replace(batch, routing=None), mbs, seq_len, None)
+        elif self.routing:
+            sweep = self.routing.train_sweep(batch, mbs, seq_len)
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
         routing = self.routing.finish_train(sweep) if self.routing else {}
         if on_policy:
-            mine = []
-            for mb, lp in own:
-                for row, i in enumerate(mb.index.tolist()):
-                    if i >= 0:
-                        k = int(mb.lengths[row])
-                        mine.append((i, [None] + lp[row, : k - 1].tolist()))
+            mine = [r for mb, lp in own for r in token_rows(mb, lp)]
             batch.old_logprobs = _gather_rows(mine, len(batch), self.world)
         ok, grad_norm, _ = self.optimizer.step()
         metrics = _reduce_stats(outputs, self.world, self.tp)

@@ -10,6 +10,7 @@ actor.py (log-probs, the Megatron train step), weight_sync/ and the step hooks i
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -92,8 +93,7 @@ def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int)
     if len(rows) == n:
         batch.old_logprobs = actor.logprobs(batch, micro_batch_size, fit_logits=True)
         return
-    batch.old_logprobs = batch.routing = None
-    sub = batch.rows(rows)
+    sub = replace(batch, old_logprobs=None, routing=None).rows(rows)
     batch.old_logprobs = [None] * n
     if not rows:  # one minibatch, on policy: no old-log-prob pass at all
         actor.last_logprob_metrics = {}
