@@ -26,6 +26,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.model.hf_config import ModelSpec
 from megatron_gspo.model.norm import use_local_rmsnorm
 from megatron_gspo.model.parallel import ParallelDims, device_type
+from megatron_gspo.model.without_te import have_transformer_engine
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -46,14 +47,6 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIP
     """Vocab rounded up so every TP rank holds an equal slice; independent of tp when possible."""
     step = math.lcm(multiple, tp)
     return -(-vocab_size // step) * step
-
-
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
@@ -175,6 +168,8 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
             rotary_base=int(spec.rope_theta),
             vp_stage=vp,
         )
+        if device_type() == "cuda":  # megatron puts its parallel layers there; the rest follows
+            model.cuda(torch.cuda.current_device())
         model.model_spec = spec
         model.padded_vocab_size = vocab
         if model.post_process and not config.sequence_parallel:

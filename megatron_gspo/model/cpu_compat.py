@@ -41,12 +41,8 @@ What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
   which it is with one expert-parallel rank: it returns its input instead of a copy of every
   routed token, in the forward and in the backward.
 
-Upstream bugs worked around (they bite only without Transformer Engine, i.e. always on a CPU):
-
-- `moe_utils.te_general_gemm` is undefined when TE is missing (0.16.1): NameError in router
-  gating with `moe_router_dtype`. Defined as None, which selects the torch path.
-- `CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None`, i.e. True, and then
-  needs TE's FP8 state manager: selective recompute fails. Fixed to `bool(fp8)`.
+The upstream bugs that bite without Transformer Engine (always the case on a CPU) are worked
+around in `model/without_te.py`, on every device.
 """
 
 from __future__ import annotations
@@ -127,7 +123,6 @@ def apply() -> None:
     _patch_uneven_collectives()
     _patch_buffer_collectives()
     _patch_identity_chunk_sort()
-    _patch_upstream_bugs()
     _APPLIED = True
 
 
@@ -317,23 +312,6 @@ def _patch_identity_chunk_sort() -> None:
 
     sort_chunks_by_idxs._identity_skip = True
     token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
-
-
-def _patch_upstream_bugs() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    cwo = getattr(mrandom, "CheckpointWithoutOutput", None)
-    if cwo is not None:
-        orig_init = cwo.__init__
-
-        def init(self, fp8=False):
-            orig_init(self, fp8=fp8)
-            self.fp8 = bool(fp8)
-
-        cwo.__init__ = init
 
 
 def _replace(module, name: str, value) -> None:

@@ -8,6 +8,7 @@ first entry None), computed on the last pipeline stage and sent to every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,7 +27,20 @@ class Microbatch:
     @property
     def position_ids(self) -> torch.Tensor:
         b, s = self.tokens.shape
-        return torch.arange(s).unsqueeze(0).expand(b, s)
+        return torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
+
+
+def on_device(mb, device: torch.device):
+    """A microbatch (a dataclass of tensors) with its tensors on `device`, the model's: they are
+    built on the CPU, where a GPU model cannot read them."""
+    if device.type == "cpu":
+        return mb
+    moved = {
+        f.name: v.to(device, non_blocking=True)
+        for f in dataclasses.fields(mb)
+        if isinstance(v := getattr(mb, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(mb, **moved)
 
 
 def padded_length(max_len: int, tp: int, multiple: int = 1) -> int:
@@ -88,7 +102,8 @@ def score(chunks, seqs: list[list[int]], *, micro_batch_size: int = 8) -> list[l
     spec = chunks[0].model_spec
     tp = mpu.get_tensor_model_parallel_world_size()
     seq_len = padded_length(max(len(s) for s in seqs), tp)
-    mbs = make_microbatches(seqs, micro_batch_size, seq_len)
+    device = next(chunks[0].parameters()).device
+    mbs = [on_device(mb, device) for mb in make_microbatches(seqs, micro_batch_size, seq_len)]
     for c in chunks:
         c.eval()
     outputs = get_forward_backward_func()(

@@ -101,6 +101,9 @@ def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int =
         cpu_compat.apply()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    from megatron_gspo.model import without_te
+
+    without_te.apply()
     if not dist.is_initialized():
         _init_process_group(timeout_min)
     if dist.get_world_size() != dims.world_size:

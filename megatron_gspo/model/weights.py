@@ -105,9 +105,7 @@ def load_hf(chunks, reader) -> None:
         # Take the tensor over instead of copying into the freshly built one (a checkpoint-sized
         # copy saved); a slice of a larger tensor is copied so it does not pin the rest.
         owns_storage = local.untyped_storage().nbytes() == local.numel() * local.element_size()
-        lp.param.data = (
-            local.to(lp.param.dtype) if owns_storage else local.to(lp.param.dtype, copy=True)
-        )
+        lp.param.data = local.to(lp.param.device, lp.param.dtype, copy=not owns_storage)
 
 
 @torch.no_grad()

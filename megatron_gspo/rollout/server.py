@@ -174,6 +174,7 @@ async def server_info(request: web.Request) -> web.Response:
             "model_path": st.model_path,
             "host": a.host,
             "port": a.port,
+            "device": "cpu",  # as SGLang's server args say it; the weight sync reads it
             "dtype": str(e.model.dtype).removeprefix("torch."),
             "enable_return_routed_experts": e.record_routing,
             "decode_kernel": "torch" if e.model.decode_kernel is None else "c",

@@ -41,7 +41,7 @@ from megatron_gspo.algo import (
     token_tis_weights,
 )
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.forward import next_token_logprobs, padded_length, token_rows
+from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
 from megatron_gspo.routing import RoutingReplay
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
@@ -90,6 +90,7 @@ class Actor:
 
         self.spec = chunks[0].model_spec
         self.config = chunks[0].config
+        self.device = next(chunks[0].parameters()).device
         self.optim = optim
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -143,7 +144,7 @@ class Actor:
         n_micro = max(1, -(-per_rank // micro_batch_size))
         while len(mbs) < n_micro:
             mbs += microbatches(batch, [], micro_batch_size, seq_len)
-        return mbs, seq_len, dp
+        return [on_device(mb, self.device) for mb in mbs], seq_len, dp
 
     def _fitted_micro_batch(self, batch: RLBatch, micro_batch_size: int) -> int:
         """Rows per forward-only microbatch: the replica's whole share if its logits fit in
@@ -234,7 +235,7 @@ class Actor:
 
         def loss(mb, logits):
             lp, _ = next_token_logprobs(logits, mb.tokens, vocab)
-            return torch.zeros(()), {"lp": lp, "mb": mb}
+            return torch.zeros((), device=lp.device), {"lp": lp, "mb": mb}
 
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=True)

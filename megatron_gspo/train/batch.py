@@ -57,7 +57,7 @@ class TrainMicrobatch:
     @property
     def position_ids(self) -> torch.Tensor:
         b, s = self.tokens.shape
-        return torch.arange(s).unsqueeze(0).expand(b, s)
+        return torch.arange(s, device=self.tokens.device).unsqueeze(0).expand(b, s)
 
 
 def _padded(rows, b: int, s: int, fill, dtype: torch.dtype) -> torch.Tensor:

@@ -96,7 +96,7 @@ class Bucket:
     def add(self, name: str, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
         dst = self.buffer[self.nbytes : self.nbytes + n].view(t.dtype).view(t.shape)
-        dst.copy_(t, non_blocking=True)
+        dst.copy_(t, non_blocking=dst.is_cuda)  # GPU to CPU: done when it returns
         self.metadata.append(
             types.SimpleNamespace(
                 name=name, shape=torch.Size(t.shape), dtype=t.dtype,

@@ -55,7 +55,7 @@ from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDirs
 from megatron_gspo.weight_sync.relay import Fanout, make_plan, receive
-from megatron_gspo.weight_sync.servers import Servers
+from megatron_gspo.weight_sync.servers import ServerError, Servers
 from megatron_gspo.weight_sync.transport import (
     LOCAL_HOSTS,
     PARTIAL,
@@ -135,7 +135,11 @@ class WeightSync:
             root = self._own_dir = _shm_dir(self.servers)
         self.dirs = VersionDirs(root, config.keep_versions, base) if root else None
         self._base = base
-        self.device = next(self.chunks[0].parameters()).device
+        # Buckets live where the servers can read them: on the GPU when the trainer is there,
+        # unless a server runs on CPU (the built-in server on a GPU machine), which takes
+        # shared memory (tensor) or gloo (distributed) instead of CUDA IPC or NCCL.
+        self.model_device = next(self.chunks[0].parameters()).device
+        self.device = bucket_device(self.model_device, self.servers)
         self.pool = self._new_pool()
         # Tensor transport on CPU: the stage sender lends its parameter buffer (bucket.py).
         self._borrow = None
@@ -222,7 +226,7 @@ class WeightSync:
         if self.relay:  # this node's servers; the relays reach the others'
             live = self.relay.servers_on(self.relay.rank_nodes[_rank()], live)
             fanout = Fanout(self.relay, stage) if stage in self.relay.groups else None
-        ctx = StageContext(self.servers, self.config, version, stage, live)
+        ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
         writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
         error, nbytes, sums, lent = None, 0, [], 0
         try:
@@ -254,11 +258,11 @@ class WeightSync:
 
     def _relay_stage(self, version: str, plan: dict, stage: int, pool: BufferPool) -> dict:
         """On a relay's thread: `stage`'s buckets from its sender to this node's servers."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # a new thread starts on device 0
+        if self.model_device.type == "cuda":
+            torch.cuda.set_device(self.model_device)  # a new thread starts on device 0
         node = self.relay.rank_nodes[_rank()]
         live = self.relay.servers_on(node, plan["live"])
-        ctx = StageContext(self.servers, self.config, version, stage, live)
+        ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
         error, nbytes, sums = None, 0, []
         try:
             buckets = receive(self.relay, stage, pool)
@@ -276,8 +280,8 @@ class WeightSync:
         state = {"error": error, "bytes": 0, "checksums": [], "lent": 0}
 
         def work():
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # a new thread starts on device 0
+            if self.model_device.type == "cuda":
+                torch.cuda.set_device(self.model_device)  # a new thread starts on device 0
             while (b := q.get()) is not None:
                 try:
                     if state["error"] is None:
@@ -450,6 +454,22 @@ def _who(outcome: dict) -> str:
     if outcome["relay"] is None:
         return f"stage {outcome['stage']}"
     return f"stage {outcome['stage']} relay (rank {outcome['rank']}, node {outcome['relay']})"
+
+
+def bucket_device(model_device: torch.device, servers: Servers) -> torch.device:
+    """`model_device`, or the CPU when the model is on a GPU and a server says (in
+    /get_server_info's `device`, as SGLang's server args do) that it runs on CPU. A server that
+    does not say is taken to run where the trainer does."""
+    if model_device.type == "cpu":
+        return model_device
+    for i in range(len(servers)):
+        try:
+            info = servers.get(i, "/get_server_info", timeout_s=30)
+        except ServerError:
+            continue  # a dead server is reported by the sync itself
+        if str(info.get("device") or "").startswith("cpu"):
+            return torch.device("cpu")
+    return model_device
 
 
 def _shm_dir(servers: Servers) -> str:

@@ -59,6 +59,7 @@ class StageContext:
     touched: set[int] = field(default_factory=set)  # servers that were sent at least one bucket
     failed: dict[int, str] = field(default_factory=dict)
     buckets: int = 0
+    device: torch.device = torch.device("cpu")  # where the buckets are
     state: dict = field(default_factory=dict)  # the transport's own per-stage state
 
     def fail(self, errors: dict[int, str]) -> None:
@@ -147,7 +148,7 @@ class DistributedTransport(Transport):
         cfg, servers = ctx.config, ctx.servers
         address = cfg.master_address or _master_address(servers)
         port, name = free_port(), f"megatron-gspo-s{ctx.stage}-{uuid.uuid4().hex[:8]}"
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if ctx.device.type == "cuda" else "gloo"
         offsets, world = {}, 1
         for i in ctx.live:
             offsets[i], world = world, world + servers.refs[i].tp_size

@@ -140,6 +140,7 @@ def test_info_endpoints_and_api_key(server, ckpts):
     assert info["model_path"] == str(ckpts[0].resolve()) and info["weight_version"]
     status, info = run(raw(server, "GET", "/server_info"))
     assert status == 200 and info["enable_return_routed_experts"] is True
+    assert info["device"] == "cpu"
     assert "api_key" not in str(info) and KEY not in str(info)
     assert run(raw(server, "GET", "/health_generate"))[0] == 200
     assert run(raw(server, "GET", "/health", key=None))[0] == 200
@@ -248,3 +249,17 @@ def test_weight_update_waits_for_running_requests_unless_paused(server, ckpts):
     assert waited.finish_reason == "length" and waited.weight_version != "w-idle"
     assert answer["success"] and answer["num_paused_requests"] == 1
     assert paused.finish_reason == "length" and paused.weight_version == "w-paused"
+
+
+def test_weight_sync_packs_on_cpu_for_a_cpu_server(server):
+    """A trainer on a GPU syncing into this CPU server packs buckets in CPU memory (shared memory
+    or gloo, not CUDA IPC or NCCL); a server that cannot be asked leaves them on the trainer's."""
+    from megatron_gspo.weight_sync.config import ServerRef
+    from megatron_gspo.weight_sync.servers import Servers
+    from megatron_gspo.weight_sync.sync import bucket_device
+
+    gpu = torch.device("cuda", 0)  # only the device's name: no GPU is touched
+    assert bucket_device(gpu, Servers([ServerRef(server, api_key=KEY)])) == torch.device("cpu")
+    assert bucket_device(gpu, Servers(["http://127.0.0.1:9"], timeout_s=5)) == gpu
+    cpu = torch.device("cpu")
+    assert bucket_device(cpu, Servers([ServerRef(server, api_key=KEY)])) == cpu

@@ -40,3 +40,23 @@ def test_cpu_setup_applies_it_and_redirects_cuda_calls():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ok" in proc.stdout
+
+
+def test_without_te_fixes_apply_on_any_device_and_router_gating_runs():
+    """The megatron-core bugs that bite without Transformer Engine are mended by their own module
+    (a GPU machine without TE needs them too, and never imports cpu_compat)."""
+    proc = run(
+        "import sys, torch\n"
+        "from megatron_gspo.model import without_te\n"
+        "without_te.apply()\n"
+        "assert 'megatron_gspo.model.cpu_compat' not in sys.modules\n"
+        "from megatron.core.transformer.moe import moe_utils\n"
+        "from megatron.core.tensor_parallel.random import CheckpointWithoutOutput\n"
+        "x, w = torch.randn(4, 8), torch.randn(3, 8)\n"
+        "y = moe_utils.router_gating_linear(x, w, None, torch.float32)\n"
+        "assert torch.allclose(y, x @ w.T, atol=1e-5), (y, x @ w.T)\n"
+        "assert CheckpointWithoutOutput(fp8=False).fp8 is False\n"
+        "print('ok')\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ok" in proc.stdout
