@@ -191,10 +191,22 @@ def _batch_major_logits(output_layer) -> None:
     forward = output_layer.forward
 
     def batch_major(input_, *args, **kwargs):
-        logits, bias = forward(input_.transpose(0, 1).contiguous(), *args, **kwargs)
+        start = output_layer.logits_from  # a window: the positions before it are not needed
+        logits, bias = forward(input_[start:].transpose(0, 1).contiguous(), *args, **kwargs)
         return logits.transpose(0, 1), bias
 
+    output_layer.logits_from = 0
     output_layer.forward = batch_major
+
+
+def set_logits_from(chunk, start: int) -> None:
+    """Compute the chunk's logits from sequence position `start` on (it returns [b, s - start,
+    V]); positions before it carry no loss (the prompt). Only where the logits are batch-major
+    (`_batch_major_logits`: not on other pipeline stages or under sequence parallelism); there
+    all s positions are computed, which `next_token_logprobs` takes as well."""
+    layer = getattr(getattr(chunk, "module", chunk), "output_layer", None)
+    if layer is not None and hasattr(layer, "logits_from"):
+        layer.logits_from = start
 
 
 def _mark_tensor_parallel(model) -> None:

@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_gspo.model.logprobs import tp_vocab_logprobs
 
@@ -70,9 +71,15 @@ def next_token_logprobs(
     """logits [b, s, V_local] -> log p(tokens[:, t+1] | ..t) as [b, s-1] (and entropy [b, s-1]).
 
     Runs over all s positions (the last one with a dummy target) and drops the last output:
-    slicing the logits instead would make autograd zero-fill and copy a full-vocabulary gradient."""
+    slicing the logits instead would make autograd zero-fill and copy a full-vocabulary gradient.
+    Logits of the last s' < s positions only (a logits window, `set_logits_from`) give zeros
+    before them."""
+    start = tokens.size(1) - logits.size(1)
     targets = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # last column: any valid id
-    lp, ent = tp_vocab_logprobs(logits, targets, vocab_size, with_entropy)
+    lp, ent = tp_vocab_logprobs(logits, targets[:, start:], vocab_size, with_entropy)
+    if start:
+        lp = F.pad(lp, (start, 0))
+        ent = None if ent is None else F.pad(ent, (start, 0))
     return lp[:, :-1], (None if ent is None else ent[:, :-1])
 
 
@@ -124,10 +131,14 @@ def score(chunks, seqs: list[list[int]], *, micro_batch_size: int = 8) -> list[l
 
 def token_rows(mb, lp: torch.Tensor):
     """(caller's index, token-aligned log-probs with entry 0 None) of each real row of a
-    microbatch (`index` and `lengths` fields), from its next-token log-probs lp [b, s-1]."""
+    microbatch (`index` and `lengths` fields), from its next-token log-probs lp [b, s-1]; None
+    also before the microbatch's logits window (`logits_from`), where nothing was computed."""
+    start = getattr(mb, "logits_from", 0)
     for row, i in enumerate(mb.index.tolist()):
         if i >= 0:
-            yield i, [None] + lp[row, : int(mb.lengths[row]) - 1].tolist()
+            n = int(mb.lengths[row])
+            values = lp[row, start : n - 1].tolist()
+            yield i, [None] * (n - len(values)) + values
 
 
 def _from_last_stage(result: list):

@@ -41,6 +41,7 @@ from megatron_gspo.algo import (
     token_tis_weights,
 )
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
 from megatron_gspo.routing import RoutingReplay
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
@@ -134,13 +135,13 @@ class Actor:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _layout(self, batch: RLBatch, micro_batch_size: int):
+    def _layout(self, batch: RLBatch, micro_batch_size: int, window: bool = False):
         dp = self.dp
         seq_len = padded_length(max(len(t) for t in batch.tokens), self.tp)
         # Same number of microbatches on every replica (expert-parallel collectives span them).
         per_rank = -(-len(batch) // dp)
         index = list(range(self.dp_rank, len(batch), dp))
-        mbs = microbatches(batch, index, micro_batch_size, seq_len)
+        mbs = microbatches(batch, index, micro_batch_size, seq_len, window)
         n_micro = max(1, -(-per_rank // micro_batch_size))
         while len(mbs) < n_micro:
             mbs += microbatches(batch, [], micro_batch_size, seq_len)
@@ -171,6 +172,7 @@ class Actor:
             mb = next(it)
             if sweep is not None:
                 sweep.enter(model, mb)
+            set_logits_from(model, mb.logits_from)
             out = model(mb.tokens, mb.position_ids, None)
             if sweep is not None:
                 out = sweep.leave(model, mb, out)
@@ -270,7 +272,9 @@ class Actor:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mbs, seq_len, dp = self._layout(batch, micro_batch_size)
+        # Logits (the LM head and the log-softmax, forward and backward) only from the first
+        # position with a loss: the prompts before it have none.
+        mbs, seq_len, dp = self._layout(batch, micro_batch_size, window=True)
         denom = float(loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind))
         scale = len(mbs) * dp
         vocab = self.spec.vocab_size

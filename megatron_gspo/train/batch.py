@@ -53,6 +53,7 @@ class TrainMicrobatch:
     rollout_logprobs: torch.Tensor | None  # [b, S]
     index: torch.Tensor  # [b] row in the caller's batch, -1 for an empty row
     lengths: torch.Tensor = field(default=None)  # [b]
+    logits_from: int = 0  # the first position whose logits are computed (the logits window)
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -71,8 +72,13 @@ def _token_field(rows, b: int, s: int, fill: float = 0.0) -> torch.Tensor:
     return _padded(rows, b, s, fill, torch.float32)[:, 1:]
 
 
-def microbatches(batch: RLBatch, index: list[int], micro_batch_size: int, seq_len: int):
-    """Full microbatches over `index` rows of `batch`, padded to [micro_batch_size, seq_len]."""
+def microbatches(
+    batch: RLBatch, index: list[int], micro_batch_size: int, seq_len: int, window: bool = False
+):
+    """Full microbatches over `index` rows of `batch`, padded to [micro_batch_size, seq_len].
+
+    `window`: each microbatch's `logits_from` is its first position with a loss (the shortest
+    prompt's last token), so the logits of the prompts before it are never computed."""
     out = []
     n_micro = max(1, -(-len(index) // micro_batch_size))
     per_token_adv = bool(batch.advantages) and isinstance(batch.advantages[0], list)
@@ -96,7 +102,11 @@ def microbatches(batch: RLBatch, index: list[int], micro_batch_size: int, seq_le
         fill = b - len(idx)
         lengths = torch.tensor([len(t) for t in part.tokens] + [0] * fill)
         index_t = torch.tensor(list(idx) + [-1] * fill)
-        out.append(TrainMicrobatch(tokens, mask, adv, old, roll, index_t, lengths))
+        start = 0
+        if window:
+            firsts = [next((t for t, m in enumerate(r) if m), None) for r in part.loss_mask]
+            start = min((t - 1 for t in firsts if t), default=0)
+        out.append(TrainMicrobatch(tokens, mask, adv, old, roll, index_t, lengths, start))
     return out
 
 

@@ -185,12 +185,16 @@ def test_on_policy_step_takes_old_logprobs_from_its_own_forward(tmp_path, tiny_m
                                                                 mbs, flags):  # fmt: skip
     """train_step(on_policy=True) without a logprobs pass: the same two steps as old log-probs
     computed first (first step: ratios exactly 1 either way), and the batch's old log-probs
-    equal the logprobs pass's."""
+    equal the logprobs pass's on every trained token (the on-policy step computes logits from
+    the first trained position on, so the prompt tokens before it have None)."""
     ckpt = tiny_models["moe4"]
     ref = run_worker(tmp_path, ckpt, nproc, mbs, flags, tag="ref", extra=["--on-policy"])
     got = run_worker(tmp_path, ckpt, nproc, mbs, flags, tag="own", extra=["--own-forward"])
     assert got["steps"][0]["ratio_max"] == 1.0 and got["steps"][0]["ratio_mean"] == 1.0
     assert_same_steps(got, ref)
-    for g, r in zip(got["old"], ref["old"], strict=True):
-        assert g[0] is None and r[0] is None and len(g) == len(r)
-        assert g[1:] == pytest.approx(r[1:], abs=1e-5)
+    for g, r, mask in zip(got["old"], ref["old"], got["mask"], strict=True):
+        assert g[0] is None and r[0] is None and len(g) == len(r) == len(mask)
+        trained = [t for t, m in enumerate(mask) if m]
+        assert [g[t] for t in trained] == pytest.approx([r[t] for t in trained], abs=1e-5)
+        assert all(t < min(trained) for t, v in enumerate(g) if v is None)
+    assert any(g[1] is None for g in got["old"])  # prompt logits were skipped
