@@ -173,7 +173,10 @@ class Actor:
             if sweep is not None:
                 sweep.enter(model, mb)
             set_logits_from(model, mb.logits_from)
-            out = model(mb.tokens, mb.position_ids, None)
+            try:
+                out = model(mb.tokens, mb.position_ids, None)
+            finally:  # the window is this microbatch's only: score() and others see all logits
+                set_logits_from(model, 0)
             if sweep is not None:
                 out = sweep.leave(model, mb, out)
             return out, partial(loss, mb)

@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
@@ -87,10 +88,13 @@ def main() -> None:
             actor.save(a.save_dir)
         own = a.own_forward and i == 0
         steps.append(actor.train_step(batch, loss_cfg, a.mbs, on_policy=own))
+    # After training (whose forward skips the prompts' logits): every position, both ways.
+    after = {"score": score([c.module for c in actor.chunks], batch.tokens, micro_batch_size=a.mbs),
+             "logprobs": actor.logprobs(batch, a.mbs)}  # fmt: skip
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump({"steps": steps, "old": batch.old_logprobs, "rollout": batch.rollout_logprobs,
-                       "mask": batch.loss_mask, "adv": batch.advantages}, f)  # fmt: skip
+                       "mask": batch.loss_mask, "adv": batch.advantages, "after": after}, f)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -198,3 +198,7 @@ def test_on_policy_step_takes_old_logprobs_from_its_own_forward(tmp_path, tiny_m
         assert [g[t] for t in trained] == pytest.approx([r[t] for t in trained], abs=1e-5)
         assert all(t < min(trained) for t, v in enumerate(g) if v is None)
     assert any(g[1] is None for g in got["old"])  # prompt logits were skipped
+    # ... in training only: scoring and the log-prob pass after it cover every position.
+    for s, lp in zip(got["after"]["score"], got["after"]["logprobs"], strict=True):
+        assert s[0] is None and None not in s[1:]
+        assert s[1:] == pytest.approx(lp[1:], abs=1e-5)
