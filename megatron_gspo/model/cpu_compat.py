@@ -37,6 +37,10 @@ What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
   1 too, where the shard is the whole bucket and gloo copies the whole parameter (or gradient)
   buffer onto itself, twice per optimizer step. They are skipped when input and output are the
   same memory, a plain copy otherwise.
+- megatron's gradient-accumulation fusion calls a CUDA extension (`fused_weight_gradient_mlp_cuda`)
+  to add each linear layer's weight gradient straight into its fp32 `main_grad`. A torch version
+  (`addmm_`) stands in; the actor turns the fusion on for its DDP-wrapped layers
+  (`enable_wgrad_accumulation`), which saves a pass over every weight gradient per backward.
 - The alltoall dispatcher's `sort_chunks_by_idxs` (unfused: split + cat) with the identity order,
   which it is with one expert-parallel rank: it returns its input instead of a copy of every
   routed token, in the forward and in the backward.
@@ -123,6 +127,7 @@ def apply() -> None:
     _patch_uneven_collectives()
     _patch_buffer_collectives()
     _patch_identity_chunk_sort()
+    _patch_wgrad_accumulation()
     _APPLIED = True
 
 
@@ -295,6 +300,44 @@ def _patch_buffer_collectives() -> None:
 
         collective._single_rank_skip = True
         setattr(pgb, name, collective)
+
+
+def _patch_wgrad_accumulation() -> None:
+    """The kernel behind megatron's gradient-accumulation fusion, in torch: the weight gradient
+    of a parallel linear layer is added straight into its fp32 `main_grad` (one addmm) instead of
+    being computed into a new tensor that DDP's hook then adds (a second pass over every weight
+    gradient, per backward). `enable_wgrad_accumulation` turns it on per layer."""
+    from megatron.core.tensor_parallel import layers
+
+    if getattr(layers, "fused_weight_gradient_mlp_cuda", None) is not None:
+        return
+
+    def accumulate(total_input, grad_output, main_grad):
+        main_grad.addmm_(grad_output.t(), total_input)
+
+    layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
+        wgrad_gemm_accum_fp32=accumulate, wgrad_gemm_accum_fp16=accumulate
+    )
+
+
+def enable_wgrad_accumulation(chunks) -> int:
+    """Gradient-accumulation fusion on the parallel linear layers of DDP-wrapped `chunks` whose
+    weight has a `main_grad` (DDP's gradient buffer) and is their own: not the output layer of
+    tied embeddings, which gets the shared weight passed in and whose gradient autograd sums
+    with the embedding's. Returns how many layers. megatron reads the flag per layer and call,
+    and a layer without `main_grad` (no DDP: scoring, conversion) must keep it off."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    n = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            weight = getattr(module, "weight", None)
+            if weight is not None and hasattr(weight, "main_grad"):
+                module.gradient_accumulation_fusion = True
+                n += 1
+    return n
 
 
 def _patch_identity_chunk_sort() -> None:

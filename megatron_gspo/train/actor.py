@@ -43,6 +43,7 @@ from megatron_gspo.algo import (
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
+from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import RoutingReplay
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
@@ -103,6 +104,10 @@ class Actor:
             for c in chunks
         ]
         self.config.finalize_model_grads_func = finalize_model_grads
+        if device_type() == "cpu":
+            from megatron_gspo.model import cpu_compat
+
+            cpu_compat.enable_wgrad_accumulation(self.chunks)
         dtype = self.config.params_dtype
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(

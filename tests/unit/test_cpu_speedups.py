@@ -1,7 +1,8 @@
 """The CPU speed-ups of the local spec compute what megatron-core's own code computes.
 
 SDPA core attention against megatron's `DotProductAttention` (values and gradients, GQA, causal),
-the identity chunk sort and the single-rank buffer collectives against the unpatched functions.
+the identity chunk sort and the single-rank buffer collectives against the unpatched functions,
+and the weight-gradient accumulation into `main_grad` against x^T g written out.
 One subprocess: the CPU layer patches process-wide state.
 """
 
@@ -74,6 +75,27 @@ out = torch.zeros(12)
 pgb.dist_all_gather_func(out, buf, group=dist.group.WORLD)
 assert torch.equal(out, before)
 print("collectives ok")
+
+# Gradient-accumulation fusion: two backwards add x^T g into main_grad, as the unfused layer's
+# weight gradients would sum; a layer without main_grad (not DDP-held) is left unfused.
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron_gspo.model.cpu_compat import enable_wgrad_accumulation
+lin = ColumnParallelLinear(16, 8, config=cfg, init_method=cfg.init_method, bias=False)
+other = ColumnParallelLinear(16, 8, config=cfg, init_method=cfg.init_method, bias=False)
+lin.weight.main_grad = torch.zeros(8, 16)
+lin.weight.grad_added_to_main_grad = False
+assert enable_wgrad_accumulation([torch.nn.ModuleList([lin, other])]) == 1
+assert lin.gradient_accumulation_fusion and not other.gradient_accumulation_fusion
+want = torch.zeros(8, 16)
+for seed in (2, 3):
+    x = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(seed + 10))
+    out, _ = lin(x)
+    (out * w).sum().backward()
+    want += w.reshape(-1, 8).t() @ x.reshape(-1, 16)
+assert lin.weight.grad_added_to_main_grad
+assert torch.allclose(lin.weight.main_grad, want, atol=1e-5), (lin.weight.main_grad - want).abs().max()
+print("wgrad ok")
 """
 
 
@@ -82,5 +104,5 @@ def test_cpu_speedups_match_megatron():
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for part in ("attention ok", "sort ok", "collectives ok"):
+    for part in ("attention ok", "sort ok", "collectives ok", "wgrad ok"):
         assert part in proc.stdout
