@@ -103,9 +103,8 @@ def microbatches(
         lengths = torch.tensor([len(t) for t in part.tokens] + [0] * fill)
         index_t = torch.tensor(list(idx) + [-1] * fill)
         start = 0
-        if window:
-            firsts = [next((t for t, m in enumerate(r) if m), None) for r in part.loss_mask]
-            start = min((t - 1 for t in firsts if t), default=0)
+        if window and mask.any():  # the first position (column of `mask`) with a loss
+            start = int(mask.any(0).int().argmax())
         out.append(TrainMicrobatch(tokens, mask, adv, old, roll, index_t, lengths, start))
     return out
 
