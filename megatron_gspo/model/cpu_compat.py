@@ -44,6 +44,11 @@ What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
 - The alltoall dispatcher's `sort_chunks_by_idxs` (unfused: split + cat) with the identity order,
   which it is with one expert-parallel rank: it returns its input instead of a copy of every
   routed token, in the forward and in the backward.
+- glibc's malloc (not megatron): blocks of 32 MiB and more (the vocabulary-sized logits, their
+  gradient, the buffers of a long microbatch) are fresh mmaps, unmapped on free and page-faulted
+  in again, page by page, on every step; freed memory at the top of the heap is trimmed back to
+  the OS too. `mallopt` keeps both in the heap for reuse (halves the trainer's system time on the
+  bench model), unless the user set glibc's malloc tunables themselves.
 
 The upstream bugs that bite without Transformer Engine (always the case on a CPU) are worked
 around in `model/without_te.py`, on every device.
@@ -128,7 +133,27 @@ def apply() -> None:
     _patch_buffer_collectives()
     _patch_identity_chunk_sort()
     _patch_wgrad_accumulation()
+    _keep_freed_memory()
     _APPLIED = True
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def _keep_freed_memory() -> bool:
+    """glibc only: allocate from the heap, never mmap; trim the heap only past 2 GiB free."""
+    import ctypes
+    import os
+
+    if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, gnu_libc = libc.mallopt, libc.gnu_get_libc_version
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its own allocator stays
+        return False
+    del gnu_libc
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def _map_device(device):

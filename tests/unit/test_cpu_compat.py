@@ -1,5 +1,6 @@
 """The CPU compatibility layer is applied only by a CPU run's set-up, never on import."""
 
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,39 @@ def test_without_te_fixes_apply_on_any_device_and_router_gating_runs():
         "print('ok')\n",
         "ok",
     )
+
+
+_FAULTS = (
+    "import resource, torch\n"
+    "from megatron_gspo.model import cpu_compat\n"
+    "kept = {keep} and cpu_compat._keep_freed_memory()\n"
+    "def faults():\n"
+    "    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+    "    x = torch.ones(16_000_000)\n"  # 64 MB: glibc would mmap it
+    "    y = (x * 2).sum()\n"
+    "    del x\n"
+    "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0\n"
+    "n = [faults() for _ in range(6)]\n"
+    "print('kept' if kept else 'default', sum(n[2:]))\n"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_memory_is_reused_instead_of_page_faulted_again():
+    """64 MB tensors, freed and made again: by default glibc unmaps them and page-faults every
+    page back in each time; with `_keep_freed_memory` the heap keeps them for reuse."""
+
+    def faults(keep: bool) -> int:
+        proc = subprocess.run(
+            [sys.executable, "-c", _FAULTS.format(keep=keep)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "GLIBC_TUNABLES": ""},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        word, n = proc.stdout.split()
+        assert word == ("kept" if keep else "default")
+        return int(n)
+
+    pages = 64_000_000 // 4096
+    default, kept = faults(False), faults(True)
+    assert default >= 4 * pages * 0.9  # every tensor faulted in again: 4 x 15.6k pages
+    assert kept <= default / 2, (kept, default)
