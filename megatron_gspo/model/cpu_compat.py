@@ -149,11 +149,11 @@ def _keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        mallopt, gnu_libc = libc.mallopt, libc.gnu_get_libc_version
-    except (OSError, AttributeError):  # not glibc (musl, macOS): its own allocator stays
+    except OSError:
         return False
-    del gnu_libc
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc (musl, macOS): left as it is
+        return False
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def _map_device(device):
