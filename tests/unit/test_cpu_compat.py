@@ -9,12 +9,15 @@ import pytest
 pytestmark = pytest.mark.unit
 
 
-def run(code: str, expect: str) -> None:
+def run(code: str, expect: str, env: dict | None = None) -> str:
     """Run `code` in a fresh interpreter (the patches are process-wide); it must succeed and
-    print `expect`."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    print `expect`. Returns what it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expect in proc.stdout
+    return proc.stdout
 
 
 def test_importing_the_model_code_does_not_patch_torch():
@@ -85,13 +88,10 @@ def test_freed_memory_is_reused_instead_of_page_faulted_again():
     page back in each time; with `_keep_freed_memory` the heap keeps them for reuse."""
 
     def faults(keep: bool) -> int:
-        proc = subprocess.run(
-            [sys.executable, "-c", _FAULTS.format(keep=keep)],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "GLIBC_TUNABLES": ""},
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        word, n = proc.stdout.split()
-        assert word == ("kept" if keep else "default")
+        word = "kept" if keep else "default"
+        out = run(_FAULTS.format(keep=keep), word, env={**os.environ, "GLIBC_TUNABLES": ""})
+        printed, n = out.split()
+        assert printed == word
         return int(n)
 
     pages = 64_000_000 // 4096
