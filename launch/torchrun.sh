@@ -165,6 +165,12 @@ stop_worker_groups() {
         sleep 0.2
     done
     for pg in "${live[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
+    for ((i = 0; i < 50; i++)); do  # gone, not only signalled, when this script returns
+        any=0
+        for pg in "${live[@]}"; do kill -0 -- "-$pg" 2>/dev/null && any=1; done
+        ((any)) || return 0
+        sleep 0.2
+    done
 }
 # shellcheck disable=SC2317,SC2329
 cleanup() {

@@ -8,8 +8,10 @@ initializes megatron-core's parallel state in megatron's order "tp-cp-ep-dp-pp".
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +108,7 @@ def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int =
     without_te.apply()
     if not dist.is_initialized():
         _init_process_group(timeout_min)
+        _shutdown_at_exit()
     if dist.get_world_size() != dims.world_size:
         raise UserError(
             f"layout expects {dims.world_size} processes but {dist.get_world_size()} were started"
@@ -144,6 +147,33 @@ def free_port() -> int:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+_EXIT_HOOKED = False
+
+
+def _shutdown_at_exit() -> None:
+    """Destroy the process groups before the interpreter finalizes, on a clean exit.
+
+    A gloo group left to finalization can abort the process ("terminate called without an active
+    exception"): its worker threads still hold finished work whose tensors need the GIL to be
+    freed, and a thread that asks for the GIL while the interpreter is being torn down is ended
+    mid-way through C++ code. An exit through an uncaught exception skips this (its peers may be
+    inside a collective that would never finish), as torchrun stops the job anyway.
+    """
+    global _EXIT_HOOKED
+    if _EXIT_HOOKED:
+        return
+    _EXIT_HOOKED = True
+    failed = []
+    previous_hook = sys.excepthook
+
+    def note_failure(*exc_info):
+        failed.append(True)
+        previous_hook(*exc_info)
+
+    sys.excepthook = note_failure
+    atexit.register(lambda: None if failed else shutdown())
 
 
 def shutdown() -> None:
