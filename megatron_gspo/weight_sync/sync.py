@@ -459,17 +459,23 @@ def _who(outcome: dict) -> str:
 def bucket_device(model_device: torch.device, servers: Servers) -> torch.device:
     """`model_device`, or the CPU when the model is on a GPU and a server says (in
     /get_server_info's `device`, as SGLang's server args do) that it runs on CPU. A server that
-    does not say is taken to run where the trainer does."""
+    does not say is taken to run where the trainer does. Rank 0 asks and every rank follows, so
+    a server that answers one rank and not another cannot split the ranks over two devices."""
     if model_device.type == "cpu":
         return model_device
+    on_cpu = _bcast(_a_server_on_cpu(servers) if _rank() == 0 else None)
+    return torch.device("cpu") if on_cpu else model_device
+
+
+def _a_server_on_cpu(servers: Servers) -> bool:
     for i in range(len(servers)):
         try:
             info = servers.get(i, "/get_server_info", timeout_s=30)
         except ServerError:
             continue  # a dead server is reported by the sync itself
         if str(info.get("device") or "").startswith("cpu"):
-            return torch.device("cpu")
-    return model_device
+            return True
+    return False
 
 
 def _shm_dir(servers: Servers) -> str:
