@@ -35,29 +35,24 @@ left labelled partial.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-import torch.distributed as dist
 
-from megatron_gspo.errors import UserError
 from megatron_gspo.weight_sync import gather, verify
 from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDirs
+from megatron_gspo.weight_sync.placement import bcast, bucket_device, rank, shm_dir
 from megatron_gspo.weight_sync.relay import Fanout, make_plan, receive
-from megatron_gspo.weight_sync.servers import ServerError, Servers
+from megatron_gspo.weight_sync.servers import Servers
 from megatron_gspo.weight_sync.transport import (
-    LOCAL_HOSTS,
     PARTIAL,
     StageContext,
     Transport,
@@ -132,7 +127,7 @@ class WeightSync:
         self._own_dir = None
         root = config.dir
         if root is None and (self.transport.writes_files or config.snapshot_every):
-            root = self._own_dir = _shm_dir(self.servers)
+            root = self._own_dir = shm_dir(self.servers)
         self.dirs = VersionDirs(root, config.keep_versions, base) if root else None
         self._base = base
         # Buckets live where the servers can read them: on the GPU when the trainer is there,
@@ -146,11 +141,11 @@ class WeightSync:
         if self.transport.name == "tensor" and gather.is_stage_sender():
             self._borrow = gather.share_parameters(self.chunks)
         self.count = 0
-        self.coordinator = _rank() == 0
+        self.coordinator = rank() == 0
         self.relay = None
         if self.transport.name == "tensor":
             self.relay = make_plan(self.servers, node, self.device, config.timeout_s)
-        relayed = self.relay.relayed_by(_rank()) if self.relay else []
+        relayed = self.relay.relayed_by(rank()) if self.relay else []
         self._relay_pools = {s: self._new_pool() for s in relayed}
         self._relaying = ThreadPoolExecutor(len(relayed), "weight-sync-relay") if relayed else None
 
@@ -168,7 +163,7 @@ class WeightSync:
         version = str(version)
         self.count += 1
         t0 = time.perf_counter()
-        plan = _bcast(self._begin(version) if self.coordinator else None)
+        plan = bcast(self._begin(version) if self.coordinator else None)
         try:
             mine = self._stream(version, plan)
         except BaseException:
@@ -180,7 +175,7 @@ class WeightSync:
         if self.coordinator:
             report = self._finish_session(version, plan, outcomes)
             report.seconds = time.perf_counter() - t0
-        report = _bcast(report)
+        report = bcast(report)
         if not report.ok:
             raise WeightSyncError(report.message(), report)
         every = self.config.verify_every
@@ -224,7 +219,7 @@ class WeightSync:
         stage = gather.stage_index()
         live, fanout = list(plan["live"]), None
         if self.relay:  # this node's servers; the relays reach the others'
-            live = self.relay.servers_on(self.relay.rank_nodes[_rank()], live)
+            live = self.relay.servers_on(self.relay.rank_nodes[rank()], live)
             fanout = Fanout(self.relay, stage) if stage in self.relay.groups else None
         ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
         writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
@@ -260,7 +255,7 @@ class WeightSync:
         """On a relay's thread: `stage`'s buckets from its sender to this node's servers."""
         if self.model_device.type == "cuda":
             torch.cuda.set_device(self.model_device)  # a new thread starts on device 0
-        node = self.relay.rank_nodes[_rank()]
+        node = self.relay.rank_nodes[rank()]
         live = self.relay.servers_on(node, plan["live"])
         ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
         error, nbytes, sums = None, 0, []
@@ -410,7 +405,7 @@ class WeightSync:
             results = verify.check_servers(
                 self.servers, list(range(len(self.servers))), seqs, reference
             )
-        results = _bcast(results)
+        results = bcast(results)
         bad = verify.problems(results, version, self.config.tolerance)
         if bad:
             raise WeightSyncError("weight sync verification failed:\n  " + "\n  ".join(bad))
@@ -444,7 +439,7 @@ def _outcome(
 ):
     """What a stage sender (relay: None) or a relay (relay: its node) did in one sync."""
     return {
-        "stage": ctx.stage, "rank": _rank(), "relay": relay, "failed": ctx.failed,
+        "stage": ctx.stage, "rank": rank(), "relay": relay, "failed": ctx.failed,
         "touched": sorted(ctx.touched), "error": error, "bytes": nbytes, "buckets": ctx.buckets,
         "checksums": sums, "files": files, "lent": lent,
     }  # fmt: skip
@@ -454,52 +449,3 @@ def _who(outcome: dict) -> str:
     if outcome["relay"] is None:
         return f"stage {outcome['stage']}"
     return f"stage {outcome['stage']} relay (rank {outcome['rank']}, node {outcome['relay']})"
-
-
-def bucket_device(model_device: torch.device, servers: Servers) -> torch.device:
-    """`model_device`, or the CPU when the model is on a GPU and a server says (in
-    /get_server_info's `device`, as SGLang's server args do) that it runs on CPU. A server that
-    does not say is taken to run where the trainer does. Rank 0 asks and every rank follows, so
-    a server that answers one rank and not another cannot split the ranks over two devices."""
-    if model_device.type == "cpu":
-        return model_device
-    on_cpu = _bcast(_a_server_on_cpu(servers) if _rank() == 0 else None)
-    return torch.device("cpu") if on_cpu else model_device
-
-
-def _a_server_on_cpu(servers: Servers) -> bool:
-    for i in range(len(servers)):
-        try:
-            info = servers.get(i, "/get_server_info", timeout_s=30)
-        except ServerError:
-            continue  # a dead server is reported by the sync itself
-        if str(info.get("device") or "").startswith("cpu"):
-            return True
-    return False
-
-
-def _shm_dir(servers: Servers) -> str:
-    """A fresh directory in /dev/shm for versions on disk, named by the coordinator."""
-    hosts = {urlparse(r.url).hostname for r in servers.refs}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
-    if not (os.path.isdir("/dev/shm") and one_node and hosts <= LOCAL_HOSTS):
-        raise UserError(
-            "sync.dir is required for the disk transport and for snapshots unless the trainer "
-            "is one node with local servers (then /dev/shm is used); set it to a directory "
-            "every trainer rank and server can read"
-        )
-    path = tempfile.mkdtemp(prefix="megatron-gspo-sync-", dir="/dev/shm") if _rank() == 0 else None
-    return _bcast(path)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _bcast(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

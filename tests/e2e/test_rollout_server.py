@@ -255,8 +255,8 @@ def test_weight_sync_packs_on_cpu_for_a_cpu_server(server):
     """A trainer on a GPU syncing into this CPU server packs buckets in CPU memory (shared memory
     or gloo, not CUDA IPC or NCCL); a server that cannot be asked leaves them on the trainer's."""
     from megatron_gspo.weight_sync.config import ServerRef
+    from megatron_gspo.weight_sync.placement import bucket_device
     from megatron_gspo.weight_sync.servers import Servers
-    from megatron_gspo.weight_sync.sync import bucket_device
 
     gpu = torch.device("cuda", 0)  # only the device's name: no GPU is touched
     assert bucket_device(gpu, Servers([ServerRef(server, api_key=KEY)])) == torch.device("cpu")

@@ -233,11 +233,11 @@ def test_config_refuses_bad_values(kwargs, words):
 
 
 def test_versions_default_to_shared_memory_only_for_local_servers():
-    from megatron_gspo.weight_sync.sync import _shm_dir
+    from megatron_gspo.weight_sync.placement import shm_dir
 
     with pytest.raises(UserError, match="sync.dir"):
-        _shm_dir(Servers(["http://10.1.2.3:30000"]))
-    path = _shm_dir(Servers(["http://127.0.0.1:30000"]))
+        shm_dir(Servers(["http://10.1.2.3:30000"]))
+    path = shm_dir(Servers(["http://127.0.0.1:30000"]))
     assert path.startswith("/dev/shm/") and os.path.isdir(path)
     os.rmdir(path)
 
