@@ -152,25 +152,26 @@ note_workers() {
     done
 }
 # shellcheck disable=SC2317,SC2329
+groups_gone() {  # groups_gone PGID...: wait up to 10 s for every group to be empty
+    local pg i any
+    for ((i = 0; i < 50; i++)); do
+        any=0
+        for pg in "$@"; do kill -0 -- "-$pg" 2>/dev/null && any=1; done
+        ((any)) || return 0
+        sleep 0.2
+    done
+    return 1
+}
+# shellcheck disable=SC2317,SC2329
 stop_worker_groups() {
-    local pg live=() i any
+    local pg live=()
     for pg in "${WORKER_GROUPS[@]}"; do
         kill -TERM -- "-$pg" 2>/dev/null && live+=("$pg")
     done
     ((${#live[@]})) || return 0
-    for ((i = 0; i < 50; i++)); do
-        any=0
-        for pg in "${live[@]}"; do kill -0 -- "-$pg" 2>/dev/null && any=1; done
-        ((any)) || return 0
-        sleep 0.2
-    done
+    groups_gone "${live[@]}" && return 0
     for pg in "${live[@]}"; do kill -KILL -- "-$pg" 2>/dev/null || true; done
-    for ((i = 0; i < 50; i++)); do  # gone, not only signalled, when this script returns
-        any=0
-        for pg in "${live[@]}"; do kill -0 -- "-$pg" 2>/dev/null && any=1; done
-        ((any)) || return 0
-        sleep 0.2
-    done
+    groups_gone "${live[@]}" || true  # gone, not only signalled, when this script returns
 }
 # shellcheck disable=SC2317,SC2329
 cleanup() {

@@ -214,10 +214,9 @@ def test_killed_rank_stops_every_node_and_the_last_checkpoint_resumes(task_model
     )
     # A process still exiting (a core dump, a large address space torn down) is not left behind.
     deadline = time.monotonic() + 15
-    while [pid for pid in started if _alive(pid)] and time.monotonic() < deadline:
+    while (left := [pid for pid in started if _alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [_describe(pid) for pid in started if _alive(pid)]
-    assert not left, f"processes left behind after the failure: {left}"
+    assert not left, f"processes left behind after the failure: {[_describe(p) for p in left]}"
     assert (run / "launch" / "a" / "abort").is_file()
 
     last = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
