@@ -158,22 +158,14 @@ def _shutdown_at_exit() -> None:
     A gloo group left to finalization can abort the process ("terminate called without an active
     exception"): its worker threads still hold finished work whose tensors need the GIL to be
     freed, and a thread that asks for the GIL while the interpreter is being torn down is ended
-    mid-way through C++ code. An exit through an uncaught exception skips this (its peers may be
-    inside a collective that would never finish), as torchrun stops the job anyway.
+    mid-way through C++ code. An exit through an uncaught exception (which the interpreter leaves
+    in sys.last_value) skips this: its peers may be inside a collective that would never finish,
+    and torchrun stops the job anyway.
     """
     global _EXIT_HOOKED
-    if _EXIT_HOOKED:
-        return
-    _EXIT_HOOKED = True
-    failed = []
-    previous_hook = sys.excepthook
-
-    def note_failure(*exc_info):
-        failed.append(True)
-        previous_hook(*exc_info)
-
-    sys.excepthook = note_failure
-    atexit.register(lambda: None if failed else shutdown())
+    if not _EXIT_HOOKED:
+        _EXIT_HOOKED = True
+        atexit.register(lambda: None if hasattr(sys, "last_value") else shutdown())
 
 
 def shutdown() -> None:
