@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +30,13 @@ NON_WEIGHT_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+DTYPES_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
 class HFReader:
@@ -38,6 +47,7 @@ class HFReader:
         if not (self.path / "config.json").is_file():
             raise UserError(f"{self.path} is not an HF checkpoint (no config.json); check the path")
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[dict, int]] = {}
         self.files = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
@@ -88,9 +98,104 @@ class HFReader:
                 f"({str(e).splitlines()[0]}); the file is truncated or corrupt, re-copy it"
             ) from None
 
+    def read_into(self, targets: list[tuple[str, torch.Tensor]], threads: int = 2) -> None:
+        """Read each named tensor straight into its target (same shape; any dtype, converted).
+
+        Every name, shape and file length is checked against the safetensors headers before
+        any target is written, so a bad checkpoint leaves the targets as they were. A
+        contiguous CPU target of the file's dtype is filled by reading the file into its
+        memory (one copy, no temporary); others go through a temporary. Files are read on
+        `threads` threads (file reads release the GIL)."""
+        plan: dict[str, list] = {}
+        for name, dst in targets:
+            if name not in self.files:
+                raise UserError(
+                    f"tensor {name!r} missing from {self.path}; the checkpoint is incomplete"
+                )
+            filename = self.files[name]
+            header, base = self._header(filename)
+            entry = header.get(name)
+            dtype = DTYPES_ST.get(entry.get("dtype")) if isinstance(entry, dict) else None
+            if dtype is None:
+                raise UserError(f"{self.path / filename} has no readable entry for {name!r}")
+            shape = tuple(entry["shape"])
+            if shape != tuple(dst.shape):
+                raise UserError(f"weight {name!r} has shape {shape}, expected {tuple(dst.shape)}")
+            start, end = entry["data_offsets"]
+            if end - start != dst.numel() * dtype.itemsize:
+                raise UserError(f"{self.path / filename}: {name!r} has the wrong byte length")
+            plan.setdefault(filename, []).append((dst, dtype, base + start, end - start))
+        for filename, items in plan.items():
+            path = self.path / filename
+            need = max(offset + n for _, _, offset, n in items)
+            if path.stat().st_size < need:
+                raise UserError(f"checkpoint file {path} is truncated; re-copy the checkpoint")
+        # Contiguous runs of about equal bytes, one per thread, in file order.
+        items = [(f, *item) for f, its in plan.items() for item in sorted(its, key=lambda x: x[2])]
+        total = sum(item[-1] for item in items)
+        lanes: list[list] = [[]]
+        done = 0
+        for item in items:
+            if done >= total * len(lanes) / max(threads, 1) and len(lanes) < threads:
+                lanes.append([])
+            lanes[-1].append(item)
+            done += item[-1]
+        if len(lanes) == 1:
+            self._read_lane(lanes[0])
+            return
+        with ThreadPoolExecutor(len(lanes), "hf-read") as ex:
+            list(ex.map(self._read_lane, lanes))
+
+    def _read_lane(self, items: list) -> None:
+        fds: dict[str, int] = {}
+        try:
+            for filename, dst, dtype, offset, n in items:
+                if filename not in fds:
+                    fds[filename] = os.open(self.path / filename, os.O_RDONLY)
+                direct = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == dtype
+                tmp = dst if direct else torch.empty(dst.shape, dtype=dtype)
+                _pread_into(fds[filename], tmp, offset, n, self.path / filename)
+                if not direct:
+                    with torch.no_grad():
+                        dst.copy_(tmp)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _header(self, filename: str) -> tuple[dict, int]:
+        """A shard's safetensors header and where its data starts (cached)."""
+        if filename not in self._headers:
+            path = self.path / filename
+            try:
+                with open(path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(n))
+            except FileNotFoundError:
+                raise UserError(
+                    f"checkpoint file {path} is missing; re-copy the checkpoint"
+                ) from None
+            except (struct.error, ValueError, MemoryError, OverflowError) as e:
+                raise UserError(
+                    f"{path} is truncated or corrupt ({type(e).__name__}); re-copy it"
+                ) from None
+            if not isinstance(header, dict):
+                raise UserError(f"{path} is truncated or corrupt (bad header); re-copy it")
+            self._headers[filename] = (header, 8 + n)
+        return self._headers[filename]
+
     def dtype(self) -> torch.dtype:
         """The dtype of the checkpoint's floating-point weights (of its first tensor)."""
         return self.get(next(iter(self.files))).dtype
+
+
+def _pread_into(fd: int, dst: torch.Tensor, offset: int, n: int, path: Path) -> None:
+    view = memoryview(dst.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise UserError(f"checkpoint file {path} is truncated; re-copy the checkpoint")
+        done += got
 
 
 @contextmanager

@@ -203,8 +203,10 @@ class RolloutModel:
         spec = model_spec(load_hf_config(path))
         if _shape_key(spec) != _shape_key(self.spec):
             raise UserError(f"{path} holds a different model ({spec.architecture}); cannot load it")
-        reader = HFReader(path)
-        self.load_weights((name, reader.get(name)) for name in self.hf_names())
+        # Straight from the files into the weights: one copy, every header checked first.
+        targets = [(n, self._target(n)) for n in self.hf_names()]
+        HFReader(path).read_into(targets, threads=torch.get_num_threads())
+        self._derived.clear()
 
     # ---- compute -------------------------------------------------------------------------
 

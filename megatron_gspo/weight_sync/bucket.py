@@ -18,17 +18,21 @@ in shared memory; a shard on disk, whose bytes can rot one by one, is checked ev
 Buffers come from a small pool and go back when the transport has handed the bucket over, so a
 sender holds `buffers` buckets at most; a tensor larger than a bucket gets a buffer of its own.
 
-Borrowed buckets (`pack(..., borrow=...)`, the tensor transport on CPU): a tensor that already
-lives, contiguous, in shared memory (the trainer's parameters once `gather.share_parameters` has
-moved them there) is not copied at all. Its bucket's `flat` is the span of that shared storage
-that covers its tensors, and the metadata points at each tensor's bytes inside the span (SGLang
-reads each entry by its start_idx/end_idx, so the gaps between them are never read). The server
-then copies every such byte once, straight from the trainer's weights. Such a bucket must only
-be read while the weights do not change, which holds for a sync: training waits for it.
+Borrowed buckets (`pack(..., borrow=...)`, the tensor and disk transports on CPU): a tensor
+that already lives, contiguous, in the trainer's parameter buffer (in shared memory once
+`gather.share_parameters` has moved it there, for the tensor transport) is not copied at all.
+Its bucket's `flat` is the span of that storage that covers its tensors, and the metadata points
+at each tensor's bytes inside the span (SGLang reads each entry by its start_idx/end_idx, so the
+gaps between them are never read; the disk transport's writer writes the entries one after
+another). The server, or the shard file, then gets every such byte once, straight from the
+trainer's weights. Such a bucket must only be read while the weights do not change, which holds
+for a sync: training waits for it. Buckets are numbered in the order they are sealed (shard
+files are named by it).
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import types
@@ -47,6 +51,25 @@ EVERY_WORD_UP_TO = 64 << 10
 def checksum(flat: torch.Tensor, every_byte: bool = False) -> int:
     """int64 wrapping sum of `flat`'s 64-bit words (tail zero-padded), xor'd with its length;
     above 64 KiB (unless `every_byte`) of one word per 4 KiB page and the words after them."""
+    return wrap(_word_sum(flat, every_byte)) ^ flat.numel()
+
+
+def checksum_parts(parts: list[torch.Tensor]) -> int:
+    """`checksum(torch.cat(parts), every_byte=True)` without the copy, when every part but the
+    last is a whole number of words (else the parts are joined first)."""
+    if any(p.numel() % 8 for p in parts[:-1]):
+        return checksum(torch.cat(parts), every_byte=True)
+    return wrap(sum(_word_sum(p, True) for p in parts)) ^ sum(p.numel() for p in parts)
+
+
+def word_sum(flat: torch.Tensor) -> int:
+    """The unwrapped sum of every 64-bit word of `flat` (its tail zero-padded): checksums of
+    pieces that are whole words, but for the last, add up to the checksum of them joined
+    (`wrap(sum) ^ total length`)."""
+    return _word_sum(flat, True)
+
+
+def _word_sum(flat: torch.Tensor, every_byte: bool) -> int:
     n = flat.numel()
     n8 = n - n % 8
     total = 0
@@ -65,8 +88,11 @@ def checksum(flat: torch.Tensor, every_byte: bool = False) -> int:
     if n8 != n:
         tail = bytes(flat[n8:].cpu().tolist()) + bytes(8 - (n - n8))
         total += int.from_bytes(tail, "little", signed=True)
-    total = (total + (1 << 63)) % (1 << 64) - (1 << 63)  # wrap like the int64 sum
-    return total ^ n
+    return total
+
+
+def wrap(total: int) -> int:
+    return (total + (1 << 63)) % (1 << 64) - (1 << 63)  # wrap like the int64 sum
 
 
 @dataclass
@@ -113,7 +139,10 @@ class Bucket:
         n = t.numel() * t.element_size()
         return self.nbytes + n <= self.buffer.numel() and self.nbytes % t.element_size() == 0
 
-    def seal(self) -> Bucket:
+    def seal(self, index: int | None = None) -> Bucket:
+        """The bucket, complete (on a GPU: its copies done); numbered `index` if given."""
+        if index is not None:
+            self.index = index
         if self.buffer.is_cuda:
             torch.cuda.current_stream().synchronize()
         return self
@@ -185,14 +214,13 @@ def pack(
     storage instead of being copied; those fill up to the pool's capacity too."""
     cur: Bucket | None = None
     spans: dict[int, _Span] = {}  # storage -> the borrowed bucket being filled
-    index = 0
+    index = itertools.count()  # numbered as sealed: shard files are named by it
     for name, t in named:
         if borrow is not None and borrow(t):
             key = t.untyped_storage().data_ptr()
             span = spans.get(key)
             if span is not None and not span.fits(t, pool.capacity):
-                yield span.seal(stage, index)
-                index += 1
+                yield span.seal(stage, next(index))
                 span = None
             if span is None:
                 span = spans[key] = _Span(t.untyped_storage())
@@ -200,20 +228,18 @@ def pack(
             continue
         n = t.numel() * t.element_size()
         if cur is not None and not cur.fits(t):
-            yield cur.seal()
-            cur, index = None, index + 1
+            yield cur.seal(next(index))
+            cur = None
         if cur is None:
             if n > pool.capacity:
-                cur = Bucket(stage, index, pool.take_big(n), pooled=False)
+                cur = Bucket(stage, -1, pool.take_big(n), pooled=False)
             else:
-                cur = Bucket(stage, index, pool.take())
+                cur = Bucket(stage, -1, pool.take())
         cur.add(name, t)
     if cur is not None:
-        yield cur.seal()
-        index += 1
+        yield cur.seal(next(index))
     for span in spans.values():
-        yield span.seal(stage, index)
-        index += 1
+        yield span.seal(stage, next(index))
 
 
 class _Span:

@@ -2,8 +2,10 @@
 /update_weights_from_disk; and the restore point a failed sync brings servers back to.
 
 A version is the directory `DIR/v{version}`: one shard per bucket (`model-s{stage}-{index}`, the
-bucket's bytes written as they are behind a safetensors header that also records the bucket's
-checksum over every byte), the index, and the base model's config and tokenizer. Stage senders write into
+bucket's tensors back to back behind a safetensors header that also records their checksum over
+every byte), the index, and the base model's config and tokenizer. A bucket lent from the
+trainer's parameter buffer is written straight from it; two shards are written at a time (the
+file system takes one file's writes one at a time). Stage senders write into
 `DIR/.v{version}.tmp`; the coordinator renames it when every stage is done, so a server never
 reads a half-written version. `DIR/restore.json` names the last complete version (the base model
 the servers started from until then) and the directories this sync created, of which the newest
@@ -18,47 +20,93 @@ discards that directory, so it costs one old version, never the restore point.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatron_gspo.model import hf_io
-from megatron_gspo.weight_sync.bucket import Bucket, checksum
+from megatron_gspo.model.hf_io import ST_DTYPES
+from megatron_gspo.weight_sync.bucket import Bucket, checksum, checksum_parts, word_sum, wrap
 from megatron_gspo.weight_sync.servers import Servers
 from megatron_gspo.weight_sync.transport import StageContext, Transport
 
-ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+WRITE_PIECE = 1 << 20  # summed, then written while it is still in cache
 
 
 def write_shard(path: Path, bucket: Bucket) -> None:
-    """The bucket as a safetensors file: its offsets are already safetensors data offsets."""
-    every = checksum(bucket.flat, every_byte=True)  # a file can rot byte by byte
-    header: dict = {"__metadata__": {"format": "pt", "checksum": str(every)}}
-    for m in bucket.metadata:
+    """The bucket as a safetensors file: its tensors back to back behind the header, which also
+    records their checksum over every byte."""
+    _write(path, *_layout(bucket))
+
+
+def _layout(bucket: Bucket) -> tuple[list[torch.Tensor], dict]:
+    """The bytes a bucket's shard holds, in order, and its header. A packed bucket's offsets
+    are already safetensors data offsets; a borrowed one's tensors (spans of the trainer's
+    parameter buffer, possibly with gaps between them) go one after another."""
+    if bucket.borrowed:
+        parts = [bucket.flat[m.start_idx : m.end_idx] for m in bucket.metadata]
+        ends = list(itertools.accumulate(p.numel() for p in parts))
+        offsets = list(zip([0, *ends[:-1]], ends))
+    else:
+        parts = [bucket.flat]
+        offsets = [(m.start_idx, m.end_idx) for m in bucket.metadata]
+    header: dict = {"__metadata__": {"format": "pt", "checksum": _sum_field(0)}}
+    for m, (start, end) in zip(bucket.metadata, offsets):
         header[m.name] = {
             "dtype": ST_DTYPES[m.dtype],
             "shape": list(m.shape),
-            "data_offsets": [m.start_idx, m.end_idx],
+            "data_offsets": [start, end],
         }
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    data = bucket.flat.cpu().numpy()
+    return [p.cpu() for p in parts], header
+
+
+def _write(path: Path, parts: list[torch.Tensor], header: dict) -> None:
+    """Write `parts` behind `header` in pieces of WRITE_PIECE, each summed and then written
+    while it is still in cache; the header (its checksum at a fixed width) goes in last."""
+    raw = _header_bytes(header)
+    whole_words = all(p.numel() % 8 == 0 for p in parts[:-1])
     # Overwrite an existing file in place (a recycled version's shard): no truncate first.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    with open(fd, "wb", buffering=0) as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.write(memoryview(data))
-        f.truncate(f.tell())
+    try:
+        at, total = 8 + len(raw), 0
+        for part in parts:
+            for i in range(0, part.numel(), WRITE_PIECE):
+                piece = part[i : i + WRITE_PIECE]
+                if whole_words:
+                    total += word_sum(piece)
+                _pwrite_all(fd, memoryview(piece.numpy()), at)
+                at += piece.numel()
+        n = at - 8 - len(raw)
+        every = wrap(total) ^ n if whole_words else checksum_parts(parts)
+        header["__metadata__"]["checksum"] = _sum_field(every)  # a file can rot byte by byte
+        head = _header_bytes(header)
+        assert len(head) == len(raw)
+        _pwrite_all(fd, memoryview(struct.pack("<Q", len(head)) + head), 0)
+        os.ftruncate(fd, at)
+    finally:
+        os.close(fd)
+
+
+def _sum_field(value: int) -> str:
+    return f"{value:+020d}"  # fixed width: the header is laid out before the sum is known
+
+
+def _header_bytes(header: dict) -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-(len(raw) + 8) % 8)
+
+
+def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, at)
+        data, at = data[n:], at + n
 
 
 def verify_shard(path: Path) -> None:
@@ -73,18 +121,40 @@ def verify_shard(path: Path) -> None:
 
 
 class ShardWriter:
-    """A stage sender's shards of one version."""
+    """A stage sender's shards of one version, written `threads` at a time (separate files
+    write in parallel; one file's writes queue on its inode). A borrowed bucket (the trainer's
+    parameters, unchanged until the sync ends) is written in the background; a packed one
+    before `write` returns, since its buffer is reused after. `flush` waits for all of them
+    and raises the first failure."""
 
-    def __init__(self, tmp_dir: Path, stage: int):
+    def __init__(self, tmp_dir: Path, stage: int, threads: int = 2):
         self.dir, self.stage = tmp_dir, stage
         self.weight_map: dict[str, str] = {}
         self.nbytes = 0
+        self._pool = ThreadPoolExecutor(threads, "shard-writer")
+        self._threads = threads
+        self._pending: list[Future] = []
 
     def write(self, bucket: Bucket) -> None:
         name = f"model-s{self.stage:02d}-{bucket.index:05d}.safetensors"
-        write_shard(self.dir / name, bucket)
+        while len(self._pending) >= self._threads:
+            self._pending.pop(0).result()
+        done = self._pool.submit(_write, self.dir / name, *_layout(bucket))
+        if bucket.borrowed:
+            self._pending.append(done)
+        else:
+            done.result()
         self.weight_map.update({m.name: name for m in bucket.metadata})
         self.nbytes += bucket.nbytes
+
+    def flush(self) -> None:
+        try:
+            while self._pending:
+                self._pending.pop(0).result()
+        finally:
+            for f in self._pending:
+                f.cancel()
+            self._pool.shutdown(wait=True)
 
     def outcome(self) -> dict:
         return {"weight_map": self.weight_map, "bytes": self.nbytes}

@@ -142,17 +142,9 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
     of some kernels."""
     from megatron_gspo.rollout.weight_payload import TensorSharing
 
-    params = list({id(p): p for c in unwrap(chunks) for p in c.parameters()}.values())
-    if not params or any(p.device.type != "cpu" for p in params):
-        return None
-    by_storage: dict[int, list] = {}
-    for p in params:
-        by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
-    lent: list = []
+    groups = _parameter_buffers(chunks)
     moving = sum(
-        g[0].untyped_storage().nbytes()
-        for g in by_storage.values()
-        if len(g) > 1 and not g[0].untyped_storage().is_shared()
+        g[0].untyped_storage().nbytes() for g in groups if not g[0].untyped_storage().is_shared()
     )
     if moving and moving > 0.8 * _shm_free():
         log.warning(
@@ -162,21 +154,41 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
         )  # fmt: skip
         return None
     with TensorSharing():
-        for group in by_storage.values():
-            if len(group) < 2:
-                continue  # a parameter of its own
+        for group in groups:
             storage = group[0].untyped_storage()
             if not storage.is_shared():  # else moved already (an earlier WeightSync)
                 storage.share_memory_()
-            lent += group
-    if not lent:
+    return _borrow_test(groups)
+
+
+def buffer_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
+    """The `borrow` test for `bucket.pack` of this rank's CPU parameters that live side by side
+    in one storage (megatron DDP's parameter buffers), where they are: the shard writer of the
+    disk transport writes them straight from there. None when there are none."""
+    return _borrow_test(_parameter_buffers(chunks))
+
+
+def _parameter_buffers(chunks) -> list[list[torch.Tensor]]:
+    """This rank's CPU parameters grouped by storage, for storages that hold several (megatron
+    DDP's buffers); [] when any parameter is on a GPU."""
+    params = list({id(p): p for c in unwrap(chunks) for p in c.parameters()}.values())
+    if not params or any(p.device.type != "cpu" for p in params):
+        return []
+    by_storage: dict[int, list] = {}
+    for p in params:
+        by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+    return [g for g in by_storage.values() if len(g) > 1]
+
+
+def _borrow_test(groups: list[list[torch.Tensor]]) -> Callable[[torch.Tensor], bool] | None:
+    if not groups:
         return None
-    shared = {p.untyped_storage().data_ptr() for p in lent}
+    storages = {g[0].untyped_storage().data_ptr() for g in groups}
 
     def borrow(t: torch.Tensor) -> bool:
         return (
             t.device.type == "cpu" and t.is_contiguous()
-            and t.untyped_storage().data_ptr() in shared
+            and t.untyped_storage().data_ptr() in storages
         )  # fmt: skip
 
     return borrow

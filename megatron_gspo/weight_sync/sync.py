@@ -10,11 +10,12 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
  1. begin (coordinator): optionally /pause_generation (in place), then /begin_weight_update on
     every server. One that does not answer is left out: untouched, still on its whole version.
  2. stream (every rank): gather -> pack (bucket.py) -> transport, on a sender thread so the next
-    bucket is packed while this one is sent. With the tensor transport on CPU, tensors that are
-    views of the sender's parameter buffer are not packed: the buffer is moved into shared
-    memory once and lent (borrowed buckets), so the server's copy is the only one. The first
-    bucket labels each server
-    `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
+    bucket is packed while this one is sent. On CPU, tensors that are views of the sender's
+    parameter buffer are not packed but lent (borrowed buckets): with the tensor transport the
+    buffer is moved into shared memory once, so the server's copy is the only one; with the
+    disk transport the shard writer writes them straight from the buffer. The first bucket
+    labels each server `partial:{version}`: a server caught mid-update says so in every
+    sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
     but the gathers run on (they are collectives). A relay is a sender to its node's servers in
     every respect: its failures and the servers it touched reach the coordinator the same way.
@@ -136,10 +137,13 @@ class WeightSync:
         self.model_device = next(self.chunks[0].parameters()).device
         self.device = bucket_device(self.model_device, self.servers)
         self.pool = self._new_pool()
-        # Tensor transport on CPU: the stage sender lends its parameter buffer (bucket.py).
+        # On CPU the stage sender lends its parameter buffer (bucket.py): to the servers
+        # (tensor) or to its shard writer (disk), instead of copying it into buckets.
         self._borrow = None
         if self.transport.name == "tensor" and gather.is_stage_sender():
             self._borrow = gather.share_parameters(self.chunks)
+        elif self.transport.writes_files and gather.is_stage_sender():
+            self._borrow = gather.buffer_parameters(self.chunks)
         self.count = 0
         self.coordinator = rank() == 0
         self.relay = None
@@ -229,8 +233,8 @@ class WeightSync:
         except TransportError as e:
             error = str(e)
         try:
-            # Borrowed buckets go to this node's servers only: not to shard files or relays.
-            borrow = self._borrow if writer is None and fanout is None else None
+            # Borrowed buckets go to this node's servers and shard files, not to relays.
+            borrow = self._borrow if fanout is None else None
             buckets = pack(named, self.pool, stage, borrow=borrow)
             error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
         finally:
@@ -294,6 +298,11 @@ class WeightSync:
                     state["error"] = str(e) if isinstance(e, TransportError) else repr(e)
                 finally:
                     release(b, pool)
+            if writer is not None:
+                try:
+                    writer.flush()  # the shards still being written
+                except Exception as e:  # noqa: BLE001 - a trainer-side failure of this stage
+                    state["error"] = state["error"] or repr(e)
 
         worker = threading.Thread(target=work, name=f"weight-sync-s{ctx.stage}", daemon=True)
         worker.start()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.hf_io import HFReader
+from megatron_gspo.model.hf_io import HFReader, write_index
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout import model as rollout_model
 from megatron_gspo.rollout.model import Chunk, RolloutModel
@@ -129,6 +129,31 @@ def test_load_weights_by_hf_name(ckpts, tmp_path):
         model.load_weights([("model.layers.0.mlp.experts.0.up_proj.weight", up[0])])
     with pytest.raises(UserError, match="shape"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_checkpoint_reads_into_the_weights_and_a_bad_file_changes_nothing(ckpts, tmp_path):
+    """load_checkpoint reads each tensor straight into its weight (fp32), or through a
+    temporary when the dtypes differ (a bf16 server); a truncated shard is refused before any
+    weight is written."""
+    src = ckpts["qwen3_moe"]
+    reader = HFReader(src)
+    model = RolloutModel.from_pretrained(src)
+    assert all(torch.equal(model._target(n), reader.get(n)) for n in model.hf_names())
+    half = RolloutModel.from_pretrained(src, dtype=torch.bfloat16)
+    assert all(
+        torch.equal(half._target(n), reader.get(n).to(torch.bfloat16)) for n in half.hf_names()
+    )
+
+    other = make_tiny_model(TinySpec(**{**SPECS["qwen3_moe"].__dict__, "seed": 5}), tmp_path / "o")
+    shard = other / "model-00001-of-00001.safetensors"  # indexed: opened only when read
+    (other / "model.safetensors").rename(shard)
+    write_index(other, {n: shard.name for n in reader.keys()}, 0)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 64)
+    before = {n: model._target(n).clone() for n in model.hf_names()}
+    with pytest.raises(UserError, match="truncated"):
+        model.load_checkpoint(other)
+    assert all(torch.equal(model._target(n), t) for n, t in before.items())
 
 
 def test_partial_update_lands_in_fused_layout_and_matches_hf(ckpts, tmp_path):

@@ -13,9 +13,22 @@ from megatron_gspo.model.parallel import free_port
 from megatron_gspo.rollout import safe_unpickle
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.weight_sync import verify
-from megatron_gspo.weight_sync.bucket import BufferPool, checksum, pack, release, unflatten
+from megatron_gspo.weight_sync.bucket import (
+    BufferPool,
+    checksum,
+    checksum_parts,
+    pack,
+    release,
+    unflatten,
+)
 from megatron_gspo.weight_sync.config import SyncConfig
-from megatron_gspo.weight_sync.disk import RestorePoint, VersionDirs, verify_shard, write_shard
+from megatron_gspo.weight_sync.disk import (
+    RestorePoint,
+    ShardWriter,
+    VersionDirs,
+    verify_shard,
+    write_shard,
+)
 from megatron_gspo.weight_sync.servers import ServerError, Servers
 from megatron_gspo.weight_sync.transport import TensorTransport
 
@@ -188,6 +201,79 @@ def test_shard_is_safetensors_with_checksum(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="checksum"):
         verify_shard(path)
+
+
+def buffer_module() -> tuple[torch.nn.Module, torch.Tensor]:
+    """Parameters that view one storage with gaps between them (megatron DDP's buffer), and
+    one that owns its storage."""
+    g = torch.Generator().manual_seed(1)
+    m = torch.nn.Module()
+    m.own = torch.nn.Linear(4, 8)
+    buffer = torch.randn(1000, generator=g)
+    m.p = torch.nn.Parameter(buffer[:100].view(10, 10))
+    m.q = torch.nn.Parameter(buffer[164:364])
+    m.r = torch.nn.Parameter(buffer[400:456].view(8, 7))
+    return m, buffer
+
+
+def test_shards_of_lent_parameters_are_written_straight_from_them(tmp_path):
+    """The disk transport's writer takes spans of the parameter buffer (borrowed buckets, no
+    copy, gaps skipped) and packed buckets alike: every shard is safetensors whose tensors are
+    the trainer's and whose checksum covers every byte; buckets are numbered in the order they
+    are sealed, so no two shards share a name."""
+    from megatron_gspo.weight_sync.gather import buffer_parameters
+
+    m, buffer = buffer_module()
+    borrow = buffer_parameters([m])
+    assert borrow is not None and not buffer.is_shared()  # lent where it is
+    named = [(n, p.detach()) for n, p in m.named_parameters()]
+    named.insert(2, ("copied", torch.randn(4, 4).t()))  # not contiguous: packed
+    writer = ShardWriter(tmp_path, stage=0)
+    buckets, seen = [], {}
+    pool = plain_pool(600, 1)
+    for b in pack(named, pool, borrow=borrow):
+        buckets.append((b.index, b.borrowed))
+        writer.write(b)
+        release(b, pool)  # a borrowed bucket may still be in the writer's hands
+    writer.flush()
+    assert sorted(i for i, _ in buckets) == list(range(len(buckets)))
+    assert {lent for _, lent in buckets} == {True, False}
+    for shard in sorted(tmp_path.glob("*.safetensors")):
+        verify_shard(shard)
+        with open(shard, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+        assert int(header["__metadata__"]["checksum"]) == checksum(data, every_byte=True)
+        seen.update(load_file(str(shard)))
+    assert set(seen) == {n for n, _ in named}
+    assert set(writer.outcome()["weight_map"]) == set(seen)
+    assert all(torch.equal(seen[n], t) for n, t in named)
+
+
+def test_checksum_of_parts_is_the_checksum_of_them_joined():
+    x = torch.randint(0, 255, (1000,), dtype=torch.uint8)
+    for cuts in ([0, 1000], [0, 8, 512, 1000], [0, 3, 1000], [0, 992, 997, 1000]):
+        parts = [x[a:b] for a, b in zip(cuts, cuts[1:])]
+        assert checksum_parts(parts) == checksum(x, every_byte=True)
+    y = x.clone()
+    y[500] ^= 1
+    assert checksum_parts([y[:512], y[512:]]) != checksum(x, every_byte=True)
+
+
+def test_a_shard_that_fails_in_the_background_is_raised_by_flush(tmp_path):
+    from megatron_gspo.weight_sync.gather import buffer_parameters
+
+    m, _ = buffer_module()
+    named = [(n, p.detach()) for n, p in m.named_parameters() if not n.startswith("own.")]
+    pool = plain_pool(4096, 1)
+    writer = ShardWriter(tmp_path / "gone", stage=0)  # no such directory
+    for b in pack(named, pool, borrow=buffer_parameters([m])):
+        assert b.borrowed
+        writer.write(b)  # queued, not yet failed
+        release(b, pool)
+    with pytest.raises(FileNotFoundError):
+        writer.flush()
 
 
 def test_version_dirs_keep_the_newest_and_persist_the_restore_point(tmp_path):
