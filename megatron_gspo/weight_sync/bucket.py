@@ -51,7 +51,7 @@ EVERY_WORD_UP_TO = 64 << 10
 def checksum(flat: torch.Tensor, every_byte: bool = False) -> int:
     """int64 wrapping sum of `flat`'s 64-bit words (tail zero-padded), xor'd with its length;
     above 64 KiB (unless `every_byte`) of one word per 4 KiB page and the words after them."""
-    return wrap(_word_sum(flat, every_byte)) ^ flat.numel()
+    return _wrap(_word_sum(flat, every_byte)) ^ flat.numel()
 
 
 def checksum_parts(parts: list[torch.Tensor]) -> int:
@@ -59,14 +59,7 @@ def checksum_parts(parts: list[torch.Tensor]) -> int:
     last is a whole number of words (else the parts are joined first)."""
     if any(p.numel() % 8 for p in parts[:-1]):
         return checksum(torch.cat(parts), every_byte=True)
-    return wrap(sum(_word_sum(p, True) for p in parts)) ^ sum(p.numel() for p in parts)
-
-
-def word_sum(flat: torch.Tensor) -> int:
-    """The unwrapped sum of every 64-bit word of `flat` (its tail zero-padded): checksums of
-    pieces that are whole words, but for the last, add up to the checksum of them joined
-    (`wrap(sum) ^ total length`)."""
-    return _word_sum(flat, True)
+    return _wrap(sum(_word_sum(p, True) for p in parts)) ^ sum(p.numel() for p in parts)
 
 
 def _word_sum(flat: torch.Tensor, every_byte: bool) -> int:
@@ -91,7 +84,7 @@ def _word_sum(flat: torch.Tensor, every_byte: bool) -> int:
     return total
 
 
-def wrap(total: int) -> int:
+def _wrap(total: int) -> int:
     return (total + (1 << 63)) % (1 << 64) - (1 << 63)  # wrap like the int64 sum
 
 

@@ -33,11 +33,9 @@ import torch
 
 from megatron_gspo.model import hf_io
 from megatron_gspo.model.hf_io import ST_DTYPES
-from megatron_gspo.weight_sync.bucket import Bucket, checksum, checksum_parts, word_sum, wrap
+from megatron_gspo.weight_sync.bucket import Bucket, checksum, checksum_parts
 from megatron_gspo.weight_sync.servers import Servers
 from megatron_gspo.weight_sync.transport import StageContext, Transport
-
-WRITE_PIECE = 1 << 20  # summed, then written while it is still in cache
 
 
 def write_shard(path: Path, bucket: Bucket) -> None:
@@ -57,7 +55,7 @@ def _layout(bucket: Bucket) -> tuple[list[torch.Tensor], dict]:
     else:
         parts = [bucket.flat]
         offsets = [(m.start_idx, m.end_idx) for m in bucket.metadata]
-    header: dict = {"__metadata__": {"format": "pt", "checksum": _sum_field(0)}}
+    header: dict = {"__metadata__": {"format": "pt"}}
     for m, (start, end) in zip(bucket.metadata, offsets):
         header[m.name] = {
             "dtype": ST_DTYPES[m.dtype],
@@ -68,45 +66,17 @@ def _layout(bucket: Bucket) -> tuple[list[torch.Tensor], dict]:
 
 
 def _write(path: Path, parts: list[torch.Tensor], header: dict) -> None:
-    """Write `parts` behind `header` in pieces of WRITE_PIECE, each summed and then written
-    while it is still in cache; the header (its checksum at a fixed width) goes in last."""
-    raw = _header_bytes(header)
-    whole_words = all(p.numel() % 8 == 0 for p in parts[:-1])
+    """Write `parts` behind `header`, which gets their checksum over every byte."""
+    header["__metadata__"]["checksum"] = str(checksum_parts(parts))  # files rot byte by byte
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
     # Overwrite an existing file in place (a recycled version's shard): no truncate first.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        at, total = 8 + len(raw), 0
+    with open(fd, "wb", buffering=0) as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
         for part in parts:
-            for i in range(0, part.numel(), WRITE_PIECE):
-                piece = part[i : i + WRITE_PIECE]
-                if whole_words:
-                    total += word_sum(piece)
-                _pwrite_all(fd, memoryview(piece.numpy()), at)
-                at += piece.numel()
-        n = at - 8 - len(raw)
-        every = wrap(total) ^ n if whole_words else checksum_parts(parts)
-        header["__metadata__"]["checksum"] = _sum_field(every)  # a file can rot byte by byte
-        head = _header_bytes(header)
-        assert len(head) == len(raw)
-        _pwrite_all(fd, memoryview(struct.pack("<Q", len(head)) + head), 0)
-        os.ftruncate(fd, at)
-    finally:
-        os.close(fd)
-
-
-def _sum_field(value: int) -> str:
-    return f"{value:+020d}"  # fixed width: the header is laid out before the sum is known
-
-
-def _header_bytes(header: dict) -> bytes:
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    return raw + b" " * (-(len(raw) + 8) % 8)
-
-
-def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, at)
-        data, at = data[n:], at + n
+            f.write(memoryview(part.numpy()))
+        f.truncate(f.tell())
 
 
 def verify_shard(path: Path) -> None:
@@ -122,28 +92,27 @@ def verify_shard(path: Path) -> None:
 
 class ShardWriter:
     """A stage sender's shards of one version, written `threads` at a time (separate files
-    write in parallel; one file's writes queue on its inode). A borrowed bucket (the trainer's
-    parameters, unchanged until the sync ends) is written in the background; a packed one
-    before `write` returns, since its buffer is reused after. `flush` waits for all of them
-    and raises the first failure."""
+    write in parallel; one file's writes queue on its inode). A borrowed bucket (views of the
+    trainer's parameters, unchanged until the sync ends) is queued and written in the
+    background; a packed one before `write` returns, since its buffer is reused after. `flush`
+    waits for all of them and raises the first failure."""
 
     def __init__(self, tmp_dir: Path, stage: int, threads: int = 2):
         self.dir, self.stage = tmp_dir, stage
         self.weight_map: dict[str, str] = {}
         self.nbytes = 0
         self._pool = ThreadPoolExecutor(threads, "shard-writer")
-        self._threads = threads
         self._pending: list[Future] = []
 
     def write(self, bucket: Bucket) -> None:
         name = f"model-s{self.stage:02d}-{bucket.index:05d}.safetensors"
-        while len(self._pending) >= self._threads:
-            self._pending.pop(0).result()
         done = self._pool.submit(_write, self.dir / name, *_layout(bucket))
-        if bucket.borrowed:
+        if bucket.borrowed:  # views of the parameters: as many may wait as there are
             self._pending.append(done)
         else:
             done.result()
+        if self._pending and self._pending[0].done():
+            self._pending.pop(0).result()  # a failure shows up early
         self.weight_map.update({m.name: name for m in bucket.metadata})
         self.nbytes += bucket.nbytes
 
