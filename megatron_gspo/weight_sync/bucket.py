@@ -18,14 +18,15 @@ in shared memory; a shard on disk, whose bytes can rot one by one, is checked ev
 Buffers come from a small pool and go back when the transport has handed the bucket over, so a
 sender holds `buffers` buckets at most; a tensor larger than a bucket gets a buffer of its own.
 
-Borrowed buckets (`pack(..., borrow=...)`, the tensor and disk transports on CPU): a tensor
-that already lives, contiguous, in the trainer's parameter buffer (in shared memory once
+Borrowed buckets (`pack(..., borrow=...)`, every transport on CPU): a tensor that already
+lives, contiguous, in the trainer's parameter buffer (in shared memory once
 `gather.share_parameters` has moved it there, for the tensor transport) is not copied at all.
 Its bucket's `flat` is the span of that storage that covers its tensors, and the metadata points
 at each tensor's bytes inside the span (SGLang reads each entry by its start_idx/end_idx, so the
 gaps between them are never read; the disk transport's writer writes the entries one after
-another). The server, or the shard file, then gets every such byte once, straight from the
-trainer's weights. Such a bucket must only be read while the weights do not change, which holds
+another). A distributed receiver lays a bucket out from names, dtypes and shapes alone, so
+there (`gapless`) a bucket is one run of adjacent tensors in offset order. The server, or the
+shard file, then gets every such byte once, straight from the trainer's weights. Such a bucket must only be read while the weights do not change, which holds
 for a sync: training waits for it. Buckets are numbered in the order they are sealed (shard
 files are named by it).
 """
@@ -199,12 +200,16 @@ def pack(
     pool: BufferPool,
     stage: int = 0,
     borrow: Callable[[torch.Tensor], bool] | None = None,
+    gapless: bool = False,
 ) -> Iterator[Bucket]:
     """Buckets of `named`, each complete (on GPU: copied) when it is yielded. The consumer must
     `release` every bucket, or packing stalls once the pool is empty.
 
-    `borrow(t)` True: `t` (contiguous, in shared memory) goes into a borrowed bucket of its
-    storage instead of being copied; those fill up to the pool's capacity too."""
+    `borrow(t)` True: `t` (contiguous, in the trainer's parameter buffer) goes into a borrowed
+    bucket of its storage instead of being copied; those fill up to the pool's capacity too.
+    `gapless`: a borrowed bucket is one run of adjacent tensors in offset order, so that it is
+    a flattened bucket its receiver can lay out from names, dtypes and shapes alone (the
+    distributed transport); a span with gaps becomes one bucket per run."""
     cur: Bucket | None = None
     spans: dict[int, _Span] = {}  # storage -> the borrowed bucket being filled
     index = itertools.count()  # numbered as sealed: shard files are named by it
@@ -213,7 +218,7 @@ def pack(
             key = t.untyped_storage().data_ptr()
             span = spans.get(key)
             if span is not None and not span.fits(t, pool.capacity):
-                yield span.seal(stage, next(index))
+                yield from span.seal(stage, index, gapless)
                 span = None
             if span is None:
                 span = spans[key] = _Span(t.untyped_storage())
@@ -232,12 +237,12 @@ def pack(
     if cur is not None:
         yield cur.seal(next(index))
     for span in spans.values():
-        yield span.seal(stage, next(index))
+        yield from span.seal(stage, index, gapless)
 
 
 class _Span:
-    """Tensors of one shared storage gathered into a borrowed bucket (offsets absolute until
-    `seal` knows where the span starts)."""
+    """Tensors of one storage (the parameter buffer) gathered into borrowed buckets (offsets
+    absolute until `seal` knows where each bucket starts)."""
 
     def __init__(self, storage: torch.UntypedStorage):
         self.bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -245,24 +250,44 @@ class _Span:
         self.nbytes = 0
 
     def fits(self, t: torch.Tensor, capacity: int) -> bool:
-        return self.nbytes + t.numel() * t.element_size() <= capacity
+        return self.nbytes + _nbytes(t) <= capacity
 
     def add(self, name: str, t: torch.Tensor) -> None:
         self.entries.append((name, t, t.storage_offset() * t.element_size()))
-        self.nbytes += t.numel() * t.element_size()
+        self.nbytes += _nbytes(t)
 
-    def seal(self, stage: int, index: int) -> Bucket:
-        lo = min(start for _, _, start in self.entries)
-        hi = max(start + t.numel() * t.element_size() for _, t, start in self.entries)
+    def seal(self, stage: int, index: Iterator[int], gapless: bool) -> Iterator[Bucket]:
+        entries = self.entries
+        if gapless:  # runs of adjacent tensors, each in offset order
+            entries = sorted(entries, key=lambda e: e[2])
+            runs, run = [], [entries[0]]
+            for e in entries[1:]:
+                if e[2] != run[-1][2] + _nbytes(run[-1][1]):
+                    runs.append(run)
+                    run = []
+                run.append(e)
+            runs.append(run)
+        else:
+            runs = [entries]
+        for run in runs:
+            yield self._bucket(run, stage, next(index))
+
+    def _bucket(self, entries: list, stage: int, index: int) -> Bucket:
+        lo = min(start for _, _, start in entries)
+        hi = max(start + _nbytes(t) for _, t, start in entries)
         metadata = [
             types.SimpleNamespace(
                 name=name, shape=torch.Size(t.shape), dtype=t.dtype, start_idx=start - lo,
-                end_idx=start - lo + t.numel() * t.element_size(),
-                numel=t.numel() * t.element_size(),
+                end_idx=start - lo + _nbytes(t), numel=_nbytes(t),
             )
-            for name, t, start in self.entries
+            for name, t, start in entries
         ]  # fmt: skip
-        return Bucket(stage, index, self.bytes[lo:hi], self.nbytes, metadata, borrowed=True)
+        nbytes = sum(_nbytes(t) for _, t, _ in entries)
+        return Bucket(stage, index, self.bytes[lo:hi], nbytes, metadata, borrowed=True)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def release(bucket: Bucket, pool: BufferPool) -> None:

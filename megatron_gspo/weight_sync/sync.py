@@ -12,8 +12,9 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
  2. stream (every rank): gather -> pack (bucket.py) -> transport, on a sender thread so the next
     bucket is packed while this one is sent. On CPU, tensors that are views of the sender's
     parameter buffer are not packed but lent (borrowed buckets): with the tensor transport the
-    buffer is moved into shared memory once, so the server's copy is the only one; with the
-    disk transport the shard writer writes them straight from the buffer. The first bucket
+    buffer is moved into shared memory once, so the server's copy is the only one; the
+    distributed transport broadcasts runs of adjacent parameters straight from the buffer; the
+    disk transport's shard writer writes them from there. The first bucket
     labels each server `partial:{version}`: a server caught mid-update says so in every
     sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
@@ -137,12 +138,13 @@ class WeightSync:
         self.model_device = next(self.chunks[0].parameters()).device
         self.device = bucket_device(self.model_device, self.servers)
         self.pool = self._new_pool()
-        # On CPU the stage sender lends its parameter buffer (bucket.py): to the servers
-        # (tensor) or to its shard writer (disk), instead of copying it into buckets.
+        # On CPU the stage sender lends its parameter buffer (bucket.py) instead of copying it
+        # into buckets: to the servers in shared memory (tensor), to the broadcast (distributed)
+        # or to its shard writer (disk).
         self._borrow = None
         if self.transport.name == "tensor" and gather.is_stage_sender():
             self._borrow = gather.share_parameters(self.chunks)
-        elif self.transport.writes_files and gather.is_stage_sender():
+        elif gather.is_stage_sender():
             self._borrow = gather.buffer_parameters(self.chunks)
         self.count = 0
         self.coordinator = rank() == 0
@@ -235,7 +237,8 @@ class WeightSync:
         try:
             # Borrowed buckets go to this node's servers and shard files, not to relays.
             borrow = self._borrow if fanout is None else None
-            buckets = pack(named, self.pool, stage, borrow=borrow)
+            gapless = self.transport.name == "distributed"  # laid out by the receiver
+            buckets = pack(named, self.pool, stage, borrow=borrow, gapless=gapless)
             error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
         finally:
             closing = self._close_stage(ctx, fanout)

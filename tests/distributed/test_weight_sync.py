@@ -97,9 +97,8 @@ LAYOUTS = {  # name: (processes, flags)
     "ep2": (2, ["--ep", "2"]),
     "pp2": (2, ["--pp", "2"]),
     "tp2xep2": (4, ["--tp", "2", "--ep", "2"]),
-    # As training holds the model (DDP buffer): the tensor and disk transports lend it (all at
-    # TP1; at EP2 the sender's own experts and the replicated tensors, the other rank's are
-    # copied).
+    # As training holds the model (DDP buffer): every transport lends it (all at TP1; at EP2
+    # the sender's own experts and the replicated tensors, the other rank's are copied).
     "tp1-ddp": (1, ["--ddp"]),
     "ep2-ddp": (2, ["--ep", "2", "--ddp"]),
 }
@@ -115,8 +114,9 @@ def test_every_transport_brings_every_server_to_the_trainer(tmp_path, tiny_model
     assert [s["transport"] for s in result["syncs"]] == ["tensor", "distributed", "disk"]
     for s in result["syncs"]:
         assert s["buckets"] > 5  # small buckets: many per sync
-        # Lent only from a DDP buffer: to the servers (tensor) or the shard writer (disk).
-        lends = s["transport"] in ("tensor", "disk") and layout.endswith("-ddp")
+        # Lent only from a DDP buffer, by every transport (tensor: to the servers; distributed:
+        # to the broadcast; disk: to the shard writer).
+        lends = layout.endswith("-ddp")
         assert (s["lent"] > 0) == lends, s
         if lends and layout == "tp1-ddp":
             assert s["lent"] > 0.8 * s["bytes"], s  # all but the split q/k/v (14% here)

@@ -3,6 +3,7 @@ safetensors shards, version directories, config checks, probe comparison, server
 
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from megatron_gspo.rollout import safe_unpickle
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.weight_sync import verify
 from megatron_gspo.weight_sync.bucket import (
+    Bucket,
     BufferPool,
     checksum,
     checksum_parts,
@@ -251,14 +253,56 @@ def test_shards_of_lent_parameters_are_written_straight_from_them(tmp_path):
     assert all(torch.equal(seen[n], t) for n, t in named)
 
 
-def test_checksum_of_parts_is_the_checksum_of_them_joined():
-    x = torch.randint(0, 255, (1000,), dtype=torch.uint8)
-    for cuts in ([0, 1000], [0, 8, 512, 1000], [0, 3, 1000], [0, 992, 997, 1000]):
+def test_gapless_lent_buckets_are_laid_out_as_their_receiver_computes():
+    """For the distributed transport a lent bucket must be what the receiver computes from
+    names, dtypes and shapes: tensors back to back in the order named. Runs of adjacent
+    parameters become buckets; a gap in the buffer starts a new one."""
+    from megatron_gspo.rollout.weight_payload import bucket_layout
+    from megatron_gspo.weight_sync.gather import buffer_parameters
+
+    m, buffer = buffer_module()
+    m.s = torch.nn.Parameter(buffer[364:400])  # adjacent to q (164:364) and to r (400:456)
+    named = [(n, p.detach()) for n, p in reversed(list(m.named_parameters()))]  # not in order
+    pool = plain_pool(4096, 1)
+    runs = []
+    for b in pack(named, pool, borrow=buffer_parameters([m]), gapless=True):
+        if b.borrowed:
+            layout, nbytes = bucket_layout(
+                [x.name for x in b.metadata], [x.dtype for x in b.metadata],
+                [list(x.shape) for x in b.metadata],
+            )  # fmt: skip
+            assert nbytes == b.nbytes == b.flat.numel()
+            assert [(x.start_idx, x.end_idx) for x in layout] == [
+                (x.start_idx, x.end_idx) for x in b.metadata
+            ]
+            for name, t in unflatten(b.flat, layout):
+                assert torch.equal(t, dict(named)[name])
+            runs.append([x.name for x in b.metadata])
+        release(b, pool)
+    assert sorted(runs) == [["p"], ["q", "s", "r"]]  # p is followed by a gap
+
+
+def test_checksum_of_parts_is_the_checksum_of_them_joined(tmp_path):
+    x = torch.randint(0, 255, (1003,), dtype=torch.uint8)
+    want = checksum(x, every_byte=True)
+    for cuts in ([0, 1003], [0, 8, 512, 1003], [0, 3, 1003], [0, 992, 997, 1003]):
         parts = [x[a:b] for a, b in zip(cuts, cuts[1:])]
-        assert checksum_parts(parts) == checksum(x, every_byte=True)
+        assert checksum_parts(parts) == want
     y = x.clone()
     y[500] ^= 1
-    assert checksum_parts([y[:512], y[512:]]) != checksum(x, every_byte=True)
+    assert checksum_parts([y[:512], y[512:]]) != want
+
+    # A lent bucket whose tensors are not whole words: its shard's checksum is still right.
+    meta = [
+        types.SimpleNamespace(name=n, shape=torch.Size([e - s]), dtype=torch.uint8,
+                              start_idx=s, end_idx=e, numel=e - s)
+        for n, s, e in (("u", 0, 5), ("v", 16, 27), ("w", 40, 43))
+    ]  # fmt: skip
+    b = Bucket(0, 0, x[100:200], 19, meta, borrowed=True)
+    write_shard(tmp_path / "odd.safetensors", b)
+    verify_shard(tmp_path / "odd.safetensors")
+    got = load_file(str(tmp_path / "odd.safetensors"))
+    assert all(torch.equal(got[m.name], x[100 + m.start_idx : 100 + m.end_idx]) for m in meta)
 
 
 def test_a_shard_that_fails_in_the_background_is_raised_by_flush(tmp_path):
