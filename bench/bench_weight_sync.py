@@ -14,11 +14,14 @@ idle, the trainer's weights are perturbed once so that the final probe check mea
 The machine may be shared, so the memcpy is timed right before every sync (and the naive one) and
 its median over the run is the reference; its spread and the load average are printed. CPU
 seconds per sync (trainer process + server process, all threads) are printed beside the wall
-time: they do not grow when other processes take the cores. The distributed transport's floor,
-a bare gloo broadcast of the same bytes in buckets between two processes over loopback, is
-measured too. The disk transport writes its versions to the default directory (/dev/shm).
+time: they do not grow when other processes take the cores. Buckets are sync.bucket_mb's
+default unless --bucket-mb says otherwise. The transfers alone are measured too, each on the
+same bytes in the same pieces, as the floor of a transport: a bare gloo broadcast between two
+processes over loopback (distributed), a plain TCP stream over loopback (what any TCP transport
+can reach here), and a write into files in /dev/shm plus a read back (disk, which writes its
+versions to the default directory, /dev/shm).
 
-    .venv/bin/python bench/bench_weight_sync.py [--reps 4] [--bucket-mb 64] [--model DIR]
+    .venv/bin/python bench/bench_weight_sync.py [--reps 4] [--bucket-mb MB] [--model DIR]
 """
 
 from __future__ import annotations
@@ -114,6 +117,70 @@ def gloo_gbps(nbytes: int, bucket: int) -> float:
     return gbps
 
 
+def _tcp_peer(port: int, nbytes: int, bucket: int) -> None:
+    import socket
+
+    buf = bytearray(bucket)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        got = 0
+        while got < nbytes:
+            got += s.recv_into(view[: min(bucket, nbytes - got)])
+        s.sendall(b"k")
+
+
+def tcp_gbps(nbytes: int, bucket: int) -> float:
+    """The same bytes through one plain TCP stream over loopback to a fresh process: what any
+    TCP transport (gloo's included) can reach on this machine."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    src = torch.randint(0, 255, (bucket,), dtype=torch.uint8)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        peer = mp.get_context("spawn").Process(
+            target=_tcp_peer, args=(server.getsockname()[1], nbytes, bucket)
+        )
+        peer.start()
+        conn, _ = server.accept()
+        with conn:
+            t = time.perf_counter()
+            for i in range(0, nbytes, bucket):
+                conn.sendall(memoryview(src.numpy())[: min(bucket, nbytes - i)])
+            conn.recv(1)
+            gbps = nbytes / 1e9 / (time.perf_counter() - t)
+        peer.join()
+    return gbps
+
+
+def tmpfs_gbps(nbytes: int, bucket: int) -> float:
+    """The same bytes written into files in /dev/shm and read back, two threads each way (the
+    files written before, as the disk transport's recycled versions are): the disk transport's
+    two copies and nothing else."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = [min(bucket, nbytes - i) for i in range(0, nbytes, bucket)]
+    src = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        paths = [Path(d) / f"{i}" for i in range(len(sizes))]
+
+        def write(i: int) -> None:
+            with open(paths[i], "r+b" if paths[i].exists() else "wb", buffering=0) as f:
+                f.write(memoryview(src.numpy())[: sizes[i]])
+
+        def read(i: int) -> None:
+            with open(paths[i], "rb", buffering=0) as f:
+                f.readinto(memoryview(dst.numpy())[i * bucket : i * bucket + sizes[i]])
+
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(write, range(len(sizes))))  # the pages exist, as in steady state
+            t = time.perf_counter()
+            list(ex.map(write, range(len(sizes))))
+            list(ex.map(read, range(len(sizes))))
+            return nbytes / 1e9 / (time.perf_counter() - t)
+
+
 def naive_sync(chunks, url: str, version: str) -> None:
     """One request per tensor, as a first implementation would: clone, share, POST, wait."""
     from megatron_gspo.rollout import weight_payload as wp
@@ -134,10 +201,14 @@ def naive_sync(chunks, url: str, version: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--bucket-mb", type=float, default=64)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="default: sync.bucket_mb's")
     ap.add_argument("--model", default=None, help="reuse (or create) the random model here")
     ap.add_argument("--transports", default="tensor,distributed,disk")
     a = ap.parse_args()
+    if a.bucket_mb is None:
+        from megatron_gspo.weight_sync.config import SyncConfig
+
+        a.bucket_mb = SyncConfig().bucket_mb  # what a run gets unless it says otherwise
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="bench-wsync-"))
     model = Path(a.model) if a.model else work / "model"
@@ -207,7 +278,8 @@ def run(a, model: Path, url: str, server_pid: int) -> None:
     version += 1
     _, naive, naive_cpu = timed(naive_sync, chunks, url, str(version))
     print(f"{'naive':12s} {naive:6.2f} s ({naive_cpu:.2f} CPU s, one request per tensor)")
-    gloo = gloo_gbps(nbytes, int(a.bucket_mb * (1 << 20)))
+    piece = int(a.bucket_mb * (1 << 20))
+    gloo, tcp, tmpfs = gloo_gbps(nbytes, piece), tcp_gbps(nbytes, piece), tmpfs_gbps(nbytes, piece)
     memcpy.sample()
     ref = memcpy.median()
     print()
@@ -216,8 +288,14 @@ def run(a, model: Path, url: str, server_pid: int) -> None:
         f"memcpy of the same bytes: {ref:.2f} GB/s median of {len(memcpy.gbps)} "
         f"(range {min(memcpy.gbps):.2f}-{max(memcpy.gbps):.2f}; a sync's bound is half of it)"
     )
-    print(f"naive sync: {nbytes / 1e9 / naive:.3f} GB/s")
-    print(f"bare gloo broadcast, {a.bucket_mb:g} MB pieces: {gloo:.2f} GB/s (distributed's floor)")
+    naive_gbps = nbytes / 1e9 / naive
+    print(f"naive sync: {naive_gbps:.3f} GB/s; buckets of {a.bucket_mb:g} MB")
+    print("the transfers alone, the same bytes in the same pieces (at most this x naive):")
+    print(
+        f"  bare gloo broadcast        {gloo:5.2f} GB/s  {gloo / naive_gbps:5.1f}x  (distributed)"
+    )
+    print(f"  plain TCP stream, loopback {tcp:5.2f} GB/s  {tcp / naive_gbps:5.1f}x  (any TCP)")
+    print(f"  /dev/shm write + read back {tmpfs:5.2f} GB/s  {tmpfs / naive_gbps:5.1f}x  (disk)")
     print(
         "transport     GB/s   x memcpy   x naive   CPU s/sync   (steady state; first in brackets)"
     )

@@ -41,6 +41,7 @@ import queue
 import shutil
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,10 +127,12 @@ class WeightSync:
         self.transport = transport or make_transport(config)
         self.base_hf = hf_files_dir(base_model)
         base = RestorePoint(str(Path(base_model).resolve()), base_version)
-        self._own_dir = None
+        self._drop_own_dir = None
         root = config.dir
         if root is None and (self.transport.writes_files or config.snapshot_every):
-            root = self._own_dir = shm_dir(self.servers)
+            root = shm_dir(self.servers)
+            if rank() == 0:  # ours alone: gone at close(), or when the process ends without it
+                self._drop_own_dir = weakref.finalize(self, shutil.rmtree, root, True)
         self.dirs = VersionDirs(root, config.keep_versions, base) if root else None
         self._base = base
         # Buckets live where the servers can read them: on the GPU when the trainer is there,
@@ -442,8 +445,8 @@ class WeightSync:
         self.servers.close()
         if self._relaying is not None:
             self._relaying.shutdown(wait=False)
-        if self._own_dir and self.coordinator:
-            shutil.rmtree(self._own_dir, ignore_errors=True)
+        if self._drop_own_dir is not None:
+            self._drop_own_dir()
 
 
 def _outcome(

@@ -372,6 +372,37 @@ def test_versions_default_to_shared_memory_only_for_local_servers():
     os.rmdir(path)
 
 
+def test_own_version_dir_is_removed_even_when_the_trainer_dies(tmp_path):
+    """The /dev/shm directory a WeightSync made for itself (about a model's size per version)
+    goes at close(), and also when the process ends by an exception without close()."""
+    import subprocess
+    import sys
+
+    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+
+    model = make_tiny_model(TinySpec(), tmp_path / "m")
+    code = (
+        "import torch\n"
+        "from megatron_gspo.model.parallel import ParallelDims, init_distributed\n"
+        "from megatron_gspo.weight_sync.config import SyncConfig\n"
+        "from megatron_gspo.weight_sync.sync import WeightSync\n"
+        "init_distributed(ParallelDims())\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "ws = WeightSync([m], ['http://127.0.0.1:9'], SyncConfig(transport='disk'), "
+        f"base_model={str(model)!r})\n"
+        "print('DIR', ws.dirs.root, flush=True)\n"
+        "{end}\n"
+    )
+    for end, rc in (("ws.close()", 0), ("raise RuntimeError('the trainer died')", 1)):
+        proc = subprocess.run(
+            [sys.executable, "-c", code.format(end=end)], capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == rc, proc.stderr[-2000:]
+        (root,) = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("DIR")]
+        assert root.startswith("/dev/shm/") and not os.path.exists(root), (end, root)
+
+
 def test_probe_is_fixed_and_compared_token_by_token():
     cfg = SyncConfig(probe_sequences=3, probe_length=10)
     seqs = verify.probe_batch(100, cfg)
