@@ -26,9 +26,9 @@ at each tensor's bytes inside the span (SGLang reads each entry by its start_idx
 gaps between them are never read; the disk transport's writer writes the entries one after
 another). A distributed receiver lays a bucket out from names, dtypes and shapes alone, so
 there (`gapless`) a bucket is one run of adjacent tensors in offset order. The server, or the
-shard file, then gets every such byte once, straight from the trainer's weights. Such a bucket must only be read while the weights do not change, which holds
-for a sync: training waits for it. Buckets are numbered in the order they are sealed (shard
-files are named by it).
+shard file, then gets every such byte once, straight from the trainer's weights. Such a bucket
+must only be read while the weights do not change, which holds for a sync: training waits for
+it. Buckets are numbered in the order they are sealed (shard files are named by it).
 """
 
 from __future__ import annotations

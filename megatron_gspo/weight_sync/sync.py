@@ -14,9 +14,8 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
     parameter buffer are not packed but lent (borrowed buckets): with the tensor transport the
     buffer is moved into shared memory once, so the server's copy is the only one; the
     distributed transport broadcasts runs of adjacent parameters straight from the buffer; the
-    disk transport's shard writer writes them from there. The first bucket
-    labels each server `partial:{version}`: a server caught mid-update says so in every
-    sample's weight_version.
+    disk transport's shard writer writes them from there. The first bucket labels each server
+    `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
     but the gathers run on (they are collectives). A relay is a sender to its node's servers in
     every respect: its failures and the servers it touched reach the coordinator the same way.
