@@ -69,9 +69,7 @@ class HFReader:
         if filename not in self._handles:
             from safetensors import safe_open
 
-            path = self.path / filename
-            if not path.is_file():
-                raise UserError(f"checkpoint file {path} is missing; re-copy the checkpoint")
+            path = self._existing(filename)
             try:
                 self._handles[filename] = safe_open(str(path), framework="pt")
             except Exception as e:
@@ -80,21 +78,31 @@ class HFReader:
                 ) from None
         return self._handles[filename]
 
-    def keys(self) -> list[str]:
-        return list(self.files)
+    def _existing(self, filename: str) -> Path:
+        path = self.path / filename
+        if not path.is_file():
+            raise UserError(f"checkpoint file {path} is missing; re-copy the checkpoint")
+        return path
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file_of(self, name: str) -> str:
         if name not in self.files:
             raise UserError(
                 f"tensor {name!r} missing from {self.path}; the checkpoint is incomplete"
             )
+        return self.files[name]
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        filename = self._file_of(name)
         try:
-            return self._open(self.files[name]).get_tensor(name)
+            return self._open(filename).get_tensor(name)
         except UserError:
             raise
         except Exception as e:
             raise UserError(
-                f"reading {name!r} from {self.path / self.files[name]} failed "
+                f"reading {name!r} from {self.path / filename} failed "
                 f"({str(e).splitlines()[0]}); the file is truncated or corrupt, re-copy it"
             ) from None
 
@@ -108,11 +116,7 @@ class HFReader:
         `threads` threads (file reads release the GIL)."""
         plan: dict[str, list] = {}
         for name, dst in targets:
-            if name not in self.files:
-                raise UserError(
-                    f"tensor {name!r} missing from {self.path}; the checkpoint is incomplete"
-                )
-            filename = self.files[name]
+            filename = self._file_of(name)
             header, base = self._header(filename)
             entry = header.get(name)
             dtype = DTYPES_ST.get(entry.get("dtype")) if isinstance(entry, dict) else None
@@ -165,15 +169,11 @@ class HFReader:
     def _header(self, filename: str) -> tuple[dict, int]:
         """A shard's safetensors header and where its data starts (cached)."""
         if filename not in self._headers:
-            path = self.path / filename
+            path = self._existing(filename)
             try:
                 with open(path, "rb") as f:
                     (n,) = struct.unpack("<Q", f.read(8))
                     header = json.loads(f.read(n))
-            except FileNotFoundError:
-                raise UserError(
-                    f"checkpoint file {path} is missing; re-copy the checkpoint"
-                ) from None
             except (struct.error, ValueError, MemoryError, OverflowError) as e:
                 raise UserError(
                     f"{path} is truncated or corrupt ({type(e).__name__}); re-copy it"

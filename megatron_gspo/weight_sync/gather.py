@@ -163,8 +163,9 @@ def share_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
 
 def buffer_parameters(chunks) -> Callable[[torch.Tensor], bool] | None:
     """The `borrow` test for `bucket.pack` of this rank's CPU parameters that live side by side
-    in one storage (megatron DDP's parameter buffers), where they are: the shard writer of the
-    disk transport writes them straight from there. None when there are none."""
+    in one storage (megatron DDP's parameter buffers), where they are: the distributed
+    transport broadcasts them and the disk transport's shard writer writes them straight from
+    there. None when there are none."""
     return _borrow_test(_parameter_buffers(chunks))
 
 

@@ -239,8 +239,7 @@ class WeightSync:
         try:
             # Borrowed buckets go to this node's servers and shard files, not to relays.
             borrow = self._borrow if fanout is None else None
-            gapless = self.transport.name == "distributed"  # laid out by the receiver
-            buckets = pack(named, self.pool, stage, borrow=borrow, gapless=gapless)
+            buckets = pack(named, self.pool, stage, borrow=borrow, gapless=self.transport.gapless)
             error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
         finally:
             closing = self._close_stage(ctx, fanout)

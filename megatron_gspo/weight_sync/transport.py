@@ -77,6 +77,7 @@ class Transport:
     name = "base"
     needs_session = True  # wrap in /begin_weight_update + /end_weight_update
     writes_files = False  # the stage senders' shard writers are the transfer (disk)
+    gapless = False  # a lent bucket must be tensors back to back (the receiver lays it out)
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -143,6 +144,7 @@ class TensorTransport(Transport):
 
 class DistributedTransport(Transport):
     name = "distributed"
+    gapless = True  # the receiver recomputes offsets from names, dtypes and shapes
 
     def open_stage(self, ctx: StageContext) -> None:
         cfg, servers = ctx.config, ctx.servers
