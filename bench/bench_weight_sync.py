@@ -16,10 +16,12 @@ its median over the run is the reference; its spread and the load average are pr
 seconds per sync (trainer process + server process, all threads) are printed beside the wall
 time: they do not grow when other processes take the cores. Buckets are sync.bucket_mb's
 default unless --bucket-mb says otherwise. The transfers alone are measured too, each on the
-same bytes in the same pieces, as the floor of a transport: a bare gloo broadcast between two
+same bytes in bucket-sized pieces, as the floor of a transport: a bare gloo broadcast between two
 processes over loopback (distributed), a plain TCP stream over loopback (what any TCP transport
 can reach here), and a write into files in /dev/shm plus a read back (disk, which writes its
-versions to the default directory, /dev/shm).
+versions to the default directory, /dev/shm). A transport's own floor is timed right after each
+of its syncs, so "x floor" compares the two under the same load; the naive sync runs three
+times and its median is the "x naive" reference (it moves most from run to run).
 
     .venv/bin/python bench/bench_weight_sync.py [--reps 4] [--bucket-mb MB] [--model DIR]
 """
@@ -257,28 +259,44 @@ def run(a, model: Path, url: str, server_pid: int) -> None:
         wall = time.perf_counter() - t
         return out, wall, time.process_time() + cpu_seconds(server_pid) - c
 
-    rows: dict[str, tuple[float, float, float]] = {}
+    piece = int(a.bucket_mb * (1 << 20))
+
+    def memcpy_gbps() -> float:
+        memcpy.sample()
+        return memcpy.gbps[-1]
+
+    own_floor = {  # a transport's transfer alone, timed after each of its syncs
+        "tensor": memcpy_gbps,
+        "distributed": lambda: gloo_gbps(nbytes, piece),
+        "disk": lambda: tmpfs_gbps(nbytes, piece),
+    }
+    rows: dict[str, tuple[float, float, float, float]] = {}
     version = 0
     for name in a.transports.split(","):
         cfg = SyncConfig(transport=name, bucket_mb=a.bucket_mb)
         ws = WeightSync(chunks, [url], cfg, base_model=model)
-        times, cpus = [], []
+        times, cpus, floor = [], [], []
         for _ in range(a.reps):
             version += 1
             report, wall, cpu = timed(ws.sync, version)
+            floor.append(own_floor[name]())
             times.append(wall)
             cpus.append(cpu)
             assert report.bytes == nbytes, (report.bytes, nbytes)
         ws.verify(str(version))  # the server's probe log-probs are the trainer's
         rest = slice(1, None) if a.reps > 1 else slice(None)
-        rows[name] = (times[0], statistics.median(times[rest]), statistics.median(cpus[rest]))
+        rows[name] = (times[0], statistics.median(times[rest]), statistics.median(cpus[rest]),
+                      statistics.median(floor[rest]))  # fmt: skip
         print(f"{name:12s} first {times[0]:6.2f} s  then {rows[name][1]:6.2f} s  "
               f"({rows[name][2]:.2f} CPU s)  load {load()}", flush=True)  # fmt: skip
         ws.close()
-    version += 1
-    _, naive, naive_cpu = timed(naive_sync, chunks, url, str(version))
-    print(f"{'naive':12s} {naive:6.2f} s ({naive_cpu:.2f} CPU s, one request per tensor)")
-    piece = int(a.bucket_mb * (1 << 20))
+    naives = []
+    for _ in range(3):
+        version += 1
+        naives.append(timed(naive_sync, chunks, url, str(version))[1:])
+    naive, naive_cpu = (statistics.median(x) for x in zip(*naives))
+    print(f"{'naive':12s} {naive:6.2f} s ({naive_cpu:.2f} CPU s, one request per tensor; "
+          f"range {min(t for t, _ in naives):.2f}-{max(t for t, _ in naives):.2f} s)")  # fmt: skip
     floors = [(gloo_gbps(nbytes, piece), tcp_gbps(nbytes, piece), tmpfs_gbps(nbytes, piece))
               for _ in range(3)]  # fmt: skip
     gloo, tcp, tmpfs = (statistics.median(x) for x in zip(*floors))
@@ -291,25 +309,26 @@ def run(a, model: Path, url: str, server_pid: int) -> None:
         f"(range {min(memcpy.gbps):.2f}-{max(memcpy.gbps):.2f}; a sync's bound is half of it)"
     )
     naive_gbps = nbytes / 1e9 / naive
-    print(f"naive sync: {naive_gbps:.3f} GB/s; buckets of {a.bucket_mb:g} MB")
-    print("the transfers alone, the same bytes in the same pieces, median of 3 (at most this "
-          "x naive):")  # fmt: skip
+    print(f"naive sync: {naive_gbps:.3f} GB/s (median of 3); buckets of {a.bucket_mb:g} MB")
+    print("the transfers alone, the same bytes in bucket-sized pieces, median of 3 after the "
+          "syncs (at most this x naive):")  # fmt: skip
     print(
         f"  bare gloo broadcast        {gloo:5.2f} GB/s  {gloo / naive_gbps:5.1f}x  (distributed)"
     )
     print(f"  plain TCP stream, loopback {tcp:5.2f} GB/s  {tcp / naive_gbps:5.1f}x  (any TCP)")
     print(f"  /dev/shm write + read back {tmpfs:5.2f} GB/s  {tmpfs / naive_gbps:5.1f}x  (disk)")
-    print(
-        "transport     GB/s   x memcpy   x naive   CPU s/sync   (steady state; first in brackets)"
-    )
-    for name, (first, steady, cpu) in rows.items():
+    print("x floor: of the transport's own transfer alone (tensor: memcpy; distributed: bare "
+          "gloo; disk: /dev/shm write + read), timed after each sync")  # fmt: skip
+    print("transport     GB/s   x memcpy   x naive   x floor   CPU s/sync   "
+          "(steady state; first in brackets)")  # fmt: skip
+    for name, (first, steady, cpu, floor) in rows.items():
         gbps = nbytes / 1e9 / steady
         print(
-            f"{name:12s} {gbps:5.2f}   {gbps / ref:6.3f}    {naive / steady:6.1f}   "
-            f"{cpu:8.2f}     [{nbytes / 1e9 / first:.2f} GB/s]"
+            f"{name:12s} {gbps:5.2f}   {gbps / ref:6.3f}    {naive / steady:6.1f}    "
+            f"{gbps / floor:6.2f}   {cpu:8.2f}     [{nbytes / 1e9 / first:.2f} GB/s]"
         )
     print(f"{'naive':12s} {nbytes / 1e9 / naive:5.2f}   {nbytes / 1e9 / naive / ref:6.3f}    "
-          f"{1.0:6.1f}   {naive_cpu:8.2f}")  # fmt: skip
+          f"{1.0:6.1f}              {naive_cpu:8.2f}")  # fmt: skip
 
 
 def load() -> str:
