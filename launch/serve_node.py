@@ -6,9 +6,11 @@
         --log-dir DIR --urls-file FILE
 
 `servers` starts the servers the layout (launch/plan.py) gives this node, each on its own GPUs
-(CUDA_VISIBLE_DEVICES), through rollout.launcher.ServerGroup: each in its own process group,
-tracked by PID, its output in LOG_DIR/server-<i>.log. When every one answers /health their URLs
-are written to URLS_FILE (atomically: the trainer nodes wait for it). Then it holds them:
+(CUDA_VISIBLE_DEVICES; a colocated SGLang server sees the node's GPUs and starts at its own with
+--base-gpu-id, so that it can open the trainer's CUDA IPC handles), through
+rollout.launcher.ServerGroup: each in its own process group, tracked by PID, its output in
+LOG_DIR/server-<i>.log. When every one answers /health their URLs are written to URLS_FILE
+(atomically: the trainer nodes wait for it). Then it holds them:
 
 - SIGTERM / SIGINT: stop every server by PID (SIGTERM, then SIGKILL) and exit 0;
 - a server that exits: stop the others and exit 1 with a one-line message naming its log.
@@ -65,9 +67,14 @@ def server_configs(cfg, layout, node_rank: int, host: str, port_base: int):
         and layout.gpus_per_node > 0
         and "--enable-memory-saver" not in extra
     )
+    # A colocated SGLang server sees all of the node's GPUs and starts at its own
+    # (--base-gpu-id): the tensor sync hands it CUDA IPC handles of the trainer ranks' GPUs,
+    # which it can open only if it sees them. Otherwise each server sees its own GPUs alone.
+    see_node = r.backend == "sglang" and layout.placement == "colocated"
     configs = []
     for i, gpus in enumerate(gpu_sets):
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in gpus)} if gpus else {}
+        seen = range(layout.gpus_per_node) if see_node else gpus
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in seen)} if gpus else {}
         configs.append(
             ServerConfig(
                 model_path=str(hf_files_dir(cfg.model.path)),
@@ -81,6 +88,7 @@ def server_configs(cfg, layout, node_rank: int, host: str, port_base: int):
                 enable_return_routed_experts=cfg.algo.routing_replay == "r3",
                 tp_size=r.server_tp,
                 enable_memory_saver=memory_saver,
+                base_gpu_id=gpus[0] if gpus and see_node else None,
                 threads=1 if r.backend == "builtin" else 0,
                 extra_args=extra,
                 env=env,

@@ -59,6 +59,7 @@ class ServerConfig:
     mem_fraction_static: float | None = None
     enable_memory_saver: bool = False
     skip_server_warmup: bool = False
+    base_gpu_id: int | None = None  # its first GPU among those visible (colocated: the node's)
     # built-in only
     threads: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -87,6 +88,7 @@ class ServerConfig:
                 "--max-total-tokens": self.max_total_tokens,
                 "--mem-fraction-static": self.mem_fraction_static,
                 "--api-key": self.api_key,
+                "--base-gpu-id": self.base_gpu_id,
             }
             switches |= {
                 "--disable-cuda-graph": self.disable_cuda_graph,

@@ -23,7 +23,9 @@ unknown name there kills SGLang's scheduler — send HF names with null or "flat
 
 CPU tensors travel as shared-memory file names: the sender must use torch's "file_system" sharing
 strategy (the default "fd" strategy passes file descriptors that the server cannot receive over
-HTTP). On GPU they travel as CUDA IPC handles (same node only).
+HTTP). On GPU they travel as CUDA IPC handles (same node only) naming their device by UUID, as
+SGLang's senders do: a server must see the sender's GPU (colocated servers see the node's GPUs
+and start at --base-gpu-id, launch/serve_node.py).
 """
 
 from __future__ import annotations
@@ -73,8 +75,34 @@ def serialize(obj: object) -> str:
             "`with TensorSharing():` (torch.multiprocessing.set_sharing_strategy('file_system'))"
         )
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
+    pickler = ForkingPickler(buf)
+    for cls in (torch.Tensor, torch.nn.Parameter):  # this pickler's only
+        pickler.dispatch_table[cls] = _reduce_tensor
+    pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# rebuild_cuda_tensor's argument that names the tensor's device; torch's reducer gives the
+# sender's device index, which means another GPU (or none) in a server whose
+# CUDA_VISIBLE_DEVICES differs. SGLang's senders give the device's UUID instead and its
+# receivers map a UUID back to their own index, so that is sent.
+CUDA_DEVICE_ARG = 6
+
+
+def _reduce_tensor(t: torch.Tensor):
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(t)
+    if t.is_cuda:
+        args = with_device_uuid(args, str(torch.cuda.get_device_properties(t.device).uuid))
+    return rebuild, args
+
+
+def with_device_uuid(args: tuple, uuid: str) -> tuple:
+    """rebuild_cuda_tensor's arguments with the device given by `uuid` instead of its index."""
+    if not isinstance(args[CUDA_DEVICE_ARG], int):
+        raise TypeError(f"rebuild_cuda_tensor argument {CUDA_DEVICE_ARG} is not a device index")
+    return (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])
 
 
 def _all_cuda(obj: object) -> bool:

@@ -256,3 +256,26 @@ def test_qwen3_235b_config_plans_the_layout_its_memory_math_assumes():
     assert lay.world_size // (p.ep * p.etp * p.pp) == 2  # expert DP in the comment
     assert 128 % p.ep == 0 and 94 % p.pp == 0 and 64 % p.tp == 0 and 4 % p.tp == 0
     assert lay.router  # several SGLang servers: sglang-router in front
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_colocated_sglang_servers_see_the_nodes_gpus_to_open_the_trainers_handles(
+    placement, monkeypatch
+):
+    """A colocated server gets CUDA IPC handles of trainer ranks' GPUs, so it sees every GPU
+    of the node and starts at its own with --base-gpu-id; a disaggregated one sees its own."""
+    import serve_node
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,6,7,8,9,10")  # as Slurm may narrow it
+    c = cfg("rollout.backend=sglang", f"rollout.placement={placement}", "rollout.server_tp=2")
+    lay = make_layout(c, nnodes=1, gpus_per_node=8)
+    configs = serve_node.server_configs(c, lay, 0, "127.0.0.1", 0)
+    firsts = [g[0] for g in lay.server_gpus(0)]
+    visible = [cf.env["CUDA_VISIBLE_DEVICES"] for cf in configs]
+    bases = [cf.command(1)[cf.command(1).index("--base-gpu-id") + 1] for cf in configs
+             if "--base-gpu-id" in cf.command(1)]  # fmt: skip
+    if placement == "colocated":
+        assert visible == ["3,4,5,6,7,8,9,10"] * 4 and bases == [str(f) for f in firsts]
+        assert firsts == [0, 2, 4, 6]
+    else:
+        assert visible == ["9,10"] and bases == []  # the GPUs after the trainer's six

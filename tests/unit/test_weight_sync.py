@@ -450,3 +450,14 @@ def test_parameters_too_large_for_dev_shm_are_not_lent(monkeypatch):
     monkeypatch.setattr(gather, "_shm_free", lambda: 1000)  # the fault: a nearly full /dev/shm
     assert gather.share_parameters([m]) is None
     assert not m.p.is_shared() and m.p.data_ptr() == buffer.data_ptr()
+
+
+def test_cuda_payload_names_the_device_by_uuid_not_the_senders_index():
+    # rebuild_cuda_tensor's arguments as torch's reducer gives them (device index at 6).
+    args = ("cls", (4,), (1,), 0, "storage", torch.uint8, 3, b"h", 4, 0, False, b"r", 0, b"e", 1)
+    got = wp.with_device_uuid(args, "GPU-1234")
+    assert got[wp.CUDA_DEVICE_ARG] == "GPU-1234"
+    assert got[: wp.CUDA_DEVICE_ARG] == args[: wp.CUDA_DEVICE_ARG]
+    assert got[wp.CUDA_DEVICE_ARG + 1 :] == args[wp.CUDA_DEVICE_ARG + 1 :]
+    with pytest.raises(TypeError, match="not a device index"):
+        wp.with_device_uuid(got, "GPU-1234")  # torch's layout changed: say so, do not guess
