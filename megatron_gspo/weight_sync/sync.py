@@ -216,7 +216,18 @@ class WeightSync:
             mine = self._stream_stage(version, plan)
         finally:
             relayed = [f.result() for f in relaying]
+            self._renew_gpu_pools()
         return ([mine] if mine else []) + relayed
+
+    def _renew_gpu_pools(self) -> None:
+        """On a GPU, bucket buffers go back to the caching allocator once a sync is sent: kept,
+        they would hold GPU memory through training (two buckets per pool, plus oversized
+        tensors such as the embedding), and every CUDA IPC share of a kept buffer adds a
+        reference record to it that lives as long as the buffer. On a CPU they are kept:
+        fresh shared memory costs more than the copy."""
+        if self.device.type == "cuda":
+            self.pool = self._new_pool()
+            self._relay_pools = {s: self._new_pool() for s in self._relay_pools}
 
     def _stream_stage(self, version: str, plan: dict) -> dict | None:
         named = gather.iter_stage(self.chunks)

@@ -217,10 +217,19 @@ class DistributedTransport(Transport):
 
 
 def _master_address(servers: Servers) -> str:
+    """Where the servers reach this rank's group store: loopback when they are all local, else
+    the address this host sends from towards them (its host name may resolve to 127.0.1.1)."""
     hosts = {urlparse(r.url).hostname for r in servers.refs}
     if hosts <= LOCAL_HOSTS:
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    remote = sorted(h for h in hosts if h not in LOCAL_HOSTS)[0]
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(remote, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)  # UDP: nothing is sent, the route picks the source address
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def make_transport(config: SyncConfig) -> Transport:

@@ -461,3 +461,23 @@ def test_cuda_payload_names_the_device_by_uuid_not_the_senders_index():
     assert got[wp.CUDA_DEVICE_ARG + 1 :] == args[wp.CUDA_DEVICE_ARG + 1 :]
     with pytest.raises(TypeError, match="not a device index"):
         wp.with_device_uuid(got, "GPU-1234")  # torch's layout changed: say so, do not guess
+
+
+def test_remote_servers_reach_the_group_store_at_this_hosts_outward_address():
+    """Not the host name's address, which may be loopback (127.0.1.1 on many distributions)."""
+    import ipaddress
+    import socket
+
+    from megatron_gspo.weight_sync.transport import _master_address
+
+    assert _master_address(Servers(["http://127.0.0.1:1", "http://localhost:2"])) == "127.0.0.1"
+    remote = "192.0.2.1"  # TEST-NET: routed by the default route, never contacted
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((remote, 9))
+    except OSError:
+        pytest.skip("this machine has no route off the host")
+    got = _master_address(Servers([f"http://{remote}:30000", "http://127.0.0.1:1"]))
+    assert not ipaddress.ip_address(got).is_loopback, got
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((got, 0))  # an address of this machine
