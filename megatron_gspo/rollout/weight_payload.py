@@ -99,7 +99,10 @@ def _reduce_tensor(t: torch.Tensor):
 
 
 def with_device_uuid(args: tuple, uuid: str) -> tuple:
-    """rebuild_cuda_tensor's arguments with the device given by `uuid` instead of its index."""
+    """rebuild_cuda_tensor's arguments with the device given by `uuid` instead of its index
+    (unchanged if it is one already: SGLang's patched reducer, where SGLang is imported)."""
+    if isinstance(args[CUDA_DEVICE_ARG], str):
+        return args
     if not isinstance(args[CUDA_DEVICE_ARG], int):
         raise TypeError(f"rebuild_cuda_tensor argument {CUDA_DEVICE_ARG} is not a device index")
     return (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])

@@ -459,8 +459,10 @@ def test_cuda_payload_names_the_device_by_uuid_not_the_senders_index():
     assert got[wp.CUDA_DEVICE_ARG] == "GPU-1234"
     assert got[: wp.CUDA_DEVICE_ARG] == args[: wp.CUDA_DEVICE_ARG]
     assert got[wp.CUDA_DEVICE_ARG + 1 :] == args[wp.CUDA_DEVICE_ARG + 1 :]
+    assert wp.with_device_uuid(got, "GPU-5678") == got  # SGLang's reducer sent a UUID already
+    moved = (*args[:6], (4,), *args[7:])
     with pytest.raises(TypeError, match="not a device index"):
-        wp.with_device_uuid(got, "GPU-1234")  # torch's layout changed: say so, do not guess
+        wp.with_device_uuid(moved, "GPU-1234")  # torch's layout changed: say so, do not guess
 
 
 def test_remote_servers_reach_the_group_store_at_this_hosts_outward_address():
