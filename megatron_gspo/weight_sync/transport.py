@@ -26,6 +26,7 @@ alone is dropped. The group lives for one sync: a restarted server never holds a
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,14 +190,41 @@ class DistributedTransport(Transport):
             i: ctx.servers.submit(i, "/update_weights_from_distributed", body) for i in ctx.live
         }
         try:
-            torch.distributed.broadcast(bucket.flat, group=ctx.state["group"], group_src=0)
+            work = torch.distributed.broadcast(
+                bucket.flat, group=ctx.state["group"], group_src=0, async_op=True
+            )
+            self._await(work, {**ctx.state.get("pending", {}), **futures}, ctx, bucket.index)
         except Exception as e:
             _, errors = collect({**ctx.state.pop("pending", {}), **futures})
             ctx.fail(errors)
+            if isinstance(e, TransportError):
+                raise
             raise TransportError(f"broadcast of bucket {bucket.index} failed: {e}") from None
         bucket.sum()  # while the servers receive and load
         pending, ctx.state["pending"] = ctx.state.pop("pending", {}), futures
         return self._check(pending, ctx, bucket.index - 1)
+
+    def _await(self, work, futures: dict, ctx: StageContext, index: int) -> None:
+        """Wait for a broadcast while watching the servers' answers. A member that answers with
+        an error never joins the broadcast: on NCCL the broadcast would wait for it until the
+        watchdog kills the trainer, and on gloo a bucket larger than the socket buffers waits
+        until the group's timeout. So its error (or the timeout) ends the wait: the group is
+        aborted (NCCL) or left to the members' destroy (gloo), and the stage stops."""
+        deadline = time.monotonic() + ctx.config.timeout_s
+        while not work.is_completed():
+            failed = {i: f for i, f in futures.items() if f.done() and f.exception()}
+            late = time.monotonic() > deadline
+            if failed or late:
+                ctx.state["aborted"] = True
+                _abort(ctx.state["group"])
+                why = (
+                    "servers failed during"
+                    if failed
+                    else f"timed out ({ctx.config.timeout_s:g} s) in"
+                )
+                raise TransportError(f"{why} the broadcast of bucket {index}; the group is broken")
+            time.sleep(0.001)
+        work.wait()  # a failed broadcast raises here
 
     def _check(self, futures: dict, ctx: StageContext, index: int) -> dict[int, str]:
         _, errors = collect(futures)
@@ -213,7 +241,24 @@ class DistributedTransport(Transport):
             return
         body = {"group_name": ctx.state["name"]}
         ctx.servers.post_many(ctx.state["members"], "/destroy_weights_update_group", body)
-        wp.close_update_group(group)
+        try:
+            wp.close_update_group(group)
+        except Exception:
+            if not ctx.state.get("aborted"):  # an aborted group may be gone already
+                raise
+
+
+def _abort(group) -> None:
+    """Abort an NCCL group whose broadcast cannot finish; a gloo one is unblocked when its
+    members destroy their ends (close_stage)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return
+    if type(backend).__name__ == "ProcessGroupNCCL":
+        c10d._abort_process_group(group)
 
 
 def _master_address(servers: Servers) -> str:

@@ -124,6 +124,37 @@ def test_update_weights_from_distributed(server, ckpts, reference):
     load_by_tensor(server, named_tensors(ckpts[0]), None, "a")
 
 
+def test_server_refusing_a_bucket_mid_broadcast_stops_the_stage_without_waiting(server, reference):
+    """A server that answers /update_weights_from_distributed with an error never joins its
+    broadcast (here: no begin_weight_update, a real refusal). The trainer's broadcast of a
+    bucket larger than the socket buffers would then block until the group's timeout (on NCCL
+    until the watchdog kills the trainer); it must stop on the answer and name the server."""
+    import types
+
+    from megatron_gspo.weight_sync.bucket import Bucket
+    from megatron_gspo.weight_sync.config import SyncConfig
+    from megatron_gspo.weight_sync.servers import Servers
+    from megatron_gspo.weight_sync.transport import (
+        DistributedTransport,
+        StageContext,
+        TransportError,
+    )
+
+    cfg = SyncConfig(transport="distributed", timeout_s=30)
+    ctx = StageContext(Servers([server], cfg.timeout_s), cfg, "v-refused", 0, [0])
+    transport = DistributedTransport()
+    transport.open_stage(ctx)
+    n = 64 << 20
+    meta = types.SimpleNamespace(name="model.norm.weight", shape=torch.Size([n]),
+                                 dtype=torch.uint8, start_idx=0, end_idx=n, numel=n)  # fmt: skip
+    bucket = Bucket(0, 0, torch.zeros(n, dtype=torch.uint8), n, [meta])
+    with pytest.raises(TransportError, match="servers failed during the broadcast of bucket 0"):
+        transport.send(bucket, ctx)
+    transport.close_stage(ctx)  # returns: the server's end is destroyed, then ours
+    assert "begin_weight_update" in ctx.failed[0] and ctx.live == []
+    assert greedy_tokens(server)[0] == reference[0]  # it serves on, its weights untouched
+
+
 @pytest.fixture
 def session(server):
     assert call(server, "/begin_weight_update", {})[0] == 200
