@@ -17,7 +17,8 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
     disk transport's shard writer writes them from there. The first bucket labels each server
     `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
-    but the gathers run on (they are collectives). A relay is a sender to its node's servers in
+    but the gathers run on (they are collectives). With the distributed transport the stages
+    send in turn, in stage order (a server receives one group at a time; transport.py). A relay is a sender to its node's servers in
     every respect: its failures and the servers it touched reach the coordinator the same way.
  3. commit (coordinator): servers that took every bucket get `version` (/update_weight_version;
     disk: /update_weights_from_disk of the finished directory).
@@ -78,6 +79,7 @@ class SyncReport:
     checksums: dict[int, list[int]] = field(default_factory=dict)  # stage -> per bucket
     lent_bytes: int = 0  # of `bytes`, sent as views of the trainer's parameters (not copied)
     sent_by: dict[str, dict[int, int]] = field(default_factory=dict)  # url -> {stage: its rank}
+    stage_times: dict[int, tuple[float, float]] = field(default_factory=dict)  # stage -> sent
 
     @property
     def ok(self) -> bool:
@@ -153,6 +155,8 @@ class WeightSync:
         self.relay = None
         if self.transport.name == "tensor":
             self.relay = make_plan(self.servers, node, self.device, config.timeout_s)
+        # Stages that send in turn (distributed): each stage sender's predecessor and successor.
+        self._turn = _turns(self.transport) if self.transport.stages_in_turn else (None, None)
         relayed = self.relay.relayed_by(rank()) if self.relay else []
         self._relay_pools = {s: self._new_pool() for s in relayed}
         self._relaying = ThreadPoolExecutor(len(relayed), "weight-sync-relay") if relayed else None
@@ -243,19 +247,32 @@ class WeightSync:
         ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
         writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
         error, nbytes, sums, lent = None, 0, [], 0
+        before, after = self._turn
+        if before is not None:
+            _pass_turn(before, self.model_device, receive=True)  # the stage before is done
+        started = time.time()
         try:
-            self.transport.open_stage(ctx)
-        except TransportError as e:
-            error = str(e)
-        try:
-            # Borrowed buckets go to this node's servers and shard files, not to relays.
-            borrow = self._borrow if fanout is None else None
-            buckets = pack(named, self.pool, stage, borrow=borrow, gapless=self.transport.gapless)
-            error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
+            try:
+                self.transport.open_stage(ctx)
+            except TransportError as e:
+                error = str(e)
+            try:
+                # Borrowed buckets go to this node's servers and shard files, not to relays.
+                borrow = self._borrow if fanout is None else None
+                buckets = pack(
+                    named, self.pool, stage, borrow=borrow, gapless=self.transport.gapless
+                )
+                error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
+            finally:
+                closing = self._close_stage(ctx, fanout)
         finally:
-            closing = self._close_stage(ctx, fanout)
+            sent = (started, time.time())
+            if after is not None:
+                _pass_turn(after, self.model_device)  # also after a failure: the next goes on
         files = writer.outcome() if writer else None
-        return _outcome(ctx, error or closing, nbytes, sums, files, lent=lent)
+        out = _outcome(ctx, error or closing, nbytes, sums, files, lent=lent)
+        out["sent"] = sent
+        return out
 
     def _close_stage(self, ctx: StageContext, fanout: Fanout | None) -> str | None:
         errors = []
@@ -349,6 +366,7 @@ class WeightSync:
                 report.lent_bytes += o["lent"]
                 report.buckets += o["buckets"]
                 report.checksums[o["stage"]] = o["checksums"]
+                report.stage_times[o["stage"]] = o["sent"]
         if not errors:
             errors = [
                 f"{_who(o)}: received buckets whose checksums differ from its sender's"
@@ -467,6 +485,29 @@ def _outcome(
         "touched": sorted(ctx.touched), "error": error, "bytes": nbytes, "buckets": ctx.buckets,
         "checksums": sums, "files": files, "lent": lent,
     }  # fmt: skip
+
+
+def _turns(transport: Transport) -> tuple[int | None, int | None]:
+    """This rank's (previous, next) stage sender when stages send in turn; (None, None) for a
+    rank that is no stage sender, the first stage's previous and the last stage's next.
+    Every rank calls it (a collective)."""
+    senders = {s: r for r, (s, on) in enumerate(gather.all_gather_objects(
+        (gather.stage_index(), gather.is_stage_sender()))) if on}  # fmt: skip
+    if not gather.is_stage_sender():
+        return None, None
+    stage = gather.stage_index()
+    return senders.get(stage - 1), senders.get(stage + 1)
+
+
+def _pass_turn(peer: int, device: torch.device, receive: bool = False) -> None:
+    """Hand the turn to stage sender `peer`, or wait for it from `peer`."""
+    import torch.distributed as dist
+
+    token = torch.zeros(1, device=device)
+    if receive:
+        dist.recv(token, src=peer)
+    else:
+        dist.send(token, dst=peer)
 
 
 def _who(outcome: dict) -> str:

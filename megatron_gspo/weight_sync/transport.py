@@ -18,7 +18,8 @@ server TP rank after it (rank_offset), rendezvous over PrefixStore(group_name) a
 per bucket, /update_weights_from_distributed is posted to every server and then the bucket is
 broadcast once (gloo on CPU, NCCL on GPU). The answers to a bucket are awaited after the next
 bucket's broadcast (or when the stage closes), so a server loads one bucket while it receives
-the next. A server that failed a bucket has still received the one after it, so that broadcast
+the next; an error answer during a broadcast ends it (that server never joins it). Stages send
+in turn, in stage order (`stages_in_turn`). A server that failed a bucket has still received the one after it, so that broadcast
 does not hang; then the stage stops (the group is broken) or, after the last bucket, that server
 alone is dropped. The group lives for one sync: a restarted server never holds a stale group.
 """
@@ -79,6 +80,7 @@ class Transport:
     needs_session = True  # wrap in /begin_weight_update + /end_weight_update
     writes_files = False  # the stage senders' shard writers are the transfer (disk)
     gapless = False  # a lent bucket must be tensors back to back (the receiver lays it out)
+    stages_in_turn = False  # pipeline stages send one after another, in stage order
 
     def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -146,6 +148,11 @@ class TensorTransport(Transport):
 class DistributedTransport(Transport):
     name = "distributed"
     gapless = True  # the receiver recomputes offsets from names, dtypes and shapes
+    # A server receives one group's broadcast at a time (SGLang's scheduler, the built-in
+    # server's lock). Were stages sent at once, two servers could take their requests in
+    # opposite orders, each waiting in one group for the other: on NCCL (whose broadcast needs
+    # every member) that hangs for good. So the stages take turns.
+    stages_in_turn = True
 
     def open_stage(self, ctx: StageContext) -> None:
         cfg, servers = ctx.config, ctx.servers

@@ -123,6 +123,11 @@ def test_every_transport_brings_every_server_to_the_trainer(tmp_path, tiny_model
         for r in s["verify"]:
             assert r["error"] is None and r["version"] == s["version"], r
             assert r["max_diff"] < TOL, (s["transport"], r)
+        times = {int(k): v for k, v in s["stage_times"].items()}
+        assert sorted(times) == list(range(2 if layout == "pp2" else 1)), times
+        if s["transport"] == "distributed" and len(times) == 2:
+            # Stages take turns: a server receiving both at once could deadlock on NCCL.
+            assert times[1][0] >= times[0][1], times
     for url in servers:
         assert_serves(result, url, "3")
 

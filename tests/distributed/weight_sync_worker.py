@@ -51,6 +51,7 @@ class Faulty(Transport):
         self.inner, self.mode, self.kill_pid, self.armed = inner, mode, kill_pid, False
         self.name, self.needs_session = inner.name, inner.needs_session
         self.writes_files = inner.writes_files
+        self.gapless, self.stages_in_turn = inner.gapless, inner.stages_in_turn
 
     def alloc(self, nbytes, device):
         return self.inner.alloc(nbytes, device)
@@ -154,7 +155,7 @@ def main() -> None:
         result["syncs"].append({
             "transport": name, "version": str(k), "seconds": time.perf_counter() - t0,
             "buckets": report.buckets, "verify": [r.__dict__ for r in checked],
-            "bytes": report.bytes, "lent": report.lent_bytes,
+            "bytes": report.bytes, "lent": report.lent_bytes, "stage_times": report.stage_times,
         })  # fmt: skip
     if a.fail:
         k = str(len(transports) + 1)

@@ -312,11 +312,12 @@ def test_a_shard_that_fails_in_the_background_is_raised_by_flush(tmp_path):
     named = [(n, p.detach()) for n, p in m.named_parameters() if not n.startswith("own.")]
     pool = plain_pool(4096, 1)
     writer = ShardWriter(tmp_path / "gone", stage=0)  # no such directory
-    for b in pack(named, pool, borrow=buffer_parameters([m])):
-        assert b.borrowed
-        writer.write(b)  # queued, not yet failed
-        release(b, pool)
+    # Queued: the failure shows up at a later write if it is already done, else at flush.
     with pytest.raises(FileNotFoundError):
+        for b in pack(named, pool, borrow=buffer_parameters([m])):
+            assert b.borrowed
+            writer.write(b)
+            release(b, pool)
         writer.flush()
 
 
