@@ -18,8 +18,9 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
     `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
     but the gathers run on (they are collectives). With the distributed transport the stages
-    send in turn, in stage order (a server receives one group at a time; transport.py). A relay is a sender to its node's servers in
-    every respect: its failures and the servers it touched reach the coordinator the same way.
+    send in turn, in stage order (a server receives one group at a time; transport.py). A relay
+    is a sender to its node's servers in every respect: its failures and the servers it touched
+    reach the coordinator the same way.
  3. commit (coordinator): servers that took every bucket get `version` (/update_weight_version;
     disk: /update_weights_from_disk of the finished directory).
  4. restore: a server that failed after it was touched, or every touched server when the trainer
@@ -156,7 +157,7 @@ class WeightSync:
         if self.transport.name == "tensor":
             self.relay = make_plan(self.servers, node, self.device, config.timeout_s)
         # Stages that send in turn (distributed): each stage sender's predecessor and successor.
-        self._turn = _turns(self.transport) if self.transport.stages_in_turn else (None, None)
+        self._turn = _turns() if self.transport.stages_in_turn else (None, None)
         relayed = self.relay.relayed_by(rank()) if self.relay else []
         self._relay_pools = {s: self._new_pool() for s in relayed}
         self._relaying = ThreadPoolExecutor(len(relayed), "weight-sync-relay") if relayed else None
@@ -487,7 +488,7 @@ def _outcome(
     }  # fmt: skip
 
 
-def _turns(transport: Transport) -> tuple[int | None, int | None]:
+def _turns() -> tuple[int | None, int | None]:
     """This rank's (previous, next) stage sender when stages send in turn; (None, None) for a
     rank that is no stage sender, the first stage's previous and the last stage's next.
     Every rank calls it (a collective)."""

@@ -19,9 +19,10 @@ per bucket, /update_weights_from_distributed is posted to every server and then 
 broadcast once (gloo on CPU, NCCL on GPU). The answers to a bucket are awaited after the next
 bucket's broadcast (or when the stage closes), so a server loads one bucket while it receives
 the next; an error answer during a broadcast ends it (that server never joins it). Stages send
-in turn, in stage order (`stages_in_turn`). A server that failed a bucket has still received the one after it, so that broadcast
-does not hang; then the stage stops (the group is broken) or, after the last bucket, that server
-alone is dropped. The group lives for one sync: a restarted server never holds a stale group.
+in turn, in stage order (`stages_in_turn`). A server that failed a bucket has still received
+the one after it, so that broadcast does not hang; then the stage stops (the group is broken)
+or, after the last bucket, that server alone is dropped. The group lives for one sync: a
+restarted server never holds a stale group.
 """
 
 from __future__ import annotations
