@@ -54,6 +54,27 @@ def num_stages() -> int:
     return mpu.get_pipeline_model_parallel_world_size()
 
 
+def stage_neighbours() -> tuple[int | None, int | None]:
+    """The global ranks of the previous and the next stage's senders, for this rank if it is a
+    stage sender ((None, None) otherwise; None before the first and after the last stage).
+    Every rank calls it (a collective)."""
+    infos = all_gather_objects((stage_index(), is_stage_sender()))
+    senders = {stage: r for r, (stage, sender) in enumerate(infos) if sender}
+    if not is_stage_sender():
+        return None, None
+    return senders.get(stage_index() - 1), senders.get(stage_index() + 1)
+
+
+def pass_turn(peer: int, device: torch.device, receive: bool = False) -> None:
+    """Hand the turn to stage sender `peer`, or wait for it from `peer` (stages that send one
+    after another)."""
+    token = torch.zeros(1, device=device)
+    if receive:
+        dist.recv(token, src=peer)
+    else:
+        dist.send(token, dst=peer)
+
+
 def all_gather_objects(obj) -> list:
     """`obj` of every rank, in rank order (just [obj] on one process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

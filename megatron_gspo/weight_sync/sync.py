@@ -157,7 +157,7 @@ class WeightSync:
         if self.transport.name == "tensor":
             self.relay = make_plan(self.servers, node, self.device, config.timeout_s)
         # Stages that send in turn (distributed): each stage sender's predecessor and successor.
-        self._turn = _turns() if self.transport.stages_in_turn else (None, None)
+        self._turn = gather.stage_neighbours() if self.transport.stages_in_turn else (None, None)
         relayed = self.relay.relayed_by(rank()) if self.relay else []
         self._relay_pools = {s: self._new_pool() for s in relayed}
         self._relaying = ThreadPoolExecutor(len(relayed), "weight-sync-relay") if relayed else None
@@ -246,34 +246,38 @@ class WeightSync:
             live = self.relay.servers_on(self.relay.rank_nodes[rank()], live)
             fanout = Fanout(self.relay, stage) if stage in self.relay.groups else None
         ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
-        writer = ShardWriter(self.dirs.tmp(version), stage) if plan["write"] else None
-        error, nbytes, sums, lent = None, 0, [], 0
         before, after = self._turn
         if before is not None:
-            _pass_turn(before, self.model_device, receive=True)  # the stage before is done
+            gather.pass_turn(before, self.model_device, receive=True)  # the stage before is done
         started = time.time()
         try:
-            try:
-                self.transport.open_stage(ctx)
-            except TransportError as e:
-                error = str(e)
-            try:
-                # Borrowed buckets go to this node's servers and shard files, not to relays.
-                borrow = self._borrow if fanout is None else None
-                buckets = pack(
-                    named, self.pool, stage, borrow=borrow, gapless=self.transport.gapless
-                )
-                error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
-            finally:
-                closing = self._close_stage(ctx, fanout)
+            out = self._send_stage(ctx, named, plan, fanout)
         finally:
             sent = (started, time.time())
-            if after is not None:
-                _pass_turn(after, self.model_device)  # also after a failure: the next goes on
-        files = writer.outcome() if writer else None
-        out = _outcome(ctx, error or closing, nbytes, sums, files, lent=lent)
+            if after is not None:  # also after a failure: the next stage goes on
+                gather.pass_turn(after, self.model_device)
         out["sent"] = sent
         return out
+
+    def _send_stage(self, ctx: StageContext, named, plan: dict, fanout: Fanout | None) -> dict:
+        """Open, send every bucket of and close this rank's stage: its outcome."""
+        writer = ShardWriter(self.dirs.tmp(ctx.version), ctx.stage) if plan["write"] else None
+        error, nbytes, sums, lent = None, 0, [], 0
+        try:
+            self.transport.open_stage(ctx)
+        except TransportError as e:
+            error = str(e)
+        try:
+            # Borrowed buckets go to this node's servers and shard files, not to relays.
+            borrow = self._borrow if fanout is None else None
+            buckets = pack(
+                named, self.pool, ctx.stage, borrow=borrow, gapless=self.transport.gapless
+            )
+            error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
+        finally:
+            closing = self._close_stage(ctx, fanout)
+        files = writer.outcome() if writer else None
+        return _outcome(ctx, error or closing, nbytes, sums, files, lent=lent)
 
     def _close_stage(self, ctx: StageContext, fanout: Fanout | None) -> str | None:
         errors = []
@@ -486,29 +490,6 @@ def _outcome(
         "touched": sorted(ctx.touched), "error": error, "bytes": nbytes, "buckets": ctx.buckets,
         "checksums": sums, "files": files, "lent": lent,
     }  # fmt: skip
-
-
-def _turns() -> tuple[int | None, int | None]:
-    """This rank's (previous, next) stage sender when stages send in turn; (None, None) for a
-    rank that is no stage sender, the first stage's previous and the last stage's next.
-    Every rank calls it (a collective)."""
-    senders = {s: r for r, (s, on) in enumerate(gather.all_gather_objects(
-        (gather.stage_index(), gather.is_stage_sender()))) if on}  # fmt: skip
-    if not gather.is_stage_sender():
-        return None, None
-    stage = gather.stage_index()
-    return senders.get(stage - 1), senders.get(stage + 1)
-
-
-def _pass_turn(peer: int, device: torch.device, receive: bool = False) -> None:
-    """Hand the turn to stage sender `peer`, or wait for it from `peer`."""
-    import torch.distributed as dist
-
-    token = torch.zeros(1, device=device)
-    if receive:
-        dist.recv(token, src=peer)
-    else:
-        dist.send(token, dst=peer)
 
 
 def _who(outcome: dict) -> str:

@@ -261,11 +261,7 @@ def _abort(group) -> None:
     members destroy their ends (close_stage)."""
     from torch.distributed import distributed_c10d as c10d
 
-    try:
-        backend = group._get_backend(torch.device("cuda"))
-    except RuntimeError:
-        return
-    if type(backend).__name__ == "ProcessGroupNCCL":
+    if torch.distributed.get_backend(group) == "nccl":
         c10d._abort_process_group(group)
 
 
