@@ -329,6 +329,17 @@ def run(a, model: Path, url: str, server_pid: int) -> None:
         )
     print(f"{'naive':12s} {nbytes / 1e9 / naive:5.2f}   {nbytes / 1e9 / naive / ref:6.3f}    "
           f"{1.0:6.1f}              {naive_cpu:8.2f}")  # fmt: skip
+    print()
+    bare = {"tensor": ref, "distributed": gloo, "disk": tmpfs}  # each one's transfer alone
+    for name, (_, steady, _, _) in rows.items():
+        goals = [] if name != "tensor" else [("0.35x memcpy", nbytes / 1e9 / steady / ref, 0.35)]
+        goals.append(("10x naive", naive / steady, 10.0))
+        verdict = "; ".join(
+            f"{what}: {'met' if got >= want else 'NOT met'} ({got:.2f})"
+            for what, got, want in goals
+        )
+        print(f"goal {name:12s} {verdict}; its bare transfer alone is "
+              f"{bare[name] / naive_gbps:.1f}x naive")  # fmt: skip
 
 
 def load() -> str:

@@ -277,8 +277,8 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     name = body.get("group_name")
     if name not in updates.groups:
         raise BadRequest(f"no weights update group named {name!r}")
-    async with updates.lock:
-        dist.destroy_process_group(updates.groups.pop(name))
+    async with updates.lock:  # off the event loop: generation requests go on meanwhile
+        await asyncio.to_thread(dist.destroy_process_group, updates.groups.pop(name))
     return _ok(f"Destroyed weights update group {name!r}.")
 
 
