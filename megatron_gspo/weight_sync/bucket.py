@@ -137,8 +137,8 @@ class Bucket:
         """The bucket, complete (on a GPU: its copies done); numbered `index` if given."""
         if index is not None:
             self.index = index
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream().synchronize()
+        if self.buffer.is_cuda:  # the stream this thread copied on, on the buffer's device
+            torch.cuda.current_stream(self.buffer.device).synchronize()
         return self
 
     def sum(self) -> int:

@@ -217,6 +217,14 @@ class DiskTransport(Transport):
     needs_session = False  # /update_weights_from_disk needs no begin/end session
     writes_files = True
 
+    def bucket_device(self, model_device: torch.device, servers: Servers) -> torch.device:
+        return torch.device("cpu")  # the shard writer writes from CPU memory
+
+    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        # A GPU trainer's buckets in pinned memory: the copies out of the GPU run at full speed.
+        pin = device.type == "cpu" and torch.cuda.is_available()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
     def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
         return {}
 

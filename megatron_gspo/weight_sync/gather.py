@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,25 +56,39 @@ def num_stages() -> int:
     return mpu.get_pipeline_model_parallel_world_size()
 
 
-def stage_neighbours() -> tuple[int | None, int | None]:
-    """The global ranks of the previous and the next stage's senders, for this rank if it is a
-    stage sender ((None, None) otherwise; None before the first and after the last stage).
-    Every rank calls it (a collective)."""
-    infos = all_gather_objects((stage_index(), is_stage_sender()))
-    senders = {stage: r for r, (stage, sender) in enumerate(infos) if sender}
-    if not is_stage_sender():
-        return None, None
-    return senders.get(stage_index() - 1), senders.get(stage_index() + 1)
+class StageTurns:
+    """Pipeline stages that send one after another, in stage order: every rank of stage s waits
+    until stage s-1's sender is done before its first gather, on a key in the job's store. A
+    wait there is the CPU's own: an NCCL recv of a token would return at once (it only makes the
+    GPU stream wait) and let the stage's gathers and requests run ahead of the turn, and NCCL's
+    watchdog counts a collective's time from when it is queued. Keys are unique to this object
+    (a token every rank agrees on) and the sync's number; the key of the sync before is deleted
+    when the next one is set (every rank has passed it: a sync ends with an all-gather)."""
 
+    WAIT = timedelta(hours=6)  # a sender always passes the turn on; one that dies ends the job
 
-def pass_turn(peer: int, device: torch.device, receive: bool = False) -> None:
-    """Hand the turn to stage sender `peer`, or wait for it from `peer` (stages that send one
-    after another)."""
-    token = torch.zeros(1, device=device)
-    if receive:
-        dist.recv(token, src=peer)
-    else:
-        dist.send(token, dst=peer)
+    def __init__(self):
+        """Every rank calls it (a collective: rank 0's token for all)."""
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        self.store = dist.distributed_c10d._get_default_store() if multi else None
+        box = [uuid.uuid4().hex]
+        if multi:
+            dist.broadcast_object_list(box, src=0)
+        self.token, self.stage, self.stages = box[0], stage_index(), num_stages()
+
+    def _key(self, sync: int, stage: int) -> str:
+        return f"megatron-gspo/weight-sync/{self.token}/{sync}/stage{stage}"
+
+    def wait(self, sync: int) -> None:
+        """Every rank of this stage, before its first gather of sync number `sync`."""
+        if self.store is not None and self.stage > 0:
+            self.store.wait([self._key(sync, self.stage)], self.WAIT)
+
+    def done(self, sync: int) -> None:
+        """This stage's sender, when it is done (also after a failure): the next stage's turn."""
+        if self.store is not None and self.stage + 1 < self.stages:
+            self.store.set(self._key(sync, self.stage + 1), "go")
+            self.store.delete_key(self._key(sync - 1, self.stage + 1))
 
 
 def all_gather_objects(obj) -> list:
@@ -115,7 +131,13 @@ def iter_stage(chunks) -> Iterator[tuple[str, torch.Tensor]]:
     ep = mpu.get_expert_model_parallel_world_size() if spec.is_moe else 1
     local_experts = spec.num_experts // ep if spec.is_moe else 0
     sender = is_stage_sender()
+    # Elsewhere nothing waits on the collectives: on a GPU (NCCL) a rank that is not the sender
+    # would queue the whole stage's at once, and NCCL's watchdog counts each one's time from
+    # when it was queued. So it queues the next one when the last is done.
+    pace = not sender and next(chunks[0].parameters()).is_cuda
     for lp in local_params(chunks):
+        if pace:
+            torch.cuda.current_stream().synchronize()
         if spec.tie_embeddings and lp.map.megatron_name == "output_layer.weight":
             continue  # the embedding carries it
         info = shard_info(lp.map)

@@ -52,6 +52,16 @@ def shm_dir(servers: Servers) -> str:
     return bcast(path)
 
 
+def enter_thread(device: torch.device) -> None:
+    """Run the calling (new) thread on `device`, with a CUDA stream of its own. Threads that
+    share a stream run their NCCL work in the order it was queued across all of them: a relay
+    waiting in one stage's group would hold up this rank's gathers and its fan-out of another
+    stage, while the rank on the other node does the same the other way round."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+        torch.cuda.set_stream(torch.cuda.Stream(device))
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

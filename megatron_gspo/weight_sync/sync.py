@@ -16,8 +16,8 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
     distributed transport broadcasts runs of adjacent parameters straight from the buffer; the
     disk transport's shard writer writes them from there. The first bucket labels each server
     `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
-    A server that fails is dropped for the rest of the sync; a trainer-side failure stops sending
-    but the gathers run on (they are collectives). With the distributed transport the stages
+    A server that fails is dropped for the rest of the sync; a trainer-side failure (packing
+    included) stops sending but the gathers run on (they are collectives). With the distributed transport the stages
     send in turn, in stage order (a server receives one group at a time; transport.py). A relay
     is a sender to its node's servers in every respect: its failures and the servers it touched
     reach the coordinator the same way.
@@ -47,13 +47,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from megatron_gspo.weight_sync import gather, verify
 from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDirs
-from megatron_gspo.weight_sync.placement import bcast, bucket_device, rank, shm_dir
+from megatron_gspo.weight_sync.placement import bcast, enter_thread, rank, shm_dir
 from megatron_gspo.weight_sync.relay import Fanout, make_plan, receive
 from megatron_gspo.weight_sync.servers import Servers
 from megatron_gspo.weight_sync.transport import (
@@ -139,9 +137,10 @@ class WeightSync:
         self._base = base
         # Buckets live where the servers can read them: on the GPU when the trainer is there,
         # unless a server runs on CPU (the built-in server on a GPU machine), which takes
-        # shared memory (tensor) or gloo (distributed) instead of CUDA IPC or NCCL.
+        # shared memory (tensor) or gloo (distributed) instead of CUDA IPC or NCCL. Files are
+        # written from CPU buckets (no GPU memory, no second copy out of the GPU).
         self.model_device = next(self.chunks[0].parameters()).device
-        self.device = bucket_device(self.model_device, self.servers)
+        self.device = self.transport.bucket_device(self.model_device, self.servers)
         self.pool = self._new_pool()
         # On CPU the stage sender lends its parameter buffer (bucket.py) instead of copying it
         # into buckets: to the servers in shared memory (tensor), to the broadcast (distributed)
@@ -156,8 +155,8 @@ class WeightSync:
         self.relay = None
         if self.transport.name == "tensor":
             self.relay = make_plan(self.servers, node, self.device, config.timeout_s)
-        # Stages that send in turn (distributed): each stage sender's predecessor and successor.
-        self._turn = gather.stage_neighbours() if self.transport.stages_in_turn else (None, None)
+        # Stages that send in turn (distributed): each stage waits for the one before.
+        self._turns = gather.StageTurns() if self.transport.stages_in_turn else None
         relayed = self.relay.relayed_by(rank()) if self.relay else []
         self._relay_pools = {s: self._new_pool() for s in relayed}
         self._relaying = ThreadPoolExecutor(len(relayed), "weight-sync-relay") if relayed else None
@@ -236,6 +235,8 @@ class WeightSync:
 
     def _stream_stage(self, version: str, plan: dict) -> dict | None:
         named = gather.iter_stage(self.chunks)
+        if self._turns is not None:
+            self._turns.wait(self.count)  # the stage before is done
         if not gather.is_stage_sender():
             for _ in named:  # drive the collectives
                 pass
@@ -246,16 +247,13 @@ class WeightSync:
             live = self.relay.servers_on(self.relay.rank_nodes[rank()], live)
             fanout = Fanout(self.relay, stage) if stage in self.relay.groups else None
         ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
-        before, after = self._turn
-        if before is not None:
-            gather.pass_turn(before, self.model_device, receive=True)  # the stage before is done
         started = time.time()
         try:
             out = self._send_stage(ctx, named, plan, fanout)
         finally:
             sent = (started, time.time())
-            if after is not None:  # also after a failure: the next stage goes on
-                gather.pass_turn(after, self.model_device)
+            if self._turns is not None:  # also after a failure: the next stage goes on
+                self._turns.done(self.count)
         out["sent"] = sent
         return out
 
@@ -274,6 +272,10 @@ class WeightSync:
                 named, self.pool, ctx.stage, borrow=borrow, gapless=self.transport.gapless
             )
             error, nbytes, sums, lent = self._send_all(buckets, ctx, writer, error, fanout)
+        except Exception as e:  # noqa: BLE001 - packing failed here (e.g. out of memory)
+            error = f"packing stage {ctx.stage}: {type(e).__name__}: {e}"
+            for _ in named:  # the stage's other ranks are still gathering: go on with them
+                pass
         finally:
             closing = self._close_stage(ctx, fanout)
         files = writer.outcome() if writer else None
@@ -294,8 +296,7 @@ class WeightSync:
 
     def _relay_stage(self, version: str, plan: dict, stage: int, pool: BufferPool) -> dict:
         """On a relay's thread: `stage`'s buckets from its sender to this node's servers."""
-        if self.model_device.type == "cuda":
-            torch.cuda.set_device(self.model_device)  # a new thread starts on device 0
+        enter_thread(self.model_device)
         node = self.relay.rank_nodes[rank()]
         live = self.relay.servers_on(node, plan["live"])
         ctx = StageContext(self.servers, self.config, version, stage, live, device=self.device)
@@ -316,8 +317,7 @@ class WeightSync:
         state = {"error": error, "bytes": 0, "checksums": [], "lent": 0}
 
         def work():
-            if self.model_device.type == "cuda":
-                torch.cuda.set_device(self.model_device)  # a new thread starts on device 0
+            enter_thread(self.model_device)
             while (b := q.get()) is not None:
                 try:
                     if state["error"] is None:

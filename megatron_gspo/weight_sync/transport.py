@@ -86,6 +86,12 @@ class Transport:
     def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
+    def bucket_device(self, model_device: torch.device, servers: Servers) -> torch.device:
+        """Where the buckets live (every rank calls it: a collective on a GPU)."""
+        from megatron_gspo.weight_sync.placement import bucket_device
+
+        return bucket_device(model_device, servers)
+
     def open_stage(self, ctx: StageContext) -> None:
         pass
 

@@ -159,6 +159,22 @@ def test_transport_error_restores_every_server_to_the_snapshot(tmp_path, tiny_mo
         assert_serves(result, url, "1")  # the snapshot of version 1, both stages
 
 
+def test_packing_failure_keeps_the_stage_gathering_and_restores_the_servers(
+    tmp_path, tiny_models, servers
+):
+    """Packing fails on the stage sender's main thread after one bucket was sent (as a GPU out
+    of memory in take_big would). Its TP peer is still in the stage's gathers: the sender goes
+    on with them, so every rank reaches the end of the sync, which fails naming the packing
+    error, and the servers it touched go back to the snapshot. Without that the sender raised
+    and its peer waited in a gather for the group's timeout."""
+    flags = ["--tp", "2", "--transports", "tensor", "--snapshot-every", "1", "--fail", "packing"]
+    result = run_worker(tmp_path, tiny_models["moe4"], servers, 2, flags)
+    assert "packing stage 0: OutOfMemoryError: injected" in result["error"], result["error"]
+    for url in servers:
+        assert result["report"]["servers"][url] == "1 (restored)"
+        assert_serves(result, url, "1")
+
+
 def test_trainer_killed_mid_sync_is_recovered(tmp_path, tiny_models, servers):
     flags = ["--transports", "tensor", "--snapshot-every", "1", "--fail", "crash"]
     assert run_worker(tmp_path, tiny_models["moe4"], servers, 1, flags, expect_rc=1) is None

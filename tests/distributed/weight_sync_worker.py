@@ -2,11 +2,12 @@
 
 torchrun --nproc-per-node N tests/distributed/weight_sync_worker.py CKPT OUT.json URL[,URL..]
     [--tp/--pp/--ep K] [--transport T] [--dir D] [--bucket-mb MB]
-    [--fail kill-server|transport-error|crash --kill-pid PID] [--recover]
+    [--fail kill-server|transport-error|crash|packing --kill-pid PID] [--recover]
 
 Version "1": the policy perturbed once, synced with verify_every=1 (which checks every server's
 probe log-probs against the trainer's). With --fail, version "2" (perturbed again) is synced with
-the failure injected after the first bucket. Rank 0 writes what each server serves afterwards
+the failure injected after the first bucket (packing: on the stage sender's main thread,
+while its peers gather). Rank 0 writes what each server serves afterwards
 (its version and its probe log-probs' distance to the trainer's versions 0, 1 and 2).
 With --recover, a fresh trainer only calls WeightSync.recover() and reports the servers.
 """
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
+from megatron_gspo.weight_sync import sync as sync_module
 from megatron_gspo.weight_sync import verify
 from megatron_gspo.weight_sync.config import SyncConfig
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
@@ -56,6 +58,9 @@ class Faulty(Transport):
     def alloc(self, nbytes, device):
         return self.inner.alloc(nbytes, device)
 
+    def bucket_device(self, model_device, servers):
+        return self.inner.bucket_device(model_device, servers)
+
     def open_stage(self, ctx):
         self.inner.open_stage(ctx)
 
@@ -83,6 +88,19 @@ class Faulty(Transport):
         except ProcessLookupError:
             pass
         time.sleep(0.3)
+
+
+def fail_packing() -> None:
+    """Packing fails after the first bucket (as a GPU out of memory would, in take_big)."""
+    real = sync_module.pack
+
+    def pack(*args, **kwargs):
+        for i, bucket in enumerate(real(*args, **kwargs)):
+            if i == 1:
+                raise torch.OutOfMemoryError("injected: out of memory while packing")
+            yield bucket
+
+    sync_module.pack = pack
 
 
 def serving(ws: WeightSync, seqs, refs: dict) -> dict:
@@ -168,6 +186,8 @@ def main() -> None:
 def armed_sync(ws: WeightSync, transport, version: str) -> dict:
     """A sync with the injected fault armed: its error and report (None: it succeeded)."""
     transport.armed = True
+    if getattr(transport, "mode", None) == "packing":
+        fail_packing()
     try:
         ws.sync(version)
         return {"error": None}

@@ -484,3 +484,17 @@ def test_remote_servers_reach_the_group_store_at_this_hosts_outward_address():
     assert not ipaddress.ip_address(got).is_loopback, got
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((got, 0))  # an address of this machine
+
+
+def test_disk_buckets_are_packed_in_cpu_memory_for_a_gpu_trainer():
+    """The shard writer writes from CPU memory: a GPU trainer's disk buckets are CPU (pinned
+    when there is a GPU), not GPU buffers copied out again; the other transports' follow the
+    trainer (a server that cannot be asked is taken to run where the trainer does)."""
+    from megatron_gspo.weight_sync.disk import DiskTransport
+
+    gpu = torch.device("cuda", 0)
+    nobody = Servers(["http://127.0.0.1:9"], timeout_s=5)
+    assert DiskTransport().bucket_device(gpu, nobody) == torch.device("cpu")
+    assert TensorTransport().bucket_device(gpu, nobody) == gpu
+    buf = DiskTransport().alloc(64, torch.device("cpu"))
+    assert buf.device.type == "cpu" and buf.is_pinned() == torch.cuda.is_available()
