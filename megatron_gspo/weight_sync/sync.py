@@ -17,10 +17,11 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
     disk transport's shard writer writes them from there. The first bucket labels each server
     `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
     A server that fails is dropped for the rest of the sync; a trainer-side failure (packing
-    included) stops sending but the gathers run on (they are collectives). With the distributed transport the stages
-    send in turn, in stage order (a server receives one group at a time; transport.py). A relay
-    is a sender to its node's servers in every respect: its failures and the servers it touched
-    reach the coordinator the same way.
+    included) stops sending but the gathers run on (they are collectives). With the distributed
+    transport the stages send in turn, in stage order (a server receives one group at a time;
+    transport.py). A relay is a sender to its node's servers in every respect: its failures and
+    the servers it touched reach the coordinator the same way. On a GPU the sender's and the
+    relays' threads each queue their work on a CUDA stream of their own (placement.py).
  3. commit (coordinator): servers that took every bucket get `version` (/update_weight_version;
     disk: /update_weights_from_disk of the finished directory).
  4. restore: a server that failed after it was touched, or every touched server when the trainer
