@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_gspo.model.bridge import get_bridge
 from megatron_gspo.model.bridge.base import split
 from megatron_gspo.model.weights import gather_full, local_params, shard_info
+from megatron_gspo.weight_sync.placement import bcast, rank
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +70,22 @@ class StageTurns:
 
     def __init__(self):
         """Every rank calls it (a collective: rank 0's token for all)."""
-        multi = dist.is_initialized() and dist.get_world_size() > 1
-        self.store = dist.distributed_c10d._get_default_store() if multi else None
-        box = [uuid.uuid4().hex]
-        if multi:
-            dist.broadcast_object_list(box, src=0)
-        self.token, self.stage, self.stages = box[0], stage_index(), num_stages()
+        self.token = bcast(uuid.uuid4().hex if rank() == 0 else None)
+        self.stage, self.stages = stage_index(), num_stages()
+        if self.stages > 1:  # then there are several ranks and a store
+            self.store = dist.distributed_c10d._get_default_store()
 
     def _key(self, sync: int, stage: int) -> str:
         return f"megatron-gspo/weight-sync/{self.token}/{sync}/stage{stage}"
 
     def wait(self, sync: int) -> None:
         """Every rank of this stage, before its first gather of sync number `sync`."""
-        if self.store is not None and self.stage > 0:
+        if self.stage > 0:
             self.store.wait([self._key(sync, self.stage)], self.WAIT)
 
     def done(self, sync: int) -> None:
         """This stage's sender, when it is done (also after a failure): the next stage's turn."""
-        if self.store is not None and self.stage + 1 < self.stages:
+        if self.stage + 1 < self.stages:
             self.store.set(self._key(sync, self.stage + 1), "go")
             self.store.delete_key(self._key(sync - 1, self.stage + 1))
 
