@@ -80,6 +80,7 @@ class SyncReport:
     lent_bytes: int = 0  # of `bytes`, sent as views of the trainer's parameters (not copied)
     sent_by: dict[str, dict[int, int]] = field(default_factory=dict)  # url -> {stage: its rank}
     stage_times: dict[int, tuple[float, float]] = field(default_factory=dict)  # stage -> sent
+    groups: dict[int, str] = field(default_factory=dict)  # stage -> its update group (distributed)
 
     @property
     def ok(self) -> bool:
@@ -373,6 +374,8 @@ class WeightSync:
                 report.buckets += o["buckets"]
                 report.checksums[o["stage"]] = o["checksums"]
                 report.stage_times[o["stage"]] = o["sent"]
+                if o["group"]:
+                    report.groups[o["stage"]] = o["group"]
         if not errors:
             errors = [
                 f"{_who(o)}: received buckets whose checksums differ from its sender's"
@@ -475,6 +478,9 @@ class WeightSync:
         return {self.servers.url(i): v for i, v in self._restore(partial).items()}
 
     def close(self) -> None:
+        """Every rank: destroy the update groups kept between syncs (distributed), let go of the
+        servers' connections and remove this sync's own version directory."""
+        self.transport.close(self.servers)
         self.servers.close()
         if self._relaying is not None:
             self._relaying.shutdown(wait=False)
@@ -489,7 +495,7 @@ def _outcome(
     return {
         "stage": ctx.stage, "rank": rank(), "relay": relay, "failed": ctx.failed,
         "touched": sorted(ctx.touched), "error": error, "bytes": nbytes, "buckets": ctx.buckets,
-        "checksums": sums, "files": files, "lent": lent,
+        "checksums": sums, "files": files, "lent": lent, "group": ctx.state.get("name"),
     }  # fmt: skip
 
 

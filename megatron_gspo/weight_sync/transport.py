@@ -21,12 +21,17 @@ bucket's broadcast (or when the stage closes), so a server loads one bucket whil
 the next; an error answer during a broadcast ends it (that server never joins it). Stages send
 in turn, in stage order (`stages_in_turn`). A server that failed a bucket has still received
 the one after it, so that broadcast does not hang; then the stage stops (the group is broken)
-or, after the last bucket, that server alone is dropped. The group lives for one sync: a
-restarted server never holds a stale group.
+or, after the last bucket, that server alone is dropped. A stage's group is kept from one sync to
+the next, as long as nothing failed in it and its members are the same servers (opening one is
+an NCCL communicator's setup across the trainer and every server rank, each time). Before the
+kept group is used, each member is asked, with an update of no tensors over it, whether it still
+holds it: a restarted server does not, and a new group is opened for every member. A group that
+saw a failure is destroyed at once; the kept ones at close().
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import uuid
@@ -43,6 +48,7 @@ from megatron_gspo.weight_sync.config import SyncConfig
 from megatron_gspo.weight_sync.servers import Servers, collect
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+log = logging.getLogger(__name__)
 PARTIAL = "partial:"  # weight_version prefix a server carries while an update is incomplete
 
 
@@ -100,6 +106,9 @@ class Transport:
 
     def close_stage(self, ctx: StageContext) -> None:
         pass
+
+    def close(self, servers: Servers) -> None:
+        """When the sync object closes: let go of what was kept between syncs."""
 
     def commit(self, servers: Servers, live: list[int], version: str, new_dir: Path | None):
         """On the coordinator once every stage is sent: make `version` current on `live`
@@ -161,7 +170,16 @@ class DistributedTransport(Transport):
     # every member) that hangs for good. So the stages take turns.
     stages_in_turn = True
 
+    def __init__(self):
+        self.kept: dict[int, dict] = {}  # stage -> its group, name and members, between syncs
+
     def open_stage(self, ctx: StageContext) -> None:
+        kept = self.kept.pop(ctx.stage, None)
+        if kept is not None:
+            if self._still_held(kept, ctx):
+                ctx.state.update(kept, reused=True)
+                return
+            self._destroy(kept, ctx.servers)
         cfg, servers = ctx.config, ctx.servers
         address = cfg.master_address or _master_address(servers)
         port, name = free_port(), f"megatron-gspo-s{ctx.stage}-{uuid.uuid4().hex[:8]}"
@@ -183,10 +201,25 @@ class DistributedTransport(Transport):
             ctx.fail(errors)
             raise TransportError(f"could not open update group {name!r}: {e}") from None
         _, errors = collect(futures)
-        ctx.state.update(group=group, name=name, members=list(ctx.live))
+        members = {i: servers.refs[i] for i in ctx.live}
+        ctx.state.update(group=group, name=name, members=members)
         if errors:  # the group cannot run without every member
             ctx.fail(errors)
+            ctx.state["broken"] = True
             raise TransportError(f"servers did not join update group {name!r}")
+
+    def _still_held(self, kept: dict, ctx: StageContext) -> bool:
+        """Whether the kept group can carry this sync: the same servers (with the same TP sizes)
+        are its members, and each still holds it, which an update of no tensors over it asks
+        (a server restarted since has no such group, and says so)."""
+        if kept["members"] != {i: ctx.servers.refs[i] for i in ctx.live}:
+            return False
+        body = {"names": [], "dtypes": [], "shapes": [], "group_name": kept["name"],
+                "flush_cache": False}  # fmt: skip
+        _, errors = ctx.servers.post_many(ctx.live, "/update_weights_from_distributed", body)
+        for i, msg in errors.items():
+            log.info("update group %s is renewed: %s: %s", kept["name"], ctx.servers.url(i), msg)
+        return not errors
 
     def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
         names = [m.name for m in bucket.metadata]
@@ -209,6 +242,7 @@ class DistributedTransport(Transport):
             )
             self._await(work, {**ctx.state.get("pending", {}), **futures}, ctx, bucket.index)
         except Exception as e:
+            ctx.state["broken"] = True
             _, errors = collect({**ctx.state.pop("pending", {}), **futures})
             ctx.fail(errors)
             if isinstance(e, TransportError):
@@ -250,15 +284,27 @@ class DistributedTransport(Transport):
     def close_stage(self, ctx: StageContext) -> None:
         _, errors = collect(ctx.state.pop("pending", {}))  # the last bucket's answers
         ctx.fail(errors)
-        group = ctx.state.pop("group", None)
-        if group is None:
+        if "group" not in ctx.state:
             return
-        body = {"group_name": ctx.state["name"]}
-        ctx.servers.post_many(ctx.state["members"], "/destroy_weights_update_group", body)
+        kept = {k: ctx.state[k] for k in ("group", "name", "members")}
+        if ctx.state.get("broken") or not set(kept["members"]) <= set(ctx.live):
+            self._destroy(kept, ctx.servers, aborted=ctx.state.get("aborted", False))
+        else:  # whole: the next sync broadcasts over it again
+            self.kept[ctx.stage] = kept
+
+    def close(self, servers: Servers) -> None:
+        for stage in sorted(self.kept):
+            self._destroy(self.kept.pop(stage), servers)
+
+    @staticmethod
+    def _destroy(kept: dict, servers: Servers, aborted: bool = False) -> None:
+        """Destroy a group on its members (those that still hold it) and here."""
+        body = {"group_name": kept["name"]}
+        servers.post_many(list(kept["members"]), "/destroy_weights_update_group", body)
         try:
-            wp.close_update_group(group)
+            wp.close_update_group(kept["group"])
         except Exception:
-            if not ctx.state.get("aborted"):  # an aborted group may be gone already
+            if not aborted:  # an aborted group may be gone already
                 raise
 
 

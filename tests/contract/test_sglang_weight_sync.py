@@ -73,3 +73,40 @@ def test_every_transport_brings_sglang_to_the_trainer(layout, model, sglang_url,
     served = result["serving"][sglang_url]
     assert served["version"] == "3" and served["diffs"]["3"] < TOL, served
     assert min(d for v, d in served["diffs"].items() if v != "3") > 100 * TOL, served
+
+
+def test_sglang_keeps_the_distributed_groups_between_syncs(model, sglang_url, tmp_path):
+    """PP2, one WeightSync, three distributed syncs into SGLang: each stage's group is opened
+    once and carries every sync (SGLang answers the empty update that asks whether it still
+    holds it), every sync reaches the trainer's log-probs, and close() destroys the groups
+    (SGLang then says they do not exist). A group SGLang does not hold is refused by that
+    same empty update, which is how a restarted server is told apart."""
+    from megatron_gspo.weight_sync.servers import Servers
+
+    out, log = tmp_path / "out.json", tmp_path / "worker.log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        f"--master-port={free_port()}", str(WORKER), str(model), str(out), sglang_url,
+        "--dir", str(tmp_path / "sync"), "--transports", "distributed,distributed,distributed",
+        "--pp", "2", "--one-sync",
+    ]  # fmt: skip
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=cli_env())
+    assert rc.returncode == 0, log.read_text()[-4000:]
+    result = json.loads(out.read_text())
+    groups = [s["groups"] for s in result["syncs"]]
+    assert sorted(groups[0]) == ["0", "1"] and groups[0] == groups[1] == groups[2], groups
+    for s in result["syncs"]:
+        [r] = s["verify"]
+        assert r["error"] is None and r["max_diff"] < TOL, r
+    for name, [answer] in result["destroy_after_close"].items():
+        assert "does not exist" in answer, (name, answer)
+    servers = Servers([sglang_url], 60)
+    try:
+        servers.post(0, "/begin_weight_update", {"selector": "target"})
+        probe = {"names": [], "dtypes": [], "shapes": [], "group_name": "never-made"}
+        _, errors = servers.post_many([0], "/update_weights_from_distributed", probe)
+        servers.post(0, "/end_weight_update", {})
+    finally:
+        servers.close()
+    assert "never-made" in errors[0], errors

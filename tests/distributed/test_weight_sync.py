@@ -148,6 +148,43 @@ def test_killed_server_is_named_and_the_others_finish(tmp_path, tiny_models, hel
     assert_serves(result, live_url, "2")  # the sync went on for the rest
 
 
+def test_distributed_groups_are_kept_between_syncs_and_renewed_for_a_restarted_server(
+    tmp_path, tiny_models
+):
+    """PP2, one WeightSync, three distributed syncs; the first server is killed and started
+    again on its port before the third. Each stage's group carries syncs 1 and 2 (no new
+    group: on GPUs that is an NCCL setup across every server rank, per stage, per sync); the
+    restarted server no longer holds it, so sync 3 opens new ones, and every sync reaches both
+    servers. close() destroys the groups it kept: a server asked afterwards holds none."""
+    started = start_servers(tiny_models["moe4"], tmp_path)
+    urls = [url for _, url in started]
+    flags = ["--pp", "2", "--transports", "distributed,distributed,distributed", "--one-sync",
+             "--restart-before", "3", "--kill-pid", str(started[0][0].pid)]  # fmt: skip
+    out = tmp_path / "run.json"
+    try:
+        result = run_worker(tmp_path, tiny_models["moe4"], urls, 2, flags)
+    finally:
+        pid = Path(str(out) + ".pid")
+        if pid.exists():
+            os.killpg(int(pid.read_text()), signal.SIGKILL)
+        stop_servers(started)
+    groups = [s["groups"] for s in result["syncs"]]
+    assert sorted(groups[0]) == ["0", "1"] and groups[0]["0"] != groups[0]["1"], groups
+    assert groups[1] == groups[0], groups  # kept
+    assert not set(groups[2].values()) & set(groups[1].values()), groups  # renewed
+    for s in result["syncs"]:
+        for r in s["verify"]:
+            assert r["error"] is None and r["max_diff"] < TOL, r
+        times = {int(k): v for k, v in s["stage_times"].items()}
+        assert times[1][0] >= times[0][1], times  # the stages still take turns
+    for url in urls:
+        assert_serves(result, url, "3")
+    answers = result["destroy_after_close"]
+    assert sorted(answers) == sorted({*groups[0].values(), *groups[2].values()}), answers
+    for name, per_server in answers.items():
+        assert all("no weights update group named" in a for a in per_server), (name, answers)
+
+
 def test_transport_error_restores_every_server_to_the_snapshot(tmp_path, tiny_models, servers):
     flags = ["--pp", "2", "--transports", "distributed", "--snapshot-every", "1"]
     flags += ["--fail", "transport-error"]

@@ -3,6 +3,7 @@
 torchrun --nproc-per-node N tests/distributed/weight_sync_worker.py CKPT OUT.json URL[,URL..]
     [--tp/--pp/--ep K] [--transport T] [--dir D] [--bucket-mb MB]
     [--fail kill-server|transport-error|crash|packing --kill-pid PID] [--recover]
+    [--one-sync [--restart-before K --kill-pid PID]]
 
 Version "1": the policy perturbed once, synced with verify_every=1 (which checks every server's
 probe log-probs against the trainer's). With --fail, version "2" (perturbed again) is synced with
@@ -10,14 +11,23 @@ the failure injected after the first bucket (packing: on the stage sender's main
 while its peers gather). Rank 0 writes what each server serves afterwards
 (its version and its probe log-probs' distance to the trainer's versions 0, 1 and 2).
 With --recover, a fresh trainer only calls WeightSync.recover() and reports the servers.
+With --one-sync, one WeightSync makes every sync (else one each, the one before closed first);
+--restart-before K then kills the first server (--kill-pid) before sync K and starts it again on
+its port (its pid in OUT.json.pid, for the test to stop). After the last sync the WeightSync is
+closed, and rank 0 asks each server to destroy every update group the syncs used: what it
+answers shows whether close() destroyed them.
 """
 
 import argparse
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 import zlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -66,6 +76,9 @@ class Faulty(Transport):
 
     def close_stage(self, ctx):
         self.inner.close_stage(ctx)
+
+    def close(self, servers):
+        self.inner.close(servers)
 
     def commit(self, servers, live, version, new_dir):
         if self.armed and self.mode == "kill-server" and self.inner.writes_files:
@@ -133,6 +146,8 @@ def main() -> None:
     ap.add_argument("--kill-pid", type=int, default=None)
     ap.add_argument("--recover", action="store_true")
     ap.add_argument("--ddp", action="store_true", help="hold the model as training does (Actor)")
+    ap.add_argument("--one-sync", action="store_true", help="one WeightSync for every sync")
+    ap.add_argument("--restart-before", type=int, default=None)
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
@@ -164,7 +179,11 @@ def main() -> None:
         refs["1"] = score(chunks, seqs)
         result["recovered"] = ws.recover()
     for k, name in enumerate([] if a.recover else transports, start=1):
-        ws = weight_sync(name)
+        if not a.one_sync or k == 1:
+            ws.close()
+            ws = weight_sync(name)
+        if k == a.restart_before:
+            restart_first_server(a, ws)
         perturb(chunks, k)
         refs[str(k)] = score(chunks, seqs)
         t0 = time.perf_counter()
@@ -174,6 +193,7 @@ def main() -> None:
             "transport": name, "version": str(k), "seconds": time.perf_counter() - t0,
             "buckets": report.buckets, "verify": [r.__dict__ for r in checked],
             "bytes": report.bytes, "lent": report.lent_bytes, "stage_times": report.stage_times,
+            "groups": report.groups,
         })  # fmt: skip
     if a.fail:
         k = str(len(transports) + 1)
@@ -195,13 +215,50 @@ def armed_sync(ws: WeightSync, transport, version: str) -> dict:
         return {"error": str(e), "report": e.report.__dict__ if e.report else None}
 
 
+def restart_first_server(a, ws: WeightSync) -> None:
+    """Kill the first server and start it again on the same port (rank 0; the rest wait)."""
+    if dist.get_rank() == 0:
+        os.killpg(a.kill_pid, signal.SIGKILL)
+        url = ws.servers.url(0)
+        log = Path(a.out + ".server.log")
+        with open(log, "w") as f:
+            p = subprocess.Popen(
+                [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", a.checkpoint,
+                 "--port", url.rsplit(":", 1)[1], "--threads", "1"],
+                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        Path(a.out + ".pid").write_text(str(p.pid))
+        deadline = time.monotonic() + 120
+        while not re.search(r" on http://", log.read_text()):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+    dist.barrier()
+
+
 def finish(ws: WeightSync, seqs, refs: dict, result: dict, out: str) -> None:
-    """Rank 0 adds what each server serves and writes the result; every rank closes."""
+    """Rank 0 adds what each server serves; every rank closes; rank 0 then asks each server to
+    destroy the update groups the syncs used, and writes the result."""
     if dist.get_rank() == 0:
         result["serving"] = serving(ws, seqs, refs)
+    ws.close()
+    dist.barrier()  # every stage's sender has closed
+    if dist.get_rank() == 0:
+        from megatron_gspo.weight_sync.servers import Servers
+
+        names = sorted({g for s in result.get("syncs", []) for g in s.get("groups", {}).values()})
+        left = Servers(ws.servers.refs, 30)
+        result["destroy_after_close"] = {
+            name: [
+                left.post_many([i], "/destroy_weights_update_group", {"group_name": name})[1]
+                .get(i, "destroyed now")
+                for i in range(len(left))
+            ]
+            for name in names
+        }  # fmt: skip
+        left.close()
         with open(out, "w") as f:
             json.dump(result, f)
-    ws.close()
 
 
 if __name__ == "__main__":
