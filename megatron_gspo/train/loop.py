@@ -48,6 +48,7 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
             state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
             hooks.end_step(step, metrics, state, t0, last)
         hooks.finish(state)
+        sync.close()  # e.g. the update groups it kept open with the servers (distributed)
 
 
 def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
