@@ -2,7 +2,9 @@
 
 Each pipeline stage has one sender: its rank with TP rank 0 and data-parallel rank 0 (the rank
 that writes the stage's non-expert tensors in `model.weights.iter_hf`). Tensors are gathered over
-TP / expert-TP exactly as `iter_hf` does (the same functions, the same bridge mapping); experts
+TP / expert-TP exactly as `iter_hf` does (the same functions, the same bridge mapping), by the
+first data-parallel replica only (expert-DP for experts): the others hold the same tensors, and
+whole TP, expert-TP and EP groups belong to one replica, so they skip those gathers together; experts
 under EP are then gathered from the expert writers of the stage (expert-TP rank 0, expert-DP
 rank 0: the sender's expert-parallel group) to the sender, and named through the bridge with each
 EP rank's expert offset. So the sender yields every HF tensor of its stage exactly once and no
@@ -130,11 +132,19 @@ def iter_stage(chunks) -> Iterator[tuple[str, torch.Tensor]]:
     ep = mpu.get_expert_model_parallel_world_size() if spec.is_moe else 1
     local_experts = spec.num_experts // ep if spec.is_moe else 0
     sender = is_stage_sender()
+    # The first data-parallel replica (expert-DP for experts) gathers; the others' TP, expert-TP
+    # and EP groups are replicas too, and would gather tensors nobody sends.
+    first = {
+        False: mpu.get_data_parallel_rank() == 0,
+        True: mpu.get_expert_data_parallel_rank() == 0,
+    }
     # Elsewhere nothing waits on the collectives: on a GPU (NCCL) a rank that is not the sender
     # would queue the whole stage's at once, and NCCL's watchdog counts each one's time from
     # when it was queued. So it queues the next one when the last is done.
     pace = not sender and next(chunks[0].parameters()).is_cuda
     for lp in local_params(chunks):
+        if not first[lp.map.expert]:
+            continue
         if pace:
             torch.cuda.current_stream().synchronize()
         if spec.tie_embeddings and lp.map.megatron_name == "output_layer.weight":

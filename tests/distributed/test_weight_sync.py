@@ -130,6 +130,12 @@ def test_every_transport_brings_every_server_to_the_trainer(tmp_path, tiny_model
             assert times[1][0] >= times[0][1], times
     for url in servers:
         assert_serves(result, url, "3")
+    # Only the first data-parallel replica gathers (expert-DP for experts): at tp2xep2, ranks
+    # of DP rank 1 skip the dense TP gathers and take part in every expert one (expert-DP 1).
+    for r in result["gathers"]:
+        assert (r["dense"] > 0) == (r["dp"] == 0) and (r["expert"] > 0) == (r["edp"] == 0), r
+    if layout == "tp2xep2":
+        assert {r["dp"] for r in result["gathers"]} == {0, 1}, result["gathers"]
 
 
 @pytest.mark.parametrize("held", ["plain", "ddp"])  # ddp: borrowed buckets, two in flight

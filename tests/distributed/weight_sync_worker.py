@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
+from megatron_gspo.weight_sync import gather as gather_module
 from megatron_gspo.weight_sync import sync as sync_module
 from megatron_gspo.weight_sync import verify
 from megatron_gspo.weight_sync.config import SyncConfig
@@ -116,6 +117,20 @@ def fail_packing() -> None:
     sync_module.pack = pack
 
 
+GATHERS = {"dense": 0, "expert": 0}  # this rank's calls of gather_full by the syncs
+
+
+def count_gathers() -> None:
+    """Count the weight sync's TP / expert-TP gathers on this rank (the real ones run)."""
+    real = gather_module.gather_full
+
+    def gather_full(lp, info):
+        GATHERS["expert" if lp.map.expert else "dense"] += 1
+        return real(lp, info)
+
+    gather_module.gather_full = gather_full
+
+
 def serving(ws: WeightSync, seqs, refs: dict) -> dict:
     """What each server serves: version, and max |diff| to each trainer version's log-probs."""
     out = {}
@@ -158,6 +173,7 @@ def main() -> None:
 
         chunks = unwrap(Actor(chunks, OptimConfig(lr=1e-6)).chunks)
     transports = a.transports.split(",")
+    count_gathers()
 
     def weight_sync(name: str) -> WeightSync:
         cfg = SyncConfig(
@@ -239,6 +255,14 @@ def restart_first_server(a, ws: WeightSync) -> None:
 def finish(ws: WeightSync, seqs, refs: dict, result: dict, out: str) -> None:
     """Rank 0 adds what each server serves; every rank closes; rank 0 then asks each server to
     destroy the update groups the syncs used, and writes the result."""
+    from megatron.core import parallel_state as mpu
+
+    mine = {
+        **GATHERS,
+        "dp": mpu.get_data_parallel_rank(),
+        "edp": mpu.get_expert_data_parallel_rank(),
+    }
+    result["gathers"] = gather_module.all_gather_objects(mine)  # by rank
     if dist.get_rank() == 0:
         result["serving"] = serving(ws, seqs, refs)
     ws.close()
