@@ -10,8 +10,15 @@ relay, its lowest global trainer rank, which posts the same buckets from a buffe
 
 One process group per pipeline stage that has relays (its sender and the relays of the nodes
 other than the sender's), made once, when the WeightSync is built. Per bucket the sender
-broadcasts a header (index, size, metadata) and then the bytes; a None header ends the stage, also
-after a failure, so a relay never waits for a bucket that will not come. A relay receives on a
+broadcasts a header (index, size, metadata), the members agree (a one-number all-reduce) that
+every relay has a buffer for it, and then the sender broadcasts the bytes; a None header ends the
+stage, also after a failure, so a relay never waits for a bucket that will not come. A relay that
+cannot take a bucket (its buffer failed, e.g. out of memory) says so in that agreement: the bytes
+are not sent, the sender's stage fails naming the relay, and the relay goes on reading headers
+until the end of the stage, so the group stays in step for the next sync (without the agreement
+the sender would sit in a broadcast the relay never joins: on NCCL until the watchdog ends the
+job). The group's timeout is twice the HTTP timeout: a relay whose server hangs holds its buffers
+(and so the sender's next broadcast) for up to one HTTP timeout. A relay receives on a
 thread of its own (its main thread drives the gathers of its own stage: collectives that the
 sender of another stage may be waiting for) and posts each bucket on a second thread while it
 receives the next, as a sender does. Its outcome (servers failed and touched, bucket checksums)
@@ -112,7 +119,7 @@ def make_plan(
             )
         plan.relays[n] = ranks[0]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=2 * timeout_s)  # above one HTTP timeout (see top)
     for s, src in sorted(plan.senders.items()):
         others = sorted(r for n, r in plan.relays.items() if n != rank_nodes[src])
         if others:
@@ -133,16 +140,23 @@ class Fanout:
         self.broken = False
 
     def send(self, bucket: Bucket) -> None:
+        relays = self.plan.members[self.stage][1:]
         try:
             self._header((bucket.index, bucket.nbytes, bucket.pooled, bucket.metadata))
-            dist.broadcast(bucket.flat, src=self.src, group=self.group)
-            bucket.seal()  # on a GPU: sent before the buffer goes back to be packed again
+            ready = _agree(True, self.group, self.plan.device)
+            if ready:
+                dist.broadcast(bucket.flat, src=self.src, group=self.group)
+                bucket.seal()  # on a GPU: sent before the buffer goes back to be packed again
         except Exception as e:
             self.broken = True  # the group cannot be trusted with another collective
             raise TransportError(
-                f"broadcast of bucket {bucket.index} to the relays "
-                f"(ranks {self.plan.members[self.stage][1:]}) failed: {e}"
+                f"broadcast of bucket {bucket.index} to the relays (ranks {relays}) failed: {e}"
             ) from None
+        if not ready:  # the group is in step: close() ends the stage for the relays
+            raise TransportError(
+                f"a relay (ranks {relays}) could not take bucket {bucket.index}; its error "
+                "is reported with it"
+            )
 
     def close(self) -> None:
         """The end of the stage, also after a failure (unless the group itself broke)."""
@@ -156,15 +170,30 @@ class Fanout:
 
 def receive(plan: RelayPlan, stage: int, pool: BufferPool) -> Iterator[Bucket]:
     """A relay's side: the stage's buckets as its sender broadcasts them, each in a buffer of
-    `pool` (the consumer releases it), until the sender ends the stage."""
+    `pool` (the consumer releases it), until the sender ends the stage. A bucket it cannot
+    take a buffer for ends its buckets, and the error is raised when the sender ends the stage."""
     group, src = plan.groups[stage], plan.senders[stage]
+    failure = None
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=src, group=group, device=plan.device)
         if box[0] is None:
+            if failure is not None:
+                raise failure
             return
         index, nbytes, pooled, metadata = box[0]
-        buffer = pool.take() if pooled else pool.take_big(nbytes)
+        buffer = None
+        if failure is None:
+            try:
+                buffer = pool.take() if pooled else pool.take_big(nbytes)
+            except Exception as e:  # noqa: BLE001 - told to the sender, raised at the end
+                failure = TransportError(
+                    f"relay could not take bucket {index} of stage {stage}: {type(e).__name__}: {e}"
+                )
+        if not _agree(buffer is not None, group, plan.device):
+            if buffer is not None:  # another relay could not take it
+                (pool.give if pooled else pool.give_big)(buffer)
+            continue  # the sender ends the stage
         bucket = Bucket(stage, index, buffer, nbytes, metadata, pooled=pooled)
         try:
             dist.broadcast(bucket.flat, src=src, group=group)
@@ -172,3 +201,10 @@ def receive(plan: RelayPlan, stage: int, pool: BufferPool) -> Iterator[Bucket]:
             (pool.give if pooled else pool.give_big)(buffer)
             raise TransportError(f"receiving bucket {index} from rank {src} failed: {e}") from None
         yield bucket.seal()
+
+
+def _agree(ok: bool, group, device: torch.device) -> bool:
+    """True when every member of `group` says ok (a one-number all-reduce)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag.item() == 0

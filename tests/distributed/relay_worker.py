@@ -2,12 +2,15 @@
 
 torchrun --nproc-per-node N tests/distributed/relay_worker.py CKPT OUT.json URL[,URL..]
     --server-nodes 0,1,1 --rank-nodes 0,1 [--pp/--ep K] [--kill URL --kill-pid PID]
+    [--fail-relay-buffer]
 
 Every rank is told its node (`--rank-nodes`, by global rank) and every server its node, so the
 tensor transport relays to the servers of the nodes other than a stage sender's. Version "1": the
 policy perturbed once, synced with verify_every=1 (each server's probe log-probs against the
 trainer's). With --kill, version "2" is synced and the server at URL is killed just before the
-second bucket meant for it. Rank 0 writes the reports and what each server serves afterwards.
+second bucket meant for it. With --fail-relay-buffer, version "2" is synced while the relays'
+second buffer fails (as an out-of-memory would), and then version "3" with nothing injected.
+Rank 0 writes the reports and what each server serves afterwards.
 """
 
 import argparse
@@ -15,6 +18,7 @@ import os
 import signal
 import time
 
+import torch
 import torch.distributed as dist
 from weight_sync_worker import armed_sync, finish, perturb
 
@@ -41,6 +45,23 @@ class KillMidSync(TensorTransport):
         return super().send(bucket, ctx)
 
 
+def fail_relay_buffer(ws: WeightSync) -> None:
+    """On a relay: the second buffer its pools hand out from now on fails, once."""
+    taken = [0]
+
+    def failing(real):
+        def take(*args, **kwargs):
+            taken[0] += 1
+            if taken[0] == 2:
+                raise torch.OutOfMemoryError("injected: out of memory")
+            return real(*args, **kwargs)
+
+        return take
+
+    for pool in ws._relay_pools.values():
+        pool.take, pool.take_big = failing(pool.take), failing(pool.take_big)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
@@ -52,6 +73,7 @@ def main() -> None:
         ap.add_argument("--" + name, type=int, default=1)
     ap.add_argument("--kill", default=None)
     ap.add_argument("--kill-pid", type=int, default=None)
+    ap.add_argument("--fail-relay-buffer", action="store_true")
     a = ap.parse_args()
     dims = ParallelDims(pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
@@ -74,6 +96,14 @@ def main() -> None:
         perturb(chunks, 2)
         expected["2"] = score(chunks, seqs)
         result.update(armed_sync(ws, transport, "2"))
+    if a.fail_relay_buffer:
+        perturb(chunks, 2)
+        expected["2"] = score(chunks, seqs)
+        fail_relay_buffer(ws)
+        result.update(armed_sync(ws, transport, "2"))
+        perturb(chunks, 3)
+        expected["3"] = score(chunks, seqs)
+        result["after"] = ws.sync("3").__dict__  # raises unless every server serves "3"
     finish(ws, seqs, expected, result, a.out)
 
 

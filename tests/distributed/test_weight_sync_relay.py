@@ -85,3 +85,25 @@ def test_server_killed_on_the_relays_node_is_named_and_the_others_finish(
     for url in urls[:2]:  # node 0 directly, node 1's other server through the relay
         assert report["servers"][url] == "2"
         assert_serves(result, url, "2")
+
+
+def test_relay_that_cannot_take_a_bucket_fails_the_sync_and_the_next_one_goes_through(
+    tmp_path, tiny_models, node_servers
+):
+    """The relay's second buffer fails (as an out-of-memory would). The members agree before
+    each bucket's bytes, so the sender does not broadcast them to a relay that is not there
+    (on NCCL it would wait until the watchdog ends the job): the sync fails naming the relay's
+    error, every server touched goes back to the restore point, and the relay group is still
+    in step, so the next sync reaches every server."""
+    urls = [url for _, url in node_servers]
+    result = run_relay_worker(tmp_path, tiny_models["moe4"], urls, ["--fail-relay-buffer"])
+    assert (
+        "relay could not take bucket 1 of stage 0: OutOfMemoryError: injected" in (result["error"])
+    ), result["error"]
+    report = result["report"]
+    assert report["trainer_error"] and not report["failures"], report
+    assert all(v == "default (restored)" for v in report["servers"].values()), report["servers"]
+    after = result["after"]
+    assert after["trainer_error"] is None and not after["failures"], after
+    for url in urls:
+        assert_serves(result, url, "3")
