@@ -235,6 +235,7 @@ class SyncSection:
     method: str = "tensor"  # tensor | distributed | disk
     bucket_mb: float = 512.0
     verify_every: int = 0
+    keep_groups: bool = True  # distributed: keep each stage's broadcast group between syncs
 
     def check(self) -> None:
         _choice(self.method, "sync.method", ("tensor", "distributed", "disk"))
@@ -246,6 +247,7 @@ class SyncSection:
             transport=self.method,
             bucket_mb=self.bucket_mb,
             verify_every=self.verify_every,
+            keep_groups=self.keep_groups,
             dir=str(run_dir / "weights") if self.method == "disk" else None,
         )
 

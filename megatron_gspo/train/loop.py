@@ -27,28 +27,30 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
     with TrainerSetup(cfg, run_dir, resume) as setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
         actor, sampler = setup.actor, setup.sampler(rl.n_train_prompts)
         sync = setup.weight_sync(rl.urls)
-        hooks = StepHooks(cfg, run_dir, setup, rl)
-        state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
-        last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
-        hooks.begin(state, last)
-        for step in range(state["step"] + 1, last + 1):
-            t0 = time.perf_counter()
-            collected = rl.collect(sampler.next_batch(), step)
-            metrics = dict(collected.metrics)
-            rl.release_memory()  # colocated GPUs: the servers' memory goes to training
-            if collected.batch is not None:
-                metrics |= train_on(actor, collected.batch, cfg, step)
-            rl.resume_memory()
-            t1 = time.perf_counter()
-            report = sync.sync(step)
-            rl.weights_at(str(step))
-            metrics |= {"time/train_s": t1 - t0 - metrics["time/rollout_s"]}
-            metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
-            metrics |= {"sync/gb_per_s": report.gb_per_s}
-            state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
-            hooks.end_step(step, metrics, state, t0, last)
-        hooks.finish(state)
-        sync.close()  # e.g. the update groups it kept open with the servers (distributed)
+        try:
+            hooks = StepHooks(cfg, run_dir, setup, rl)
+            state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
+            last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
+            hooks.begin(state, last)
+            for step in range(state["step"] + 1, last + 1):
+                t0 = time.perf_counter()
+                collected = rl.collect(sampler.next_batch(), step)
+                metrics = dict(collected.metrics)
+                rl.release_memory()  # colocated GPUs: the servers' memory goes to training
+                if collected.batch is not None:
+                    metrics |= train_on(actor, collected.batch, cfg, step)
+                rl.resume_memory()
+                t1 = time.perf_counter()
+                report = sync.sync(step)
+                rl.weights_at(str(step))
+                metrics |= {"time/train_s": t1 - t0 - metrics["time/rollout_s"]}
+                metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
+                metrics |= {"sync/gb_per_s": report.gb_per_s}
+                state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
+                hooks.end_step(step, metrics, state, t0, last)
+            hooks.finish(state)
+        finally:  # also after a failure: e.g. the update groups kept with the servers
+            sync.close()
 
 
 def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:

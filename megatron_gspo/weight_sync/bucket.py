@@ -173,9 +173,13 @@ class BufferPool:
         self._big_lock = threading.Lock()
 
     def take(self, timeout_s: float | None = None) -> torch.Tensor:
+        """A free buffer, a new one while fewer than `size` exist (counted once it exists: a
+        failed allocation takes no place), else the next one given back (queue.Empty after
+        `timeout_s`)."""
         if self._free.empty() and self._made < self.size:
+            buf = self.alloc(self.capacity)
             self._made += 1
-            return self.alloc(self.capacity)
+            return buf
         return self._free.get(timeout=timeout_s)
 
     def give(self, buf: torch.Tensor) -> None:

@@ -36,6 +36,10 @@ class SyncConfig:
     timeout_s: float = 600.0  # one HTTP request, one group rendezvous or broadcast
     pause_generation: bool = False  # pause in place during the update (else wait for requests)
     master_address: str | None = None  # distributed: address the servers reach the trainer at
+    # distributed: keep each stage's update group from one sync to the next (an NCCL setup
+    # across every server rank saved per sync; the communicators' buffers stay allocated on the
+    # stage senders' and the servers' GPUs in between). false: a new group every sync.
+    keep_groups: bool = True
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:

@@ -31,6 +31,7 @@ each trainer rank's own (launch/torchrun.sh exports it as MEGATRON_GSPO_NODE_RAN
 from __future__ import annotations
 
 import datetime
+import queue
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -57,6 +58,7 @@ class RelayPlan:
     members: dict[int, list[int]] = field(default_factory=dict)  # stage -> sender, relays
     groups: dict[int, object] = field(default_factory=dict)  # stage -> its process group
     device: torch.device = torch.device("cpu")
+    timeout_s: float = 600.0  # one HTTP request (the group's own timeout is twice that)
 
     def servers_on(self, node: int, indices: list[int]) -> list[int]:
         return [i for i in indices if self.server_nodes[i] == node]
@@ -108,6 +110,7 @@ def make_plan(
         senders={s: r for r, (_, s, sender) in enumerate(infos) if sender},
         relays={},
         device=device,
+        timeout_s=timeout_s,
     )
     for n in sorted(set(nodes)):
         ranks = [r for r, m in enumerate(rank_nodes) if m == n]
@@ -184,11 +187,16 @@ def receive(plan: RelayPlan, stage: int, pool: BufferPool) -> Iterator[Bucket]:
         index, nbytes, pooled, metadata = box[0]
         buffer = None
         if failure is None:
-            try:
-                buffer = pool.take() if pooled else pool.take_big(nbytes)
+            try:  # a buffer comes back once its bucket is posted: within an HTTP timeout
+                buffer = pool.take(plan.timeout_s) if pooled else pool.take_big(nbytes)
             except Exception as e:  # noqa: BLE001 - told to the sender, raised at the end
+                why = (
+                    f"no buffer came back within {plan.timeout_s:g} s"
+                    if isinstance(e, queue.Empty)
+                    else f"{type(e).__name__}: {e}"
+                )
                 failure = TransportError(
-                    f"relay could not take bucket {index} of stage {stage}: {type(e).__name__}: {e}"
+                    f"relay could not take bucket {index} of stage {stage}: {why}"
                 )
         if not _agree(buffer is not None, group, plan.device):
             if buffer is not None:  # another relay could not take it

@@ -177,9 +177,10 @@ class DistributedTransport(Transport):
         kept = self.kept.pop(ctx.stage, None)
         if kept is not None:
             if self._still_held(kept, ctx):
-                ctx.state.update(kept, reused=True)
+                ctx.state.update(kept)
                 return
-            self._destroy(kept, ctx.servers)
+            # A member is gone or changed: abort (NCCL) rather than wait for it, and go on.
+            self._destroy(kept, ctx.servers, abort=True)
         cfg, servers = ctx.config, ctx.servers
         address = cfg.master_address or _master_address(servers)
         port, name = free_port(), f"megatron-gspo-s{ctx.stage}-{uuid.uuid4().hex[:8]}"
@@ -214,11 +215,13 @@ class DistributedTransport(Transport):
         (a server restarted since has no such group, and says so)."""
         if kept["members"] != {i: ctx.servers.refs[i] for i in ctx.live}:
             return False
+        # No load_format: no tensors means no broadcast at all (a flattened_bucket of none
+        # would still be one, of 0 bytes, that nobody sends).
         body = {"names": [], "dtypes": [], "shapes": [], "group_name": kept["name"],
-                "flush_cache": False}  # fmt: skip
+                "flush_cache": False, "selector": "target"}  # fmt: skip
         _, errors = ctx.servers.post_many(ctx.live, "/update_weights_from_distributed", body)
-        for i, msg in errors.items():
-            log.info("update group %s is renewed: %s: %s", kept["name"], ctx.servers.url(i), msg)
+        for msg in errors.values():
+            log.warning("weight sync: a new update group for stage %d: %s", ctx.stage, msg)
         return not errors
 
     def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
@@ -287,25 +290,36 @@ class DistributedTransport(Transport):
         if "group" not in ctx.state:
             return
         kept = {k: ctx.state[k] for k in ("group", "name", "members")}
-        if ctx.state.get("broken") or not set(kept["members"]) <= set(ctx.live):
-            self._destroy(kept, ctx.servers, aborted=ctx.state.get("aborted", False))
-        else:  # whole: the next sync broadcasts over it again
+        whole = not ctx.state.get("broken") and set(kept["members"]) <= set(ctx.live)
+        if whole and ctx.config.keep_groups:  # the next sync broadcasts over it again
             self.kept[ctx.stage] = kept
+            return
+        self._destroy(kept, ctx.servers, aborted=ctx.state.get("aborted", False))
 
     def close(self, servers: Servers) -> None:
+        """Destroy the kept groups (also when the job is failing: a server that does not
+        answer within 30 s is left to its restart)."""
         for stage in sorted(self.kept):
-            self._destroy(self.kept.pop(stage), servers)
+            try:
+                self._destroy(self.kept.pop(stage), servers, timeout_s=30.0)
+            except Exception as e:  # noqa: BLE001 - the other groups are still destroyed
+                log.warning("weight sync: destroying stage %d's update group: %s", stage, e)
 
     @staticmethod
-    def _destroy(kept: dict, servers: Servers, aborted: bool = False) -> None:
-        """Destroy a group on its members (those that still hold it) and here."""
+    def _destroy(kept: dict, servers: Servers, aborted=False, abort=False, timeout_s=None):
+        """Destroy a group on its members (those that still hold it) and here. `abort`: a
+        member may be gone, so an NCCL group is aborted first, and a failure is only logged."""
         body = {"group_name": kept["name"]}
-        servers.post_many(list(kept["members"]), "/destroy_weights_update_group", body)
+        path = "/destroy_weights_update_group"
+        collect({i: servers.submit(i, path, body, timeout_s) for i in kept["members"]})
         try:
+            if abort:
+                _abort(kept["group"])
             wp.close_update_group(kept["group"])
-        except Exception:
-            if not aborted:  # an aborted group may be gone already
+        except Exception as e:
+            if not (aborted or abort):  # an aborted group may be gone already
                 raise
+            log.warning("weight sync: destroying update group %s: %s", kept["name"], e)
 
 
 def _abort(group) -> None:

@@ -9,7 +9,7 @@ tensor transport relays to the servers of the nodes other than a stage sender's.
 policy perturbed once, synced with verify_every=1 (each server's probe log-probs against the
 trainer's). With --kill, version "2" is synced and the server at URL is killed just before the
 second bucket meant for it. With --fail-relay-buffer, version "2" is synced while the relays'
-second buffer fails (as an out-of-memory would), and then version "3" with nothing injected.
+second buffer allocation fails (as an out-of-memory would), then version "3" with nothing injected.
 Rank 0 writes the reports and what each server serves afterwards.
 """
 
@@ -26,6 +26,7 @@ from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.weight_sync import verify
+from megatron_gspo.weight_sync.bucket import BufferPool
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.sync import WeightSync
 from megatron_gspo.weight_sync.transport import TensorTransport
@@ -46,20 +47,21 @@ class KillMidSync(TensorTransport):
 
 
 def fail_relay_buffer(ws: WeightSync) -> None:
-    """On a relay: the second buffer its pools hand out from now on fails, once."""
-    taken = [0]
+    """On a relay: its pools start afresh, and their second allocation fails (as an out of
+    memory would), once."""
+    made = [0]
 
-    def failing(real):
-        def take(*args, **kwargs):
-            taken[0] += 1
-            if taken[0] == 2:
+    def failing(alloc):
+        def allocate(nbytes):
+            made[0] += 1
+            if made[0] == 2:
                 raise torch.OutOfMemoryError("injected: out of memory")
-            return real(*args, **kwargs)
+            return alloc(nbytes)
 
-        return take
+        return allocate
 
-    for pool in ws._relay_pools.values():
-        pool.take, pool.take_big = failing(pool.take), failing(pool.take_big)
+    for stage, pool in ws._relay_pools.items():
+        ws._relay_pools[stage] = BufferPool(pool.capacity, pool.size, failing(pool.alloc))
 
 
 def main() -> None:

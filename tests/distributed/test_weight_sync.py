@@ -191,6 +191,34 @@ def test_distributed_groups_are_kept_between_syncs_and_renewed_for_a_restarted_s
         assert all("no weights update group named" in a for a in per_server), (name, answers)
 
 
+def test_a_group_whose_broadcast_failed_is_not_used_again(tmp_path, tiny_models, servers):
+    """The trainer's broadcast of a bucket raises (after it ran: the servers answer, so only
+    the trainer knows). The sync fails and the group is destroyed, not kept; the next sync opens
+    a new one and reaches both servers."""
+    flags = ["--transports", "distributed", "--fail", "broadcast-error", "--after"]
+    result = run_worker(
+        tmp_path, tiny_models["moe4"], servers, 1, [*flags, "--snapshot-every", "1"]
+    )
+    assert "broadcast of bucket 1 failed: injected broadcast failure" in result["error"], result
+    before, after = result["syncs"][0]["groups"], result["after"]["groups"]
+    assert sorted(before) == sorted(after) == ["0"] and after["0"] != before["0"], (before, after)
+    for url in servers:
+        assert_serves(result, url, "3")
+    for name, per_server in result["destroy_after_close"].items():
+        assert all("no weights update group named" in a for a in per_server), (name, per_server)
+
+
+def test_groups_are_not_kept_when_the_config_says_so(tmp_path, tiny_models, servers):
+    flags = ["--transports", "distributed,distributed", "--one-sync", "--no-keep-groups"]
+    result = run_worker(tmp_path, tiny_models["moe4"], servers, 1, flags)
+    first, second = (s["groups"]["0"] for s in result["syncs"])
+    assert first != second
+    for url in servers:
+        assert_serves(result, url, "2")
+    for name, per_server in result["destroy_after_close"].items():
+        assert all("no weights update group named" in a for a in per_server), (name, per_server)
+
+
 def test_transport_error_restores_every_server_to_the_snapshot(tmp_path, tiny_models, servers):
     flags = ["--pp", "2", "--transports", "distributed", "--snapshot-every", "1"]
     flags += ["--fail", "transport-error"]

@@ -2,13 +2,16 @@
 
 torchrun --nproc-per-node N tests/distributed/weight_sync_worker.py CKPT OUT.json URL[,URL..]
     [--tp/--pp/--ep K] [--transport T] [--dir D] [--bucket-mb MB]
-    [--fail kill-server|transport-error|crash|packing --kill-pid PID] [--recover]
+    [--fail kill-server|transport-error|broadcast-error|crash|packing --kill-pid PID] [--after]
+    [--recover]
     [--one-sync [--restart-before K --kill-pid PID]]
 
 Version "1": the policy perturbed once, synced with verify_every=1 (which checks every server's
 probe log-probs against the trainer's). With --fail, version "2" (perturbed again) is synced with
 the failure injected after the first bucket (packing: on the stage sender's main thread,
-while its peers gather). Rank 0 writes what each server serves afterwards
+while its peers gather; broadcast-error: the trainer's broadcast of the second bucket raises
+once it is done). With --after, one more version is synced after it, with nothing injected.
+Rank 0 writes what each server serves afterwards
 (its version and its probe log-probs' distance to the trainer's versions 0, 1 and 2).
 With --recover, a fresh trainer only calls WeightSync.recover() and reports the servers.
 With --one-sync, one WeightSync makes every sync (else one each, the one before closed first);
@@ -94,7 +97,26 @@ class Faulty(Transport):
                 raise TransportError("injected transport failure")
             elif self.mode == "crash":
                 os._exit(3)  # the trainer dies mid-sync
+            elif self.mode == "broadcast-error":
+                self.armed = False
+                return self._failing_broadcast(bucket, ctx)
         return self.inner.send(bucket, ctx)
+
+    def _failing_broadcast(self, bucket, ctx):
+        """The inner send, whose broadcast raises after it has run (so every member has the
+        bucket, and only the trainer saw a failure)."""
+        real = dist.broadcast
+
+        def broadcast(*args, **kwargs):
+            work = real(*args, **kwargs)
+            work.wait()
+            raise RuntimeError("injected broadcast failure")
+
+        dist.broadcast = broadcast
+        try:
+            return self.inner.send(bucket, ctx)
+        finally:
+            dist.broadcast = real
 
     def _kill(self):
         try:
@@ -163,6 +185,8 @@ def main() -> None:
     ap.add_argument("--ddp", action="store_true", help="hold the model as training does (Actor)")
     ap.add_argument("--one-sync", action="store_true", help="one WeightSync for every sync")
     ap.add_argument("--restart-before", type=int, default=None)
+    ap.add_argument("--after", action="store_true", help="sync once more after the failure")
+    ap.add_argument("--no-keep-groups", action="store_true")
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
@@ -179,6 +203,7 @@ def main() -> None:
         cfg = SyncConfig(
             transport=name, bucket_mb=a.bucket_mb, verify_every=1, tolerance=1e-4,
             dir=a.dir, snapshot_every=a.snapshot_every, timeout_s=60,
+            keep_groups=not a.no_keep_groups,
         )  # fmt: skip
         transport = make_transport(cfg)
         if a.fail:
@@ -216,6 +241,12 @@ def main() -> None:
         perturb(chunks, int(k))
         refs[k] = score(chunks, seqs)
         result.update(armed_sync(ws, ws.transport, k))
+        if a.after:
+            k = str(int(k) + 1)
+            perturb(chunks, int(k))
+            refs[k] = score(chunks, seqs)
+            report = ws.sync(k)  # verify_every=1: raises unless every server matches
+            result["after"] = {"version": k, "groups": report.groups}
     finish(ws, seqs, refs, result, a.out)
 
 
@@ -270,7 +301,8 @@ def finish(ws: WeightSync, seqs, refs: dict, result: dict, out: str) -> None:
     if dist.get_rank() == 0:
         from megatron_gspo.weight_sync.servers import Servers
 
-        names = sorted({g for s in result.get("syncs", []) for g in s.get("groups", {}).values()})
+        syncs = [*result.get("syncs", []), *([result["after"]] if "after" in result else [])]
+        names = sorted({g for s in syncs for g in s.get("groups", {}).values()})
         left = Servers(ws.servers.refs, 30)
         result["destroy_after_close"] = {
             name: [

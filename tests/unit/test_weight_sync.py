@@ -94,6 +94,22 @@ def test_pool_reuses_buffers():
     assert all(torch.equal(items[0][1], t) for (_, items, _), (_, t) in zip(out, named))
 
 
+def test_a_failed_allocation_takes_no_place_in_the_pool():
+    calls = []
+
+    def alloc(n):
+        calls.append(n)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected")
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = BufferPool(16, 1, alloc)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.take()
+    assert pool.take(timeout_s=1).numel() == 16  # a new buffer, not a wait for one never made
+    assert len(calls) == 2
+
+
 def test_checksum_sees_every_byte_and_the_length():
     x = torch.randint(0, 256, (1003,), dtype=torch.uint8)
     c = checksum(x)
