@@ -129,6 +129,7 @@ class ManagedServer:
     log_path: Path
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    ready: bool = False  # healthy, and brought to the current weights, since its last start
 
     @property
     def url(self) -> str:
@@ -203,6 +204,7 @@ class ServerGroup:
                 self._spawn(s)
             for s in self.servers:
                 self._wait_healthy(s)
+                s.ready = True
         except BaseException:
             self.stop()
             raise
@@ -240,6 +242,7 @@ class ServerGroup:
     # ---- processes -----------------------------------------------------------------------
 
     def _spawn(self, s: ManagedServer) -> None:
+        s.ready = False
         cmd = s.config.command(s.port)
         with open(s.log_path, "ab") as f:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -303,6 +306,24 @@ class ServerGroup:
             self._spawn(s)
         self._wait_healthy(s)
         self._bring_to_current(s)
+        s.ready = True
+
+    def wait_restarts(self, timeout_s: float | None = None) -> list[int]:
+        """Wait, at most `timeout_s` (default: the health timeout), until no server is being
+        restarted by the monitor: each is up and ready, or given up on. Returns the indices of
+        those that are not ready."""
+        timeout_s = self.health_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+
+        def down() -> list[ManagedServer]:
+            return [s for s in self.servers if not (s.ready and s.alive())]
+
+        while self._thread is not None and not self._stopping.is_set():
+            coming = [s for s in down() if s.restarts < self.max_restarts]
+            if not coming or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return [s.index for s in down()]
 
     def _bring_to_current(self, s: ManagedServer) -> None:
         cur = self.current or {}

@@ -9,6 +9,7 @@ actor.py (log-probs, the Megatron train step), weight_sync/ and the step hooks i
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,9 @@ from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
+from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
+
+log = logging.getLogger(__name__)
 
 
 def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | None = None) -> None:
@@ -32,25 +36,45 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
             state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
             last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
             hooks.begin(state, last)
+            current = str(state["weight_version"]) if state["step"] else sync.base_version
             for step in range(state["step"] + 1, last + 1):
                 t0 = time.perf_counter()
-                collected = rl.collect(sampler.next_batch(), step)
+                # A server restarted since (onto the restore point) first gets these weights.
+                rl.wait_for_restarts()
+                caught_up = sync.catch_up(current)
+                collected = rl.collect(sampler.next_batch(), step, current)
                 metrics = dict(collected.metrics)
+                metrics["sync/caught_up_servers"] = len(caught_up.sent_by) if caught_up else 0
                 rl.release_memory()  # colocated GPUs: the servers' memory goes to training
                 if collected.batch is not None:
                     metrics |= train_on(actor, collected.batch, cfg, step)
                 rl.resume_memory()
                 t1 = time.perf_counter()
-                report = sync.sync(step)
-                rl.weights_at(str(step))
+                metrics |= sync_weights(sync, rl, step)
+                current = str(step)
                 metrics |= {"time/train_s": t1 - t0 - metrics["time/rollout_s"]}
                 metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
-                metrics |= {"sync/gb_per_s": report.gb_per_s}
                 state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
                 hooks.end_step(step, metrics, state, t0, last)
             hooks.finish(state)
         finally:  # also after a failure: e.g. the update groups kept with the servers
             sync.close()
+
+
+def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
+    """The step's weight sync, as version `step`. Servers that fail it alone do not end the
+    run (each is restored or lost, never half-updated): their supervisor restarts a lost one,
+    and the next step's catch_up syncs every server that answers on another version; failing
+    that too ends the run. A failure on the trainer's side ends it at once."""
+    try:
+        report = sync.sync(step)
+    except WeightSyncError as e:
+        if e.report is None or e.report.trainer_error:
+            raise
+        report = e.report
+        log.warning("%s\nthe next step syncs these servers again before its rollouts", e)
+    rl.weights_at(sync.restore_point)  # what a restarted server loads
+    return {"sync/gb_per_s": report.gb_per_s, "sync/failed_servers": len(report.failures)}
 
 
 def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:

@@ -14,6 +14,7 @@ resume's first sync).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from megatron_gspo.algo import group_advantages
 from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.train.batch import RLBatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,10 +130,26 @@ class Rollouts:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def weights_at(self, version: str) -> None:
-        """Tell the supervisor which version a restarted server must be brought to."""
-        if self.group is not None:
-            self.group.set_current_weights(weight_version=version)
+    def weights_at(self, point) -> None:
+        """Tell the supervisor what a restarted server loads: the weight sync's restore point
+        (the last whole version on disk, else the base model, which a server starts on anyway),
+        labelled with its own version. The trainer's catch_up brings it to the current weights
+        before the next rollouts."""
+        if self.group is None:
+            return
+        if Path(point.path).resolve() == Path(self.hf_dir).resolve():
+            self.group.set_current_weights()
+        else:
+            self.group.set_current_weights(model_path=point.path, weight_version=point.version)
+
+    def wait_for_restarts(self) -> None:
+        """Rank 0: wait until the servers that died are restarted (their supervisor's), so that
+        the weight sync's catch_up finds them before the rollouts."""
+        if self.group is None:
+            return
+        down = self.group.wait_restarts()
+        if down:
+            log.warning("rollout servers %s are down; the rollouts go to the others", down)
 
     def release_memory(self) -> None:
         """Colocated servers give their GPU memory to the trainer while it trains."""
@@ -150,16 +169,16 @@ class Rollouts:
 
     # ---- one step's batch ------------------------------------------------------------------
 
-    def collect(self, prompt_index: list[int], step: int) -> Collected:
+    def collect(self, prompt_index: list[int], step: int, version: str | None = None) -> Collected:
         """G responses for each prompt, scored; the same RLBatch on every rank."""
-        result = self._collect(prompt_index, step) if self.rank0 else None
+        result = self._collect(prompt_index, step, version) if self.rank0 else None
         if dist.get_world_size() == 1:
             return result  # one process: no pickled round trip of the batch
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _collect(self, prompt_index: list[int], step: int) -> Collected:
+    def _collect(self, prompt_index: list[int], step: int, version: str | None) -> Collected:
         from megatron_gspo.data.prompts import encode_prompt
         from megatron_gspo.rewards import dynamic_sampling_keep, score_rewards
 
@@ -186,6 +205,10 @@ class Rollouts:
         ]
         rewards = score_rewards(self.reward_fn, items, cfg.reward.fn)
         metrics = _rollout_metrics(samples, rewards, t_gen)
+        if version is not None:  # samples from other weights than the trainer's (a restart)
+            metrics["rollout/stale_samples"] = float(
+                sum(str(s.weight_version) != version for s in samples)
+            )
         keep = list(range(len(groups)))
         if cfg.algo.dynamic_sampling:
             keep = dynamic_sampling_keep(rewards, r.group_size)

@@ -113,7 +113,7 @@ class TrainerSetup:
         report = sync.sync(version)
         if not report.ok:
             raise UserError(report.message().splitlines()[0])
-        rollouts.weights_at(version)
+        rollouts.weights_at(sync.restore_point)
         if self.rank0:
             log.info("resumed from %s (step %d)", self.resume_from, state["step"])
         return state

@@ -27,7 +27,8 @@ node (relay.py) receives the buckets by broadcast and posts them to that node's 
  4. restore: a server that failed after it was touched, or every touched server when the trainer
     side failed, reloads the restore point (the last complete version on disk, else the base
     model) with /update_weights_from_disk. A server that cannot be reached is reported as lost;
-    its supervisor (rollout.launcher) restarts it onto the current weights.
+    its supervisor (rollout.launcher) restarts it onto the restore point, and the trainer's
+    `catch_up` before the next rollouts brings it to the current weights.
  5. end: /end_weight_update, /continue_generation, a best-effort /flush_cache. Every rank gets
     the report; a failure raises WeightSyncError on every rank, naming each failed server.
 
@@ -171,13 +172,20 @@ class WeightSync:
     def restore_point(self) -> RestorePoint:
         return self.dirs.restore if self.dirs else self._base
 
+    @property
+    def base_version(self) -> str:
+        """The weight_version of the servers' starting weights (`base_model`)."""
+        return self._base.version
+
     # ---- one sync ------------------------------------------------------------------------
 
-    def sync(self, version: str | int) -> SyncReport:
+    def sync(self, version: str | int, only: list[int] | None = None) -> SyncReport:
+        """Every rank: the trainer's weights into every server (`only`: these server indices)
+        as `version`. Raises WeightSyncError, with the report, unless every one took it."""
         version = str(version)
         self.count += 1
         t0 = time.perf_counter()
-        plan = bcast(self._begin(version) if self.coordinator else None)
+        plan = bcast(self._begin(version, only) if self.coordinator else None)
         try:
             mine = self._stream(version, plan)
         except BaseException:
@@ -197,10 +205,11 @@ class WeightSync:
             self.verify(version)
         return report
 
-    def _begin(self, version: str) -> dict:
+    def _begin(self, version: str, only: list[int] | None = None) -> dict:
         snap = self.config.snapshot_every
         write = self.transport.writes_files or bool(snap and self.count % snap == 0)
-        live, errors = list(range(len(self.servers))), {}
+        chosen = sorted(only) if only is not None else list(range(len(self.servers)))
+        live, errors = chosen, {}
         if self.config.pause_generation:
             _, errors = self.servers.post_many(live, "/pause_generation", {"mode": "in_place"})
         if self.transport.needs_session:
@@ -209,8 +218,8 @@ class WeightSync:
             errors.update(more)
         if write:
             self.dirs.start(version)
-        live = [i for i in range(len(self.servers)) if i not in errors]
-        return {"live": live, "errors": errors, "write": write}
+        live = [i for i in chosen if i not in errors]
+        return {"live": live, "errors": errors, "write": write, "chosen": chosen}
 
     def _stream(self, version: str, plan: dict) -> list[dict]:
         """This rank's outcomes: its stage's if it is a sender, and one per stage it relays."""
@@ -397,6 +406,8 @@ class WeightSync:
             url = self.servers.url(i)
             if i in states:
                 report.servers[url] = states[i]
+            elif i not in plan["chosen"]:
+                report.servers[url] = "not in this sync"
             elif i in failed:
                 report.servers[url] = "unchanged (not updated)"
             else:
@@ -461,6 +472,31 @@ class WeightSync:
         if bad:
             raise WeightSyncError("weight sync verification failed:\n  " + "\n  ".join(bad))
         return results
+
+    def catch_up(self, version: str) -> SyncReport | None:
+        """Every rank: sync `version` (the trainer's weights now) into the servers that answer
+        on another weight_version, e.g. one its supervisor restarted onto the restore point, or
+        one another trainer left elsewhere. None when every server that answers is on it; one
+        that does not answer is its supervisor's. Called before rollouts, so that every sample
+        comes from the weights the trainer holds."""
+        behind = None
+        if self.coordinator:
+            behind = {}
+            for i in range(len(self.servers)):
+                try:
+                    on = str(self.servers.get(i, "/model_info", 60.0).get("weight_version"))
+                except Exception as e:  # noqa: BLE001 - down: its supervisor restarts it
+                    log.warning("weight sync: %s did not answer: %s", self.servers.url(i), e)
+                    continue
+                if on != version:
+                    behind[i] = on
+            for i, on in behind.items():
+                log.warning(
+                    "weight sync: %s is on weight_version %r, not %r; syncing it",
+                    self.servers.url(i), on, version,
+                )  # fmt: skip
+        behind = bcast(behind)
+        return self.sync(version, only=sorted(behind)) if behind else None
 
     def recover(self) -> dict[str, str]:
         """Restore every server whose weight_version says a sync was cut short (coordinator)."""

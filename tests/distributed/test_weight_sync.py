@@ -219,6 +219,32 @@ def test_groups_are_not_kept_when_the_config_says_so(tmp_path, tiny_models, serv
         assert all("no weights update group named" in a for a in per_server), (name, per_server)
 
 
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+def test_catch_up_syncs_the_server_restarted_on_older_weights_and_no_other(
+    tmp_path, tiny_models, transport
+):
+    """After a sync, the first server is started again on its base weights (as its supervisor
+    restarts it). catch_up finds it on another weight_version and syncs it alone; a second
+    catch_up finds nothing to do; both servers then serve the trainer's weights."""
+    started = start_servers(tiny_models["moe4"], tmp_path)
+    urls = [url for _, url in started]
+    flags = ["--transports", transport, "--catch-up", "--kill-pid", str(started[0][0].pid)]
+    out = tmp_path / "run.json"
+    try:
+        result = run_worker(tmp_path, tiny_models["moe4"], urls, 1, flags)
+    finally:
+        pid = Path(str(out) + ".pid")
+        if pid.exists():
+            os.killpg(int(pid.read_text()), signal.SIGKILL)
+        stop_servers(started)
+    caught = result["caught_up"]
+    assert caught["servers"] == {urls[0]: "1", urls[1]: "not in this sync"}, caught
+    assert list(caught["sent_by"]) == [urls[0]], caught
+    assert result["caught_up_again"] is None
+    for url in urls:
+        assert_serves(result, url, "1")
+
+
 def test_transport_error_restores_every_server_to_the_snapshot(tmp_path, tiny_models, servers):
     flags = ["--pp", "2", "--transports", "distributed", "--snapshot-every", "1"]
     flags += ["--fail", "transport-error"]

@@ -4,7 +4,7 @@ torchrun --nproc-per-node N tests/distributed/weight_sync_worker.py CKPT OUT.jso
     [--tp/--pp/--ep K] [--transport T] [--dir D] [--bucket-mb MB]
     [--fail kill-server|transport-error|broadcast-error|crash|packing --kill-pid PID] [--after]
     [--recover]
-    [--one-sync [--restart-before K --kill-pid PID]]
+    [--one-sync [--restart-before K --kill-pid PID]] [--catch-up --kill-pid PID]
 
 Version "1": the policy perturbed once, synced with verify_every=1 (which checks every server's
 probe log-probs against the trainer's). With --fail, version "2" (perturbed again) is synced with
@@ -18,7 +18,8 @@ With --one-sync, one WeightSync makes every sync (else one each, the one before 
 --restart-before K then kills the first server (--kill-pid) before sync K and starts it again on
 its port (its pid in OUT.json.pid, for the test to stop). After the last sync the WeightSync is
 closed, and rank 0 asks each server to destroy every update group the syncs used: what it
-answers shows whether close() destroyed them.
+answers shows whether close() destroyed them. With --catch-up, after the syncs the first server
+is started again (on its base weights) and WeightSync.catch_up runs twice.
 """
 
 import argparse
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--restart-before", type=int, default=None)
     ap.add_argument("--after", action="store_true", help="sync once more after the failure")
     ap.add_argument("--no-keep-groups", action="store_true")
+    ap.add_argument("--catch-up", action="store_true")
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
@@ -236,6 +238,12 @@ def main() -> None:
             "bytes": report.bytes, "lent": report.lent_bytes, "stage_times": report.stage_times,
             "groups": report.groups,
         })  # fmt: skip
+    if a.catch_up:
+        restart_first_server(a, ws)
+        last = str(len(transports))
+        report = ws.catch_up(last)
+        result["caught_up"] = report and {"servers": report.servers, "sent_by": report.sent_by}
+        result["caught_up_again"] = ws.catch_up(last)  # None: every server is on it now
     if a.fail:
         k = str(len(transports) + 1)
         perturb(chunks, int(k))

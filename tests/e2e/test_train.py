@@ -179,3 +179,31 @@ def test_tis_and_lr_warmup_reach_the_step(task_model, tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx([5e-5, 1e-4])
     for r in rows:  # min(pi_old / pi_rollout, 1.5) averaged over tokens: ~1 (tiny mismatch)
         assert 0.9 < r["tis/weight_mean"] <= 1.5, r["tis/weight_mean"]
+
+
+def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, tmp_path):
+    """Two servers; one is killed once step 1 is logged. The sync of step 2 fails for it alone
+    (it is lost: the run goes on); its supervisor restarts it on the base weights, the next step
+    waits for that restart, and catch_up syncs it before the rollouts, so all of that step's
+    samples come from the trainer's weights. (Had it been back before step 2's sync, that sync
+    would have reached it.) The last sync reached and verified (sync.verify_every=1) both."""
+    run = tmp_path / "run"
+    proc = train("tiny_moe_gspo.yaml", run, task_model, "rollout.servers=2", steps=4, wait=False)
+    logged = run / "metrics.jsonl"
+    _wait_for(lambda: logged.exists() and '"step": 1,' in logged.read_text(), proc)
+    servers = [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "megatron_gspo.rollout.server" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    assert len(servers) == 2, servers
+    servers[0].kill()
+    assert proc.wait(timeout=600) == 0, (run.parent / "run.log").read_text()[-3000:]
+    rows = [r for r in metrics(run) if r["step"] >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    events = [(r["sync/failed_servers"], r["sync/caught_up_servers"]) for r in rows]
+    if events[1][0]:  # down at step 2's sync
+        assert events[1:] == [(1, 0), (0, 1), (0, 0)], events
+        assert rows[2]["rollout/stale_samples"] == 0, rows[2]
+    else:
+        assert events[1:] == [(0, 0)] * 3, events
+    assert "start #1" in (run / "logs" / "server-0.log").read_text()
