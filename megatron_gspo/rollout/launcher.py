@@ -130,6 +130,7 @@ class ManagedServer:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     ready: bool = False  # healthy, and brought to the current weights, since its last start
+    restarting: bool = False  # the monitor is starting it again
 
     @property
     def url(self) -> str:
@@ -303,10 +304,21 @@ class ServerGroup:
             s.restarts += 1
             if s.restarts == self.max_restarts:
                 log.error("server %d restarted %d times; this is the last", s.index, s.restarts)
+            s.restarting = True
             self._spawn(s)
-        self._wait_healthy(s)
-        self._bring_to_current(s)
-        s.ready = True
+        try:
+            self._wait_healthy(s)
+            self._bring_to_current(s)
+            s.ready = True
+        except BaseException:
+            _signal_group(s.proc, signal.SIGKILL)  # dead again: the monitor tries once more
+            raise
+        finally:
+            s.restarting = False
+
+    def ready(self) -> list[int]:
+        """Indices of the servers that are up and on the current weights (not restarting)."""
+        return [s.index for s in self.servers if s.ready and s.alive() and not s.restarting]
 
     def wait_restarts(self, timeout_s: float | None = None) -> list[int]:
         """Wait, at most `timeout_s` (default: the health timeout), until no server is being
@@ -315,15 +327,21 @@ class ServerGroup:
         timeout_s = self.health_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
 
-        def down() -> list[ManagedServer]:
-            return [s for s in self.servers if not (s.ready and s.alive())]
-
         while self._thread is not None and not self._stopping.is_set():
-            coming = [s for s in down() if s.restarts < self.max_restarts]
-            if not coming or time.monotonic() > deadline:
+            if not self.restarting() or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        return [s.index for s in down()]
+        up = set(self.ready())
+        return [s.index for s in self.servers if s.index not in up]
+
+    def restarting(self) -> list[int]:
+        """Indices of the servers the monitor is restarting, or will (dead, restarts left)."""
+        if self._thread is None or self._stopping.is_set():
+            return []
+        return [
+            s.index for s in self.servers
+            if s.restarting or (not s.alive() and s.restarts < self.max_restarts)
+        ]  # fmt: skip
 
     def _bring_to_current(self, s: ManagedServer) -> None:
         cur = self.current or {}

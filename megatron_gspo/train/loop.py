@@ -22,6 +22,7 @@ from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
+from megatron_gspo.weight_sync.placement import bcast
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,9 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
             current = str(state["weight_version"]) if state["step"] else sync.base_version
             for step in range(state["step"] + 1, last + 1):
                 t0 = time.perf_counter()
-                # A server restarted since (onto the restore point) first gets these weights.
-                rl.wait_for_restarts()
-                caught_up = sync.catch_up(current)
+                caught_up = catch_up(sync, rl, current)
                 collected = rl.collect(sampler.next_batch(), step, current)
-                metrics = dict(collected.metrics)
-                metrics["sync/caught_up_servers"] = len(caught_up.sent_by) if caught_up else 0
+                metrics = dict(collected.metrics) | caught_up
                 rl.release_memory()  # colocated GPUs: the servers' memory goes to training
                 if collected.batch is not None:
                     metrics |= train_on(actor, collected.batch, cfg, step)
@@ -52,7 +50,9 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
                 t1 = time.perf_counter()
                 metrics |= sync_weights(sync, rl, step)
                 current = str(step)
-                metrics |= {"time/train_s": t1 - t0 - metrics["time/rollout_s"]}
+                metrics["time/train_s"] = (
+                    t1 - t0 - metrics["time/rollout_s"] - metrics["time/catch_up_s"]
+                )
                 metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
                 state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
                 hooks.end_step(step, metrics, state, t0, last)
@@ -61,18 +61,28 @@ def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | No
             sync.close()
 
 
+def catch_up(sync: WeightSync, rl: Rollouts, current: str) -> dict:
+    """Before a step's rollouts: wait for the servers their supervisor is restarting (onto
+    the restore point), then bring every ready server that is on other weights to `current`."""
+    t0 = time.perf_counter()
+    rl.wait_for_restarts()
+    urls = sync.catch_up(current, among=rl.ready_servers())
+    return {"sync/caught_up_servers": len(urls), "time/catch_up_s": time.perf_counter() - t0}
+
+
 def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
-    """The step's weight sync, as version `step`. Servers that fail it alone do not end the
-    run (each is restored or lost, never half-updated): their supervisor restarts a lost one,
-    and the next step's catch_up syncs every server that answers on another version; failing
-    that too ends the run. A failure on the trainer's side ends it at once."""
+    """The step's weight sync, as version `step`, into the servers that are ready (one that
+    is being restarted is caught up before the next rollouts). A server that fails it while
+    its supervisor restarts it (it died) does not end the run: it is restored or lost, never
+    half-updated, and caught up next step. Any other failure ends the run."""
     try:
-        report = sync.sync(step)
+        report = sync.sync(step, only=rl.ready_servers())
     except WeightSyncError as e:
-        if e.report is None or e.report.trainer_error:
-            raise
         report = e.report
-        log.warning("%s\nthe next step syncs these servers again before its rollouts", e)
+        died = report is not None and not report.trainer_error
+        if not bcast(died and rl.being_restarted(report.failures) if rl.rank0 else None):
+            raise
+        log.warning("%s\ntheir supervisor restarts them; the next step catches them up", e)
     rl.weights_at(sync.restore_point)  # what a restarted server loads
     return {"sync/gb_per_s": report.gb_per_s, "sync/failed_servers": len(report.failures)}
 

@@ -151,6 +151,21 @@ class Rollouts:
         if down:
             log.warning("rollout servers %s are down; the rollouts go to the others", down)
 
+    def ready_servers(self) -> list[int] | None:
+        """Rank 0: the servers (by index) a weight sync may update now: those up and on their
+        weights, not one in the middle of a restart (which loads the restore point from disk
+        and would mix it with the sync's buckets). None: all (no supervisor: the user's own)."""
+        if self.group is None or not self.rank0:
+            return None
+        return self.group.ready()
+
+    def being_restarted(self, urls) -> bool:
+        """Rank 0: whether the supervisor is restarting every one of `urls` (or is about to)."""
+        if self.group is None or not self.rank0:
+            return False
+        coming = set(self.group.restarting())
+        return all(self.group.urls.index(u) in coming for u in urls)
+
     def release_memory(self) -> None:
         """Colocated servers give their GPU memory to the trainer while it trains."""
         self._memory("/release_memory_occupation")

@@ -153,7 +153,8 @@ class WeightSync:
             self._borrow = gather.share_parameters(self.chunks)
         elif gather.is_stage_sender():
             self._borrow = gather.buffer_parameters(self.chunks)
-        self.count = 0
+        self.count = 0  # syncs of new versions (snapshot_every, verify_every count these)
+        self.serial = 0  # every sync, catch-ups included (the stage turns' keys)
         self.coordinator = rank() == 0
         self.relay = None
         if self.transport.name == "tensor":
@@ -179,13 +180,21 @@ class WeightSync:
 
     # ---- one sync ------------------------------------------------------------------------
 
-    def sync(self, version: str | int, only: list[int] | None = None) -> SyncReport:
-        """Every rank: the trainer's weights into every server (`only`: these server indices)
-        as `version`. Raises WeightSyncError, with the report, unless every one took it."""
+    def sync(
+        self, version: str | int, only: list[int] | None = None, catching_up: bool = False
+    ) -> SyncReport:
+        """Every rank: the trainer's weights into every server as `version` (`only`: these
+        server indices, as the coordinator gives them). Raises WeightSyncError, with the
+        report, unless every one took it. `catching_up`: the version the others are on already
+        (catch_up): no snapshot, no verification, not counted by snapshot_every/verify_every."""
         version = str(version)
-        self.count += 1
+        self.serial += 1
+        self.count += 0 if catching_up else 1
         t0 = time.perf_counter()
-        plan = bcast(self._begin(version, only) if self.coordinator else None)
+        plan = None
+        if self.coordinator:
+            plan = self._begin(version, only, snapshot=not catching_up)
+        plan = bcast(plan)
         try:
             mine = self._stream(version, plan)
         except BaseException:
@@ -201,12 +210,17 @@ class WeightSync:
         if not report.ok:
             raise WeightSyncError(report.message(), report)
         every = self.config.verify_every
-        if every and self.count % every == 0:
-            self.verify(version)
+        if every and self.count % every == 0 and not catching_up:
+            on = [
+                i
+                for i in range(len(self.servers))
+                if report.servers[self.servers.url(i)] == version
+            ]
+            self.verify(version, on)  # not one left out of this sync: catch_up is for those
         return report
 
-    def _begin(self, version: str, only: list[int] | None = None) -> dict:
-        snap = self.config.snapshot_every
+    def _begin(self, version: str, only: list[int] | None = None, snapshot: bool = True) -> dict:
+        snap = self.config.snapshot_every if snapshot else 0
         write = self.transport.writes_files or bool(snap and self.count % snap == 0)
         chosen = sorted(only) if only is not None else list(range(len(self.servers)))
         live, errors = chosen, {}
@@ -247,7 +261,7 @@ class WeightSync:
     def _stream_stage(self, version: str, plan: dict) -> dict | None:
         named = gather.iter_stage(self.chunks)
         if self._turns is not None:
-            self._turns.wait(self.count)  # the stage before is done
+            self._turns.wait(self.serial)  # the stage before is done
         if not gather.is_stage_sender():
             for _ in named:  # drive the collectives
                 pass
@@ -264,7 +278,7 @@ class WeightSync:
         finally:
             sent = (started, time.time())
             if self._turns is not None:  # also after a failure: the next stage goes on
-                self._turns.done(self.count)
+                self._turns.done(self.serial)
         out["sent"] = sent
         return out
 
@@ -456,33 +470,37 @@ class WeightSync:
 
     # ---- verification and recovery -----------------------------------------------------
 
-    def verify(self, version: str | None = None) -> list[verify.ProbeResult]:
-        """Compare every server's probe log-probs with the trainer's (all ranks call it)."""
+    def verify(
+        self, version: str | None = None, indices: list[int] | None = None
+    ) -> list[verify.ProbeResult]:
+        """Compare every server's (`indices`: these servers') probe log-probs with the
+        trainer's (all ranks call it)."""
         from megatron_gspo.model.forward import score
 
         seqs = verify.probe_batch(self.chunks[0].model_spec.vocab_size, self.config)
         reference = score(self.chunks, seqs)
         results = None
         if self.coordinator:
-            results = verify.check_servers(
-                self.servers, list(range(len(self.servers))), seqs, reference
-            )
+            chosen = list(range(len(self.servers))) if indices is None else indices
+            results = verify.check_servers(self.servers, chosen, seqs, reference)
         results = bcast(results)
         bad = verify.problems(results, version, self.config.tolerance)
         if bad:
             raise WeightSyncError("weight sync verification failed:\n  " + "\n  ".join(bad))
         return results
 
-    def catch_up(self, version: str) -> SyncReport | None:
-        """Every rank: sync `version` (the trainer's weights now) into the servers that answer
-        on another weight_version, e.g. one its supervisor restarted onto the restore point, or
-        one another trainer left elsewhere. None when every server that answers is on it; one
-        that does not answer is its supervisor's. Called before rollouts, so that every sample
-        comes from the weights the trainer holds."""
+    def catch_up(self, version: str, among: list[int] | None = None) -> list[str]:
+        """Every rank: bring the servers that answer on another weight_version than `version`
+        (the trainer's weights now) to it, e.g. one its supervisor restarted onto the restore
+        point, or one another trainer left elsewhere; `among`: only these server indices (as
+        the coordinator gives them). Returns their URLs (none: nothing to do); raises
+        WeightSyncError when one fails. A server that does not answer is its supervisor's.
+        Called before rollouts, so that every sample comes from the weights the trainer holds.
+        With the disk transport they reload `version`'s directory when it is the restore point."""
         behind = None
         if self.coordinator:
             behind = {}
-            for i in range(len(self.servers)):
+            for i in range(len(self.servers)) if among is None else among:
                 try:
                     on = str(self.servers.get(i, "/model_info", 60.0).get("weight_version"))
                 except Exception as e:  # noqa: BLE001 - down: its supervisor restarts it
@@ -490,13 +508,25 @@ class WeightSync:
                     continue
                 if on != version:
                     behind[i] = on
-            for i, on in behind.items():
-                log.warning(
-                    "weight sync: %s is on weight_version %r, not %r; syncing it",
-                    self.servers.url(i), on, version,
-                )  # fmt: skip
-        behind = bcast(behind)
-        return self.sync(version, only=sorted(behind)) if behind else None
+                    log.warning(
+                        "weight sync: %s is on weight_version %r, not %r; bringing it there",
+                        self.servers.url(i), on, version,
+                    )  # fmt: skip
+        behind = sorted(bcast(behind))
+        if not behind:
+            return []
+        if self.transport.writes_files and self.restore_point.version == version:
+            # The disk transport's servers read the trainer's files: this version is there.
+            lost = None
+            if self.coordinator:
+                states = self._restore(behind)
+                lost = {self.servers.url(i): v for i, v in states.items() if v.startswith("lost")}
+            lost = bcast(lost)
+            if lost:
+                raise WeightSyncError(f"catching up to version {version!r} failed: {lost}")
+        else:
+            self.sync(version, only=behind, catching_up=True)
+        return [self.servers.url(i) for i in behind]
 
     def recover(self) -> dict[str, str]:
         """Restore every server whose weight_version says a sync was cut short (coordinator)."""

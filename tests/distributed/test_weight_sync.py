@@ -237,10 +237,8 @@ def test_catch_up_syncs_the_server_restarted_on_older_weights_and_no_other(
         if pid.exists():
             os.killpg(int(pid.read_text()), signal.SIGKILL)
         stop_servers(started)
-    caught = result["caught_up"]
-    assert caught["servers"] == {urls[0]: "1", urls[1]: "not in this sync"}, caught
-    assert list(caught["sent_by"]) == [urls[0]], caught
-    assert result["caught_up_again"] is None
+    assert result["caught_up"] == [urls[0]] and result["caught_up_again"] == [], result
+    assert result["catch_up_syncs"] == [{urls[0]: "1", urls[1]: "not in this sync"}], result
     for url in urls:
         assert_serves(result, url, "1")
 

@@ -9,6 +9,7 @@ is named in the error and lost, while every other server ends on the new version
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,9 +98,9 @@ def test_relay_that_cannot_take_a_bucket_fails_the_sync_and_the_next_one_goes_th
     in step, so the next sync reaches every server."""
     urls = [url for _, url in node_servers]
     result = run_relay_worker(tmp_path, tiny_models["moe4"], urls, ["--fail-relay-buffer"])
-    assert (
-        "relay could not take bucket 1 of stage 0: OutOfMemoryError: injected" in (result["error"])
-    ), result["error"]
+    # Which bucket needs the second buffer depends on when the first one comes back.
+    taken = r"relay could not take bucket \d+ of stage 0: OutOfMemoryError: injected"
+    assert re.search(taken, result["error"]), result["error"]
     report = result["report"]
     assert report["trainer_error"] and not report["failures"], report
     assert all(v == "default (restored)" for v in report["servers"].values()), report["servers"]
