@@ -183,7 +183,8 @@ def test_tis_and_lr_warmup_reach_the_step(task_model, tmp_path):
 
 def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, tmp_path):
     """Two servers; server 0 is killed once step 1 is logged. The syncs leave it out while it
-    is down (its supervisor restarts it on the base weights); the step after it is back waits
+    is down, or fail for it alone if it dies during one, and the run goes on (its supervisor
+    restarts it on the base weights); the step after it is back waits
     for the restart and catch_up brings it to the trainer's weights before the rollouts, so all
     of that step's samples come from them. (Back before step 2's sync, that sync reaches it.)
     Every sync was verified (sync.verify_every=1) on the servers it reached."""
@@ -202,7 +203,8 @@ def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     events = [(r["sync/failed_servers"], r["sync/caught_up_servers"]) for r in rows]
     if any(c for _, c in events):  # it was back after step 2's sync: caught up at step 3
-        assert events[1:] == [(0, 0), (0, 1), (0, 0)], events
+        # Step 2's sync left it out (down), or failed for it alone (it died during the sync).
+        assert events[1] in [(0, 0), (1, 0)] and events[2:] == [(0, 1), (0, 0)], events
         assert rows[2]["rollout/stale_samples"] == 0, rows[2]
     else:
         assert events[1:] == [(0, 0)] * 3, events
