@@ -83,6 +83,18 @@ def run_worker(tmp_path, checkpoint, urls, nproc=1, flags=(), expect_rc=0, tag="
     return json.loads(out.read_text()) if out.exists() else None
 
 
+def run_restarting_worker(tmp_path, checkpoint, started, nproc, flags) -> dict:
+    """run_worker on `started` servers, the first of which the worker restarts itself; every
+    one of them (the restarted one by the pid the worker wrote) is stopped afterwards."""
+    try:
+        return run_worker(tmp_path, checkpoint, [url for _, url in started], nproc, flags)
+    finally:
+        pid = tmp_path / "run.json.pid"
+        if pid.exists():
+            os.killpg(int(pid.read_text()), signal.SIGKILL)
+        stop_servers(started)
+
+
 def assert_serves(result: dict, url: str, version: str) -> None:
     s = result["serving"][url]
     assert s.get("version") == version, s
@@ -166,14 +178,7 @@ def test_distributed_groups_are_kept_between_syncs_and_renewed_for_a_restarted_s
     urls = [url for _, url in started]
     flags = ["--pp", "2", "--transports", "distributed,distributed,distributed", "--one-sync",
              "--restart-before", "3", "--kill-pid", str(started[0][0].pid)]  # fmt: skip
-    out = tmp_path / "run.json"
-    try:
-        result = run_worker(tmp_path, tiny_models["moe4"], urls, 2, flags)
-    finally:
-        pid = Path(str(out) + ".pid")
-        if pid.exists():
-            os.killpg(int(pid.read_text()), signal.SIGKILL)
-        stop_servers(started)
+    result = run_restarting_worker(tmp_path, tiny_models["moe4"], started, 2, flags)
     groups = [s["groups"] for s in result["syncs"]]
     assert sorted(groups[0]) == ["0", "1"] and groups[0]["0"] != groups[0]["1"], groups
     assert groups[1] == groups[0], groups  # kept
@@ -229,14 +234,7 @@ def test_catch_up_syncs_the_server_restarted_on_older_weights_and_no_other(
     started = start_servers(tiny_models["moe4"], tmp_path)
     urls = [url for _, url in started]
     flags = ["--transports", transport, "--catch-up", "--kill-pid", str(started[0][0].pid)]
-    out = tmp_path / "run.json"
-    try:
-        result = run_worker(tmp_path, tiny_models["moe4"], urls, 1, flags)
-    finally:
-        pid = Path(str(out) + ".pid")
-        if pid.exists():
-            os.killpg(int(pid.read_text()), signal.SIGKILL)
-        stop_servers(started)
+    result = run_restarting_worker(tmp_path, tiny_models["moe4"], started, 1, flags)
     assert result["caught_up"] == [urls[0]] and result["caught_up_again"] == [], result
     assert result["catch_up_syncs"] == [{urls[0]: "1", urls[1]: "not in this sync"}], result
     for url in urls:
