@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import threading
 import types
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -45,19 +46,37 @@ NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 
 class TensorSharing:
-    """Context manager: torch multiprocessing's "file_system" sharing strategy inside."""
+    """Context manager: torch multiprocessing's "file_system" sharing strategy inside.
+
+    The strategy is one process-wide setting, and the weight sync enters this block from
+    several threads at once (a bucket's allocation while another bucket is serialized). So the
+    blocks are counted: the first to enter sets the strategy, and only the last to leave puts
+    the old one back. Without the count, one thread leaving restored "file_descriptor" under
+    another thread still inside, whose serialization then failed."""
+
+    _lock = threading.Lock()
+    _inside = 0
+    _old: str | None = None
 
     def __enter__(self) -> TensorSharing:
         import torch.multiprocessing as mp
 
-        self._old = mp.get_sharing_strategy()
-        mp.set_sharing_strategy("file_system")
+        cls = type(self)
+        with cls._lock:
+            if cls._inside == 0:
+                cls._old = mp.get_sharing_strategy()
+                mp.set_sharing_strategy("file_system")
+            cls._inside += 1
         return self
 
     def __exit__(self, *exc) -> None:
         import torch.multiprocessing as mp
 
-        mp.set_sharing_strategy(self._old)
+        cls = type(self)
+        with cls._lock:
+            cls._inside -= 1
+            if cls._inside == 0:
+                mp.set_sharing_strategy(cls._old)
 
 
 # ---- /update_weights_from_tensor ----------------------------------------------------------

@@ -514,3 +514,39 @@ def test_disk_buckets_are_packed_in_cpu_memory_for_a_gpu_trainer():
     assert TensorTransport().bucket_device(gpu, nobody) == gpu
     buf = DiskTransport().alloc(64, torch.device("cpu"))
     assert buf.device.type == "cpu" and buf.is_pinned() == torch.cuda.is_available()
+
+
+def test_tensor_sharing_stays_on_until_the_last_thread_leaves():
+    """The sharing strategy is process-wide and the sync enters TensorSharing from two threads
+    (a bucket's allocation, another's serialization). Thread A enters, B enters, A leaves: B
+    must still serialize a CPU tensor. CI once failed a PP2 sync on exactly this interleaving."""
+    import threading
+
+    import torch.multiprocessing as mp
+
+    before = mp.get_sharing_strategy()
+    assert before != "file_system"  # the default on Linux; else this test proves nothing
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    result: dict = {}
+
+    def b():
+        assert a_inside.wait(10)
+        with wp.TensorSharing():
+            b_inside.set()
+            assert a_left.wait(10)
+            result["strategy"] = mp.get_sharing_strategy()
+            try:
+                result["payload"] = wp.serialize([("w", torch.ones(3))])
+            except RuntimeError as e:
+                result["error"] = str(e)
+
+    tb = threading.Thread(target=b)
+    tb.start()
+    with wp.TensorSharing():  # thread A
+        a_inside.set()
+        assert b_inside.wait(10)
+    a_left.set()
+    tb.join(20)
+    assert result.get("strategy") == "file_system", result
+    assert "payload" in result, result
+    assert mp.get_sharing_strategy() == before  # the last to leave put it back
