@@ -187,13 +187,14 @@ def test_pickle_with_code_is_refused(server, session, tmp_path):
     assert status == 400 and "builtins.eval" in out["message"] and not marker.exists()
     import torch.multiprocessing as mp
 
+    before = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_descriptor")
     try:
         from multiprocessing.reduction import ForkingPickler
 
         raw = bytes(ForkingPickler.dumps([("model.norm.weight", torch.ones(SPEC.hidden))]))
     finally:
-        mp.set_sharing_strategy("file_system")
+        mp.set_sharing_strategy(before)
     status, out = call(
         server, "/update_weights_from_tensor",
         {"serialized_named_tensors": [base64.b64encode(raw).decode()]},

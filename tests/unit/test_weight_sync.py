@@ -524,8 +524,8 @@ def test_tensor_sharing_stays_on_until_the_last_thread_leaves():
 
     import torch.multiprocessing as mp
 
-    before = mp.get_sharing_strategy()
-    assert before != "file_system"  # the default on Linux; else this test proves nothing
+    before = mp.get_sharing_strategy()  # another test may have left it at file_system
+    mp.set_sharing_strategy("file_descriptor")  # Linux's default: what a block must restore
     a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
     result: dict = {}
 
@@ -540,13 +540,16 @@ def test_tensor_sharing_stays_on_until_the_last_thread_leaves():
             except RuntimeError as e:
                 result["error"] = str(e)
 
-    tb = threading.Thread(target=b)
-    tb.start()
-    with wp.TensorSharing():  # thread A
-        a_inside.set()
-        assert b_inside.wait(10)
-    a_left.set()
-    tb.join(20)
-    assert result.get("strategy") == "file_system", result
-    assert "payload" in result, result
-    assert mp.get_sharing_strategy() == before  # the last to leave put it back
+    try:
+        tb = threading.Thread(target=b)
+        tb.start()
+        with wp.TensorSharing():  # thread A
+            a_inside.set()
+            assert b_inside.wait(10)
+        a_left.set()
+        tb.join(20)
+        assert result.get("strategy") == "file_system", result
+        assert "payload" in result, result
+        assert mp.get_sharing_strategy() == "file_descriptor"  # the last to leave put it back
+    finally:
+        mp.set_sharing_strategy(before)
