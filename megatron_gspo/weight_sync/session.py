@@ -4,7 +4,7 @@ on those that took every bucket, restores the others onto the restore point, end
 finds the servers a sync must reach (`recover`, catch-up). Also the report every rank gets.
 
 `Coordinator` is WeightSync's half that faces the servers; it uses WeightSync's `servers`,
-`transport`, `config`, `dirs`, `restore_point`, `base_hf` and `count`.
+`transport`, `config`, `dirs`, `restore_point`, `base_hf`, `count` and `coordinator`.
 """
 
 from __future__ import annotations
