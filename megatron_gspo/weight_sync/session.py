@@ -167,37 +167,37 @@ class Coordinator:
             self.servers.post_many(reachable, "/continue_generation", {})
         self.servers.post_many(reachable, "/flush_cache", {})  # may refuse while busy: fine
 
+    def _versions(self, indices, timeout_s: float | None = None) -> dict[int, str]:
+        """{index: the weight_version it answers with} of `indices`; one that does not answer
+        is left out (down: its supervisor restarts it)."""
+        versions = {}
+        for i in indices:
+            try:
+                versions[i] = str(
+                    self.servers.get(i, "/model_info", timeout_s).get("weight_version")
+                )
+            except Exception as e:  # noqa: BLE001 - down: its supervisor's
+                log.warning("weight sync: %s did not answer: %s", self.servers.url(i), e)
+        return versions
+
     def _behind(self, version: str, among: list[int] | None) -> dict[int, str]:
         """The servers (of `among`, else all) that answer on another weight_version than
-        `version`: {index: the one they are on}. One that does not answer is its supervisor's."""
-        behind = {}
-        for i in range(len(self.servers)) if among is None else among:
-            try:
-                on = str(self.servers.get(i, "/model_info", 60.0).get("weight_version"))
-            except Exception as e:  # noqa: BLE001 - down: its supervisor restarts it
-                log.warning("weight sync: %s did not answer: %s", self.servers.url(i), e)
-                continue
-            if on != version:
-                behind[i] = on
-                log.warning(
-                    "weight sync: %s is on weight_version %r, not %r; bringing it there",
-                    self.servers.url(i), on, version,
-                )  # fmt: skip
+        `version`: {index: the one they are on}."""
+        indices = range(len(self.servers)) if among is None else among
+        behind = {i: on for i, on in self._versions(indices, 60.0).items() if on != version}
+        for i, on in behind.items():
+            log.warning(
+                "weight sync: %s is on weight_version %r, not %r; bringing it there",
+                self.servers.url(i), on, version,
+            )  # fmt: skip
         return behind
 
     def recover(self) -> dict[str, str]:
         """Restore every server whose weight_version says a sync was cut short (coordinator)."""
         if not self.coordinator:
             return {}
-        partial = []
-        for i in range(len(self.servers)):
-            try:
-                info = self.servers.get(i, "/model_info")
-            except Exception as e:  # noqa: BLE001 - a server that is down is the launcher's
-                log.warning("recover: %s", e)
-                continue
-            if str(info.get("weight_version", "")).startswith(PARTIAL):
-                partial.append(i)
+        versions = self._versions(range(len(self.servers)))
+        partial = [i for i, on in versions.items() if on.startswith(PARTIAL)]
         return {self.servers.url(i): v for i, v in self._restore(partial).items()}
 
 

@@ -243,9 +243,10 @@ def main() -> None:
         last = str(len(transports))
         real, reports = ws.sync, []
 
-        def sync(*args, **kwargs):  # the real sync; what it reports is kept
-            reports.append(real(*args, **kwargs).servers)
-            return reports[-1]
+        def sync(*args, **kwargs):  # the real sync; where it left each server is kept
+            report = real(*args, **kwargs)
+            reports.append(report.servers)
+            return report
 
         ws.sync = sync
         result["caught_up"] = ws.catch_up(last)
