@@ -75,6 +75,7 @@ def test_every_transport_brings_sglang_to_the_trainer(layout, model, sglang_url,
     assert min(d for v, d in served["diffs"].items() if v != "3") > 100 * TOL, served
 
 
+@pytest.mark.real_sglang
 def test_sglang_keeps_the_distributed_groups_between_syncs(model, sglang_url, tmp_path):
     """PP2, one WeightSync, three distributed syncs into SGLang: each stage's group is opened
     once and carries every sync (SGLang answers the empty update that asks whether it still
