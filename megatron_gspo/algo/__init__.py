@@ -2,7 +2,12 @@
 
 from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.algo.kl import kl_estimate, kl_k1, kl_k2, kl_k3
-from megatron_gspo.algo.loss_stats import combine_stats, stat_reduce_op, summarize_stats
+from megatron_gspo.algo.loss_stats import (
+    combine_stats,
+    log_ratio_split_stats,
+    stat_reduce_op,
+    summarize_stats,
+)
 from megatron_gspo.algo.mismatch import (
     logprob_abs_diff,
     mismatch_weights,
@@ -30,6 +35,7 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "log_ratio_split_stats",
     "logprob_abs_diff",
     "loss_denominator",
     "mismatch_weights",

@@ -21,6 +21,10 @@ Raw keys (always present):
 Optional keys:
     mismatch_abs_sum                  sum over tokens of |old - rollout| (when rollout_logprobs given)
     tis_weight_sum                    sum over tokens of the TIS weight (when tis_weights given)
+    log_ratio_{same,moved}_{count,sum,sq_sum}
+                                      count, sum and sum of squares of the token log-ratio
+                                      log pi - log pi_old over the loss tokens whose routing did
+                                      not / did move (`log_ratio_split_stats`, float64)
 """
 
 import math
@@ -76,6 +80,21 @@ def ratio_stats(log_ratio: Tensor, valid: Tensor) -> dict[str, Tensor]:
     }
 
 
+def log_ratio_split_stats(log_ratio_BT: Tensor, mask_BT: Tensor, moved_BT: Tensor) -> dict:
+    """The token log-ratio's sums over the loss tokens (mask > 0), split by `moved_BT` (bool:
+    the routing that produced the token moved since the old log-probs). In float64: the
+    log-ratios are ~1e-3 and their squares are summed over many tokens."""
+    lr = log_ratio_BT.double()
+    loss = mask_BT > 0
+    out = {}
+    for name, sel in (("same", loss & ~moved_BT), ("moved", loss & moved_BT)):
+        x = torch.where(sel, lr, 0.0)
+        out[f"log_ratio_{name}_count"] = sel.sum().double()
+        out[f"log_ratio_{name}_sum"] = x.sum()
+        out[f"log_ratio_{name}_sq_sum"] = x.square().sum()
+    return out
+
+
 def combine_stats(parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Combine the stats of several microbatches (sum, or min/max for the extrema)."""
     out: dict[str, Tensor] = {}
@@ -115,6 +134,22 @@ def summarize_stats(stats: Mapping[str, Tensor]) -> dict[str, float]:
         out["logprob_mismatch_abs"] = _div(s["mismatch_abs_sum"], tokens)
     if "tis_weight_sum" in s:
         out["tis_weight_mean"] = _div(s["tis_weight_sum"], tokens)
+    out.update(_split_summary(s))
+    return out
+
+
+def _split_summary(s: dict[str, float]) -> dict[str, float]:
+    """log_ratio_std_{same,moved} (population std; absent where no token is in the group) and
+    tokens_moved_fraction = moved / (same + moved), from the log_ratio_* sums."""
+    if "log_ratio_same_count" not in s:
+        return {}
+    n_same, n_moved = s["log_ratio_same_count"], s["log_ratio_moved_count"]
+    out = {"tokens_moved_fraction": _div(n_moved, n_same + n_moved)} if n_same + n_moved else {}
+    for name, n in (("same", n_same), ("moved", n_moved)):
+        if n:
+            mean = s[f"log_ratio_{name}_sum"] / n
+            var = s[f"log_ratio_{name}_sq_sum"] / n - mean**2
+            out[f"log_ratio_std_{name}"] = math.sqrt(max(var, 0.0))
     return out
 
 

@@ -10,6 +10,8 @@ reports.
     routing/rollout_train_agreement   = 1 - sum_l differ_l / sum_l seen_l   (and per layer l)
     routing/bytes_per_token           = host bytes of the batch's stored routing (all stages)
                                         / the batch's tokens
+    routing/tokens_changed_any        = share of loss tokens whose routing (at the position that
+                                        produced them) moved in at least one MoE layer
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 CHANGED = "routing/changed_fraction"
 AGREEMENT = "routing/rollout_train_agreement"
 BYTES_PER_TOKEN = "routing/bytes_per_token"
+TOKENS_CHANGED = "routing/tokens_changed_any"
 
 LayerCounts = dict[int, tuple[int, int]]  # layer -> (differing positions, positions seen)
 

@@ -94,9 +94,11 @@ class RoutingReplay:
         """Store the captured routing in batch.routing; the sweep's metrics."""
         lengths = [len(t) for t in batch.tokens]
         captured = sweep.captured(lengths)
+        differs = sweep.moved_positions(lengths)  # r3: natural vs rollout, whole model
         for i, s in enumerate(sweep.samples):
             none = np.zeros((lengths[i], 0, self.topk), self.np_dtype)  # a stage without MoE
             s.recorded = captured.get(i, none)
+            s.rollout_differs = None if differs is None else differs[i]
         batch.routing = sweep.samples
         stored = sum(s.nbytes for s in sweep.samples)
         out = {M.BYTES_PER_TOKEN: M.model_bytes(stored) / max(sum(lengths), 1)}

@@ -43,6 +43,9 @@ class SampleRouting:
     def __init__(self, layers, recorded: np.ndarray | None = None, rollout=None):
         self.layers: tuple[int, ...] = tuple(layers)
         self.rollout: np.ndarray | None = rollout
+        # R3: [n] bool, position p's trainer routing (natural, in the old-log-prob pass) differs
+        # from the rollout server's in at least one MoE layer of the whole model
+        self.rollout_differs: np.ndarray | None = None
         self._full: np.ndarray | None = None
         self._patch: tuple[tuple[int, ...], np.ndarray, np.ndarray] | None = (
             None  # shape, bits, ids

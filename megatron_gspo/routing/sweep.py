@@ -8,6 +8,10 @@ with pipelining several microbatch forwards run before their backwards. With act
 recompute, `leave` hooks the chunk's output: its gradient arrives before any layer of the chunk
 is recomputed, and the hook switches that chunk's routers to REPLAY_BACKWARD (the core then pops
 the targets in forward order) and stops observing; the next forward step sets REPLAY_FORWARD again.
+
+Per-token drift: with a reference to compare with, `leave` also ORs, over the chunk's MoE
+layers, which router tokens moved (top-k set != the reference's); `moved_positions` turns that
+into one flag per sample position over the whole model (every stage's layers).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from functools import partial
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megatron_gspo.routing.gather import gather_stage
 from megatron_gspo.routing.storage import SampleRouting, microbatch_targets
@@ -35,6 +40,12 @@ class Sweep:
             n_tok = len(self.positions) * mbs[0].tokens.shape[0]
             shape = (len(mbs), len(owner.layers), n_tok, owner.topk)
             self.buffer = torch.zeros(shape, dtype=owner.torch_dtype, device=owner.device)
+        self.moved = None  # [M, 1, N, 1] uint8: moved in any of this rank's MoE layers
+        if compare is not None:
+            n_tok = len(self.positions) * mbs[0].tokens.shape[0]
+            self.moved = torch.zeros(
+                (len(mbs), 1, n_tok, 1), dtype=torch.uint8, device=owner.device
+            )
 
     # ---- inside the forward step --------------------------------------------------------
 
@@ -60,6 +71,12 @@ class Sweep:
 
     def leave(self, model, mb, out):
         taps = self.owner.taps_of(model)
+        if self.moved is not None:
+            m = self.order[id(mb)]
+            for tap in taps:
+                if tap.differs is not None:
+                    self.moved[m, 0, :, 0] |= tap.differs.to(self.moved.dtype)
+                    tap.differs = None
         if self.capture:
             m = self.order[id(mb)]
             for tap in taps:
@@ -84,6 +101,29 @@ class Sweep:
     def captured(self, lengths: list[int]) -> dict[int, np.ndarray]:
         """{sample: [n, L, k]} natural routing of every sample (collective over the stage)."""
         return gather_stage(self.buffer, self.rows_Mb, self.owner.layout, self.seq_len, lengths)
+
+    def moved_positions(self, lengths: list[int]) -> list[np.ndarray] | None:
+        """Per sample, [n] bool: position p's top-k set differs from the reference in at least
+        one MoE layer of the model (collective: the stage's group, then the pipeline group,
+        whose stages hold the other layers). None without a reference."""
+        if self.moved is None:
+            return None
+        mine = gather_stage(self.moved, self.rows_Mb, self.owner.layout, self.seq_len, lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        flat = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=self.owner.device)
+        for i, arr in mine.items():
+            flat[offsets[i] : offsets[i + 1]] = torch.from_numpy(arr[:, 0, 0].astype(np.int32))
+        pipeline_any(flat)
+        flags = flat.cpu().numpy() > 0
+        return [flags[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]
+
+
+def pipeline_any(flags: torch.Tensor) -> None:
+    """In place: the flags of every pipeline stage of this replica added up (nonzero: any)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(flags, group=mpu.get_pipeline_model_parallel_group())
 
 
 def _to_recompute(taps, grad):

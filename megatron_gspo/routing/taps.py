@@ -11,7 +11,8 @@ wraps that instance's `get_replay_topk` (object state only, nothing global) and 
   forward of the same microbatch (expert matmuls see the same token counts: same rounding);
 - observation (forward only, never in the recompute): with `capture` it keeps the natural ids
   (`natural`); with a reference (`ref_Nk`, -1 where none) it counts the positions whose natural
-  top-k SET differs from the reference's:
+  top-k SET differs from the reference's, and keeps which ones did (`differs`, [N] bool, for
+the per-token drift of routing/sweep.py):
 
     changed += sum_j valid_j * [set(natural_j) != set(ref_j)],   seen += sum_j valid_j
 """
@@ -41,6 +42,7 @@ class RouterTap:
         self.capture = False
         self.natural: torch.Tensor | None = None  # [N, k] of the last observed forward
         self.ref_Nk: torch.Tensor | None = None  # [N, k], -1 rows: no reference
+        self.differs: torch.Tensor | None = None  # [N] bool of the last observed forward
         self.changed = torch.zeros((), dtype=torch.long)
         self.seen = torch.zeros((), dtype=torch.long)
 
@@ -67,6 +69,7 @@ class RouterTap:
             valid = self.ref_Nk[:, 0] >= 0
             same = natural.sort(-1).values == self.ref_Nk.sort(-1).values
             differs = ~same.all(-1) & valid
+            self.differs = differs
             self.changed = self.changed.to(differs.device) + differs.sum()
             self.seen = self.seen.to(differs.device) + valid.sum()
 
@@ -75,7 +78,7 @@ class RouterTap:
         self.replay.clear_router_replay_action()
         self.replay.clear_indices()
         self.observing = self.capture = False
-        self.natural = self.ref_Nk = None
+        self.natural = self.ref_Nk = self.differs = None
         self.changed = torch.zeros((), dtype=torch.long)
         self.seen = torch.zeros((), dtype=torch.long)
 

@@ -13,7 +13,9 @@ The gradient therefore does not depend on how the batch was split.
 
 Routing (MoE models, megatron_gspo/routing): `logprobs` records every sample's natural routing
 into batch.routing (r3: while replaying the rollout server's); `train_step` replays it (r2:
-recorded, r3: rollout) and reports routing/changed_fraction, in every mode.
+recorded, r3: rollout) and reports routing/changed_fraction, in every mode, and the mechanism
+the study looks for: the token log-ratio's std over the loss tokens whose routing moved since
+the old log-probs (any MoE layer, at the position that produced the token) and over the others.
 
 Fixed costs per call are kept off the step (they dominate on a small model): the parallel
 layout is read once, train()/eval() walk the modules only when the mode changes, world-size-1
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_gspo.algo import (
     combine_stats,
+    log_ratio_split_stats,
     loss_denominator,
     policy_loss,
     sequence_tis_weights,
@@ -45,6 +48,7 @@ from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import RoutingReplay
+from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
 # Logits one forward-only microbatch may produce (1 GiB in fp32) when it takes more rows than a
@@ -309,6 +313,8 @@ class Actor:
                 loss_scale_denominator=denom,
             )
             stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
+            if split is not None:  # the token log-ratios this loss saw, for the drift split
+                split.append((mb.index, (lp - mb.old_logprobs).detach(), mb.mask))
             return value * scale, stats
 
         own: list = []  # on_policy: (microbatch, its log-probs) as the loss saw them
@@ -317,14 +323,22 @@ class Actor:
             sweep = self.routing.train_sweep(replace(batch, routing=None), mbs, seq_len, None)
         elif self.routing:
             sweep = self.routing.train_sweep(batch, mbs, seq_len)
+        split = [] if sweep is not None and sweep.moved is not None else None
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
-        routing = self.routing.finish_train(sweep) if self.routing else {}
+        routing = {}
+        if self.routing:
+            if split is not None:
+                moved = sweep.moved_positions([len(t) for t in batch.tokens])
+                outputs = [*outputs, *_moved_split(split, moved)]
+            routing = self.routing.finish_train(sweep)
         if on_policy:
             mine = [r for mb, lp in own for r in token_rows(mb, lp)]
             batch.old_logprobs = _gather_rows(mine, len(batch), self.world)
         ok, grad_norm, _ = self.optimizer.step()
         metrics = _reduce_stats(outputs, self.world, self.tp)
+        if "tokens_moved_fraction" in metrics:
+            routing[TOKENS_CHANGED] = metrics.pop("tokens_moved_fraction")
         metrics.update(routing)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
@@ -371,6 +385,20 @@ class Actor:
         for i, c in enumerate(modules):
             _take_over(c, state["model"][f"model{i}"], directory, copy=True)
         optim_state.restore(self.optimizer, modules, state["optimizer"])
+
+
+def _moved_split(split: list, moved: list) -> list[dict]:
+    """log_ratio_split_stats of each microbatch the loss saw, `moved[i]` ([n] bool per position
+    of sample i) placed on its columns: column j is position j, which produced token j + 1."""
+    out = []
+    for index_b, log_ratio_BS, mask_BS in split:
+        moved_BS = torch.zeros(mask_BS.shape, dtype=torch.bool)
+        for r, i in enumerate(index_b.tolist()):
+            if i >= 0:
+                n = min(len(moved[i]), mask_BS.shape[1])
+                moved_BS[r, :n] = torch.from_numpy(moved[i][:n])
+        out.append(log_ratio_split_stats(log_ratio_BS, mask_BS, moved_BS.to(mask_BS.device)))
+    return out
 
 
 def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:

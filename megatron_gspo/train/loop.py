@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_gspo.config import Config
-from megatron_gspo.routing.metrics import CHANGED
+from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
@@ -118,7 +118,7 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
             update = actor.train_step(rows, loss_cfg, mbs)
         per_update.append(update)
     if first_on_policy and len(per_update) > 1:
-        drift = {k for m in per_update[1:] for k in m if k.startswith(CHANGED)}
+        drift = {k for m in per_update[1:] for k in m if k.startswith((CHANGED, TOKENS_CHANGED))}
         per_update[0].update(dict.fromkeys(drift, 0.0))
     metrics |= _mismatch(batch)
     return metrics | _combine_updates(per_update)
@@ -145,16 +145,30 @@ def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int)
 
 
 def _mismatch(batch: RLBatch) -> dict:
-    """mean |old - rollout| log-prob over trained tokens: the train-vs-inference gap."""
+    """mean |old - rollout| log-prob over trained tokens: the train-vs-inference gap; under R3
+    also split by whether the trainer's routing of the position that produced the token agreed
+    with the rollout server's in every MoE layer (`_routing_same`) or not (`_routing_differs`)."""
     if batch.rollout_logprobs is None:
         return {}
-    total, n = 0.0, 0
-    for old, roll, mask in zip(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask):
-        for o, r, m in zip(old, roll, mask):
+    sums = {"": [0.0, 0], "_routing_same": [0.0, 0], "_routing_differs": [0.0, 0]}
+    rows = zip(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask)
+    for i, (old, roll, mask) in enumerate(rows):
+        differs = _rollout_differs(batch, i)
+        for t, (o, r, m) in enumerate(zip(old, roll, mask)):
             if m and o is not None and r is not None:
-                total += abs(o - r)
-                n += 1
-    return {"mismatch/logprob_abs_diff": total / n} if n else {}
+                keys = [""]
+                if differs is not None and t >= 1:
+                    keys.append("_routing_differs" if differs[t - 1] else "_routing_same")
+                for key in keys:
+                    sums[key][0] += abs(o - r)
+                    sums[key][1] += 1
+    return {f"mismatch/logprob_abs_diff{k}": total / n for k, (total, n) in sums.items() if n}
+
+
+def _rollout_differs(batch: RLBatch, i: int):
+    """Sample i's per-position rollout-vs-trainer routing flags (R3), or None."""
+    routing = batch.routing[i] if batch.routing is not None else None
+    return getattr(routing, "rollout_differs", None)
 
 
 # actor metric -> (metrics key, how the minibatch updates of one step combine)
@@ -171,6 +185,8 @@ _KEYS = {
     "approx_kl_old": ("kl/old", "mean"),
     "entropy": ("entropy", "mean"),
     "tis_weight_mean": ("tis/weight_mean", "mean"),
+    "log_ratio_std_same": ("ratio/token_std_routing_same", "mean"),
+    "log_ratio_std_moved": ("ratio/token_std_routing_changed", "mean"),
 }
 
 

@@ -7,7 +7,9 @@ PLAN.json: [{"name", "tp", "pp", "ep", "vpp", "mbs", "recompute", "modes": [...]
 For each layout and mode, on fresh weights: old log-probs (recording), a step on the whole batch
 (weights unchanged: ratios must be 1), log-probs with the batch's routing replayed under the
 changed weights while forward hooks on every router collect the experts it really used, then a
-step on a reordered minibatch. Rank 0 writes everything as JSON.
+step on a reordered minibatch. Mode "none" also records, before that step, the natural routing
+and log-probs under the changed weights (the independent side of the drift split: that step
+routes naturally too). Rank 0 writes everything as JSON.
 """
 
 import argparse
@@ -126,6 +128,11 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
     layout_mbs, _, _ = actor._layout(batch, mbs)
     sp = bool(chunks[0].config.sequence_parallel)
     local = expert_mismatches(used, batch, source, layout_mbs, sp)
+    natural = {}
+    if mode == "none":
+        probe = RLBatch(batch.tokens, batch.loss_mask, batch.advantages)
+        natural["natural_logprobs"] = actor.logprobs(probe, mbs)
+        natural["natural_recorded"] = full_recorded(probe)
     step2 = actor.train_step(batch.rows(MINIBATCH), LOSS, mbs)
     checks = [None] * dist.get_world_size()
     dist.all_gather_object(checks, {str(k): v for k, v in local.items()})
@@ -138,7 +145,10 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
         "step2": step2,
         "experts": checks,
         "recorded": full_recorded(batch),
+        **natural,
     }
+    if mode == "r3":
+        result["rollout_differs"] = [s.rollout_differs.tolist() for s in batch.routing]
     return result
 
 

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_gspo.rollout.client import RolloutClient
 from tests.conftest import cli_env
+from tests.distributed.routing_worker import MINIBATCH  # the second update's rows
 from tests.e2e.server_process import running_server
 
 pytestmark = pytest.mark.distributed
@@ -40,6 +41,10 @@ PLAN = [  # 4 ranks: every layout has data-parallel replicas too
      "recompute": True},
 ]  # fmt: skip
 REF = "tp1"
+# Layouts that also run mode "none" (training routes naturally), for the drift split: one
+# process, sequence parallel (each TP rank routes part of the tokens), two pipeline stages (a
+# token moved if any stage's layers moved it).
+SPLIT_LAYOUTS = ["tp1", "tp2", "pp2"]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +95,14 @@ def runs(checkpoints, batch_file, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("routing")
     plan = tmp / "plan.json"
-    plan.write_text(json.dumps([dict(layout, modes=MODES) for layout in PLAN]))
+    plan.write_text(
+        json.dumps(
+            [
+                dict(layout, modes=MODES + (["none"] if layout["name"] in SPLIT_LAYOUTS else []))
+                for layout in PLAN
+            ]
+        )
+    )
     out = tmp / "out.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
@@ -143,6 +155,11 @@ def test_layouts_give_identical_replay(runs, name):
     for step in ("step1", "step2"):
         for key in ("loss", "grad_norm", "ratio_max", "routing/changed_fraction"):
             assert got[step][key] == pytest.approx(ref[step][key], rel=1e-5), (step, key)
+    for key in ("routing/tokens_changed_any", "log_ratio_std_same", "log_ratio_std_moved"):
+        assert (key in got["step2"]) == (key in ref["step2"]), key
+        if key in ref["step2"]:
+            assert got["step2"][key] == pytest.approx(ref["step2"][key], rel=1e-4), key
+    assert got.get("rollout_differs") == ref.get("rollout_differs")
     # Under R3 each stage packs its own patch bits (n x its layers, rounded up to bytes).
     key = "routing/bytes_per_token"
     (got_rec, got_bytes), (ref_rec, ref_bytes) = (
@@ -229,6 +246,40 @@ def test_r3_replays_the_rollout_routing(runs, checkpoints, batch_file):
         want = torch.from_numpy(np.sort(rollout, -1)).long()
         hits = (natural[:-1] == want).all(-1)
         same, total = same + int(hits.sum()), total + hits.numel()
+        # Per position: does the trainer's routing differ from the server's in any MoE layer
+        # (the split of mismatch/logprob_abs_diff)? The last position was never fed: no.
+        differs = (~hits.all(-1)).tolist() + [False]
+        assert run["rollout_differs"][i] == differs, i
     agreement = run["record_metrics"]["routing/rollout_train_agreement"]
     assert 0.3 < agreement < 0.99  # the perturbation moved some routing, not all
     assert agreement == pytest.approx(same / total, abs=1e-12)
+
+
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
+def test_log_ratio_std_is_split_by_whether_routing_moved(runs, batch_file, layout):
+    """The second update's token log-ratio std over the loss tokens whose routing moved (any
+    MoE layer, at the position that produced the token) and over the others, against the same
+    split written out here: log-ratio = natural log-prob under the updated weights - old
+    log-prob; moved = the top-k SET of some layer at position t - 1 differs between the natural
+    routing under the updated weights and the one the old log-probs recorded."""
+    batch = json.loads(batch_file.read_text())
+    run = runs[f"{layout}/none"]
+    old, new = run["old"], run["natural_logprobs"]
+    before, after = run["recorded"], run["natural_recorded"]  # [sample][layer][position][k]
+    groups: dict[bool, list[float]] = {False: [], True: []}
+    for i in MINIBATCH:
+        for t in range(1, len(batch["tokens"][i])):
+            if batch["loss_mask"][i][t]:
+                moved = any(
+                    sorted(before[i][layer][t - 1]) != sorted(after[i][layer][t - 1])
+                    for layer in range(len(before[i]))
+                )
+                groups[moved].append(new[i][t] - old[i][t])
+    same, moved = groups[False], groups[True]
+    assert same and moved, (len(same), len(moved))  # the update moved some routing, not all
+    step = run["step2"]
+    assert step["routing/tokens_changed_any"] == pytest.approx(
+        len(moved) / (len(same) + len(moved))
+    )
+    assert step["log_ratio_std_same"] == pytest.approx(float(np.std(same)), rel=1e-3)
+    assert step["log_ratio_std_moved"] == pytest.approx(float(np.std(moved)), rel=1e-3)

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import combine_stats, policy_loss, stat_reduce_op, summarize_stats
+from megatron_gspo.algo import (
+    combine_stats,
+    log_ratio_split_stats,
+    policy_loss,
+    stat_reduce_op,
+    summarize_stats,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -108,3 +114,47 @@ def test_ratio_std_survives_gspo_sized_deviations_in_fp32():
     mask_BT = torch.ones(4, 1, dtype=torch.bool)
     _, _, s = _run("gspo", log_ratio_BT, mask_BT, torch.ones(4))
     assert s["ratio_std"] == pytest.approx(dev.double().std(correction=0).item(), rel=1e-3)
+
+
+def test_log_ratio_split_by_moved_routing_over_microbatches():
+    """Two microbatches combined: the std of the log-ratio over the loss tokens whose routing
+    moved and over the others, and the moved share, against the numbers written out."""
+    lr1 = torch.tensor([[0.1, -0.2, 0.3], [0.05, 9.0, -0.1]])
+    mask1 = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])  # 9.0 is not a loss token
+    moved1 = torch.tensor([[True, False, True], [False, True, False]])
+    lr2 = torch.tensor([[0.4, -0.3]])
+    mask2 = torch.tensor([[1.0, 1.0]])
+    moved2 = torch.tensor([[True, False]])
+    parts = [
+        log_ratio_split_stats(lr1, mask1, moved1),
+        log_ratio_split_stats(lr2, mask2, moved2),
+    ]
+    combined = combine_stats(parts)
+    base = {"num_tokens": 7.0, "num_seqs": 3.0, "ratio_count": 0.0}
+    zeros = dict.fromkeys(("clipped_tokens_low", "clipped_tokens_high", "clipped_seqs"), 0.0)
+    zeros |= dict.fromkeys(("ratio_minus_one_sum", "ratio_minus_one_sq_sum", "kl_old_k3_sum"), 0)
+    stats = {k: torch.tensor(float(v)) for k, v in (base | zeros).items()} | combined
+    out = summarize_stats(stats)
+    moved = [0.1, 0.3, 0.4]
+    same = [-0.2, 0.05, -0.1, -0.3]
+
+    def std(xs):
+        mean = sum(xs) / len(xs)
+        return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+
+    assert out["log_ratio_std_moved"] == pytest.approx(std(moved), rel=1e-6)
+    assert out["log_ratio_std_same"] == pytest.approx(std(same), rel=1e-6)
+    assert out["tokens_moved_fraction"] == pytest.approx(3 / 7)
+
+
+def test_log_ratio_split_leaves_out_an_empty_group():
+    s = log_ratio_split_stats(torch.tensor([[0.1, 0.2]]), torch.ones(1, 2), torch.zeros(1, 2) > 0)
+    base = dict.fromkeys(
+        ("num_tokens", "num_seqs", "clipped_tokens_low", "clipped_tokens_high", "clipped_seqs",
+         "ratio_count", "ratio_minus_one_sum", "ratio_minus_one_sq_sum", "kl_old_k3_sum",
+         "ratio_min", "ratio_max"),
+        torch.tensor(1.0),
+    )  # fmt: skip
+    out = summarize_stats(base | s)
+    assert out["tokens_moved_fraction"] == 0.0 and "log_ratio_std_moved" not in out
+    assert out["log_ratio_std_same"] == pytest.approx(0.05, rel=1e-6)
