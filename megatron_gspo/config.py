@@ -64,6 +64,9 @@ class DataSection:
         _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
 
 
+SERVER_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass
 class RolloutSection:
     backend: str = "builtin"  # builtin | sglang
@@ -89,9 +92,15 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     health_timeout_s: float = 300.0
+    # the servers' numerics (null: the checkpoint's dtype). bfloat16 against an fp32 trainer
+    # opens the train-inference gap real engines have: log-probs and MoE routing then differ
+    # between rollout and trainer (what R3 and algo.tis address)
+    dtype: str | None = None  # float32 | bfloat16 | float16
 
     def check(self) -> None:
         _choice(self.backend, "rollout.backend", ("builtin", "sglang"))
+        if self.dtype is not None:
+            _choice(self.dtype, "rollout.dtype", SERVER_DTYPES)
         _choice(self.placement, "rollout.placement", ("colocated", "disaggregated"))
         if not self.urls:
             _positive(self.servers, "rollout.servers")

@@ -27,7 +27,7 @@ def run_study(args: argparse.Namespace, command: str) -> Path:
 
     if not args.collapse_margin > 0:
         raise UserError(f"--collapse-margin {args.collapse_margin}: give a margin > 0")
-    table = algo_table(fallback=Path(args.config).parent)
+    table = algo_table(fallback=Path(args.config).parent, base=Path(args.config))
     algos = parse_algos(args.algos, table)
     study = build_study(args.config, args.out, algos, args.seeds, args.overrides, args.steps, table)
     check_manifest(study)

@@ -20,6 +20,12 @@ MEANS = {
     "routing_changed": "routing/changed_fraction",
     "mismatch": "mismatch/logprob_abs_diff",
     "agreement": "routing/rollout_train_agreement",
+    # the mechanism: routing drift per token, and the token log-ratio's std split by it
+    "tokens_changed": "routing/tokens_changed_any",
+    "std_routing_same": "ratio/token_std_routing_same",
+    "std_routing_changed": "ratio/token_std_routing_changed",
+    "mismatch_routing_same": "mismatch/logprob_abs_diff_routing_same",
+    "mismatch_routing_differs": "mismatch/logprob_abs_diff_routing_differs",
 }
 
 

@@ -33,6 +33,16 @@ CLIP = (
     Panel("clipped tokens (fraction)", ("ratio/clip_fraction_tokens",)),
     Panel("clipped sequences (fraction)", ("ratio/clip_fraction_seqs",)),
 )
+MECHANISM = (
+    Panel("tokens whose routing moved (any MoE layer)", ("routing/tokens_changed_any",)),
+    Panel("token log-ratio std, routing same", ("ratio/token_std_routing_same",)),
+    Panel("token log-ratio std, routing changed", ("ratio/token_std_routing_changed",)),
+    Panel(
+        "|logp train - logp rollout| by routing agreement (R3)",
+        ("mismatch/logprob_abs_diff_routing_same", "mismatch/logprob_abs_diff_routing_differs"),
+        names=("routing agrees", "routing differs"),
+    ),
+)
 MISMATCH = (
     Panel("mean |logp train - logp rollout|", ("mismatch/logprob_abs_diff",)),
     Panel("R3: rollout vs train routing agreement", ("routing/rollout_train_agreement",)),
@@ -45,6 +55,8 @@ CAPTIONS = {
     "clip_fractions.png": "Fraction of tokens and of sequences clipped",
     "routing.png": "Routing changed fraction (all layers, then per layer for each algorithm)",
     "mismatch.png": "Train-vs-rollout log-prob mismatch, R3 routing agreement, and KL to the old policy",
+    "mechanism.png": "The mechanism: share of tokens whose routing moved, the token log-ratio std "
+    "over those tokens and over the rest, and the train-rollout gap split by routing agreement",
     "collapse.png": "Eval reward of every seed, collapse events marked",
 }
 
@@ -57,6 +69,7 @@ def write_figures(out: Path, by_algo: Runs, levels: dict[str, str], per_seed, ev
     _save(build_figure(flat, CLIP, ncols=2), out / "clip_fractions.png")
     _save(_routing_figure(by_algo), out / "routing.png")
     _save(build_figure(flat, MISMATCH, ncols=3), out / "mismatch.png")
+    _save(build_figure(flat, MECHANISM, ncols=2), out / "mechanism.png")
     _save(_collapse_figure(per_seed, events), out / "collapse.png")
     return list(CAPTIONS)
 

@@ -17,7 +17,20 @@ def findings(summaries: dict[str, list[RunSummary]], levels: dict[str, str], mar
     lines += _metric_line(ran, "clip_seqs", "Clipped sequences", ".2%", {})
     lines += _metric_line(ran, "routing_changed", "Routing changed by the updates", ".2%", {})
     lines += _metric_line(ran, "mismatch", "Mean |logp train - logp rollout|", ".2g", {})
+    lines += _metric_line(ran, "tokens_changed", "Trained tokens whose routing moved", ".2%", {})
+    lines += _split_line(ran)
     return lines
+
+
+def _split_line(ran: dict[str, list[RunSummary]]) -> list[str]:
+    """How much noisier the token log-ratio is where routing moved than where it did not."""
+    same, moved = _spreads(ran, "std_routing_same"), _spreads(ran, "std_routing_changed")
+    parts = [f"{a} {moved[a].mean / same[a].mean:.2g}x ({moved[a].mean:.2g} vs {same[a].mean:.2g})"
+             for a in same if a in moved and same[a].mean > 0]  # fmt: skip
+    if not parts:
+        return []
+    return ["Token log-ratio std where routing moved vs where it did not (ratio of the two): "
+            + ", ".join(parts) + "."]  # fmt: skip
 
 
 def _spreads(ran: dict[str, list[RunSummary]], name: str) -> dict[str, Spread]:

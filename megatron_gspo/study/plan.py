@@ -1,7 +1,9 @@
 """What a study runs: the algorithm table, one run per (algorithm, seed), and its record.
 
-The per-algorithm settings come from the `algo` sections of configs/tiny_moe_<name>.yaml (the
-files are read, not copied), so the study compares exactly what those configs run. A run's
+The per-algorithm settings come from the `algo` sections of the base config's family: for a base
+config named PREFIX_<algo>.yaml with every PREFIX_<name>.yaml beside it (configs/drift_moe_*.yaml),
+those files; else configs/tiny_moe_<name>.yaml (the files are read, not copied), so the study
+compares exactly what those configs run. A run's
 config is layered, later wins:
 
     BASE.yaml < the algorithm's row < overrides for every run < `ALGO:key=value` overrides
@@ -66,13 +68,31 @@ class Study:
     made_model: Path | None = None
 
 
-def algo_table(configs_dir: Path = CONFIGS_DIR, fallback: Path | None = None) -> dict[str, dict]:
-    """{name: {loss, clip_low, clip_high, routing_replay[, agg]}} from configs/tiny_moe_<name>.yaml
-    (the repository's configs, else `fallback`: the base config's directory)."""
+def family(base: Path) -> list[Path] | None:
+    """PREFIX_<name>.yaml for every algorithm when `base` is PREFIX_<algo>.yaml and all of them
+    exist beside it; else None."""
+    stem = Path(base).stem
+    for algo in sorted(ALGOS, key=len, reverse=True):  # grpo_r2 before grpo
+        if stem.endswith(f"_{algo}"):
+            prefix = stem[: -len(algo) - 1]
+            paths = [Path(base).parent / f"{prefix}_{name}.yaml" for name in ALGOS]
+            return paths if all(p.is_file() for p in paths) else None
+    return None
+
+
+def algo_table(
+    configs_dir: Path = CONFIGS_DIR, fallback: Path | None = None, base: Path | None = None
+) -> dict[str, dict]:
+    """{name: {loss, clip_low, clip_high, routing_replay[, agg]}} from the base config's family
+    (`family`), else configs/tiny_moe_<name>.yaml (the repository's configs, else `fallback`:
+    the base config's directory)."""
     table = {}
-    for name in ALGOS:
+    siblings = family(base) if base is not None else None
+    for i, name in enumerate(ALGOS):
         path = configs_dir / f"tiny_moe_{name}.yaml"
-        if not path.is_file() and fallback is not None:
+        if siblings is not None:
+            path = siblings[i]
+        elif not path.is_file() and fallback is not None:
             path = fallback / path.name
         if not path.is_file():
             raise UserError(f"{path} is missing: the study reads each algorithm's settings there")

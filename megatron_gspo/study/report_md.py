@@ -25,6 +25,14 @@ SUMMARY = (  # column title, summary name, format
     ("train-rollout logp gap", "mismatch", ".2g"),
     ("s/step", "step_s", ".2f"),
 )
+MECHANISM = (  # the second table: what ties ratio noise to routing
+    ("tokens with moved routing", "tokens_changed", ".2%"),
+    ("token log-ratio std, routing same", "std_routing_same", ".2g"),
+    ("token log-ratio std, routing changed", "std_routing_changed", ".2g"),
+    ("rollout-train routing agreement (R3)", "agreement", ".2%"),
+    ("logp gap, routing agrees", "mismatch_routing_same", ".2g"),
+    ("logp gap, routing differs", "mismatch_routing_differs", ".2g"),
+)
 
 
 def load(study: Study) -> dict[str, list[tuple[int, list[dict]]]]:
@@ -50,6 +58,7 @@ def write_report(study: Study, margin: float, command: str, failed: list[str]) -
         *_header(study, margin, command),
         *_settings(study),
         *_summary(study, summaries, margin),
+        *_mechanism(summaries),
         *_findings(study, summaries, margin),
         *_events(summaries, margin),
         *_runs(study, summaries, failed),
@@ -99,6 +108,24 @@ def _summary(study: Study, summaries: dict[str, list[RunSummary]], margin: float
         collapsed = sum(bool(r.events) for r in runs)
         rows.append(f"| {a} | {len(runs)}/{len(study.seeds)} | " + " | ".join(cells)
                     + f" | {collapsed}/{len(runs)} |")  # fmt: skip
+    return rows + [""]
+
+
+def _mechanism(summaries: dict[str, list[RunSummary]]) -> list[str]:
+    """Per algorithm: the share of trained tokens whose routing moved between the old log-probs
+    and an update (any MoE layer), the token log-ratio std over those tokens and over the rest,
+    and (with the rollout routing, R3) the train-rollout gap split by routing agreement."""
+    head = "| algo | " + " | ".join(t for t, _, _ in MECHANISM) + " |"
+    rows = ["## Mechanism: routing drift and token-level ratio noise", "",
+            "Per update, averaged over steps, then mean over seeds [lowest, highest]. A token's "
+            "routing is the top-k sets, in every MoE layer, of the position that produced it; it "
+            "moved when any set differs from the one the old log-probs saw. The log-ratio is "
+            "log pi_theta - log pi_old of the token, whatever the loss (n/a: not measured in that "
+            "mode, e.g. the rollout routing exists under R3 only).", "", head,
+            "|" + "---|" * (len(MECHANISM) + 1)]  # fmt: skip
+    for a, runs in summaries.items():
+        cells = [_cell(spread(runs, name), fmt) for _, name, fmt in MECHANISM]
+        rows.append(f"| {a} | " + " | ".join(cells) + " |")
     return rows + [""]
 
 

@@ -106,6 +106,7 @@ class Rollouts:
             kind=r.backend,
             enable_return_routed_experts=self.cfg.algo.routing_replay == "r3",
             tp_size=r.server_tp,
+            dtype=r.dtype,
             extra_args=list(r.extra_server_args),
             threads=1 if r.backend == "builtin" else 0,
         )

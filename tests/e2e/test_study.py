@@ -121,6 +121,22 @@ def test_algo_table_reads_the_configs(tmp_path):
     assert all("optim.lr=0.002" in r.overrides for r in study.runs)
 
 
+def test_algo_table_reads_the_base_configs_family(tmp_path):
+    """A base config PREFIX_<algo>.yaml with every sibling beside it: the table is theirs; a
+    family with a member missing falls back to the tiny configs."""
+    for name, clip in (("gspo", 0.01), ("grpo", 0.3), ("grpo_r2", 0.31), ("grpo_r3", 0.32)):
+        algo = {"loss": "gspo" if name == "gspo" else "grpo", "clip_low": clip, "clip_high": clip}
+        algo["routing_replay"] = {"grpo_r2": "r2", "grpo_r3": "r3"}.get(name, "none")
+        (tmp_path / f"deep_{name}.yaml").write_text(yaml.safe_dump({"algo": algo}))
+    table = algo_table(base=tmp_path / "deep_grpo_r3.yaml")
+    assert [table[a]["clip_low"] for a in ("gspo", "grpo", "grpo_r2", "grpo_r3")] == [
+        0.01, 0.3, 0.31, 0.32,
+    ]  # fmt: skip
+    assert table["grpo_r2"]["routing_replay"] == "r2"
+    (tmp_path / "deep_grpo.yaml").unlink()
+    assert algo_table(base=tmp_path / "deep_gspo.yaml") == algo_table()
+
+
 def test_unknown_algorithm_is_a_user_error():
     from megatron_gspo.study.plan import parse_algos
 
