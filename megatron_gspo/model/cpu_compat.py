@@ -338,7 +338,10 @@ def _patch_wgrad_accumulation() -> None:
         return
 
     def accumulate(total_input, grad_output, main_grad):
-        main_grad.addmm_(grad_output.t(), total_input)
+        # bf16/fp16 activations into an fp32 main_grad: the CUDA kernel multiplies the half
+        # inputs with fp32 accumulation; here the inputs are widened to main_grad's dtype.
+        dt = main_grad.dtype
+        main_grad.addmm_(grad_output.t().to(dt), total_input.to(dt))
 
     layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
         wgrad_gemm_accum_fp32=accumulate, wgrad_gemm_accum_fp16=accumulate

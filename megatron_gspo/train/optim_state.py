@@ -151,8 +151,10 @@ def sharded_state(optimizer, chunks, model_sd: dict, is_loading: bool) -> dict:
                 else _full_states(p, owners.get(p), distributed)
             )
             for k in STATES:
+                # fp32 main values and moments, also for a bf16 model's parameters
+                dtype = {"dtype": full[k].dtype} if hasattr(sh, "dtype") else {}
                 out[k][f"{i}.{name}"] = dataclasses.replace(
-                    sh, key=f"optimizer.{k}.{sh.key}", data=full[k]
+                    sh, key=f"optimizer.{k}.{sh.key}", data=full[k], **dtype
                 )
     out["step"] = _step(optimizer)
     return out
