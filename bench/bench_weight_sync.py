@@ -24,34 +24,68 @@ of its syncs, so "x floor" compares the two under the same load; the naive sync 
 times and its median is the "x naive" reference (it moves most from run to run).
 
     .venv/bin/python bench/bench_weight_sync.py [--reps 4] [--bucket-mb MB] [--model DIR]
+
+On a GPU machine, `--device cuda` puts the trainer on the GPU (bf16 with `--dtype bfloat16`,
+`--model-gb 2` for a 2 GB model: the same shapes with more layers). The built-in server runs on
+CPU and says so, so both transports stage the buckets in CPU memory (shared memory, gloo): the
+reference is then a device-to-host copy of the same bytes into shared memory, the naive sync is
+skipped (CUDA tensors cannot reach a CPU server by name) and the probe tolerance is bf16's. The
+GPU's own transfers are measured alone as the floors: a pinned device-to-host copy, a
+device-to-device copy, and CUDA IPC as the tensor transport uses it with a server on the GPU (a
+bucket packed on the GPU, its IPC handle sent as the payload, the receiving process copying it
+into its own GPU buffer). NCCL cannot be measured on one GPU (a communicator takes one rank per
+GPU). `--json FILE` writes the numbers; `--quick` skips the naive sync and the CPU floors;
+`--tiny` makes a model of a few MB (a check that the bench starts).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from megatron_gspo.model.hf_config import load_hf_config, model_spec
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 
 SPEC = TinySpec(vocab_size=32000, hidden=1024, layers=4, heads=8, kv_heads=4, head_dim=128,
                 ffn=2048, moe_ffn=512, experts=32, topk=4, seed=0)  # fmt: skip
+TINY = TinySpec(vocab_size=1024, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
+                ffn=256, moe_ffn=64, experts=8, topk=2, seed=0)  # fmt: skip
+# bf16: the probe's difference between the trainer's kernels (GPU) and the server's (CPU) is
+# recorded, not checked (it is rounding, of no fixed size)
+BF16_TOLERANCE = float("inf")
 
 
-def start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+def spec_for(a) -> TinySpec:
+    """SPEC (or TINY) in `--dtype`, with as many layers as make `--model-gb`."""
+    spec = replace(TINY if a.tiny else SPEC, dtype=a.dtype)
+    if a.model_gb is None:
+        return spec
+    h, esize = spec.hidden, torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    layer = 2 * h * q + 2 * h * kv + h * spec.experts + 3 * spec.experts * h * spec.moe_ffn
+    fixed = 2 * spec.vocab_size * h
+    return replace(spec, layers=max(1, round((a.model_gb * 1e9 / esize - fixed) / layer)))
+
+
+def start_server(model: Path, log: Path, threads: int = 2) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(model),
-             "--port", "0", "--threads", "2"],
+             "--port", "0", "--threads", str(threads)],
             env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     deadline = time.monotonic() + 600
@@ -63,21 +97,41 @@ def start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 class Memcpy:
-    """A plain copy of the sync's bytes, timed whenever `sample` is called."""
+    """A plain copy of the sync's bytes, timed whenever `sample` is called. From `device` (the
+    trainer's) into CPU memory: a memcpy on CPU, a device-to-host copy into shared memory (where
+    the buckets for a CPU server are) from a GPU."""
 
-    def __init__(self, nbytes: int):
-        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        self.dst = torch.empty_like(self.src)
+    def __init__(self, nbytes: int, device: str | torch.device = "cpu"):
+        device = torch.device(device)
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8)
+        self.what = "memcpy"
+        if device.type == "cuda":
+            self.what = "D2H copy into pageable memory"
+            if shm_free() > 1.2 * nbytes:  # where the buckets are; else pageable memory
+                self.dst.share_memory_()
+                self.what = "D2H copy into shared memory"
         self.dst.fill_(0)  # fault the pages in: steady state, as the syncs' buffers
         self.gbps: list[float] = []
 
     def sample(self) -> None:
         t = time.perf_counter()
         self.dst.copy_(self.src)
+        if self.src.is_cuda:
+            torch.cuda.synchronize()
         self.gbps.append(self.src.numel() / 1e9 / (time.perf_counter() - t))
 
     def median(self) -> float:
         return statistics.median(self.gbps)  # the syncs' statistic too
+
+
+def shm_free() -> int:
+    """Free bytes in /dev/shm (a container may have little): CPU buckets shared with a server
+    live there, and running out of it there is a SIGBUS, not an error."""
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return 0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -200,54 +254,169 @@ def naive_sync(chunks, url: str, version: str) -> None:
     servers.close()
 
 
+def gpu_copy_gbps(nbytes: int, pinned: bool, reps: int = 3) -> float:
+    """The same bytes copied on the GPU (device to device) or into pinned host memory, median."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = (
+        torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned else torch.empty_like(src)
+    )
+    dst.copy_(src)  # warm up: the pages exist, the copy engine is awake
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return nbytes / 1e9 / statistics.median(times)
+
+
+def _ipc_receiver(conn, nbytes: int) -> None:
+    """A GPU server's side of the tensor transport: open each payload's IPC handle (the device
+    named by UUID, as SGLang does) and copy the bucket into its own GPU buffer."""
+    import base64
+    import io
+    import pickle
+
+    from torch.multiprocessing import reductions
+
+    index = {str(torch.cuda.get_device_properties(i).uuid): i
+             for i in range(torch.cuda.device_count())}  # fmt: skip
+
+    def rebuild(*args):
+        return reductions.rebuild_cuda_tensor(*args[:6], index[args[6]], *args[7:])
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            return rebuild if name == "rebuild_cuda_tensor" else super().find_class(module, name)
+
+    weights = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        offset, payload = msg
+        flat = Unpickler(io.BytesIO(base64.b64decode(payload))).load()["flattened_tensor"]
+        weights[offset : offset + flat.numel()].copy_(flat)
+        torch.cuda.synchronize()
+        del flat
+        conn.send(offset)
+
+
+def cuda_ipc_gbps(nbytes: int, bucket: int, reps: int = 3) -> float:
+    """The tensor transport on one GPU alone: each bucket-sized piece packed into one of two GPU
+    buffers, sent as a CUDA IPC payload (weight_payload.serialize) to another process that copies
+    it into its GPU buffer; the next piece is packed while the receiver copies. Median of `reps`
+    passes over the bytes after one that opens the handles."""
+    import torch.multiprocessing as mp
+
+    from megatron_gspo.rollout import weight_payload as wp
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    bufs = [torch.empty(min(bucket, nbytes), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    ours, theirs = mp.get_context("spawn").Pipe()
+    peer = mp.get_context("spawn").Process(target=_ipc_receiver, args=(theirs, nbytes))
+    peer.start()
+    assert ours.recv() == "ready"
+
+    def one_pass() -> float:
+        t, pending = time.perf_counter(), 0
+        for i, offset in enumerate(range(0, nbytes, bucket)):
+            n = min(bucket, nbytes - offset)
+            if pending == 2:  # this buffer's last piece must be copied out first
+                ours.recv()
+                pending -= 1
+            buf = bufs[i % 2][:n]
+            buf.copy_(src[offset : offset + n])
+            torch.cuda.synchronize()
+            ours.send((offset, wp.serialize({"flattened_tensor": buf, "metadata": []})))
+            pending += 1
+        for _ in range(pending):
+            ours.recv()
+        return nbytes / 1e9 / (time.perf_counter() - t)
+
+    try:
+        one_pass()
+        return statistics.median(one_pass() for _ in range(reps))
+    finally:
+        ours.send(None)
+        peer.join(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--bucket-mb", type=float, default=None, help="default: sync.bucket_mb's")
     ap.add_argument("--model", default=None, help="reuse (or create) the random model here")
     ap.add_argument("--transports", default="tensor,distributed,disk")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the trainer's")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model-gb", type=float, default=None, help="default: SPEC (~1.1 GB fp32)")
+    ap.add_argument("--tiny", action="store_true", help="a model of a few MB (a start-up check)")
+    ap.add_argument("--quick", action="store_true", help="skip the naive sync and CPU floors")
+    ap.add_argument("--server-threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the numbers to this file")
     a = ap.parse_args()
     if a.bucket_mb is None:
         from megatron_gspo.weight_sync.config import SyncConfig
 
         a.bucket_mb = SyncConfig().bucket_mb  # what a run gets unless it says otherwise
+    if a.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a GPU machine's trainer stays on CPU too
+    elif not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU here")
+    # A SIGTERM (a time budget running out) ends the run through the `finally` below, which
+    # stops the server (in a session of its own, it would outlive the group's kill).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="bench-wsync-"))
     model = Path(a.model) if a.model else work / "model"
     if not model.exists():
         t = time.perf_counter()
-        make_tiny_model(SPEC, model)
+        make_tiny_model(spec_for(a), model)
         print(f"made the model in {time.perf_counter() - t:.0f} s", flush=True)
-    server, url = start_server(model, work / "server.log")
+    a.spec = model_spec(load_hf_config(model))  # the model's own shapes (it may be reused)
+    a.dtype_name = str(a.spec.dtype).removeprefix("torch.")
+    server, url = start_server(model, work / "server.log", a.server_threads)
     try:
-        run(a, model, url, server.pid)
+        out = run(a, model, url, server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
-@torch.no_grad()
-def run(a, model: Path, url: str, server_pid: int) -> None:
+def trainer(model: Path, spec):
+    """The trainer's model chunks as training holds them: megatron DDP with the distributed
+    optimizer (the default), whose parameters live in one buffer the tensor transport can lend;
+    its layer norms perturbed, so it differs from the server's checkpoint. Returns the chunks
+    and the bytes a sync moves."""
     from megatron_gspo.model.parallel import ParallelDims, init_distributed
     from megatron_gspo.model.policy import load_policy
     from megatron_gspo.train.actor import Actor, OptimConfig
     from megatron_gspo.weight_sync import gather
-    from megatron_gspo.weight_sync.config import SyncConfig
-    from megatron_gspo.weight_sync.sync import WeightSync
 
     init_distributed(ParallelDims())
-    # The trainer's model as training holds it: megatron DDP with the distributed optimizer
-    # (the default), whose parameters live in one buffer the tensor transport can lend.
     with torch.enable_grad():  # DDP hooks need autograd
         actor = Actor(load_policy(model, ParallelDims()), OptimConfig(lr=1e-6))
     chunks = gather.unwrap(actor.chunks)
     for name, p in chunks[0].named_parameters():
         if "layernorm" in name or "final_layernorm" in name:
             p.mul_(1.5)  # the trainer now differs from the server's checkpoint
+    esize = next(chunks[0].parameters()).element_size()
     nbytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
-    nbytes -= (chunks[0].padded_vocab_size - SPEC.vocab_size) * SPEC.hidden * 4 * 2  # padding
-    print(f"model: {nbytes / 1e9:.2f} GB fp32, {os.cpu_count()} CPUs, load {load()}", flush=True)
-    memcpy = Memcpy(nbytes)
+    padding = (chunks[0].padded_vocab_size - spec.vocab_size) * spec.hidden_size * esize * 2
+    nbytes -= padding  # the embedding's and output layer's padded rows are not sent
+    return chunks, nbytes
+
+
+@torch.no_grad()
+def run(a, model: Path, url: str, server_pid: int) -> dict:
+    chunks, nbytes = trainer(model, a.spec)
+    device = next(chunks[0].parameters()).device
+    on_gpu = device.type == "cuda"
+    print(f"model: {nbytes / 1e9:.2f} GB {a.dtype_name} on {device}, {os.cpu_count()} CPUs, "
+          f"load {load()}", flush=True)  # fmt: skip
+    memcpy = Memcpy(nbytes, device)
     memcpy.sample()
 
     def timed(fn, *args):
@@ -270,76 +439,153 @@ def run(a, model: Path, url: str, server_pid: int) -> None:
         "distributed": lambda: gloo_gbps(nbytes, piece),
         "disk": lambda: tmpfs_gbps(nbytes, piece),
     }
-    rows: dict[str, tuple[float, float, float, float]] = {}
-    version = 0
+    if a.quick or on_gpu:  # the buckets' staging copy (D2H from a GPU) is every one's floor
+        own_floor = dict.fromkeys(own_floor, memcpy_gbps)
+    rows, errors = {}, {}
     for name in a.transports.split(","):
-        cfg = SyncConfig(transport=name, bucket_mb=a.bucket_mb)
-        ws = WeightSync(chunks, [url], cfg, base_model=model)
-        times, cpus, floor = [], [], []
-        for _ in range(a.reps):
-            version += 1
-            report, wall, cpu = timed(ws.sync, version)
-            floor.append(own_floor[name]())
-            times.append(wall)
-            cpus.append(cpu)
-            assert report.bytes == nbytes, (report.bytes, nbytes)
-        ws.verify(str(version))  # the server's probe log-probs are the trainer's
-        rest = slice(1, None) if a.reps > 1 else slice(None)
-        rows[name] = (times[0], statistics.median(times[rest]), statistics.median(cpus[rest]),
-                      statistics.median(floor[rest]))  # fmt: skip
-        print(f"{name:12s} first {times[0]:6.2f} s  then {rows[name][1]:6.2f} s  "
-              f"({rows[name][2]:.2f} CPU s)  load {load()}", flush=True)  # fmt: skip
-        ws.close()
-    naives = []
-    for _ in range(3):
-        version += 1
-        naives.append(timed(naive_sync, chunks, url, str(version))[1:])
-    naive, naive_cpu = (statistics.median(x) for x in zip(*naives))
-    print(f"{'naive':12s} {naive:6.2f} s ({naive_cpu:.2f} CPU s, one request per tensor; "
-          f"range {min(t for t, _ in naives):.2f}-{max(t for t, _ in naives):.2f} s)")  # fmt: skip
-    floors = [(gloo_gbps(nbytes, piece), tcp_gbps(nbytes, piece), tmpfs_gbps(nbytes, piece))
-              for _ in range(3)]  # fmt: skip
-    gloo, tcp, tmpfs = (statistics.median(x) for x in zip(*floors))
+        try:
+            need = 3 * int(a.bucket_mb * (1 << 20))  # two buckets in flight, and slack
+            if on_gpu and name == "tensor" and shm_free() < need:
+                raise RuntimeError(f"/dev/shm has {shm_free() / 1e9:.2f} GB free, the tensor "
+                                   f"transport's CPU buckets need ~{need / 1e9:.2f} GB")  # fmt: skip
+            rows[name] = sync_transport(a, name, chunks, model, url, nbytes, timed, own_floor[name])
+        except Exception as e:  # on a GPU machine (one shot), the other transports still run
+            if not on_gpu:
+                raise
+            errors[name] = f"{type(e).__name__}: {e}"[:1000]
+            print(f"{name:12s} FAILED: {errors[name]}", flush=True)
+    naive = naive_cpu = None
+    if not (a.quick or on_gpu):  # CUDA tensors cannot reach a CPU server one by one
+        naives = [timed(naive_sync, chunks, url, f"naive-{i}")[1:] for i in range(3)]
+        naive, naive_cpu = (statistics.median(x) for x in zip(*naives))
+        print(f"{'naive':12s} {naive:6.2f} s ({naive_cpu:.2f} CPU s, one request per tensor; "
+              f"range {min(t for t, _ in naives):.2f}-{max(t for t, _ in naives):.2f} s)")  # fmt: skip
     memcpy.sample()
-    ref = memcpy.median()
+    out = results(a, nbytes, device, memcpy, rows, naive, transfer_floors(a, nbytes, on_gpu))
+    out["errors"] = errors
+    report(a, out, naive, naive_cpu)
+    return out
+
+
+def sync_transport(a, name, chunks, model, url, nbytes, timed, own_floor) -> dict:
+    """`a.reps` syncs through one transport, each followed by its own floor; then the probe."""
+    from megatron_gspo.weight_sync.config import SyncConfig
+    from megatron_gspo.weight_sync.sync import WeightSync
+
+    tolerance = SyncConfig().tolerance if a.dtype_name == "float32" else BF16_TOLERANCE
+    cfg = SyncConfig(transport=name, bucket_mb=a.bucket_mb, tolerance=tolerance)
+    ws = WeightSync(chunks, [url], cfg, base_model=model)
+    times, cpus, floor = [], [], []
+    for i in range(a.reps):
+        report, wall, cpu = timed(ws.sync, f"{name}-{i}")
+        floor.append(own_floor())
+        times.append(wall)
+        cpus.append(cpu)
+        assert report.bytes == nbytes, (report.bytes, nbytes)
+    # the server's probe log-probs are the trainer's (raises past the tolerance)
+    probe = ws.verify(f"{name}-{a.reps - 1}")[0].max_diff
+    ws.close()
+    rest = slice(1, None) if a.reps > 1 else slice(None)
+    row = {"first": times[0], "steady": statistics.median(times[rest]),
+           "cpu_s": statistics.median(cpus[rest]), "floor": statistics.median(floor[rest]),
+           "probe_max_diff": probe}  # fmt: skip
+    print(f"{name:12s} first {times[0]:6.2f} s  then {row['steady']:6.2f} s  "
+          f"({row['cpu_s']:.2f} CPU s)  load {load()}", flush=True)  # fmt: skip
+    return row
+
+
+def transfer_floors(a, nbytes: int, on_gpu: bool) -> dict:
+    """The transfers alone, the same bytes in bucket-sized pieces (median of 3): on a GPU its
+    copies and CUDA IPC; on CPU gloo, TCP and /dev/shm (unless --quick)."""
+    piece = int(a.bucket_mb * (1 << 20))
+    if on_gpu:
+        return {"d2h_pinned": gpu_copy_gbps(nbytes, pinned=True),
+                "d2d": gpu_copy_gbps(nbytes, pinned=False),
+                "cuda_ipc": cuda_ipc_gbps(nbytes, piece), "nccl": None}  # fmt: skip
+    if a.quick:
+        return {}
+    samples = [(gloo_gbps(nbytes, piece), tcp_gbps(nbytes, piece), tmpfs_gbps(nbytes, piece))
+               for _ in range(3)]  # fmt: skip
+    return dict(zip(("gloo", "tcp", "tmpfs"), (statistics.median(x) for x in zip(*samples))))
+
+
+def results(a, nbytes, device, memcpy, rows, naive, floors) -> dict:
+    ref, gb = memcpy.median(), nbytes / 1e9
+    out = {
+        "device": str(device), "dtype": a.dtype_name, "model_bytes": nbytes,
+        "layers": a.spec.num_layers, "bucket_mb": a.bucket_mb, "reps": a.reps,
+        "shm_free_gb": shm_free() / 1e9,
+        "reference": {"what": memcpy.what, "gbps": ref,
+                      "range": [min(memcpy.gbps), max(memcpy.gbps)]},
+        "transports": {
+            name: {"gbps": gb / r["steady"], "first_gbps": gb / r["first"],
+                   "x_reference": gb / r["steady"] / ref, "cpu_s": r["cpu_s"],
+                   "x_floor": gb / r["steady"] / r["floor"], "probe_max_diff": r["probe_max_diff"]}
+            for name, r in rows.items()
+        },
+        "naive_gbps": None if naive is None else gb / naive,
+        "floors": floors,
+    }  # fmt: skip
+    if device.type == "cuda":
+        out["notes"] = {"nccl": "not measurable on one GPU: NCCL takes one rank per GPU",
+                        "built-in server": "on CPU: the tensor transport stages buckets in shared "
+                        "memory, the distributed one broadcasts over gloo"}  # fmt: skip
+    return out
+
+
+def report(a, out: dict, naive: float | None, naive_cpu: float | None) -> None:
+    nbytes, ref, floors = out["model_bytes"], out["reference"]["gbps"], out["floors"]
+    gbps = out["reference"]["range"]
     print()
     print(f"load average at the end: {load()}")
     print(
-        f"memcpy of the same bytes: {ref:.2f} GB/s median of {len(memcpy.gbps)} "
-        f"(range {min(memcpy.gbps):.2f}-{max(memcpy.gbps):.2f}; a sync's bound is half of it)"
+        f"{out['reference']['what']} of the same bytes: {ref:.2f} GB/s median "
+        f"(range {gbps[0]:.2f}-{gbps[1]:.2f}; a sync's bound is half of it)"
     )
-    naive_gbps = nbytes / 1e9 / naive
-    print(f"naive sync: {naive_gbps:.3f} GB/s (median of 3); buckets of {a.bucket_mb:g} MB")
-    print("the transfers alone, the same bytes in bucket-sized pieces, median of 3 after the "
-          "syncs (at most this x naive):")  # fmt: skip
-    print(
-        f"  bare gloo broadcast        {gloo:5.2f} GB/s  {gloo / naive_gbps:5.1f}x  (distributed)"
-    )
-    print(f"  plain TCP stream, loopback {tcp:5.2f} GB/s  {tcp / naive_gbps:5.1f}x  (any TCP)")
-    print(f"  /dev/shm write + read back {tmpfs:5.2f} GB/s  {tmpfs / naive_gbps:5.1f}x  (disk)")
-    print("x floor: of the transport's own transfer alone (tensor: memcpy; distributed: bare "
-          "gloo; disk: /dev/shm write + read), timed after each sync")  # fmt: skip
+    naive_gbps = None if naive is None else nbytes / 1e9 / naive
+    if naive_gbps is not None:
+        print(f"naive sync: {naive_gbps:.3f} GB/s (median of 3); buckets of {a.bucket_mb:g} MB")
+    if "gloo" in floors:
+        gloo, tcp, tmpfs = floors["gloo"], floors["tcp"], floors["tmpfs"]
+        print("the transfers alone, the same bytes in bucket-sized pieces, median of 3 after the "
+              "syncs (at most this x naive):")  # fmt: skip
+        print(
+            f"  bare gloo broadcast        {gloo:5.2f} GB/s  {gloo / naive_gbps:5.1f}x  (distributed)"
+        )
+        print(f"  plain TCP stream, loopback {tcp:5.2f} GB/s  {tcp / naive_gbps:5.1f}x  (any TCP)")
+        print(f"  /dev/shm write + read back {tmpfs:5.2f} GB/s  {tmpfs / naive_gbps:5.1f}x  (disk)")
+        print("x floor: of the transport's own transfer alone (tensor: memcpy; distributed: bare "
+              "gloo; disk: /dev/shm write + read), timed after each sync")  # fmt: skip
+    for what, v in floors.items():
+        if "gloo" not in floors:
+            print(f"  {what:12s} {'n/a' if v is None else f'{v:7.2f} GB/s'}")
     print("transport     GB/s   x memcpy   x naive   x floor   CPU s/sync   "
           "(steady state; first in brackets)")  # fmt: skip
-    for name, (first, steady, cpu, floor) in rows.items():
-        gbps = nbytes / 1e9 / steady
+    for name, r in out["transports"].items():
+        x_naive = "-" if naive_gbps is None else f"{r['gbps'] / naive_gbps:6.1f}"
         print(
-            f"{name:12s} {gbps:5.2f}   {gbps / ref:6.3f}    {naive / steady:6.1f}    "
-            f"{gbps / floor:6.2f}   {cpu:8.2f}     [{nbytes / 1e9 / first:.2f} GB/s]"
+            f"{name:12s} {r['gbps']:5.2f}   {r['x_reference']:6.3f}    {x_naive:>6s}    "
+            f"{r['x_floor']:6.2f}   {r['cpu_s']:8.2f}     [{r['first_gbps']:.2f} GB/s]"
         )
-    print(f"{'naive':12s} {nbytes / 1e9 / naive:5.2f}   {nbytes / 1e9 / naive / ref:6.3f}    "
+    if naive_gbps is None:
+        return
+    print(f"{'naive':12s} {naive_gbps:5.2f}   {naive_gbps / ref:6.3f}    "
           f"{1.0:6.1f}              {naive_cpu:8.2f}")  # fmt: skip
     print()
-    bare = {"tensor": ref, "distributed": gloo, "disk": tmpfs}  # each one's transfer alone
-    for name, (_, steady, _, _) in rows.items():
-        goals = [] if name != "tensor" else [("0.35x memcpy", nbytes / 1e9 / steady / ref, 0.35)]
-        goals.append(("10x naive", naive / steady, 10.0))
+    bare = {"tensor": ref, "distributed": floors.get("gloo"), "disk": floors.get("tmpfs")}
+    for name, r in out["transports"].items():
+        goals = [] if name != "tensor" else [("0.35x memcpy", r["x_reference"], 0.35)]
+        goals.append(("10x naive", r["gbps"] / naive_gbps, 10.0))
         verdict = "; ".join(
             f"{what}: {'met' if got >= want else 'NOT met'} ({got:.2f})"
             for what, got, want in goals
         )
-        print(f"goal {name:12s} {verdict}; its bare transfer alone is "
-              f"{bare[name] / naive_gbps:.1f}x naive")  # fmt: skip
+        alone = (
+            ""
+            if bare[name] is None
+            else f"; its bare transfer alone is {bare[name] / naive_gbps:.1f}x naive"
+        )
+        print(f"goal {name:12s} {verdict}{alone}")
 
 
 def load() -> str:
