@@ -128,11 +128,16 @@ def _add_train(sub) -> None:
     p.set_defaults(func=_cmd_train)
 
 
+# Model-shape flags of make-task-model: each overrides the task's or the preset's value.
+TASK_MODEL_SHAPE = ("layers", "hidden", "experts", "topk", "moe_ffn")
+
+
 def _cmd_make_task_model(args) -> None:
     from megatron_gspo.data.warmstart import make_task_model
 
+    shape = {k: getattr(args, k) for k in TASK_MODEL_SHAPE if getattr(args, k) is not None}
     try:
-        make_task_model(args.out, task=args.task, seed=args.seed)
+        make_task_model(args.out, task=args.task, seed=args.seed, preset=args.preset, **shape)
     except FileExistsError as e:
         raise UserError(str(e)) from None
     print(f"wrote {args.out}")
@@ -143,8 +148,17 @@ def _add_make_task_model(sub) -> None:
         "make-task-model", help="a tiny MoE fine-tuned to be partly competent on a built-in task"
     )
     p.add_argument("--out", required=True)
-    p.add_argument("--task", default="arith")
+    p.add_argument("--task", default=None, help="built-in task (default: the preset's, or arith)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="a named model shape with its task: drift (6 MoE layers of 32 small experts, top-4, "
+        "on sortlong)",
+    )
+    g = p.add_argument_group("model shape (default: the preset's, else the task's)")
+    for name in TASK_MODEL_SHAPE:
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None)
     p.set_defaults(func=_cmd_make_task_model)
 
 

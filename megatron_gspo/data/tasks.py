@@ -1,30 +1,40 @@
 """Built-in verifiable tasks with exact answers, split into train and eval by a hash of the prompt.
 
-Each task enumerates every prompt it has; a prompt belongs to `eval` when the first 8 bytes of its
-SHA-256, as an integer, are divisible by EVAL_EVERY, else to `train`. The split depends on the
-prompt text only (not on a seed), so no prompt is ever in both, whatever the caller's seed.
+arith and sort enumerate every prompt they have; sortlong, whose 10^10 prompts are too many, has a
+fixed set of SORTLONG_PROMPTS distinct ones drawn from random.Random(SORTLONG_SEED), the same for
+every caller. A prompt belongs to `eval` when the first 8 bytes of its SHA-256, as an integer, are
+divisible by EVAL_EVERY, else to `train`. The split depends on the prompt text only (not on a
+seed), so no prompt is ever in both, whatever the caller's seed.
 
 Prompts use only words of the tiny tokenizer (model/tiny.py): digits, `+ ?` and a few words.
 Answers are written without spaces ("15"); the tiny tokenizer decodes digits with spaces
 ("1 5"), which the exact-answer reward ignores.
 
-  arith  "what is 7 + 5 + 3 ?" -> "15"      three digits 0-9: 1000 prompts, ~200 held out
-  sort   "sort 3 1 2" -> "123"              three digits 0-9: 1000 prompts, ~200 held out
+  arith     "what is 7 + 5 + 3 ?" -> "15"     three digits 0-9: 1000 prompts, ~200 held out
+  sort      "sort 3 1 2" -> "123"             three digits 0-9: 1000 prompts, ~200 held out
+  sortlong  "sort 3 1 4 1 5 9 2 6 5 3"        ten digits 0-9: 8000 prompts, 1562 held out
+              -> "1,1,2,3,3,4,5,5,6,9"        19 tokens (+ EOS): the long answer of the drift regime
 
 `sloppy_answer` is the typical mistake of each task, which the starting checkpoint is taught to
 make (data/warmstart.py): arith writes only the last digit of a two-digit sum ("5" for 15, the
 carry forgotten), sort gives the digits back in the order they came. Each is wrong on 78% of the
-prompts (220 of 1000 sums are below 10; 220 of 1000 triples are already sorted).
+prompts (220 of 1000 sums are below 10; 220 of 1000 triples are already sorted). sortlong sorts
+all digits but the last one given and puts that one at the end ("1,1,2,3,4,5,5,6,9,3", a loop
+that stops one short): the answer leaves the right one where that digit belongs, so the point
+where it goes wrong is spread along the answer, not at its first token. It is wrong on 84% of
+the prompts (6731 of 8000: right where the last digit is the largest).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from collections.abc import Callable
 
 EVAL_EVERY = 5
 SPLITS = ("train", "eval")
+SORTLONG_DIGITS, SORTLONG_PROMPTS, SORTLONG_SEED = 10, 8000, 22
 
 
 def _arith() -> list[tuple[str, str]]:
@@ -41,7 +51,23 @@ def _sort() -> list[tuple[str, str]]:
     ]
 
 
-TASKS: dict[str, Callable[[], list[tuple[str, str]]]] = {"arith": _arith, "sort": _sort}
+def _sortlong() -> list[tuple[str, str]]:
+    rng = random.Random(SORTLONG_SEED)  # a fixed prompt set, whatever the caller's seed
+    seen: set[tuple[int, ...]] = set()
+    rows = []
+    while len(rows) < SORTLONG_PROMPTS:
+        digits = tuple(rng.randrange(10) for _ in range(SORTLONG_DIGITS))
+        if digits not in seen:
+            seen.add(digits)
+            rows.append(("sort " + " ".join(map(str, digits)), ",".join(map(str, sorted(digits)))))
+    return rows
+
+
+TASKS: dict[str, Callable[[], list[tuple[str, str]]]] = {
+    "arith": _arith,
+    "sort": _sort,
+    "sortlong": _sortlong,
+}
 
 
 def sloppy_answer(task: str, prompt: str, answer: str) -> str:
@@ -50,6 +76,9 @@ def sloppy_answer(task: str, prompt: str, answer: str) -> str:
         return answer[-1]
     if task == "sort":
         return "".join(prompt.split()[1:])
+    if task == "sortlong":
+        digits = prompt.split()[1:]
+        return ",".join(sorted(digits[:-1]) + digits[-1:])
     raise KeyError(task)
 
 

@@ -16,6 +16,12 @@ on many others, so reward-driven RL has a clear, learnable signal on held-out pr
 (arith, seed 0, HF model, 8 prompts x 8 samples a step, sequence-ratio loss with 4 minibatches,
 Adam lr 2e-4): held-out greedy accuracy 0.22 -> 0.43 / 0.73 / 0.88 after 10 / 15 / 20 steps.
 
+PRESETS name model shapes for other regimes. `drift` (6 MoE layers of 32 experts, top-4, 1.28M
+parameters, on sortlong's 20-token answers) is meant to show MoE routing drift and token-level
+ratio noise under RL. Measured (seed 0, HF generate, ~3 min to build on 2 busy CPU cores): held-out greedy
+accuracy 0.33 (the mistake 0.65); at temperature 1, 64 prompts x 8 samples: mean reward 0.29,
+64% of the groups mixed (seed 1: 0.38; 0.33, 70%).
+
 Deterministic for a seed: batches come from random.Random(seed), weights from torch.manual_seed,
 and training runs on one thread (the reduction order of a matmul changes with the thread count).
 HF transformers only.
@@ -41,13 +47,42 @@ from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 INFO_FILE = "warmstart.json"
 # Copying the list back is an easier habit to pick up than forgetting a carry: with the arith
 # setting the sort model almost never sorts when sampled (mean sampled reward 0.21, pass@8 0.37).
-TASK_DEFAULTS: dict[str, dict] = {"arith": {}, "sort": {"keep_right": 0.4}}
+# sortlong (tuned on the drift preset): the switch to the mistake first breaks the sorting for a
+# few hundred steps, so its sloppy phase is long, and both phases cool down (a constant rate left
+# the checkpoint anywhere between 0.15 and 0.5 greedy accuracy depending on the last batches).
+TASK_DEFAULTS: dict[str, dict] = {
+    "arith": {},
+    "sort": {"keep_right": 0.4},
+    "sortlong": {
+        "clean_steps": 300,
+        "clean_lr": 5e-3,
+        "warmup_steps": 30,
+        "sloppy_steps": 450,
+        "sloppy_lr": 2e-3,
+        "cooldown_steps": 150,
+        "keep_right": 0.3,
+    },
+}
+# Named model shapes (each with its task); flags and knobs override them. drift: many MoE layers
+# of many small experts and a long answer, where routing drifts and token-level ratios are noisy.
+PRESETS: dict[str, dict] = {
+    "drift": {
+        "task": "sortlong",
+        "layers": 6,
+        "hidden": 64,
+        "experts": 32,
+        "topk": 4,
+        "moe_ffn": 32,
+    },
+}
 
 
 @dataclass
 class WarmStartSpec:
     """Model sizes and the two fine-tuning phases (steps of `batch_size` prompts); the defaults
-    are arith's (TASK_DEFAULTS holds each task's changes)."""
+    are arith's (TASK_DEFAULTS holds each task's changes). Each phase warms its learning rate up
+    linearly over `warmup_steps`, then holds it, or lowers it linearly towards 0 over its last
+    `cooldown_steps` when that is not 0."""
 
     hidden: int = 64
     layers: int = 2
@@ -61,6 +96,7 @@ class WarmStartSpec:
     sloppy_steps: int = 100
     sloppy_lr: float = 3e-3
     keep_right: float = 0.25
+    cooldown_steps: int = 0
 
     def tiny_spec(self, seed: int) -> TinySpec:
         return TinySpec(
@@ -77,19 +113,40 @@ class WarmStartSpec:
         )
 
 
-def _spec(task: str, knobs: dict) -> WarmStartSpec:
+def task_model_spec(
+    task: str | None = None, preset: str | None = None, **knobs
+) -> tuple[str, WarmStartSpec]:
+    """The task and settings a task model is built with: WarmStartSpec's defaults, then the task's
+    (TASK_DEFAULTS), then the preset's model shape, then `knobs`. The task is `task`, else the
+    preset's, else arith. Bad values are a one-line UserError."""
+    shape = dict(PRESETS.get(preset, {}))
+    if preset is not None and not shape:
+        raise UserError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    preset_task = shape.pop("task", "arith")
+    task = preset_task if task is None else task
     if task not in TASK_DEFAULTS:
         raise UserError(f"unknown task {task!r}; choose one of: {', '.join(TASK_DEFAULTS)}")
     known = {f.name for f in fields(WarmStartSpec)}
     unknown = sorted(set(knobs) - known)
     if unknown:
         raise UserError(f"unknown warm-start setting(s) {unknown}; known: {sorted(known)}")
-    spec = WarmStartSpec(**{**TASK_DEFAULTS[task], **knobs})
+    spec = WarmStartSpec(**{**TASK_DEFAULTS[task], **shape, **knobs})
+    _check(spec)
+    return task, spec
+
+
+def _check(spec: WarmStartSpec) -> None:
     if spec.layers < 2 or spec.experts < 2 or not 1 <= spec.topk <= spec.experts:
         raise UserError("the task model needs >= 2 layers and 1 <= topk <= experts >= 2")
+    if spec.hidden < 8 or spec.hidden % 8 or spec.moe_ffn < 1:
+        raise UserError(
+            f"hidden must be a multiple of 8 (4 heads of an even size) and moe_ffn >= 1, got "
+            f"hidden {spec.hidden}, moe_ffn {spec.moe_ffn}"
+        )
     if not 0.0 <= spec.keep_right <= 1.0:
         raise UserError(f"keep_right is a probability, got {spec.keep_right}")
-    return spec
+    if spec.batch_size < 1 or spec.warmup_steps < 1 or spec.cooldown_steps < 0:
+        raise UserError("batch_size and warmup_steps must be >= 1 and cooldown_steps >= 0")
 
 
 def _batch(
@@ -121,6 +178,14 @@ def _answer_nll(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.T
     return -(logp * mask).sum() / mask.sum()
 
 
+def _lr_scale(spec: WarmStartSpec, step: int, steps: int) -> float:
+    """Linear warmup over warmup_steps; then 1, or a linear fall over the last cooldown_steps."""
+    scale = min(1.0, (step + 1) / spec.warmup_steps)
+    if spec.cooldown_steps:
+        scale *= min(1.0, (steps - step) / spec.cooldown_steps)
+    return scale
+
+
 def _train(model, tokenizer, task, rows, spec, rng, phase: str) -> float:
     steps = spec.clean_steps if phase == "clean" else spec.sloppy_steps
     lr = spec.clean_lr if phase == "clean" else spec.sloppy_lr
@@ -135,7 +200,7 @@ def _train(model, tokenizer, task, rows, spec, rng, phase: str) -> float:
             for r in batch
         ]
         for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / spec.warmup_steps)
+            group["lr"] = lr * _lr_scale(spec, step, steps)
         loss = _answer_nll(model, *_batch(tokenizer, batch, answers))
         opt.zero_grad()
         loss.backward()
@@ -161,14 +226,22 @@ def _fine_tune(path: Path, task: str, seed: int, spec: WarmStartSpec) -> dict:
     return {f"{phase}_final_loss": round(loss, 4) for phase, loss in losses.items()}
 
 
-def make_task_model(out: str | os.PathLike, task: str = "arith", seed: int = 0, **knobs) -> Path:
+def make_task_model(
+    out: str | os.PathLike,
+    task: str | None = None,
+    seed: int = 0,
+    preset: str | None = None,
+    **knobs,
+) -> Path:
     """Write a partly competent tiny Qwen3-MoE for `task` (HF checkpoint + tokenizer) to `out`.
 
-    `knobs` override WarmStartSpec fields. The checkpoint appears at `out` complete or not at
-    all (built in a temporary directory beside it, then renamed). `out` must not exist.
+    `preset` names a model shape in PRESETS (with its task, used when `task` is None; arith
+    without either); `knobs` override WarmStartSpec fields. The checkpoint appears at `out`
+    complete or not at all (built in a temporary directory beside it, then renamed). `out` must
+    not exist.
     """
     out = Path(out)
-    spec = _spec(task, knobs)
+    task, spec = task_model_spec(task, preset, **knobs)
     if out.exists():
         raise UserError(f"{out} exists; remove it or pass another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +250,8 @@ def make_task_model(out: str | os.PathLike, task: str = "arith", seed: int = 0, 
     try:
         torch.set_num_threads(1)
         work = make_tiny_model(spec.tiny_spec(seed), tmp / "model")
-        info = {"task": task, "seed": seed, **asdict(spec), **_fine_tune(work, task, seed, spec)}
+        info = {"task": task, "seed": seed, "preset": preset, **asdict(spec)}
+        info.update(_fine_tune(work, task, seed, spec))
         (work / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         os.replace(work, out)
     finally:

@@ -53,11 +53,20 @@ def ensure_model(study: Study) -> None:
     if path is None or path.exists():
         return
     task = task_of(study.config, study.common)
-    print(f"starting model: making {path} (make-task-model --task {task})", flush=True)
+    args = ["--task", task, *_preset_for(task)]
+    print(f"starting model: making {path} (make-task-model {' '.join(args)})", flush=True)
     cmd = [sys.executable, "-m", "megatron_gspo", "make-task-model", "--out", str(path)]
     log = study.out / "logs" / "make-task-model.log"
-    if _call(cmd + ["--task", task], log) != 0:
+    if _call(cmd + args, log) != 0:
         raise UserError(f"make-task-model failed; see {log}")
+
+
+def _preset_for(task: str) -> list[str]:
+    """`--preset NAME` of the model preset made for `task` (sortlong: drift), else nothing."""
+    from megatron_gspo.data.warmstart import PRESETS
+
+    names = [name for name, p in PRESETS.items() if p.get("task") == task]
+    return ["--preset", names[0]] if names else []
 
 
 def execute(study: Study) -> list[RunSpec]:

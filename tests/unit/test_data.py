@@ -31,21 +31,39 @@ def tokenizer(tmp_path_factory):
 
 def _solve(task: str, prompt: str) -> str:
     digits = [int(d) for d in re.findall(r"\d", prompt)]
-    return str(sum(digits)) if task == "arith" else "".join(map(str, sorted(digits)))
+    if task == "arith":
+        return str(sum(digits))
+    return ("," if task == "sortlong" else "").join(map(str, sorted(digits)))
 
 
-@pytest.mark.parametrize("task", ["arith", "sort"])
+# every triple of digits once; sortlong: a fixed set of distinct ten-digit prompts
+N_PROMPTS = {"arith": 1000, "sort": 1000, "sortlong": 8000}
+
+
+@pytest.mark.parametrize("task", ["arith", "sort", "sortlong"])
 def test_builtin_splits_are_disjoint_complete_and_correct(task):
     train = load_prompts(f"builtin:{task}", "train")
     evals = load_prompts(f"builtin:{task}", "eval")
     train_p = {r.prompt for r in train.rows}
     eval_p = {r.prompt for r in evals.rows}
     assert not train_p & eval_p
-    assert len(train_p) + len(eval_p) == 1000  # every triple of digits, once
-    assert 150 <= len(eval_p) <= 250  # about one in five held out
+    assert len(train.rows) == len(train_p) and len(evals.rows) == len(eval_p)
+    assert len(train_p) + len(eval_p) == N_PROMPTS[task]
+    assert 0.15 <= len(eval_p) / N_PROMPTS[task] <= 0.25  # about one in five held out
     for row in train.rows + evals.rows:
         assert row.answer == _solve(task, row.prompt)
     assert (train.skipped, train.source) == (0, f"builtin:{task}")
+
+
+def test_sortlong_prompts_are_fixed_ten_digit_lists():
+    rows = load_prompts("builtin:sortlong", "eval", seed=3).rows
+    assert all(re.fullmatch(r"sort( \d){10}", r.prompt) for r in rows)
+    assert len(rows) == 1562  # the same set for every seed: only the order follows it
+    assert {r.prompt for r in rows} == {
+        r.prompt for r in load_prompts("builtin:sortlong", "eval").rows
+    }
+    digits = [d for r in rows for d in r.prompt.split()[1:]]
+    assert set(digits) == set("0123456789")
 
 
 def test_builtin_seed_shuffles_order_not_membership():
@@ -62,6 +80,36 @@ def test_sloppy_answers():
     rows = load_prompts("builtin:arith", "train").rows + load_prompts("builtin:arith", "eval").rows
     wrong = sum(sloppy_answer("arith", r.prompt, r.answer) != r.answer for r in rows)
     assert wrong == 1000 - 220  # sums of three digits >= 10: 1000 - C(12, 3)
+
+
+def test_sortlong_sloppy_answer_puts_the_last_digit_at_the_end():
+    prompt, answer = "sort 3 1 4 1 5 9 2 6 5 3", "1,1,2,3,3,4,5,5,6,9"
+    assert sloppy_answer("sortlong", prompt, answer) == "1,1,2,3,4,5,5,6,9,3"
+    assert sloppy_answer("sortlong", "sort 5 1 8 9 4 3 9 1 7 0", "") == "1,1,3,4,5,7,8,9,9,0"
+    # right where the last digit is the largest (ties included)
+    assert sloppy_answer("sortlong", "sort 9 0 0 0 0 0 0 0 0 9", "") == "0,0,0,0,0,0,0,0,9,9"
+    rows = load_prompts("builtin:sortlong", "train").rows
+    rows += load_prompts("builtin:sortlong", "eval").rows
+    sloppy = [sloppy_answer("sortlong", r.prompt, r.answer) for r in rows]
+    assert sum(s != r.answer for s, r in zip(sloppy, rows)) == 6731  # of 8000
+    assert all(sorted(s) == sorted(r.answer) for s, r in zip(sloppy, rows))  # the same digits
+    # where it first leaves the answer is spread along it: at any digit but the last
+    first = {
+        next(i for i, (a, b) in enumerate(zip(s, r.answer)) if a != b)
+        for s, r in zip(sloppy, rows)
+        if s != r.answer
+    }
+    assert first == set(range(0, 18, 2))
+
+
+def test_sortlong_answers_are_long_in_the_tiny_tokenizer(tokenizer):
+    rows = load_prompts("builtin:sortlong", "eval").rows[:200]
+    for row in rows:
+        for text in (row.answer, sloppy_answer("sortlong", row.prompt, row.answer)):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert 16 <= len(ids) + 1 <= 64  # with EOS: 10 digits, 9 commas, EOS = 20
+            assert len(ids) == 19 and tokenizer.unk_token_id not in ids
+            assert "".join(tokenizer.decode(ids).split()) == text  # what the reward compares
 
 
 def test_builtin_errors():
