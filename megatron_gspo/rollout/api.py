@@ -17,7 +17,16 @@ from collections.abc import Callable
 import numpy as np
 
 from megatron_gspo.rollout.engine import Engine, Request
-from megatron_gspo.rollout.sampling import BadRequest, parse_sampling_params
+from megatron_gspo.rollout.sampling import parse_sampling_params
+from megatron_gspo.rollout.validate import (
+    DEFAULT_LIMITS,
+    INT32_MAX,
+    BadRequest,
+    Limits,
+    flag,
+    integer,
+    show,
+)
 
 
 def error_body(message: str) -> dict:
@@ -31,13 +40,15 @@ def parse_generate(
     vocab_size: int,
     encode: Callable[[str], list[int]] | None,
     context_len: int,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> tuple[list[Request], bool, dict]:
-    """Requests for a /generate body, whether the answer is a list, and response options."""
+    """Requests for a /generate body, whether the answer is a list, and response options.
+    Every field is checked here (type and range), so the engine only sees valid requests."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the built-in server")
-    prompts, batched = _prompts(body, encode)
+    prompts, batched = _prompts(body, encode, limits)
     for ids in prompts:
         _check_ids(ids, vocab_size)
         if len(ids) >= context_len:
@@ -48,18 +59,20 @@ def parse_generate(
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     if len(sps) != len(prompts):
         raise BadRequest("sampling_params is a list of another length than the batch")
-    params = [parse_sampling_params(sp, vocab_size) for sp in sps]
-    rids = body.get("rid")
-    if isinstance(rids, list):
-        if len(rids) != len(prompts) or len(set(map(str, rids))) != len(rids):
-            raise BadRequest("rid must be a list of distinct strings, one per prompt")
-    elif rids is not None and len(prompts) > 1:
-        raise BadRequest("a batch needs a list of rids, one per prompt")
-    else:
-        rids = [rids] * len(prompts)
+    params = [parse_sampling_params(sp, vocab_size, limits) for sp in sps]
+    total = sum(sp.n for sp in params)
+    if total > limits.max_batch:
+        raise BadRequest(
+            f"the request asks for {total} sequences (prompts x sampling_params.n); this server "
+            f"takes at most {limits.max_batch} in one request (--max-batch-size): split it"
+        )
+    rids = _rids(body.get("rid"), len(prompts))
     return_logprob = _per_item(body, "return_logprob", False, len(prompts))
+    return_logprob = [flag(v, "return_logprob") for v in return_logprob]
     start_len = _per_item(body, "logprob_start_len", -1, len(prompts))
-    routed = bool(body.get("return_routed_experts", False))
+    start_len = [integer(v, "logprob_start_len", -1, INT32_MAX) for v in start_len]
+    routed = body.get("return_routed_experts")
+    routed = False if routed is None else flag(routed, "return_routed_experts")
     requests: list[Request] = []
     for i, (ids, sp) in enumerate(zip(prompts, params)):
         group = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
@@ -70,19 +83,27 @@ def parse_generate(
                     params=sp,
                     rid=group if sp.n == 1 else f"{group}_{j}",
                     group=group,
-                    return_logprob=bool(return_logprob[i]),
-                    logprob_start_len=int(start_len[i]),
+                    return_logprob=return_logprob[i],
+                    logprob_start_len=start_len[i],
                     return_routed=routed,
                 )
             )
-    options = {"routed_start": _int(body.get("routed_experts_start_len", 0) or 0, "routed")}
+    start = body.get("routed_experts_start_len") or 0
+    options = {"routed_start": integer(start, "routed_experts_start_len", 0, INT32_MAX)}
     return requests, batched or params[0].n > 1, options
 
 
-def _prompts(body: dict, encode) -> tuple[list[list[int]], bool]:
+def _prompts(body: dict, encode, limits: Limits) -> tuple[list[list[int]], bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise BadRequest("give exactly one of input_ids or text")
+    nested = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    batch = text if text is not None else ids if nested else None
+    if isinstance(batch, list) and len(batch) > limits.max_batch:  # refused before encoding
+        raise BadRequest(
+            f"the batch holds {len(batch)} prompts; this server takes at most "
+            f"{limits.max_batch} in one request (--max-batch-size): split it"
+        )
     if text is not None:
         if encode is None:
             raise BadRequest("this checkpoint has no tokenizer.json; send input_ids")
@@ -98,12 +119,30 @@ def _prompts(body: dict, encode) -> tuple[list[list[int]], bool]:
     raise BadRequest("input_ids must be a list of token ids or a list of such lists")
 
 
+def _rids(rids: object, n: int) -> list:
+    if isinstance(rids, list):
+        if len(rids) != n or not all(_is_rid(r) for r in rids):
+            raise BadRequest("rid must be a list of distinct strings, one per prompt")
+        if len(set(map(str, rids))) != n:
+            raise BadRequest("rid must be a list of distinct strings, one per prompt")
+        return rids
+    if rids is not None and not _is_rid(rids):
+        raise BadRequest(f"rid must be a string, got {type(rids).__name__}")
+    if rids is not None and n > 1:
+        raise BadRequest("a batch needs a list of rids, one per prompt")
+    return [rids] * n
+
+
+def _is_rid(r: object) -> bool:
+    return isinstance(r, str) or (isinstance(r, int) and not isinstance(r, bool))
+
+
 def _check_ids(ids: list, vocab_size: int) -> None:
     if not ids:
         raise BadRequest("the prompt is empty")
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise BadRequest(f"input_ids holds {t!r}, not a token id in [0, {vocab_size})")
+            raise BadRequest(f"input_ids holds {show(t)}, not a token id in [0, {vocab_size})")
 
 
 def _per_item(body: dict, key: str, default, n: int) -> list:
@@ -112,14 +151,8 @@ def _per_item(body: dict, key: str, default, n: int) -> list:
     if isinstance(v, list):
         if len(v) != n:
             raise BadRequest(f"{key} is a list of another length than the batch")
-        return v
+        return [default if x is None else x for x in v]
     return [v] * n
-
-
-def _int(v: object, key: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{key} must be an integer")
-    return v
 
 
 def format_result(

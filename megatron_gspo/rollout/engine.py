@@ -11,11 +11,17 @@ k/v rows and logits are copied to the others, as SGLang's prefix cache shares th
 A command marked `needs_idle` (a weight update while generation is not paused) waits until the
 running requests finish and holds new ones back meanwhile, so no request sees two weight versions,
 as SGLang's model-update lock does. While paused (`/pause_generation`) commands run at once.
+
+Failures stay with the request that caused them: one that cannot be admitted or sampled (or whose
+log-prob comes out NaN) finishes with `error` set and the thread keeps serving. Should the thread
+still end (a bug, a BaseException), `alive` turns False (the server's /health answers 503) and
+every pending and later request and command fails at once instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -102,17 +108,18 @@ class Engine:
         self.free_slots = list(range(max_running - 1, -1, -1))
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._dead: str | None = None  # why the engine thread ended, once it has
+        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
 
     # ---- API for other threads -----------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort every request and end the thread; a stuck thread is left behind (daemon)."""
         self._post(("stop",))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout_s)
 
     def submit(self, req: Request) -> None:
         self._post(("submit", req))
@@ -137,12 +144,53 @@ class Engine:
     def num_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is serving (False before start and after it ended)."""
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def death(self) -> str | None:
+        """Why the engine thread ended, once it has."""
+        return self._dead
+
     def _post(self, msg: tuple) -> None:
         with self._wake:
-            self._inbox.append(msg)
-            self._wake.notify()
+            if self._dead is None:
+                self._inbox.append(msg)
+                self._wake.notify()
+                return
+        self._refuse(msg)
+
+    def _refuse(self, msg: tuple) -> None:
+        """Answer a message the engine thread will never read: fail it at once."""
+        why = f"the generation engine is not running ({self._dead})"
+        if msg[0] == "submit":
+            req = msg[1]
+            req.error = why
+            self._finish(req, {"type": "abort", "message": why})
+        elif msg[0] == "call":
+            msg[1].future.set_exception(RuntimeError(why))
 
     # ---- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        why = "stopped"
+        try:
+            self._loop()
+        except BaseException as e:
+            why = f"failed: {type(e).__name__}: {e}"
+            log.critical("the engine thread ended: %s", why, exc_info=True)
+        finally:
+            with self._wake:
+                self._dead = why
+                inbox, self._inbox = self._inbox, deque()
+            for req in [*self.running, *self.waiting]:
+                self._fail(req, f"the generation engine {why}")
+            while self.commands:
+                self._refuse(("call", self.commands.popleft()))
+            for msg in inbox:
+                self._refuse(msg)
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -151,17 +199,31 @@ class Engine:
                 while not self._inbox and not self._has_work():
                     self._wake.wait()
                 inbox, self._inbox = self._inbox, deque()
-            for msg in inbox:
-                if msg[0] == "stop":
-                    self._abort_all("Server shutting down")
+            try:
+                if self._iterate(inbox):
                     return
-                self._handle(msg)
-            self._run_commands()
-            if self.paused:
-                continue
-            self._admit()
-            if self.running:
-                self._step()
+            except Exception as e:  # a bug: fail what was running, keep serving the rest
+                log.exception("engine step failed")
+                with self._wake:  # messages not read yet are read next time
+                    self._inbox.extendleft(reversed(inbox))
+                for req in list(self.running):
+                    self._fail(req, f"engine step failed: {type(e).__name__}: {e}")
+
+    def _iterate(self, inbox: deque) -> bool:
+        """One pass of the loop; True when told to stop."""
+        while inbox:
+            msg = inbox.popleft()
+            if msg[0] == "stop":
+                self._abort_all("Server shutting down")
+                return True
+            self._handle(msg)
+        self._run_commands()
+        if self.paused:
+            return False
+        self._admit()
+        if self.running:
+            self._step()
+        return False
 
     def _has_work(self) -> bool:
         if self.commands and (self.paused or not self.commands[0].needs_idle or not self.running):
@@ -214,17 +276,24 @@ class Engine:
             if budget < len(req.input_ids) and budget != self.max_prefill_tokens:
                 break
             self.waiting.popleft()
+            try:
+                self._prepare(req)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(req, f"could not start the request: {type(e).__name__}: {e}")
+                continue
             budget -= len(req.input_ids)
             req.slot = self.free_slots.pop()
-            sp = req.params
-            if sp.sampling_seed is not None:
-                req.generator = torch.Generator().manual_seed(sp.sampling_seed)
-            req.stop_ids = frozenset(sp.stop_token_ids) | (
-                frozenset() if sp.ignore_eos else frozenset(self.eos_ids)
-            )
-            req.limit = min(sp.max_new_tokens, self.context_len - len(req.input_ids))
-            req.adjusted = sp.penalised or bool(sp.logit_bias)
             self.running.append(req)
+
+    def _prepare(self, req: Request) -> None:
+        sp = req.params
+        if sp.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(sp.sampling_seed)
+        req.stop_ids = frozenset(sp.stop_token_ids) | (
+            frozenset() if sp.ignore_eos else frozenset(self.eos_ids)
+        )
+        req.limit = min(sp.max_new_tokens, self.context_len - len(req.input_ids))
+        req.adjusted = sp.penalised or bool(sp.logit_bias)
 
     def _chunk(self, req: Request) -> Chunk:
         if req.fed == 0:
@@ -258,10 +327,16 @@ class Engine:
             if out.routed is not None and req.return_routed:
                 req.routed.append(out.routed[k])
             if chunk.start == 0 and chunk.logits_from >= 0:
-                self._input_logprobs(req, out.logits[k])
+                try:
+                    self._input_logprobs(req, out.logits[k])
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    self._fail(req, f"prompt log-probs failed: {type(e).__name__}: {e}")
         last_BV = out.last_BV
         if len(run) < len(chunks):
             last_BV = last_BV[[at[j] for j in src]]
+        keep = [i for i, req in enumerate(batch) if req.error is None]
+        if len(keep) < len(batch):
+            batch, last_BV = [batch[i] for i in keep], last_BV[keep]
         self._sample(batch, last_BV)
 
     def _copy_shared(self, chunks: list[Chunk], src: list[int]) -> None:
@@ -295,26 +370,13 @@ class Engine:
             reqs, logits_BV = [reqs[i] for i in keep], logits_BV[keep]
         if not reqs:
             return
-        adjust = [
-            i
-            for i, r in enumerate(reqs)
-            if r.adjusted or len(r.output_ids) < r.params.min_new_tokens
-        ]
-        if adjust:
-            logits_BV = logits_BV.clone()
-            for i in adjust:
-                r = reqs[i]
-                logits_BV[i] = adjust_logits(
-                    logits_BV[i], r.params, r.input_ids, r.output_ids, self.eos_ids
-                )
-        tokens, logprobs = sample_batch(
-            logits_BV,
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            self.generator,
-            self.model.decode_kernel,
-        )
-        for req, token, logprob in zip(reqs, tokens, logprobs):
+        reqs, logits_BV = self._adjust(reqs, logits_BV)
+        for req, token, logprob in zip(reqs, *self._draw(reqs, logits_BV)):
+            if token is None:  # failed in _draw
+                continue
+            if math.isnan(logprob):  # the validation should make this impossible: a bug
+                self._fail(req, "sampling failed: the token's log-prob is NaN")
+                continue
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
             n, sp = len(req.output_ids), req.params
@@ -323,6 +385,51 @@ class Engine:
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     self._finish(req, reason)
+
+    def _adjust(self, reqs: list[Request], logits_BV: torch.Tensor):
+        """Penalties, logit bias and min_new_tokens on the rows that need them; a request whose
+        adjustment fails is failed and left out."""
+        adjust = [
+            i
+            for i, r in enumerate(reqs)
+            if r.adjusted or len(r.output_ids) < r.params.min_new_tokens
+        ]
+        if not adjust:
+            return reqs, logits_BV
+        logits_BV = logits_BV.clone()
+        for i in adjust:
+            r = reqs[i]
+            try:
+                logits_BV[i] = adjust_logits(
+                    logits_BV[i], r.params, r.input_ids, r.output_ids, self.eos_ids
+                )
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(r, f"sampling failed: {type(e).__name__}: {e}")
+        keep = [i for i, r in enumerate(reqs) if r.error is None]
+        if len(keep) < len(reqs):
+            return [reqs[i] for i in keep], logits_BV[keep]
+        return reqs, logits_BV
+
+    def _draw(self, reqs: list[Request], logits_BV: torch.Tensor) -> tuple[list, list]:
+        """Tokens and log-probs for the batch; should a request's parameters break the batched
+        draw, row by row, with None as the token of the rows that fail."""
+        args = [r.params for r in reqs], [r.generator for r in reqs]
+        try:
+            return sample_batch(logits_BV, *args, self.generator, self.model.decode_kernel)
+        except Exception:  # noqa: BLE001 - find the row that did it
+            log.exception("batched sampling failed; sampling row by row")
+        tokens, logprobs = [], []
+        for i, r in enumerate(reqs):
+            try:
+                [t], [lp] = sample_batch(
+                    logits_BV[i : i + 1], [r.params], [r.generator], self.generator
+                )
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                t, lp = None, math.nan
+                self._fail(r, f"sampling failed: {type(e).__name__}: {e}")
+            tokens.append(t)
+            logprobs.append(lp)
+        return tokens, logprobs
 
     def _stop_reason(self, req: Request, token: int) -> dict | None:
         sp, n = req.params, len(req.output_ids)
@@ -337,6 +444,12 @@ class Engine:
         if n >= sp.max_new_tokens or len(req.input_ids) + n >= self.context_len:
             return {"type": "length", "length": n}
         return None
+
+    def _fail(self, req: Request, message: str) -> None:
+        """Finish a request the engine could not serve (the server answers 500)."""
+        log.warning("request %s failed: %s", req.rid, message)
+        req.error = message
+        self._finish(req, {"type": "abort", "message": message})
 
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason

@@ -1,5 +1,5 @@
-"""What the built-in server's handlers share: the state key, the error answer, JSON bodies, and
-running a function on the engine thread."""
+"""What the built-in server's handlers share: the state key, the error answer, JSON bodies (read
+within a time limit, nesting bounded), and running a function on the engine thread."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ from aiohttp import web
 
 from megatron_gspo.rollout.api import error_body
 from megatron_gspo.rollout.engine import Engine
-from megatron_gspo.rollout.sampling import BadRequest
+from megatron_gspo.rollout.validate import BadRequest, check_depth
 
 STATE = web.AppKey("state", object)
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
+
+
+class BodyTimeout(BadRequest):
+    """The client did not send its body in time (HTTP 408)."""
 
 
 def bad(message: str, status: int = 400) -> web.Response:
@@ -22,12 +27,21 @@ def bad(message: str, status: int = 400) -> web.Response:
 async def read_json(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
+    timeout = request.app.get(BODY_TIMEOUT)
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer too long to read
         raise BadRequest(f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    check_depth(body)
     return body
 
 

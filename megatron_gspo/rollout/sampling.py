@@ -8,10 +8,23 @@ Constrained decoding (json_schema, regex, ebnf) is not implemented: such request
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from megatron_gspo.rollout.validate import (
+    DEFAULT_LIMITS,
+    INT32_MAX,
+    SEED_END,
+    TOP_K_ALL,
+    BadRequest,
+    Limits,
+    flag,
+    integer,
+    number,
+)
 
 if TYPE_CHECKING:
     from megatron_gspo.rollout.kernels import CompiledDecode
@@ -41,10 +54,6 @@ KNOWN_KEYS = {
     "stream_interval",
     "custom_params",
 }
-
-
-class BadRequest(ValueError):
-    """A request the server refuses with HTTP 400; the message says what to change."""
 
 
 @dataclass
@@ -78,70 +87,92 @@ class SamplingParams:
         )
 
 
-def parse_sampling_params(raw: object, vocab_size: int) -> SamplingParams:
-    """Validate a request's `sampling_params` dict as SGLang does: unknown keys are a 400."""
+def parse_sampling_params(
+    raw: object, vocab_size: int, limits: Limits = DEFAULT_LIMITS
+) -> SamplingParams:
+    """Validate a request's `sampling_params` dict as SGLang does: unknown keys are a 400, and so
+    is a value of the wrong type or out of range (the message names the key)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequest("sampling_params must be a JSON object")
     unknown = sorted(set(raw) - KNOWN_KEYS)
     if unknown:
-        raise BadRequest(f"unknown sampling_params keys: {', '.join(unknown)}")
+        raise BadRequest(f"unknown sampling_params keys: {', '.join(map(str, unknown))}")
     for key in ("json_schema", "regex", "ebnf"):
         if raw.get(key) is not None:
             raise BadRequest(
                 f"{key} (constrained decoding) is not supported by the built-in server"
             )
     sp = SamplingParams()
-    try:
-        _fill(sp, {k: v for k, v in raw.items() if v is not None}, vocab_size)
-    except (TypeError, ValueError) as e:
-        raise BadRequest(f"invalid sampling_params: {e}") from None
+    _fill(sp, {k: v for k, v in raw.items() if v is not None}, vocab_size, limits)
     return sp
 
 
-def _fill(sp: SamplingParams, raw: dict, vocab_size: int) -> None:
-    for key in ("max_new_tokens", "top_k", "n", "min_new_tokens"):
-        if key in raw:
-            setattr(sp, key, _int(raw[key], key))
-    for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
-        if key in raw:
-            setattr(sp, key, float(raw[key]))
-    if "repetition_penalty" in raw:
-        sp.repetition_penalty = float(raw["repetition_penalty"])
-    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
-        if key in raw:
-            setattr(sp, key, bool(raw[key]))
+# key -> (lowest, highest, lowest excluded): SGLang's ranges, all finite
+_FLOATS = {
+    "temperature": (0.0, math.inf, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.0, 2.0, True),
+}
+MAX_STOP_STRINGS = 256
+MAX_LOGIT_BIAS = 1e9  # beyond it a bias adds nothing, and +/-inf in fp32 logits is a NaN
+
+
+def _fill(sp: SamplingParams, raw: dict, vocab_size: int, limits: Limits) -> None:
+    def key(name: str) -> str:
+        return f"sampling_params.{name}"
+
+    for name in ("max_new_tokens", "min_new_tokens"):
+        if name in raw:
+            setattr(sp, name, integer(raw[name], key(name), 0, INT32_MAX))
+    if "n" in raw:
+        sp.n = integer(raw["n"], key("n"), 1, limits.max_n)
+    if "top_k" in raw:
+        sp.top_k = integer(raw["top_k"], key("top_k"), None, None)
+        if sp.top_k != -1 and not 1 <= sp.top_k <= TOP_K_ALL:
+            raise BadRequest(f"{key('top_k')} must be -1 (off) or in [1, 2^30], got {sp.top_k}")
     if "sampling_seed" in raw:
-        sp.sampling_seed = _int(raw["sampling_seed"], "sampling_seed")
-    stop = raw.get("stop", [])
-    sp.stop = [stop] if isinstance(stop, str) else [str(s) for s in stop]
-    sp.stop_token_ids = [_int(t, "stop_token_ids") for t in raw.get("stop_token_ids", [])]
-    sp.logit_bias = {int(k): float(v) for k, v in dict(raw.get("logit_bias", {})).items()}
-    checks = [
-        (sp.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
-        (sp.temperature >= 0, "temperature must be >= 0"),
-        (0 < sp.top_p <= 1, "top_p must be in (0, 1]"),
-        (sp.top_k == -1 or sp.top_k >= 1, "top_k must be -1 (off) or >= 1"),
-        (0 <= sp.min_p <= 1, "min_p must be in [0, 1]"),
-        (sp.n >= 1, "n must be >= 1"),
-        (0 <= sp.min_new_tokens, "min_new_tokens must be >= 0"),
-        (sp.repetition_penalty > 0, "repetition_penalty must be > 0"),
-        (-2 <= sp.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-        (-2 <= sp.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
-    for t in [*sp.stop_token_ids, *sp.logit_bias]:
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"token id {t} is outside the vocabulary (size {vocab_size})")
+        sp.sampling_seed = integer(raw["sampling_seed"], key("sampling_seed"), 0, SEED_END - 1)
+    for name, (lo, hi, open_lo) in _FLOATS.items():
+        if name in raw:
+            setattr(sp, name, number(raw[name], key(name), lo, hi, open_lo))
+    for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        if name in raw:
+            setattr(sp, name, flag(raw[name], key(name)))
+    sp.stop = _stop_strings(raw.get("stop", []), key("stop"))
+    ids = raw.get("stop_token_ids", [])
+    if not isinstance(ids, list):
+        raise BadRequest(f"{key('stop_token_ids')} must be a list of token ids")
+    top = vocab_size - 1
+    sp.stop_token_ids = [integer(t, key("stop_token_ids"), 0, top) for t in ids]
+    sp.logit_bias = _logit_bias(raw.get("logit_bias", {}), key("logit_bias"), vocab_size)
 
 
-def _int(v: object, key: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
-        raise ValueError(f"{key} must be an integer, got {v!r}")
-    return int(v)
+def _stop_strings(stop: object, key: str) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest(f"{key} must be a string or a list of strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"{key} holds {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+    return stop
+
+
+def _logit_bias(raw: object, key: str, vocab_size: int) -> dict[int, float]:
+    if not isinstance(raw, dict):
+        raise BadRequest(f"{key} must be a JSON object of token id -> bias")
+    out = {}
+    for k, v in raw.items():
+        try:
+            token = int(k)
+        except ValueError:
+            raise BadRequest(f"{key} has key {k!r}, not a token id") from None
+        token = integer(token, f"{key} key", 0, vocab_size - 1)
+        out[token] = number(v, f"{key}[{k!r}]", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return out
 
 
 def adjust_logits(

@@ -9,6 +9,13 @@ everything above it talks to it exactly as to SGLang.
 Security: it binds 127.0.0.1 by default and refuses a non-loopback --host without an API key;
 with a key every endpoint but GET /health requires `Authorization: Bearer KEY`. Weight payloads
 are accepted only as tensors (see safe_unpickle); distributed weight updates use gloo.
+
+Robustness: every request field is checked by type and range before the engine sees it (a bad one
+is a 400 naming it; `validate.py`), with per-request bounds set by --max-n and --max-batch-size.
+A connection that sends no complete request within --read-timeout of connecting (or of its last
+answer), or a body slower than that, is closed (408 for the body). /health answers 503 once the
+engine thread has ended, so a supervisor restarts the server. SIGTERM/SIGINT stop it within
+--shutdown-timeout even when the engine thread is stuck; a second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,9 +42,10 @@ from megatron_gspo.model.hf_config import load_hf_config
 from megatron_gspo.rollout import control, kernels, weight_endpoints
 from megatron_gspo.rollout.api import format_result, parse_generate
 from megatron_gspo.rollout.engine import Engine, Request
-from megatron_gspo.rollout.http_common import STATE, bad, read_json
+from megatron_gspo.rollout.http_common import BODY_TIMEOUT, STATE, BodyTimeout, bad, read_json
 from megatron_gspo.rollout.model import RolloutModel
-from megatron_gspo.rollout.sampling import BadRequest, SamplingParams
+from megatron_gspo.rollout.sampling import SamplingParams
+from megatron_gspo.rollout.validate import BadRequest, Limits
 
 log = logging.getLogger("megatron_gspo.rollout.server")
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
@@ -66,6 +75,7 @@ class ServerState:
             decode_kernel=args.decode_kernel,
         )
         self.weights = weight_endpoints.WeightUpdates()
+        self.limits = Limits(max_n=args.max_n, max_batch=args.max_batch_size)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -96,7 +106,10 @@ async def generate(request: web.Request) -> web.Response:
     st: ServerState = request.app[STATE]
     body = await read_json(request)
     encode = st.encode if st.tokenizer else None
-    reqs, as_list, opts = parse_generate(body, st.spec.vocab_size, encode, st.engine.context_len)
+    vocab, context = st.spec.vocab_size, st.engine.context_len
+    reqs, as_list, opts = parse_generate(body, vocab, encode, context, st.limits)
+    if not st.engine.alive:
+        return _engine_down(st.engine)
     done = await _submit_and_wait(st.engine, reqs)
     failed = [r.error for r in done if r.error]
     if failed:
@@ -128,7 +141,14 @@ def _resolve(fut: asyncio.Future, req: Request) -> None:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    """200 while the engine thread serves; 503 once it has ended (restart the server)."""
+    engine = request.app[STATE].engine
+    return web.Response(status=200) if engine.alive else _engine_down(engine)
+
+
+def _engine_down(engine: Engine) -> web.Response:
+    why = engine.death or "not started"
+    return bad(f"the generation engine is not running ({why}); restart the server", status=503)
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -204,17 +224,23 @@ async def errors_and_auth(request: web.Request, handler):
             return web.json_response({"error": "Unauthorized"}, status=401)
     try:
         return await handler(request)
+    except BodyTimeout as e:
+        return bad(str(e), status=408)
     except BadRequest as e:
         return bad(str(e))
     except web.HTTPException as e:
         if e.status >= 400:
             return bad(f"{e.reason}: {request.method} {request.path}", status=e.status)
         raise
+    except Exception as e:  # a bug: SGLang's failure shape all the same, and the server goes on
+        log.exception("%s %s failed", request.method, request.path)
+        return bad(f"internal error: {type(e).__name__}: {e}", status=500)
 
 
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=256 * 2**20)
     app[STATE] = state
+    app[BODY_TIMEOUT] = float(state.args.read_timeout)
     r = app.router
     r.add_post("/generate", generate)
     for path, fn in (
@@ -243,6 +269,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--enable-return-routed-experts", action="store_true")
     parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument(
+        "--max-n", type=int, default=256, help="most samples of one prompt (sampling_params.n)"
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=1024,
+        help="most sequences one /generate makes (prompts x n); larger requests get a 400",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a connection may sit without a complete request, or a body take to arrive",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=15.0,
+        help="seconds SIGTERM waits for a clean stop before the process exits anyway",
+    )
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
@@ -281,8 +328,12 @@ def serve_main(args: argparse.Namespace) -> None:
     check_host(args.host, args.api_key)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    if args.max_running_requests < 1:
-        raise UserError("--max-running-requests must be >= 1")
+    for flag in ("max_running_requests", "max_n", "max_batch_size"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("read_timeout", "shutdown_timeout"):
+        if not getattr(args, flag) > 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be > 0 seconds")
     state = ServerState(args)
     gc.freeze()  # the model, torch and the libraries: never garbage, so never scanned again
     asyncio.run(_serve(state))
@@ -290,10 +341,12 @@ def serve_main(args: argparse.Namespace) -> None:
 
 async def _serve(state: ServerState) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(build_app(state))
+    _on_stop_signals(asyncio.get_running_loop(), stop, state.args.shutdown_timeout)
+    runner = web.AppRunner(
+        build_app(state),
+        keepalive_timeout=state.args.read_timeout,  # also bounds the wait for the first request
+        shutdown_timeout=min(5.0, state.args.shutdown_timeout / 2),
+    )
     await runner.setup()
     site = web.TCPSite(runner, state.args.host, state.args.port)
     await site.start()
@@ -305,9 +358,34 @@ async def _serve(state: ServerState) -> None:
         await stop.wait()
     finally:
         log.info("shutting down after %.0f s", time.monotonic() - started)
-        state.engine.stop()
+        state.engine.stop(timeout_s=state.args.shutdown_timeout / 3)
         state.weights.close()
         await runner.cleanup()
+
+
+def _on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, grace_s: float):
+    """SIGTERM/SIGINT: stop cleanly, and exit anyway after `grace_s` (a stuck engine thread, a
+    hung transfer) or at a second signal. A plain signal handler, not the event loop's: it runs
+    even while the loop is busy."""
+    signalled = []
+
+    def handler(signum, frame) -> None:
+        if signalled:
+            os._exit(128 + signum)
+        signalled.append(signum)
+        watchdog = threading.Timer(grace_s, _exit_now, (grace_s,))
+        watchdog.daemon = True
+        watchdog.start()
+        loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def _exit_now(grace_s: float) -> None:
+    print(f"shutdown took over {grace_s:g} s (a stuck request?); exiting", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

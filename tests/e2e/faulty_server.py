@@ -1,0 +1,39 @@
+"""The built-in rollout server with one injected engine fault, for tests/e2e/test_server_hardening.py
+(the only test double there: the fault; the server and its HTTP are the real ones).
+
+    python -m tests.e2e.faulty_server die|stuck --model DIR --port 0 ...
+
+die:   the engine thread ends at the first request it admits (as a bug escaping its loop would).
+stuck: the engine thread blocks forever in its first step (as a hung kernel would).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from megatron_gspo.rollout import engine, server
+
+
+def _die(self) -> None:
+    if self.waiting:
+        raise SystemExit("injected fault")
+
+
+def _stuck(self) -> None:
+    threading.Event().wait()
+
+
+def main() -> None:
+    fault, argv = sys.argv[1], sys.argv[2:]
+    if fault == "die":
+        engine.Engine._admit = _die
+    elif fault == "stuck":
+        engine.Engine._step = _stuck
+    else:
+        raise SystemExit(f"unknown fault {fault!r}; use die or stuck")
+    server.main(argv)
+
+
+if __name__ == "__main__":
+    main()
