@@ -111,9 +111,17 @@ def _cmd_train(args) -> None:
     from megatron_gspo.config import load_config
     from megatron_gspo.train.loop import run
 
+    if args.steps is not None and args.steps < 0:
+        raise UserError(f"--steps must be >= 0, not {args.steps}")
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
-    run(cfg, run_dir, resume=args.resume, max_steps=args.steps)
+    run(
+        cfg,
+        run_dir,
+        resume=args.resume,
+        max_steps=args.steps,
+        allow_config_change=args.allow_config_change,
+    )
 
 
 def _add_train(sub) -> None:
@@ -124,6 +132,11 @@ def _add_train(sub) -> None:
     p.add_argument("--run-dir", default=None, help="metrics, checkpoints, logs (default runs/NAME)")
     p.add_argument("--steps", type=int, default=None, help="stop after this step (quick checks)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue even though the config differs from the run's",
+    )
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     p.set_defaults(func=_cmd_train)
 

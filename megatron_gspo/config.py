@@ -4,7 +4,8 @@
 
 Every key is checked when the config is built: an unknown key is an error that suggests the
 nearest valid one, a value of the wrong type or out of range is an error naming the key and what
-it accepts. Each section builds the objects it configures (`OptimSection.build()` ...), so the
+it accepts. Every number goes through one check, `_in_range`: finite (no NaN or inf) and within
+the bounds its section gives. Each section builds the objects it configures (`OptimSection.build()` ...), so the
 rest of the code never sees a loose dict.
 """
 
@@ -43,9 +44,7 @@ class ParallelSection:
     etp: int | None = None
 
     def check(self) -> None:
-        for name in ("tp", "pp", "ep"):
-            _positive(getattr(self, name), f"parallel.{name}")
-        for name in ("vpp", "etp"):
+        for name in ("tp", "pp", "ep", "vpp", "etp"):
             if getattr(self, name) is not None:
                 _positive(getattr(self, name), f"parallel.{name}")
 
@@ -92,6 +91,9 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     health_timeout_s: float = 300.0
+    # rollout.urls (and router_url) that refuse every connection this long end the run at once:
+    # nothing listens there. Raise it when the servers start along with the trainer
+    connect_grace_s: float = 15.0
     # the servers' numerics (null: the checkpoint's dtype). bfloat16 against an fp32 trainer
     # opens the train-inference gap real engines have: log-probs and MoE routing then differ
     # between rollout and trainer (what R3 and algo.tis address)
@@ -109,8 +111,8 @@ class RolloutSection:
                 f"rollout.url_nodes has {len(self.url_nodes)} entries for {len(self.urls)} "
                 "rollout.urls; give the node index of each URL's server, in the same order"
             )
-        if any(n < 0 for n in self.url_nodes):
-            raise UserError(f"rollout.url_nodes must be node indices >= 0, not {self.url_nodes}")
+        for i, node in enumerate(self.url_nodes):
+            _in_range(node, f"rollout.url_nodes[{i}]", 0)
         if self.router_url and not self.urls:
             raise UserError(
                 "rollout.router_url needs rollout.urls: the servers behind the router (weight "
@@ -122,8 +124,10 @@ class RolloutSection:
             _positive(getattr(self, name), f"rollout.{name}")
         if self.group_size < 2:
             raise UserError("rollout.group_size must be >= 2 (group advantages need a spread)")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise UserError("rollout.temperature must be >= 0 and rollout.top_p in (0, 1]")
+        _in_range(self.temperature, "rollout.temperature", 0)
+        _in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
+        for name in ("health_timeout_s", "connect_grace_s"):
+            _in_range(getattr(self, name), f"rollout.{name}", 0, lo_open=True)
 
 
 @dataclass
@@ -158,12 +162,11 @@ class AlgoSection:
         if self.agg is not None:
             _choice(self.agg, "algo.agg", tuple(AGGS))
         _choice(self.routing_replay, "algo.routing_replay", ("none", "r2", "r3"))
-        if not (0 < self.clip_low < 1 and self.clip_high > 0):
-            raise UserError("algo.clip_low must be in (0, 1) and algo.clip_high > 0")
+        _in_range(self.clip_low, "algo.clip_low", 0, 1, lo_open=True, hi_open=True)
+        _in_range(self.clip_high, "algo.clip_high", 0, lo_open=True)
         _positive(self.minibatches, "algo.minibatches")
         _choice(self.tis, "algo.tis", ("none", "token", "sequence"))
-        if not self.tis_cap >= 1:
-            raise UserError(f"algo.tis_cap must be >= 1, not {self.tis_cap}")
+        _in_range(self.tis_cap, "algo.tis_cap", 1)
 
     def loss_config(self):
         from megatron_gspo.train.actor import LossConfig
@@ -189,13 +192,15 @@ class OptimSection:
     distributed: bool = True  # megatron's distributed optimizer (state sharded over DP)
 
     def check(self) -> None:
-        if not self.lr > 0:
-            raise UserError(f"optim.lr must be > 0, not {self.lr}")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise UserError("optim.adam_beta1 and optim.adam_beta2 must be in [0, 1)")
+        _in_range(self.lr, "optim.lr", 0, lo_open=True)
+        _in_range(self.warmup_steps, "optim.warmup_steps", 0)
         _choice(self.decay, "optim.decay", ("constant", "linear", "cosine"))
-        if self.warmup_steps < 0 or not 0 <= self.min_lr <= self.lr:
-            raise UserError("optim.warmup_steps must be >= 0 and optim.min_lr in [0, optim.lr]")
+        _in_range(self.min_lr, "optim.min_lr", 0, self.lr, hi_name="optim.lr")
+        _in_range(self.weight_decay, "optim.weight_decay", 0)
+        _in_range(self.clip_grad, "optim.clip_grad", 0)  # 0: no clipping
+        for name in ("adam_beta1", "adam_beta2"):
+            _in_range(getattr(self, name), f"optim.{name}", 0, 1, hi_open=True)
+        _in_range(self.adam_eps, "optim.adam_eps", 0, lo_open=True)
 
     def lr_at(self, step: int, total: int) -> float:
         """The learning rate of RL step `step` (1-based) of a run of `total` steps."""
@@ -234,9 +239,8 @@ class TrainSection:
     def check(self) -> None:
         for name in ("steps", "micro_batch_size", "eval_prompts", "keep_checkpoints"):
             _positive(getattr(self, name), f"train.{name}")
-        for name in ("eval_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise UserError(f"train.{name} must be >= 0 (0 turns it off)")
+        for name in ("eval_every", "checkpoint_every"):  # 0 turns it off
+            _in_range(getattr(self, name), f"train.{name}", 0)
 
 
 @dataclass
@@ -248,6 +252,8 @@ class SyncSection:
 
     def check(self) -> None:
         _choice(self.method, "sync.method", ("tensor", "distributed", "disk"))
+        _in_range(self.bucket_mb, "sync.bucket_mb", 0, lo_open=True)
+        _in_range(self.verify_every, "sync.verify_every", 0)  # 0: never
 
     def build(self, run_dir: Path):
         from megatron_gspo.weight_sync.config import SyncConfig
@@ -283,6 +289,7 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def check(self) -> None:
+        _in_range(self.seed, "seed", 0, 2**63 - 1)
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "check"):
@@ -418,8 +425,43 @@ def _choice(value, key: str, choices: tuple) -> None:
 
 
 def _positive(value, key: str) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise UserError(f"{key} must be a positive integer, not {value!r}")
+    _in_range(value, key, 1)
+
+
+def _in_range(
+    value,
+    key: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    hi_name: str | None = None,
+) -> None:
+    """The one check of a numeric value: a finite number (an integer for an int field) within
+    [lo, hi] (lo or hi excluded with lo_open / hi_open; None: no bound). `hi_name` names the key
+    the upper bound comes from."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = is_int or (isinstance(value, float) and math.isfinite(value))
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if ok:
+        return
+    what = "an integer" if is_int else "a finite number"
+    low, high = _bound(lo), hi_name or _bound(hi)
+    if lo is not None and hi is not None:
+        what += f" in {'(' if lo_open else '['}{low}, {high}{')' if hi_open else ']'}"
+    elif lo is not None:
+        what += f" {'>' if lo_open else '>='} {low}"
+    elif hi is not None:
+        what += f" {'<' if hi_open else '<='} {high}"
+    raise UserError(f"{key} must be {what}, not {value!r}")
+
+
+def _bound(x: float | None) -> str:
+    return str(x) if x is None or isinstance(x, int) else format(x, "g")
 
 
 def dump_config(cfg: Config, path: Path) -> None:

@@ -1,8 +1,9 @@
 """Prompt datasets: the built-in tasks, or JSONL / Parquet files with `prompt` and `answer` fields.
 
 A broken row (a line that is not a JSON object, a missing or empty field, a field of the wrong
-type) is skipped and counted in `PromptSet.skipped`; a dataset that cannot be used at all (a
-missing file, an unknown extension, no usable row) is a UserError naming the fix.
+type) is skipped and counted in `PromptSet.skipped` (`broken_rows` says so in one line, and makes
+more than MAX_BROKEN of the rows an error); a dataset that cannot be used at all (a missing file,
+an unknown extension, no usable row) is a UserError naming the fix.
 
 `answer` may be a string or a number (written as a string: 18, 0.5); `prompt` must be a string.
 """
@@ -22,6 +23,8 @@ from megatron_gspo.errors import UserError
 
 BUILTIN = "builtin:"
 FORMATS = (".jsonl", ".parquet")
+MAX_BROKEN = 0.10  # more broken rows than this: the file is wrong, not a few of its rows
+ROW_RULE = "each row needs a non-empty string 'prompt' and a non-empty string or number 'answer'"
 
 
 @dataclass
@@ -56,10 +59,24 @@ def load_prompts(source: str, split: str = "train", seed: int = 0) -> PromptSet:
     rows, skipped = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
     if not rows:
         raise UserError(
-            f"prompt dataset {source!r} has no usable row ({skipped} broken); each row needs a "
-            "non-empty string 'prompt' and a non-empty string or number 'answer'"
+            f"prompt dataset {source!r} has no usable row ({skipped} broken); {ROW_RULE}"
         )
     return PromptSet(rows=rows, skipped=skipped, source=source)
+
+
+def broken_rows(ps: PromptSet, key: str) -> str | None:
+    """One line saying how many rows of `ps` (the dataset of config key `key`) were skipped as
+    broken, None if none; a UserError when more than MAX_BROKEN of its rows are."""
+    if not ps.skipped:
+        return None
+    total = len(ps.rows) + ps.skipped
+    if ps.skipped > MAX_BROKEN * total:
+        raise UserError(
+            f"{key} {ps.source!r}: {ps.skipped} of {total} rows are broken (more than "
+            f"{MAX_BROKEN:.0%}); {ROW_RULE}: fix the file or drop those rows"
+        )
+    rows = "row" if ps.skipped == 1 else "rows"
+    return f"{key} {ps.source}: skipped {ps.skipped} broken {rows} of {total}"
 
 
 def _load_builtin(source: str, split: str, seed: int) -> PromptSet:

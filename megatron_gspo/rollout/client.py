@@ -262,19 +262,33 @@ class RolloutClient:
         """POST the same body to every server; raises if any refuses."""
         return list(await asyncio.gather(*(self.post(u, path, body) for u in self.urls)))
 
-    async def wait_healthy(self, timeout_s: float = 120.0) -> None:
+    async def wait_healthy(self, timeout_s: float = 120.0, refused_s: float | None = None) -> None:
+        """Wait until every server answers /health with 200, at most `timeout_s` in all. A server
+        that answers (healthy or not yet) is waited for; with `refused_s`, one that no request
+        reaches for that long (nothing listening, no such host) is an error at once."""
         session, _ = self._state()
         deadline = time.monotonic() + timeout_s
+        probe = aiohttp.ClientTimeout(total=10.0, sock_connect=self.timeout.sock_connect)
         for url in self.urls:
+            since, answered, error = time.monotonic(), False, ""
             while True:
                 try:
-                    async with session.get(url + "/health", timeout=self.timeout) as resp:
+                    async with session.get(url + "/health", timeout=probe) as resp:
                         if resp.status == 200:
                             break
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RolloutError(f"{url} did not become healthy in {timeout_s:.0f} s")
+                        answered, error = True, f"HTTP {resp.status}"
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    error = f"{type(e).__name__}: {e}".rstrip(": ")
+                now = time.monotonic()
+                if refused_s is not None and not answered and now - since > refused_s:
+                    raise RolloutError(
+                        f"nothing answers at {url} ({error}) after {refused_s:.0f} s; "
+                        "is a rollout server running there?"
+                    )
+                if now > deadline:
+                    raise RolloutError(
+                        f"{url} did not become healthy in {timeout_s:.0f} s (last: {error})"
+                    )
                 await asyncio.sleep(0.2)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:

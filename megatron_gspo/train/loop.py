@@ -28,8 +28,16 @@ from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Config, run_dir: Path, *, resume: bool = False, max_steps: int | None = None) -> None:
-    with TrainerSetup(cfg, run_dir, resume) as setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
+def run(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    max_steps: int | None = None,
+    allow_config_change: bool = False,
+) -> None:
+    setup = TrainerSetup(cfg, run_dir, resume, allow_config_change)
+    with setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
         actor, sampler = setup.actor, setup.sampler(rl.n_train_prompts)
         sync = setup.weight_sync(rl.urls)
         try:

@@ -80,6 +80,9 @@ class Rollouts:
         self.reward_fn = load_reward(cfg.reward.fn)
         self.train_rows = load_prompts(cfg.data.train, "train", cfg.seed)
         self.eval_rows = load_prompts(cfg.data.eval or cfg.data.train, "eval", cfg.seed)
+        _report_broken_rows(self.train_rows, "data.train")
+        if cfg.data.eval and cfg.data.eval != cfg.data.train:
+            _report_broken_rows(self.eval_rows, "data.eval")
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.urls = list(cfg.rollout.urls) or self._launch()
         self._loop = asyncio.new_event_loop()
@@ -87,7 +90,7 @@ class Rollouts:
         self.client = RolloutClient(
             self.urls, api_key=api_key(), topk=topk, timeout_s=cfg.rollout.health_timeout_s
         )
-        self._run(self.client.wait_healthy(cfg.rollout.health_timeout_s))
+        self._wait_healthy(self.client, "rollout.urls")
         self.generator = self.client
         if cfg.rollout.router_url:
             self.generator = RolloutClient(
@@ -95,7 +98,19 @@ class Rollouts:
                 timeout_s=cfg.rollout.health_timeout_s, max_concurrency=self.client.max_concurrency
                 * len(self.urls),
             )  # fmt: skip
-            self._run(self.generator.wait_healthy(cfg.rollout.health_timeout_s))
+            self._wait_healthy(self.generator, "rollout.router_url")
+
+    def _wait_healthy(self, client, key: str) -> None:
+        """Servers someone else started (`key`) must answer soon: nothing listening at one of
+        them is an error after rollout.connect_grace_s, not a wait of the whole health timeout."""
+        from megatron_gspo.rollout.client import RolloutError
+
+        r = self.cfg.rollout
+        refused_s = r.connect_grace_s if r.urls else None  # ours: healthy when started
+        try:
+            self._run(client.wait_healthy(r.health_timeout_s, refused_s=refused_s))
+        except RolloutError as e:
+            raise UserError(f"{e}; check {key}") from None
 
     def _launch(self) -> list[str]:
         from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
@@ -275,6 +290,14 @@ class Rollouts:
         ]
         rewards = score_rewards(self.reward_fn, items, self.cfg.reward.fn)
         return sum(rewards) / max(len(rewards), 1)
+
+
+def _report_broken_rows(ps, key: str) -> None:
+    from megatron_gspo.data.prompts import broken_rows
+
+    line = broken_rows(ps, key)
+    if line:
+        print(line, flush=True)
 
 
 def api_key() -> str | None:

@@ -1,5 +1,6 @@
-"""What a training run stands on: process groups, the policy and its optimizer, the prompt
-sampler, the weight sync, and the restore of a checkpoint on `--resume`."""
+"""What a training run stands on: process groups, the run directory (locked; see run_dir.py for
+what a start does with what it finds there), the policy and its optimizer, the prompt sampler,
+the weight sync, and the restore of a checkpoint on `--resume`."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from pathlib import Path
 from megatron_gspo.config import Config, dump_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
+from megatron_gspo.train.run_dir import RunDirLock, prepare
 
 log = logging.getLogger(__name__)
 
 
 class TrainerSetup:
-    def __init__(self, cfg: Config, run_dir: Path, resume: bool):
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool, allow_config_change: bool = False):
         self.cfg = cfg
         self.run_dir = run_dir
         self.resume = resume
+        self.allow_config_change = allow_config_change
         self.resume_from: Path | None = None
+        self.lock: RunDirLock | None = None
 
     def __enter__(self) -> TrainerSetup:
         import torch.distributed as dist
@@ -31,33 +35,43 @@ class TrainerSetup:
         spec, _ = checkpoint_spec(cfg.model.path)
         dims = ParallelDims(p.tp, p.pp, p.ep, p.etp, p.vpp, world_size_from_env())
         dims.validate(spec)
-        self._check_run_dir()
         init_distributed(dims, seed=cfg.seed)
         self.rank0 = dist.get_rank() == 0
-        self.hf_dir = hf_files_dir(cfg.model.path).resolve()
-        if self.rank0:
-            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, self.run_dir / "config.yaml")
-        self.actor = self._build_actor(dims)
+        try:
+            self.resume_from = self._claim_run_dir()
+            self.hf_dir = hf_files_dir(cfg.model.path).resolve()
+            if self.rank0:
+                (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+                dump_config(cfg, self.run_dir / "config.yaml")
+            self.actor = self._build_actor(dims)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
-    def _check_run_dir(self) -> None:
-        """A fresh run never writes into an earlier run's directory; --resume needs one."""
-        if self.resume:
-            self.resume_from = checkpointing.latest(self.run_dir)
-            if self.resume_from is None:
-                raise UserError(
-                    f"--resume: no complete checkpoint under {self.run_dir}/checkpoints; "
-                    "start without --resume"
-                )
-        elif (self.run_dir / "metrics.jsonl").exists() or checkpointing.latest(self.run_dir):
-            raise UserError(
-                f"{self.run_dir} holds an earlier run; pass --resume to continue it "
-                "or --run-dir NEW_DIR to start another"
-            )
+    def _claim_run_dir(self) -> Path | None:
+        """Rank 0 locks the run directory for this trainer's lifetime and decides what the start
+        does there; every rank learns the checkpoint to resume from, or the error."""
+        import torch.distributed as dist
+
+        box: list = [None]
+        if self.rank0:
+            try:
+                self.lock = RunDirLock(self.run_dir).acquire()
+                ckpt = prepare(self.run_dir, self.resume, self.cfg, self.allow_config_change)
+                box = [("ok", ckpt)]
+            except UserError as e:
+                box = [("error", str(e))]
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise UserError(value)
+        return value
 
     def _build_actor(self, dims):
         import torch

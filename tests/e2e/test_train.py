@@ -144,15 +144,75 @@ def _wait_for(cond, proc, timeout=300):
         time.sleep(0.2)
 
 
-def test_existing_run_dir_needs_resume_and_resume_needs_checkpoint(task_model, tmp_path):
+def test_run_dir_without_a_checkpoint_starts_again_with_either_command(task_model, tmp_path):
+    """An attempt that ended before its first checkpoint (here --steps 0; a kill, a failing
+    reward plugin alike) used to leave a directory neither a plain rerun nor --resume would
+    take. Now either starts it again, its files moved to aborted/<k>/; a run with a checkpoint
+    still needs --resume, and --resume refuses a config that computes something else."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=0)
+    assert rc == 0, out[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == [0] and not (run_dir / "checkpoints").exists()
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=0)  # plain: starts again
+    assert rc == 0 and "the run starts again: moved metrics.jsonl" in out, out[-3000:]
+    assert (run_dir / "aborted" / "1" / "metrics.jsonl").is_file()
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume", steps=1)
+    assert rc == 0 and "to aborted/2/" in out, out[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == [0, 1]
+    before = (run_dir / "metrics.jsonl").read_text(), (run_dir / "config.yaml").read_text()
+
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=2)
+    assert rc == 2 and "pass --resume" in _errors(out)[-1], out[-3000:]
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume", "algo.loss=grpo",
+                    "train.steps=7")  # fmt: skip
+    error = _errors(out)[-1]  # (the log holds every attempt on this run directory)
+    assert rc == 2 and "algo.loss: 'gspo' -> 'grpo'" in error and "--allow-config-change" in error
+    assert "train.steps" not in error  # --resume may change it freely (and logging.*)
+    assert (
+        (run_dir / "metrics.jsonl").read_text(),
+        (run_dir / "config.yaml").read_text(),
+    ) == before
+
+
+def test_second_trainer_on_a_run_dir_is_refused(task_model, tmp_path):
+    run_dir = tmp_path / "run"
+    first = train("tiny_moe_gspo.yaml", run_dir, task_model, wait=False)
+    _wait_for(lambda: (run_dir / ".lock").is_file() and (run_dir / ".lock").read_text(), first)
     rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume")
-    assert rc == 2 and "no complete checkpoint" in out
-    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model)
-    assert rc == 2 and "pass --resume" in out
-    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'  # untouched
+    assert rc == 2 and _errors(out) == [  # (both write the same log)
+        f"error: {run_dir} is in use by another trainer (pid {first.pid} on {os.uname()[1]}); "
+        "wait for it to end or stop it, or pass --run-dir NEW_DIR"
+    ], out[-3000:]
+    assert first.wait(timeout=600) == 0
+    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]  # the first run, whole
+
+
+def test_broken_rows_and_a_dead_rollout_url_fail_fast(task_model, tmp_path):
+    rows = [json.dumps({"prompt": f"{i} + 1 =", "answer": i + 1}) for i in range(18)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join([*rows, "{not json", '{"prompt": ""}', "[1]"]) + "\n")
+    use = [f"data.train={data}", f"data.eval={data}"]
+    rc, out = train("tiny_moe_gspo.yaml", tmp_path / "a", task_model, *use)
+    [error] = _errors(out)
+    assert rc == 2 and "3 of 21 rows are broken (more than 10%)" in error, out[-3000:]
+    data.write_text("\n".join([*rows, "{not json"]) + "\n")
+    from megatron_gspo.model.parallel import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    rc, out = train(
+        "tiny_moe_gspo.yaml", tmp_path / "b", task_model, *use, f"rollout.urls=[{dead}]"
+    )
+    took = time.monotonic() - t0
+    [error] = _errors(out)
+    assert rc == 2 and f"nothing answers at {dead}" in error and "rollout.urls" in error, out
+    assert f"data.train {data}: skipped 1 broken row of 19" in out
+    assert took < 60  # rollout.connect_grace_s (15 s) after start-up, not the 300 s health timeout
+    print(f"dead rollout.urls: error after {took:.1f} s")
+
+
+def _errors(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("error:")]
 
 
 def test_config_typo_is_one_line_error(task_model, tmp_path):

@@ -44,9 +44,9 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("model: {path: m\n", [], "not valid YAML"),
         ("model: {path: m}\n", ["rollout.router_url=http://r:1"], "router_url needs rollout.urls"),
         ("model: {path: m}\n", ["algo.tis=seq"], "algo.tis must be one of"),
-        ("model: {path: m}\n", ["algo.tis_cap=0.5"], "tis_cap must be >= 1"),
+        ("model: {path: m}\n", ["algo.tis_cap=0.5"], "tis_cap must be a finite number >= 1"),
         ("model: {path: m}\n", ["optim.decay=step"], "optim.decay must be one of"),
-        ("model: {path: m}\n", ["optim.min_lr=1"], "min_lr in"),
+        ("model: {path: m}\n", ["optim.min_lr=1"], "min_lr must be a finite number in"),
         ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
     ],
 )
@@ -90,3 +90,63 @@ def test_lr_schedule_per_rl_step(tmp_path):
     cosine = lr("optim.decay=cosine")
     assert cosine == pytest.approx([5e-4 * (1 + math.cos(math.pi * k / 10)) for k in range(1, 11)])
     assert cosine[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def _numeric_keys(cls=Config, where=""):
+    """Every numeric leaf of the config: (dotted key, int or float, inside a list)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, hint = f"{where}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _numeric_keys(hint, key + ".")
+            continue
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        in_list = typing.get_origin(hint) is list
+        leaf = args[0] if args else hint
+        if leaf in (int, float):
+            yield key, leaf, in_list
+
+
+NUMERIC = list(_numeric_keys())
+
+
+def test_every_numeric_field_is_enumerated():
+    keys = {k for k, _, _ in NUMERIC}
+    assert {"seed", "optim.lr", "optim.adam_eps", "optim.clip_grad", "rollout.temperature",
+            "rollout.url_nodes", "sync.bucket_mb", "parallel.vpp"} <= keys  # fmt: skip
+    assert len(keys) > 30
+
+
+@pytest.mark.parametrize("key, kind, in_list", NUMERIC, ids=[k for k, _, _ in NUMERIC])
+def test_non_finite_and_negative_numbers_are_refused(tmp_path, key, kind, in_list):
+    """NaN, inf and -1 are invalid for every numeric field: each is one line naming the key."""
+    path = _write(tmp_path, "model: {path: m}\n")
+    bad = [".nan", ".inf", "-.inf", "-1"] if kind is float else ["-1", ".nan"]
+    for value in bad:
+        extra = ["rollout.urls=[http://a]"] if key == "rollout.url_nodes" else []
+        override = f"{key}=[{value}]" if in_list else f"{key}={value}"
+        with pytest.raises(UserError) as e:
+            load_config(path, [*extra, override])
+        message = str(e.value)
+        assert key in message and "\n" not in message, (override, message)
+        assert "finite" in message or "integer" in message, (override, message)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=.inf", "optim.lr must be a finite number > 0, not inf"),
+        ("rollout.temperature=.nan", "rollout.temperature must be a finite number >= 0, not nan"),
+        ("seed=-1", "seed must be an integer in [0, 9223372036854775807], not -1"),
+        ("optim.adam_eps=-1", "optim.adam_eps must be a finite number > 0, not -1.0"),
+        ("optim.clip_grad=-1", "optim.clip_grad must be a finite number >= 0, not -1.0"),
+        ("optim.min_lr=1", "optim.min_lr must be a finite number in [0, optim.lr], not 1.0"),
+    ],
+)
+def test_issue_25_values_get_one_line_naming_the_range(tmp_path, override, message):
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, "model: {path: m}\n"), [override])
+    assert str(e.value) == message

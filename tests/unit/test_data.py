@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megatron_gspo.data.prompts import PromptSampler, encode_prompt, load_prompts
+from megatron_gspo.data.prompts import PromptSampler, broken_rows, encode_prompt, load_prompts
 from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.tiny import build_tokenizer, vocabulary
@@ -143,6 +143,21 @@ def test_jsonl_broken_rows_are_skipped_and_counted(tmp_path):
     ]
     assert got.skipped == 8
     assert got.source == str(path)
+
+
+def test_broken_rows_are_reported_and_too_many_are_an_error(tmp_path):
+    good = [json.dumps({"prompt": f"p{i}", "answer": i}) for i in range(18)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([*good, "{not json"]) + "\n")
+    assert broken_rows(load_prompts(str(path)), "data.train") == (
+        f"data.train {path}: skipped 1 broken row of 19"
+    )
+    assert broken_rows(load_prompts("builtin:arith"), "data.train") is None
+    path.write_text("\n".join([*good, "{not json", "[]", "{}"]) + "\n")
+    with pytest.raises(UserError) as e:
+        broken_rows(load_prompts(str(path)), "data.train")
+    assert "3 of 21 rows are broken (more than 10%)" in str(e.value)
+    assert "fix the file or drop those rows" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_parquet_rows_and_errors(tmp_path):

@@ -1,6 +1,9 @@
-"""The rollout client's decoding of SGLang answers, without a server."""
+"""The rollout client's decoding of SGLang answers, without a server; and its wait for servers
+to come up, against a port nothing listens on and a server that is not healthy at first."""
 
+import asyncio
 import base64
+import time
 
 import numpy as np
 import pytest
@@ -42,3 +45,46 @@ def test_decode_routed_experts_checks_the_size():
     raw = base64.b64encode(np.zeros(10, np.int32).tobytes()).decode()
     with pytest.raises(RolloutError, match="not a multiple"):
         decode_routed_experts(raw, num_tokens=3, topk=2)
+
+
+def test_wait_healthy_fails_fast_where_nothing_listens():
+    from megatron_gspo.model.parallel import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def go():
+        async with RolloutClient(url) as client:
+            await client.wait_healthy(timeout_s=300, refused_s=1.0)
+
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match=f"nothing answers at {url} .* after 1 s"):
+        asyncio.run(go())
+    assert time.monotonic() - t0 < 5  # not the 300 s health timeout
+
+
+def test_wait_healthy_waits_for_a_server_that_answers_but_is_not_ready():
+    """A server that answers 503 (starting) is waited for past the refused grace period."""
+    from aiohttp import web
+
+    calls = []
+
+    async def health(request):
+        calls.append(time.monotonic())
+        return web.Response(status=200 if len(calls) > 8 else 503)  # ~1.6 s of 503s
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with RolloutClient(url) as client:
+                await client.wait_healthy(timeout_s=30, refused_s=0.5)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert len(calls) == 9 and calls[-1] - calls[0] > 0.5

@@ -1,0 +1,185 @@
+"""The run directory a trainer owns: one trainer at a time, and what a start does with what it
+finds there.
+
+    nothing of a run                         start (with or without --resume)
+    an earlier attempt, no checkpoint        start again, either command: the attempt's record
+                                             (metrics, config) is moved to aborted/<k>/, its
+                                             incomplete checkpoint deleted; logs/ goes on
+    a complete checkpoint, --resume          resume from it, if the config is the run's
+    a complete checkpoint, no --resume       error: pass --resume, or another --run-dir
+
+Resuming with a config that differs from the run's in what it computes (the algorithm, the
+data, the optimizer...) is refused unless --allow-config-change; what may change freely is in
+MAY_CHANGE (how long to run, how to log, where the servers are).
+
+The lock is an `fcntl.flock` on RUN_DIR/.lock, taken by global rank 0 (the process that writes
+the directory) before it looks, and released when that process ends, however it ends (the
+kernel drops the lock of a killed process). A second trainer gets an error naming the first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import yaml
+
+from megatron_gspo.config import Config, build
+from megatron_gspo.errors import UserError
+from megatron_gspo.train import checkpointing
+from megatron_gspo.train.files import fsync_dir
+
+LOCK_FILE = ".lock"
+CONFIG_FILE = "config.yaml"
+# What an attempt leaves: its record, moved aside (a new run would append to it or mix with it), and
+# scratch, deleted (an incomplete checkpoint, the disk sync's files). logs/ stays where it is: a
+# launch script writes there before the trainer starts, and every log is appended to, with a
+# header at each start, so the earlier attempt's lines (why it ended) stay above the new ones.
+ATTEMPT_FILES = ("metrics.jsonl", CONFIG_FILE, "tensorboard", "wandb", "wandb_run_id")
+SCRATCH = ("checkpoints", "weights")
+ABORTED = "aborted"
+# config keys --resume may change: how long to run, how to log, where the servers are (a launch
+# script starts them on new ports each time); a key ending in "." stands for its section
+MAY_CHANGE = (
+    "train.steps",
+    "logging.",
+    "rollout.urls",
+    "rollout.url_nodes",
+    "rollout.router_url",
+    "rollout.health_timeout_s",
+    "rollout.connect_grace_s",
+    "rollout.sglang_python",
+)
+
+
+class RunDirLock:
+    """An exclusive flock on RUN_DIR/.lock for as long as this process holds it."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self._fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process"
+            os.close(fd)
+            raise UserError(
+                f"{self.run_dir} is in use by another trainer ({holder}); wait for it to end "
+                "or stop it, or pass --run-dir NEW_DIR"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = None
+
+
+def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool) -> Path | None:
+    """Rank 0, holding the lock: the checkpoint to resume from (None: a fresh start), after
+    clearing what an earlier attempt without a checkpoint left. Prints what it does."""
+    ckpt = checkpointing.latest(run_dir)
+    if ckpt is not None:
+        if not resume:
+            raise UserError(
+                f"{run_dir} holds an earlier run (last complete checkpoint: {ckpt.name}); pass "
+                "--resume to continue it or --run-dir NEW_DIR to start another"
+            )
+        _check_config(run_dir, ckpt, cfg, allow_config_change)
+        return ckpt
+    left = [name for name in ATTEMPT_FILES + SCRATCH if (run_dir / name).exists()]
+    if left:
+        print(_clear_attempt(run_dir, left), flush=True)
+    elif resume:
+        print(f"--resume: {run_dir} holds no checkpoint yet; starting the run", flush=True)
+    return None
+
+
+def _clear_attempt(run_dir: Path, left: list[str]) -> str:
+    """Move an attempt's files to aborted/<k>/ and delete its scratch; the line that says so."""
+    moved = [n for n in left if n in ATTEMPT_FILES]
+    deleted = [n for n in left if n in SCRATCH]
+    dest = None
+    if moved:
+        root = run_dir / ABORTED
+        root.mkdir(exist_ok=True)
+        taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()]
+        dest = root / str(max(taken, default=0) + 1)
+        dest.mkdir()
+        for name in moved:
+            os.replace(run_dir / name, dest / name)
+        fsync_dir(run_dir)
+    for name in deleted:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    done = []
+    if moved:
+        done.append(f"moved {', '.join(moved)} to {dest.relative_to(run_dir)}/")
+    if deleted:
+        done.append(f"deleted {', '.join(n + '/' for n in deleted)} (incomplete, unusable)")
+    if (run_dir / "logs").is_dir():
+        done.append("logs/ goes on (its earlier lines say why the attempt ended)")
+    return (
+        f"{run_dir}: the earlier attempt ended before its first checkpoint, so the run starts "
+        f"again: {'; '.join(done)}"
+    )
+
+
+def _check_config(run_dir: Path, ckpt: Path, cfg: Config, allow: bool) -> None:
+    """Refuse (unless `allow`) to resume with a config that computes something else."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return
+    changes = config_changes(yaml.safe_load(path.read_text()) or {}, cfg)
+    changes = [c for c in changes if not c[0].startswith(MAY_CHANGE)]
+    if not changes:
+        return
+    listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
+    if not allow:
+        raise UserError(
+            f"--resume with a config that differs from the run's: {listed}; resume with the "
+            "run's config, or pass --allow-config-change to resume with this one anyway, or "
+            "--run-dir NEW_DIR to start another run"
+        )
+    kept = path.with_name(f"config.until_{ckpt.name}.yaml")
+    os.replace(path, kept)
+    print(
+        f"resuming with a changed config ({listed}); the run's is kept as {kept.name}", flush=True
+    )
+
+
+def config_changes(old_raw: dict, new: Config) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every key whose value differs. The old config is
+    rebuilt first, so a key it lacks (added to the code since) counts as its default."""
+    try:
+        old = build(Config, old_raw, "").to_dict()
+    except UserError:  # a key removed from the code since: compare what is there
+        old = old_raw
+    before, after = _flatten(old), _flatten(new.to_dict())
+    missing = object()
+    return [
+        (key, before.get(key), after.get(key))
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key, missing) != after.get(key, missing)
+    ]
+
+
+def _flatten(d: dict, where: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        full = f"{where}{key}"
+        if isinstance(value, dict) and value:
+            out |= _flatten(value, full + ".")
+        else:
+            out[full] = value
+    return out

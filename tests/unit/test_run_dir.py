@@ -1,0 +1,102 @@
+"""The run directory a trainer owns (train/run_dir.py): the lock, what a start does with an
+earlier attempt's files, and the config check of --resume."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_gspo.config import dump_config, load_config
+from megatron_gspo.errors import UserError
+from megatron_gspo.train import run_dir as rd
+
+pytestmark = pytest.mark.unit
+
+TRY_LOCK = "import sys, pathlib; from megatron_gspo.train.run_dir import RunDirLock; "
+TRY_LOCK += "RunDirLock(pathlib.Path(sys.argv[1])).acquire(); print('locked')"
+
+
+def try_lock(path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", TRY_LOCK, str(path)], capture_output=True, text=True
+    )
+
+
+def test_one_process_holds_the_run_dir_until_it_lets_go(tmp_path):
+    lock = rd.RunDirLock(tmp_path / "run").acquire()
+    other = try_lock(tmp_path / "run")
+    assert other.returncode != 0 and f"in use by another trainer (pid {os.getpid()}" in other.stderr
+    lock.release()
+    assert try_lock(tmp_path / "run").stdout == "locked\n"  # and a killed holder's lock is gone
+
+
+def _attempt(run):
+    """What a run killed before its first checkpoint leaves, and a file of the user's."""
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "server-0.log").write_text("why it died\n")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "checkpoints" / ".step_1.tmp" / "model").mkdir(parents=True)
+    (run / "notes.txt").write_text("mine\n")
+
+
+def _checkpoint(run, step=1):
+    d = run / "checkpoints" / f"step_{step}"
+    d.mkdir(parents=True)
+    (d / "trainer_state.json").write_text("{}")
+    return d
+
+
+def cfg(*overrides):
+    return load_config(None, ["model.path=m", *overrides])
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_attempt_without_checkpoint_starts_again(tmp_path, capsys, resume):
+    run = tmp_path / "run"
+    _attempt(run)
+    assert rd.prepare(run, resume, cfg(), False) is None
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and "moved metrics.jsonl to aborted/1/" in line
+    assert "deleted checkpoints/ (incomplete" in line and "logs/ goes on" in line
+    assert (run / "aborted/1/metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert (run / "logs/server-0.log").read_text() == "why it died\n"  # appended to, by all
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+    assert (run / "notes.txt").read_text() == "mine\n"  # not ours: left alone
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')  # and once more
+    assert rd.prepare(run, resume, cfg(), False) is None and (run / "aborted/2").is_dir()
+
+
+def test_resume_in_an_empty_dir_starts_the_run(tmp_path, capsys):
+    assert rd.prepare(tmp_path, True, cfg(), False) is None
+    assert "holds no checkpoint yet; starting the run" in capsys.readouterr().out
+
+
+def test_a_checkpoint_needs_resume_and_the_same_config(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path)
+    dump_config(cfg(), tmp_path / "config.yaml")
+    with pytest.raises(UserError, match="pass --resume"):
+        rd.prepare(tmp_path, False, cfg(), False)
+    free = ("train.steps=99", "logging.console=false", "rollout.urls=[http://a:1]")
+    assert rd.prepare(tmp_path, True, cfg(*free), False) == ckpt
+    changed = cfg("algo.loss=grpo", "optim.lr=2e-6", *free)
+    with pytest.raises(UserError) as e:
+        rd.prepare(tmp_path, True, changed, False)
+    assert str(e.value).startswith(
+        "--resume with a config that differs from the run's: algo.loss: 'gspo' -> 'grpo', "
+        "optim.lr: 1e-06 -> 2e-06; "
+    )
+    assert "--allow-config-change" in str(e.value) and "\n" not in str(e.value)
+    assert rd.prepare(tmp_path, True, changed, True) == ckpt
+    assert "resuming with a changed config (algo.loss" in capsys.readouterr().out
+    kept = yaml.safe_load((tmp_path / "config.until_step_1.yaml").read_text())
+    assert kept["algo"]["loss"] == "gspo"  # the steps so far ran with it
+
+
+def test_a_key_added_to_the_code_since_is_no_change():
+    old = cfg().to_dict()
+    del old["rollout"]["connect_grace_s"]
+    assert rd.config_changes(old, cfg()) == []
+    old["algo"]["loss"] = "grpo"
+    assert rd.config_changes(old, cfg()) == [("algo.loss", "grpo", "gspo")]
