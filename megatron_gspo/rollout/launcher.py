@@ -283,7 +283,15 @@ class ServerGroup:
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):
             for s in self.servers:
-                if self._stopping.is_set() or s.alive():
+                if self._stopping.is_set():
+                    continue
+                if s.alive() and s.ready and _engine_dead(s):
+                    # the process is up but says its engine is gone (/health 503): end it, so
+                    # it is restarted like a server that died
+                    log.warning("server %d (pid %s): its engine died; killing it", s.index, s.pid)
+                    _signal_group(s.proc, signal.SIGKILL)
+                    s.proc.wait()
+                if s.alive():
                     continue
                 try:
                     self.restart(s)
@@ -352,6 +360,20 @@ class ServerGroup:
             _post(s, "/update_weight_version", {"new_version": cur["weight_version"]})
         if self.on_restart is not None:
             self.on_restart(s.url)
+
+
+def _engine_dead(s: ManagedServer) -> bool:
+    """True when the server answers /health with 503: alive, but its engine thread is gone
+    (the built-in server says so). A slow or refused answer is not taken as death."""
+    headers = {"Authorization": f"Bearer {s.config.api_key}"} if s.config.api_key else {}
+    try:
+        req = urllib.request.Request(s.url + "/health", headers=headers)
+        with urllib.request.urlopen(req, timeout=5):
+            return False
+    except urllib.error.HTTPError as e:
+        return e.code == 503
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def _post(s: ManagedServer, path: str, body: dict) -> dict:

@@ -80,6 +80,40 @@ def test_server_killed_mid_batch_batch_completes_and_server_restarts(ckpt, tmp_p
     assert all(gone(p) for p in [*pids, first_pid])
 
 
+def test_server_whose_engine_died_is_restarted(ckpt, tmp_path):
+    """A server that is alive but answers /health 503 (its engine thread is gone: the injected
+    fault of tests/e2e/faulty_server.py, run through a python wrapper) is killed by the monitor
+    and started again, like one that died."""
+    import time
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    wrapper = tmp_path / "python"
+    wrapper.write_text(  # drops "-m megatron_gspo.rollout.server", runs the faulty server
+        f'#!/bin/sh\nshift 2\nexec {sys.executable} -m tests.e2e.faulty_server die "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    cfg = builtin(ckpt, python=str(wrapper))
+    cfg.env = {**cfg.env, "PYTHONPATH": str(root)}
+    with ServerGroup([cfg], tmp_path / "logs", poll_s=0.1) as group:
+        server = group.servers[0]
+        first_pid = server.pid
+        body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+        req = urllib.request.Request(server.url + "/generate", body.encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError):  # the request its engine died on
+            urllib.request.urlopen(req, timeout=30)
+        deadline = time.monotonic() + 60
+        while not (server.restarts == 1 and server.ready):
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        assert server.pid != first_pid and gone(first_pid)
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+            assert r.status == 200
+
+
 def test_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     group = ServerGroup([ServerConfig(model_path=str(tmp_path / "nope"))], tmp_path / "logs")
     with pytest.raises(ServerFailed, match="exited with code"):
