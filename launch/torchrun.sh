@@ -205,7 +205,7 @@ abort_job() {  # abort_job MESSAGE: tell the other nodes, then stop here
     local ckpt; ckpt="$(last_checkpoint)"
     fail "logs: $RANK_LOGS (per rank), $SERVER_LOGS (servers)"
     if [[ "$ckpt" == none ]]; then
-        fail "no complete checkpoint yet under $RUN_DIR/checkpoints; rerun without --resume"
+        fail "no complete checkpoint yet under $RUN_DIR/checkpoints; rerun (with or without --resume) to start it again"
     else
         fail "last complete checkpoint: $ckpt; rerun with --resume --run-dir $RUN_DIR to continue"
     fi
