@@ -137,6 +137,26 @@ def test_algo_table_reads_the_base_configs_family(tmp_path):
     assert algo_table(base=tmp_path / "deep_gspo.yaml") == algo_table()
 
 
+def test_the_drift_study_reads_its_family_and_makes_its_model_with_the_preset(tmp_path):
+    """configs/drift_moe_gspo.yaml: the drift configs' algo rows, and, with model.path missing,
+    DIR/model made by make-task-model with the drift preset (the shape sortlong is tuned for)."""
+    from megatron_gspo.data.warmstart import PRESETS
+    from megatron_gspo.study.plan import task_of
+    from megatron_gspo.study.runner import _preset_for
+
+    base = ROOT / "configs" / "drift_moe_gspo.yaml"
+    table = algo_table(base=base)
+    for name, row in table.items():
+        algo = yaml.safe_load((ROOT / "configs" / f"drift_moe_{name}.yaml").read_text())["algo"]
+        assert row == {k: algo[k] for k in row}
+    study = build_study(base, tmp_path, list(table), 1, [f"model.path={tmp_path / 'none'}"],
+                        table=table)  # fmt: skip
+    assert study.made_model == (tmp_path / "model").resolve()
+    task = task_of(base, study.common)
+    assert task == "sortlong" and PRESETS["drift"]["task"] == task
+    assert _preset_for(task) == ["--preset", "drift"] and _preset_for("arith") == []
+
+
 def test_unknown_algorithm_is_a_user_error():
     from megatron_gspo.study.plan import parse_algos
 
