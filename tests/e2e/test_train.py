@@ -175,16 +175,26 @@ def test_run_dir_without_a_checkpoint_starts_again_with_either_command(task_mode
 
 
 def test_second_trainer_on_a_run_dir_is_refused(task_model, tmp_path):
+    """The first trainer has far more steps than the second needs to start and be refused (a
+    short first run could end, and free the lock, before the second looks: a race, not a
+    refusal); it is killed afterwards, and its metrics are its own alone."""
     run_dir = tmp_path / "run"
-    first = train("tiny_moe_gspo.yaml", run_dir, task_model, wait=False)
-    _wait_for(lambda: (run_dir / ".lock").is_file() and (run_dir / ".lock").read_text(), first)
-    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume")
+    first = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=1000, wait=False)
+    try:
+        _wait_for(lambda: (run_dir / ".lock").is_file() and (run_dir / ".lock").read_text(), first)
+        rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume")
+        assert first.poll() is None, "the first trainer ended before the second was refused"
+    finally:
+        first.kill()
+        first.wait(timeout=60)
     assert rc == 2 and _errors(out) == [  # (both write the same log)
         f"error: {run_dir} is in use by another trainer (pid {first.pid} on {os.uname()[1]}); "
         "wait for it to end or stop it, or pass --run-dir NEW_DIR"
     ], out[-3000:]
-    assert first.wait(timeout=600) == 0
-    assert [r["step"] for r in metrics(run_dir)] == [0, 1, 2]  # the first run, whole
+    from megatron_gspo.train.metrics import read_metrics  # (a torn last line is skipped)
+
+    steps = [r["step"] for r in read_metrics(run_dir)]  # the first run's, each once, in order
+    assert steps == list(range(len(steps)))
 
 
 def test_broken_rows_and_a_dead_rollout_url_fail_fast(task_model, tmp_path):

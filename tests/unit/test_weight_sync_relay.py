@@ -28,7 +28,7 @@ def test_url_nodes_name_the_node_of_each_url():
     "nodes, message",
     [
         ("[0,1]", "rollout.url_nodes has 2 entries for 3 rollout.urls"),
-        ("[0,-1,1]", "rollout.url_nodes must be node indices >= 0"),
+        ("[0,-1,1]", "rollout.url_nodes[1] must be an integer >= 0, not -1"),
     ],
 )
 def test_url_nodes_that_do_not_fit_the_urls_name_the_fix(nodes, message):
