@@ -258,7 +258,6 @@ class ServerGroup:
 
     def _wait_healthy(self, s: ManagedServer) -> None:
         deadline = time.monotonic() + self.health_timeout_s
-        headers = {"Authorization": f"Bearer {s.config.api_key}"} if s.config.api_key else {}
         while time.monotonic() < deadline:
             if not s.alive():
                 raise ServerFailed(
@@ -267,13 +266,8 @@ class ServerGroup:
                 )
             if self._stopping.is_set():
                 return
-            try:
-                req = urllib.request.Request(s.url + "/health", headers=headers)
-                with urllib.request.urlopen(req, timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if _health(s) == 200:
+                return
             time.sleep(0.2)
         raise ServerFailed(
             f"server {s.index} ({s.config.kind}, pid {s.pid}) was not healthy after "
@@ -365,15 +359,20 @@ class ServerGroup:
 def _engine_dead(s: ManagedServer) -> bool:
     """True when the server answers /health with 503: alive, but its engine thread is gone
     (the built-in server says so). A slow or refused answer is not taken as death."""
+    return _health(s) == 503
+
+
+def _health(s: ManagedServer) -> int | None:
+    """The HTTP status of the server's /health, or None when it does not answer in 5 s."""
     headers = {"Authorization": f"Bearer {s.config.api_key}"} if s.config.api_key else {}
     try:
         req = urllib.request.Request(s.url + "/health", headers=headers)
-        with urllib.request.urlopen(req, timeout=5):
-            return False
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
     except urllib.error.HTTPError as e:
-        return e.code == 503
+        return e.code
     except (urllib.error.URLError, OSError):
-        return False
+        return None
 
 
 def _post(s: ManagedServer, path: str, body: dict) -> dict:

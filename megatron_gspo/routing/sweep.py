@@ -36,13 +36,12 @@ class Sweep:
         self.order = {id(mb): m for m, mb in enumerate(mbs)}
         self.rows_Mb = torch.stack([mb.index for mb in mbs])
         self.buffer = None
+        n_tok = len(self.positions) * mbs[0].tokens.shape[0]  # router tokens per microbatch
         if capture:
-            n_tok = len(self.positions) * mbs[0].tokens.shape[0]
             shape = (len(mbs), len(owner.layers), n_tok, owner.topk)
             self.buffer = torch.zeros(shape, dtype=owner.torch_dtype, device=owner.device)
         self.moved = None  # [M, 1, N, 1] uint8: moved in any of this rank's MoE layers
         if compare is not None:
-            n_tok = len(self.positions) * mbs[0].tokens.shape[0]
             self.moved = torch.zeros(
                 (len(mbs), 1, n_tok, 1), dtype=torch.uint8, device=owner.device
             )
