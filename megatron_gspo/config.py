@@ -235,9 +235,12 @@ class TrainSection:
     eval_prompts: int = 64
     checkpoint_every: int = 10  # 0: only at the end
     keep_checkpoints: int = 2
+    # a non-finite loss or grad norm skips the step's update; this many steps in a row end the run
+    max_nonfinite_steps: int = 3
 
     def check(self) -> None:
-        for name in ("steps", "micro_batch_size", "eval_prompts", "keep_checkpoints"):
+        names = ("steps", "micro_batch_size", "eval_prompts", "keep_checkpoints")
+        for name in (*names, "max_nonfinite_steps"):
             _positive(getattr(self, name), f"train.{name}")
         for name in ("eval_every", "checkpoint_every"):  # 0 turns it off
             _in_range(getattr(self, name), f"train.{name}", 0)

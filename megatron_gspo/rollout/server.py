@@ -7,8 +7,10 @@ everything above it talks to it exactly as to SGLang.
     python -m megatron_gspo.rollout.server --model HF_DIR --port 0   # prints the bound URL
 
 Security: it binds 127.0.0.1 by default and refuses a non-loopback --host without an API key;
-with a key every endpoint but GET /health requires `Authorization: Bearer KEY`. Weight payloads
-are accepted only as tensors (see safe_unpickle); distributed weight updates use gloo.
+with a key every endpoint but GET /health requires `Authorization: Bearer KEY` (the trainer gives
+the servers it starts a random one). A POST must carry JSON (or no body) and no foreign Origin, so
+a web page in a browser on the same machine cannot drive it. Weight payloads are accepted only as
+tensors (see safe_unpickle); distributed weight updates use gloo.
 
 Robustness: every request field is checked by type and range before the engine sees it (a bad one
 is a 400 naming it; `validate.py`), with per-request bounds set by --max-n and --max-batch-size.
@@ -33,6 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from aiohttp import web
@@ -222,6 +225,9 @@ async def errors_and_auth(request: web.Request, handler):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return web.json_response({"error": "Unauthorized"}, status=401)
+    refused = _not_from_a_client(request)
+    if refused is not None:
+        return bad(refused[1], status=refused[0])
     try:
         return await handler(request)
     except BodyTimeout as e:
@@ -235,6 +241,21 @@ async def errors_and_auth(request: web.Request, handler):
     except Exception as e:  # a bug: SGLang's failure shape all the same, and the server goes on
         log.exception("%s %s failed", request.method, request.path)
         return bad(f"internal error: {type(e).__name__}: {e}", status=500)
+
+
+def _not_from_a_client(request: web.Request) -> tuple[int, str] | None:
+    """A POST from a web page is refused: a browser sends an Origin header, and cross-site it
+    can only send text/plain or form bodies without a preflight. Every client of this API sends
+    JSON (or no body at all) and no foreign Origin."""
+    if request.method in ("GET", "HEAD"):
+        return None
+    origin = request.headers.get("Origin")
+    if origin is not None and urlsplit(origin).netloc != request.host:
+        return 403, f"cross-origin request from {origin[:100]!r} refused"
+    has_type = "Content-Type" in request.headers
+    if (has_type or request.body_exists) and request.content_type != "application/json":
+        return 415, f"Content-Type must be application/json, not {request.content_type!r}"
+    return None
 
 
 def build_app(state: ServerState) -> web.Application:

@@ -27,6 +27,7 @@ fewer rows than asked: a forward-only pass keeps no activations for a backward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -335,7 +336,7 @@ class Actor:
         if on_policy:
             mine = [r for mb, lp in own for r in token_rows(mb, lp)]
             batch.old_logprobs = _gather_rows(mine, len(batch), self.world)
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm, finite = self._optimizer_step()
         metrics = _reduce_stats(outputs, self.world, self.tp)
         if "tokens_moved_fraction" in metrics:
             routing[TOKENS_CHANGED] = metrics.pop("tokens_moved_fraction")
@@ -343,9 +344,25 @@ class Actor:
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             update_ok=bool(ok),
+            nonfinite=float(not finite),
             lr=self.optimizer.param_groups[0]["lr"],
         )
         return metrics
+
+    def _optimizer_step(self) -> tuple[bool, float | None, bool]:
+        """The optimizer step, unless the gradient norm is not finite (a NaN/Inf loss, an
+        overflow): then the gradients are dropped and the weights stay as they were. The norm
+        is reduced over the model-parallel (and, with the distributed optimizer, data-parallel)
+        ranks, so every rank takes the same branch. Returns (updated, grad norm, finite)."""
+        opt = self.optimizer
+        if opt.prepare_grads():  # a loss scaler found an overflow: megatron skips the step
+            return False, None, True
+        norm = float(opt.get_grad_norm())
+        if not math.isfinite(norm):
+            opt.zero_grad()
+            return False, norm, False
+        ok, grad_norm, _ = opt.step()  # prepares the grads again: idempotent, and cheap
+        return ok, grad_norm, True
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group (the loop's schedule sets it per step)."""

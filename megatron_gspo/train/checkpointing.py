@@ -5,18 +5,28 @@
         trainer_state.json  step, weight_version, the prompt sampler's position, metrics so far
         rng/rank<r>.pt      torch RNG state of each rank (a plain tensor; loaded weights_only)
 
+        manifest.json       every other file's size and sha256, tensor data included
+
 A checkpoint is written into `.step_<N>.tmp/` and renamed to `step_<N>/` by global rank 0 only
-after every rank finished writing and the state file is on disk, so a directory named `step_<N>`
-is always complete; a crash mid-write leaves only a `.tmp` directory, which `latest` ignores and
-the next save of that step replaces. Older checkpoints beyond `keep` are deleted after the rename.
+after every rank finished writing, the state file is on disk and the manifest was computed from
+the files as they read back (each rank hashes a share), so a directory named `step_<N>` is always
+complete; a crash mid-write leaves only a `.tmp` directory, which `latest` ignores and the next
+save of that step replaces. Older checkpoints beyond `keep` are deleted after the rename, never
+the new one: it is the last verified checkpoint.
+
+A resume uses the newest checkpoint that verifies against its manifest (`verify`); a newer one
+that does not (a truncated, zeroed or garbled file, a lost manifest) is moved aside to
+`checkpoints/unverified/` and named, never loaded and never deleted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,6 +37,9 @@ from megatron_gspo.train.files import fsync_dir
 
 _NAME = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+UNVERIFIED = "unverified"
+_BLOCK = 8 << 20
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -68,6 +81,8 @@ def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
     dist.barrier()
     if rank == 0:
         _write_json(tmp / STATE_FILE, state)
+    _write_manifest(tmp)
+    if rank == 0:
         if final.exists():  # the same step saved before a crash and again after resume
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -88,6 +103,96 @@ def load(actor, path: Path) -> dict:
     if rng.is_file():  # absent when resuming on more ranks than saved
         torch.set_rng_state(torch.load(rng, weights_only=True))
     return json.loads(state_file.read_text())
+
+
+def _write_manifest(directory: Path) -> None:
+    """Collective: each rank hashes a share of the checkpoint's files; rank 0 writes the manifest."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box = [_files(directory) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    mine = {rel: _entry(directory / rel) for rel in box[0][rank::world]}
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        entries = {k: v for share in shares for k, v in share.items()}
+        write_manifest(directory, entries)
+
+
+def write_manifest(directory: Path, entries: dict | None = None) -> None:
+    """The manifest of `directory` (computed here when `entries` is None), written durably."""
+    if entries is None:
+        entries = {rel: _entry(directory / rel) for rel in _files(directory)}
+    _write_json(directory / MANIFEST, {"format": 1, "files": dict(sorted(entries.items()))})
+
+
+def verify(path: Path, threads: int = 4) -> str | None:
+    """None when every file the manifest names has its size and sha256; else what differs, in
+    a few words (the first problem found)."""
+    try:
+        listed = json.loads((path / MANIFEST).read_text())["files"]
+        items = [(rel, int(e["size"]), str(e["sha256"])) for rel, e in listed.items()]
+    except FileNotFoundError:
+        return f"no {MANIFEST}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} is unreadable"
+    if STATE_FILE not in listed:
+        return f"{MANIFEST} does not list {STATE_FILE}"
+    for rel, size, _ in items:  # sizes first: cheap, and most damage shows there
+        f = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} is {f.stat().st_size} bytes, the manifest says {size}"
+    with ThreadPoolExecutor(max(1, threads)) as pool:  # hashlib lets go of the GIL
+        digests = pool.map(lambda it: _sha256(path / it[0]), items)
+        for (rel, _, want), got in zip(items, digests):
+            if got != want:
+                return f"{rel} does not match its checksum"
+    return None
+
+
+def newest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint that verifies, and the newer ones that do not (with why)."""
+    skipped = []
+    for ckpt in reversed(complete_checkpoints(run_dir)):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt, skipped
+        skipped.append((ckpt, problem))
+    return None, skipped
+
+
+def set_aside(run_dir: Path, ckpts: list[Path]) -> Path:
+    """Move checkpoints that failed verification to checkpoints/unverified/ (kept, not counted)."""
+    dest = checkpoint_root(run_dir) / UNVERIFIED
+    dest.mkdir(exist_ok=True)
+    for ckpt in ckpts:
+        target, k = dest / ckpt.name, 1
+        while target.exists():
+            target, k = dest / f"{ckpt.name}.{k}", k + 1
+        os.replace(ckpt, target)
+    fsync_dir(checkpoint_root(run_dir))
+    return dest
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    )
+
+
+def _entry(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _write_json(path: Path, obj: dict) -> None:

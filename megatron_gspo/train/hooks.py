@@ -19,6 +19,7 @@ class StepHooks:
         self.rank0 = dist.get_rank() == 0
         self.logger = None
         self.saved_step = -1
+        self.last_finite = True
 
     def begin(self, state: dict, last: int) -> None:
         """Open the sinks (a resumed run's logger drops metrics of steps after its checkpoint). A
@@ -41,8 +42,13 @@ class StepHooks:
         if state["step"] == 0 and t.eval_every:
             self._log(0, {"eval/reward": self.rollouts.evaluate(), "weight_version": 0})
 
-    def end_step(self, step: int, metrics: dict, state: dict, t0: float, last: int) -> None:
+    def end_step(
+        self, step: int, metrics: dict, state: dict, t0: float, last: int, checkpoint: bool = True
+    ) -> None:
+        """Eval, metrics, and the checkpoint when due (`checkpoint=False`: a step that skipped
+        its update for a non-finite loss writes none)."""
         t = self.cfg.train
+        self.last_finite = checkpoint
         metrics["time/step_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = metrics.pop("rollout/tokens", 0.0) / metrics["time/step_s"]
         if t.eval_every and (step % t.eval_every == 0 or step == last):
@@ -50,11 +56,11 @@ class StepHooks:
             metrics["eval/reward"] = self.rollouts.evaluate()
             metrics["time/eval_s"] = time.perf_counter() - te
         self._log(step, metrics)
-        if t.checkpoint_every and step % t.checkpoint_every == 0:
+        if checkpoint and t.checkpoint_every and step % t.checkpoint_every == 0:
             self._save(step, state)
 
     def finish(self, state: dict) -> None:
-        if state["step"] > self.saved_step:
+        if state["step"] > self.saved_step and self.last_finite:
             self._save(state["step"], state)
         if self.logger is not None:
             self.logger.close()

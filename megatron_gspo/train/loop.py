@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_gspo.config import Config
+from megatron_gspo.errors import UserError
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
@@ -39,13 +40,14 @@ def run(
     setup = TrainerSetup(cfg, run_dir, resume, allow_config_change)
     with setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
         actor, sampler = setup.actor, setup.sampler(rl.n_train_prompts)
-        sync = setup.weight_sync(rl.urls)
+        sync = setup.weight_sync(rl.urls, rl.api_key)
         try:
             hooks = StepHooks(cfg, run_dir, setup, rl)
             state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
             last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
             hooks.begin(state, last)
             current = str(state["weight_version"]) if state["step"] else sync.base_version
+            guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
             for step in range(state["step"] + 1, last + 1):
                 t0 = time.perf_counter()
                 caught_up = catch_up(sync, rl, current)
@@ -54,6 +56,7 @@ def run(
                 rl.release_memory()  # colocated GPUs: the servers' memory goes to training
                 if collected.batch is not None:
                     metrics |= train_on(actor, collected.batch, cfg, step)
+                finite = guard.check(step, metrics)
                 rl.resume_memory()
                 t1 = time.perf_counter()
                 metrics |= sync_weights(sync, rl, step)
@@ -63,10 +66,43 @@ def run(
                 )
                 metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
                 state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
-                hooks.end_step(step, metrics, state, t0, last)
+                hooks.end_step(step, metrics, state, t0, last, checkpoint=finite)
+                guard.stop_if_over()
             hooks.finish(state)
         finally:  # also after a failure: e.g. the update groups kept with the servers
             sync.close()
+
+
+class NonFiniteGuard:
+    """A step whose loss or gradient norm is not finite has its update skipped (actor) and
+    writes no checkpoint; `limit` such steps in a row end the run with an error (the last
+    checkpoint is from before them). Every rank sees the same reduced loss and norm."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_row = limit, 0
+
+    def check(self, step: int, metrics: dict) -> bool:
+        bad = {k: metrics[k] for k in ("loss/policy", "grad_norm") if k in metrics}
+        bad = {k: v for k, v in bad.items() if not np.isfinite(v)}
+        if not bad and not metrics.get("update/nonfinite"):
+            self.in_row = 0
+            return True
+        self.in_row += 1
+        what = ", ".join(f"{k} {v}" for k, v in bad.items()) or "a non-finite gradient"
+        log.warning("step %d: %s; its update was skipped (%d in a row)", step, what, self.in_row)
+        self.last = (step, what)
+        return False
+
+    def stop_if_over(self) -> None:
+        """After the step's metrics are logged: the error, once `limit` steps in a row failed."""
+        if self.in_row >= self.limit:
+            step, what = self.last
+            raise UserError(
+                f"training is not finite: {self.in_row} steps in a row up to step {step} had "
+                f"{what}; their updates were skipped and no checkpoint was written since; lower "
+                "optim.lr (or optim.clip_grad), check the data and rewards, then --resume from "
+                f"the last checkpoint (the limit is train.max_nonfinite_steps={self.limit})"
+            )
 
 
 def catch_up(sync: WeightSync, rl: Rollouts, current: str) -> dict:
@@ -125,6 +161,8 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
         else:
             update = actor.train_step(rows, loss_cfg, mbs)
         per_update.append(update)
+        if update.get("nonfinite"):  # the weights stay as they were; the step ends here
+            break
     if first_on_policy and len(per_update) > 1:
         drift = {k for m in per_update[1:] for k in m if k.startswith((CHANGED, TOKENS_CHANGED))}
         per_update[0].update(dict.fromkeys(drift, 0.0))
@@ -210,6 +248,7 @@ def _combine_updates(per_update: list[dict]) -> dict:
     for k in sorted(extra):
         out[k] = _reduce([m[k] for m in per_update if k in m], "mean")
     out["update/skipped"] = float(sum(not m.get("update_ok", True) for m in per_update))
+    out["update/nonfinite"] = float(sum(m.get("nonfinite", 0.0) for m in per_update))
     out["ratio/first_update_mean"] = per_update[0].get("ratio_mean", float("nan"))
     return out
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,15 +51,16 @@ class Rollouts:
         self.generator = None  # generation: the router when there is one, else `client`
         self._loop = None
         self.urls: list[str] = []
+        self.api_key: str | None = None  # the servers' key: the launch script's, or one we made
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def __enter__(self) -> Rollouts:
         if self.rank0:
             self._start()
-        box = [self.urls]
-        dist.broadcast_object_list(box, src=0)
-        self.urls = box[0]
+        box = [(self.urls, self.api_key)]
+        dist.broadcast_object_list(box, src=0)  # the trainer's own ranks (the weight sync)
+        self.urls, self.api_key = box[0]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -84,17 +86,20 @@ class Rollouts:
         if cfg.data.eval and cfg.data.eval != cfg.data.train:
             _report_broken_rows(self.eval_rows, "data.eval")
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        # Servers we start get a random key (a local user or a web page cannot drive them);
+        # servers a launch script started use the one it exported.
+        self.api_key = api_key() or (None if cfg.rollout.urls else secrets.token_urlsafe(32))
         self.urls = list(cfg.rollout.urls) or self._launch()
         self._loop = asyncio.new_event_loop()
         topk = _topk(self.hf_dir)
         self.client = RolloutClient(
-            self.urls, api_key=api_key(), topk=topk, timeout_s=cfg.rollout.health_timeout_s
+            self.urls, api_key=self.api_key, topk=topk, timeout_s=cfg.rollout.health_timeout_s
         )
         self._wait_healthy(self.client, "rollout.urls")
         self.generator = self.client
         if cfg.rollout.router_url:
             self.generator = RolloutClient(
-                [cfg.rollout.router_url], api_key=api_key(), topk=topk,
+                [cfg.rollout.router_url], api_key=self.api_key, topk=topk,
                 timeout_s=cfg.rollout.health_timeout_s, max_concurrency=self.client.max_concurrency
                 * len(self.urls),
             )  # fmt: skip
@@ -124,6 +129,7 @@ class Rollouts:
             dtype=r.dtype,
             extra_args=list(r.extra_server_args),
             threads=1 if r.backend == "builtin" else 0,
+            api_key=self.api_key,
         )
         python = r.sglang_python or os.environ.get("SGLANG_PYTHON")
         if r.backend == "sglang" and python:

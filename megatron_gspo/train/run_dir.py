@@ -5,7 +5,9 @@ finds there.
     an earlier attempt, no checkpoint        start again, either command: the attempt's record
                                              (metrics, config) is moved to aborted/<k>/, its
                                              incomplete checkpoint deleted; logs/ goes on
-    a complete checkpoint, --resume          resume from it, if the config is the run's
+    a complete checkpoint, --resume          resume from the newest one that verifies against
+                                             its manifest (newer ones that do not are moved to
+                                             checkpoints/unverified/), if the config is the run's
     a complete checkpoint, no --resume       error: pass --resume, or another --run-dir
 
 Resuming with a config that differs from the run's in what it computes (the algorithm, the
@@ -96,6 +98,7 @@ def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool)
                 f"{run_dir} holds an earlier run (last complete checkpoint: {ckpt.name}); pass "
                 "--resume to continue it or --run-dir NEW_DIR to start another"
             )
+        ckpt = _verified(run_dir)
         _check_config(run_dir, ckpt, cfg, allow_config_change)
         return ckpt
     left = [name for name in ATTEMPT_FILES + SCRATCH if (run_dir / name).exists()]
@@ -104,6 +107,27 @@ def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool)
     elif resume:
         print(f"--resume: {run_dir} holds no checkpoint yet; starting the run", flush=True)
     return None
+
+
+def _verified(run_dir: Path) -> Path:
+    """The newest checkpoint that verifies; the newer ones that do not are set aside and named
+    in one line. None verifying is an error that changes nothing."""
+    ckpt, skipped = checkpointing.newest_verified(run_dir)
+    why = "; ".join(f"{c.name}: {problem}" for c, problem in skipped)
+    if ckpt is None:
+        raise UserError(
+            f"no checkpoint in {checkpointing.checkpoint_root(run_dir)} verifies ({why}); "
+            "nothing was changed: restore the files from a copy, or start another run with "
+            "--run-dir NEW_DIR"
+        )
+    if skipped:
+        dest = checkpointing.set_aside(run_dir, [c for c, _ in skipped])
+        print(
+            f"resuming from {ckpt.name}, the newest checkpoint that verifies; skipped {why} "
+            f"(moved to {dest.relative_to(run_dir)}/, not deleted)",
+            flush=True,
+        )
+    return ckpt
 
 
 def _clear_attempt(run_dir: Path, left: list[str]) -> str:

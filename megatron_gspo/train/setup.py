@@ -95,15 +95,14 @@ class TrainerSetup:
         self._sampler = PromptSampler(n_rows, self.cfg.rollout.prompts_per_step, self.cfg.seed)
         return self._sampler
 
-    def weight_sync(self, urls: list[str]):
-        from megatron_gspo.train.rollouts import api_key
+    def weight_sync(self, urls: list[str], api_key: str | None = None):
         from megatron_gspo.weight_sync.config import ServerRef
         from megatron_gspo.weight_sync.sync import WeightSync
 
         r = self.cfg.rollout
         nodes = r.url_nodes if r.urls and r.url_nodes else [None] * len(urls)
         refs = [
-            ServerRef(u, r.server_tp, api_key(), node) for u, node in zip(urls, nodes, strict=True)
+            ServerRef(u, r.server_tp, api_key, node) for u, node in zip(urls, nodes, strict=True)
         ]
         self.sync = WeightSync(
             self.actor.chunks,

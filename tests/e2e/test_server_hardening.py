@@ -42,9 +42,10 @@ def server(model):
         yield url
 
 
-def post(url: str, path: str, body, timeout: float = 20.0) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method="POST")
+def post(url: str, path: str, body, timeout: float = 20.0, headers=None) -> tuple[int, dict]:
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if headers is None else headers
+    req = urllib.request.Request(url + path, data=data, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -130,6 +131,37 @@ def test_body_too_deep_or_not_json_is_400(server):
     assert_refused(status, out, "not valid JSON")
 
 
+WEB_PAGE = [  # what a page in a browser can send to 127.0.0.1 without a preflight
+    ({"Content-Type": "text/plain"}, 415),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ({}, 415),  # a body without a type
+    ({"Content-Type": "application/json", "Origin": "http://evil.example"}, 403),
+    ({"Content-Type": "text/plain", "Origin": "null"}, 403),
+]
+
+
+@pytest.mark.parametrize("headers,status", WEB_PAGE)
+def test_state_changing_requests_from_a_web_page_are_refused(server, headers, status):
+    before = json.loads(urllib.request.urlopen(server + "/get_model_info").read())
+    body = {"new_version": "hijacked"}
+    code, out = post(server, "/update_weight_version", body, headers=headers)
+    assert code == status and out["success"] is False, (code, out)
+    assert ("cross-origin" if status == 403 else "Content-Type must be application/json") in (
+        out["message"]
+    )
+    after = json.loads(urllib.request.urlopen(server + "/get_model_info").read())
+    assert after["weight_version"] == before["weight_version"] != "hijacked"
+    code, _ = post(server, "/pause_generation", b"", headers={"Origin": "http://evil.example"})
+    assert code == 403
+    # the same origin, and a bodiless POST without a type (curl -X POST), stay allowed
+    host = server.split("//", 1)[1]
+    code, _ = post(server, "/continue_generation", {}, headers={
+        "Content-Type": "application/json", "Origin": f"http://{host}"})  # fmt: skip
+    assert code == 200
+    code, _ = post(server, "/continue_generation", None, headers={})
+    assert code == 200
+
+
 def test_server_keeps_serving_after_every_bad_request(server):
     for sp, _ in REFUSED:
         generate(server, {**VALID, **sp})
@@ -189,7 +221,8 @@ def test_idle_and_slow_sockets_are_closed(server):
         elapsed, data = wait_closed(slow)
         assert data == b"" and elapsed < 5
     with socket.create_connection((host, int(port))) as slow:
-        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        slow.sendall(head + b"Content-Length: 100\r\n\r\n{")
         elapsed, data = wait_closed(slow)
         assert data.startswith(b"HTTP/1.1 408") and elapsed < 5, data
 

@@ -9,8 +9,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -184,6 +187,16 @@ def test_second_trainer_on_a_run_dir_is_refused(task_model, tmp_path):
         _wait_for(lambda: (run_dir / ".lock").is_file() and (run_dir / ".lock").read_text(), first)
         rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume")
         assert first.poll() is None, "the first trainer ended before the second was refused"
+        # The server the first trainer started has a key only that trainer knows.
+        server_log = run_dir / "logs" / "server-0.log"
+        _wait_for(lambda: server_log.is_file() and " on http" in server_log.read_text(), first)
+        log = server_log.read_text()
+        assert "api-key" not in log and "API_KEY" not in log
+        url = log.split(" on ", 1)[1].split()[0]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url + "/get_model_info", timeout=10)
+        assert refused.value.code == 401
+        _wait_for(lambda: (run_dir / "metrics.jsonl").is_file(), first)  # (checked below)
     finally:
         first.kill()
         first.wait(timeout=60)
@@ -219,6 +232,88 @@ def test_broken_rows_and_a_dead_rollout_url_fail_fast(task_model, tmp_path):
     assert f"data.train {data}: skipped 1 broken row of 19" in out
     assert took < 60  # rollout.connect_grace_s (15 s) after start-up, not the 300 s health timeout
     print(f"dead rollout.urls: error after {took:.1f} s")
+
+
+def _flip_each_tensor_file(directory: Path) -> list[str]:
+    """4 bytes flipped in the middle of every model/optimizer shard: the damage that used to load
+    silently and train NaN."""
+    names = []
+    for f in sorted(directory.rglob("*.distcp")):
+        data = bytearray(f.read_bytes())
+        mid = len(data) // 2
+        data[mid : mid + 4] = bytes(b ^ 0xFF for b in data[mid : mid + 4])
+        f.write_bytes(bytes(data))
+        names.append(f.name)
+    return names
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_trains_on_the_last_good_one(task_model, tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "train.checkpoint_every=1")
+    assert rc == 0, out[-3000:]
+    step2 = run_dir / "checkpoints" / "step_2"
+    assert _flip_each_tensor_file(step2 / "model")
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume",
+                    "train.checkpoint_every=1", steps=3)  # fmt: skip
+    assert rc == 0, out[-3000:]
+    line = next(ln for ln in out.splitlines() if ln.startswith("resuming from step_1"))
+    assert "skipped step_2: model/" in line and "does not match its checksum" in line, line
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 2 trained again, from step_1
+    assert all(np.isfinite(r["loss/policy"]) and np.isfinite(r["grad_norm"]) for r in rows[1:])
+    assert (run_dir / "checkpoints" / "unverified" / "step_2" / "manifest.json").is_file()
+    done = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert done == ["step_2", "step_3"]  # keep_checkpoints=2: step_1 rotated out only now
+
+
+# The injected fault: from the first checkpoint on, the policy loss is NaN (in the trainer only;
+# the servers and everything else run as they are).
+POISON = """
+import sys
+from pathlib import Path
+import megatron_gspo.train.actor as actor
+from megatron_gspo.cli import main
+
+real, trigger = actor.policy_loss, Path(sys.argv.pop(1))
+
+def poisoned(*args, **kwargs):
+    value, stats = real(*args, **kwargs)
+    return (value * float("nan") if trigger.exists() else value), stats
+
+actor.policy_loss = poisoned
+main()
+"""
+
+
+def test_a_run_that_goes_non_finite_skips_updates_then_stops_without_checkpoints(
+    task_model, tmp_path
+):
+    """A NaN loss from step 2 on: each such step skips its update and writes no checkpoint,
+    and the third in a row ends the run with one line; step_1 is intact."""
+    run_dir, script = tmp_path / "run", tmp_path / "poison.py"
+    script.write_text(POISON)
+    cmd = [sys.executable, str(script), str(run_dir / "checkpoints" / "step_1"), "train",
+           "--config", str(ROOT / "configs" / "tiny_moe_gspo.yaml"), "--run-dir", str(run_dir),
+           "--steps", "6", f"model.path={task_model}", *QUICK, "train.checkpoint_every=1"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=600)
+    errors = _errors(out.stdout + out.stderr)
+    assert out.returncode == 2 and errors == [
+        "error: training is not finite: 3 steps in a row up to step 4 had loss/policy nan, "
+        "grad_norm nan; their updates were skipped and no checkpoint was written since; lower "
+        "optim.lr (or optim.clip_grad), check the data and rewards, then --resume from the last "
+        "checkpoint (the limit is train.max_nonfinite_steps=3)"
+    ], (out.stdout + out.stderr)[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["update/nonfinite"] for r in rows[1:]] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["update/skipped"] for r in rows[1:]] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["grad_norm"] for r in rows[2:]] == [
+        "NaN"
+    ] * 3  # (written as a string: JSON has no NaN)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1"]
+    from megatron_gspo.train import checkpointing
+
+    assert checkpointing.verify(run_dir / "checkpoints" / "step_1") is None
 
 
 def _errors(out: str) -> list[str]:

@@ -1,6 +1,8 @@
 """The run directory a trainer owns (train/run_dir.py): the lock, what a start does with an
 earlier attempt's files, and the config check of --resume."""
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import yaml
 
 from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
+from megatron_gspo.train import checkpointing
 from megatron_gspo.train import run_dir as rd
 
 pytestmark = pytest.mark.unit
@@ -45,6 +48,9 @@ def _checkpoint(run, step=1):
     d = run / "checkpoints" / f"step_{step}"
     d.mkdir(parents=True)
     (d / "trainer_state.json").write_text("{}")
+    (d / "model").mkdir()
+    (d / "model" / "shard.distcp").write_bytes(bytes(range(256)) * 16)
+    checkpointing.write_manifest(d)
     return d
 
 
@@ -100,3 +106,60 @@ def test_a_key_added_to_the_code_since_is_no_change():
     assert rd.config_changes(old, cfg()) == []
     old["algo"]["loss"] = "grpo"
     assert rd.config_changes(old, cfg()) == [("algo.loss", "grpo", "gspo")]
+
+
+def _flip(path, offset=100):
+    data = bytearray(path.read_bytes())
+    data[offset : offset + 4] = bytes(b ^ 0xFF for b in data[offset : offset + 4])
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated shard": lambda d: os.truncate(d / "model/shard.distcp", 1000),
+    "zeroed shard": lambda d: (d / "model/shard.distcp").write_bytes(bytes(4096)),
+    "4 bytes flipped": lambda d: _flip(d / "model/shard.distcp"),
+    "garbled state": lambda d: (d / "trainer_state.json").write_text("{]"),
+    "manifest lost": lambda d: (d / "manifest.json").unlink(),
+    "manifest garbled": lambda d: (d / "manifest.json").write_text('{"files": 3}'),
+    "shard lost": lambda d: (d / "model/shard.distcp").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_resume_skips_a_checkpoint_that_does_not_verify(tmp_path, capsys, damage):
+    good, bad = _checkpoint(tmp_path, 1), _checkpoint(tmp_path, 2)
+    assert checkpointing.verify(bad) is None
+    DAMAGE[damage](bad)
+    problem = checkpointing.verify(bad)
+    assert problem is not None and "\n" not in problem
+    assert rd.prepare(tmp_path, True, cfg(), False) == good
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("resuming from step_1, the newest checkpoint that verifies; skipped")
+    assert f"step_2: {problem}" in line and "\n" not in line
+    kept = tmp_path / "checkpoints" / "unverified" / "step_2"
+    assert kept.is_dir() and not bad.exists()  # set aside, not deleted, not counted
+    assert checkpointing.complete_checkpoints(tmp_path) == [good]
+
+
+def test_no_verified_checkpoint_is_an_error_that_changes_nothing(tmp_path):
+    ckpt = _checkpoint(tmp_path, 3)
+    _flip(ckpt / "model/shard.distcp", 4000)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as e:
+        rd.prepare(tmp_path, True, cfg(), False)
+    assert "no checkpoint in" in str(e.value) and "step_3: model/shard.distcp does not match" in (
+        str(e.value)
+    )
+    assert "--run-dir NEW_DIR" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_manifest_names_every_file_with_its_sha256(tmp_path):
+    d = _checkpoint(tmp_path, 1)
+    files = json.loads((d / "manifest.json").read_text())["files"]
+    assert sorted(files) == ["model/shard.distcp", "trainer_state.json"]
+    data = (d / "model/shard.distcp").read_bytes()
+    assert files["model/shard.distcp"] == {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
