@@ -7,6 +7,15 @@ tensor and storage classes, dtypes, torch.Size, and plain containers. Anything e
 builtins.eval, a CUDA IPC handle on a CPU server, the "fd" strategy's file-descriptor passing —
 is refused with `BadPayload` before it is called. The decoded object is then checked to be one
 of the two shapes SGLang accepts.
+
+Shared memory: a CPU tensor arrives as the name of a shared-memory object that the sender's torch
+created. torch's own rebuild would open any name the payload gives read-write, connect to a
+manager socket at any path it gives, and take part in the object's reference count (so the
+server could grow, overwrite or, at exit, delete any /dev/shm object of its user). Here the name
+must have torch's form (`/torch_<pid>_<n>_<n>`, nothing else in /dev/shm, no path), the object
+must be a regular file of the server's own user whose size is exactly torch's header plus the
+claimed size, and it is mapped read-only: the server never writes, grows, counts or unlinks it
+(the sender frees it). The manager socket is ignored.
 """
 
 from __future__ import annotations
@@ -14,8 +23,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import mmap
+import os
 import pickle
+import re
+import stat
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +54,62 @@ class FlattenedTensorMetadata:
     numel: int = 0
 
 
+SHM_DIR = "/dev/shm"
+# torch's shared-memory names (libshm: "/torch_" pid "_" random "_" counter)
+_TORCH_SHM_NAME = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
+# torch's refcounted shared memory keeps its count in a header before the data
+_SHM_HEADER = 64
+_MAX_SHARED_BYTES = 1 << 40
+
+
+def _shared_storage(handle: object, nbytes: object) -> torch.UntypedStorage:
+    """The bytes of torch shared-memory object `handle`, mapped read-only (see the module doc)."""
+    if not isinstance(handle, bytes) or not _TORCH_SHM_NAME.fullmatch(handle):
+        raise BadPayload(f"shared-memory name {str(handle)[:80]!r} is not torch's: refused")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise BadPayload("shared-memory size must be an integer")
+    if not 0 <= nbytes <= _MAX_SHARED_BYTES:
+        raise BadPayload(f"shared-memory size {nbytes} is out of range")
+    path = SHM_DIR + handle.decode()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        why = e.strerror
+        raise BadPayload(
+            f"shared-memory object {handle.decode()} cannot be opened: {why}"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise BadPayload(f"{handle.decode()} is not a shared-memory object of this user")
+        if info.st_size != _SHM_HEADER + nbytes:
+            raise BadPayload(
+                f"{handle.decode()} holds {info.st_size} bytes, not torch's header + {nbytes}"
+            )
+        if nbytes == 0:
+            return torch.UntypedStorage(0)
+        view = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only on purpose: nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.frombuffer(view, dtype=torch.uint8, offset=_SHM_HEADER, count=nbytes)
+    return data.untyped_storage()
+
+
+def _rebuild_storage_filename(cls, manager, handle, size, dtype=None):
+    """torch's `rebuild_storage_filename`, minus what a peer must not choose (module doc)."""
+    if dtype is None:
+        return _shared_storage(handle, size)
+    if not isinstance(dtype, torch.dtype) or isinstance(size, bool) or not isinstance(size, int):
+        raise BadPayload("a typed shared storage needs a dtype and an integer size")
+    untyped = _shared_storage(handle, size * torch._utils._element_size(dtype))
+    return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
 _ALLOWED: dict[tuple[str, str], object] = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"): (
-        reductions.rebuild_storage_filename
-    ),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_storage_filename,
     ("torch.multiprocessing.reductions", "rebuild_storage_empty"): reductions.rebuild_storage_empty,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
     ("torch", "Tensor"): torch.Tensor,

@@ -47,11 +47,18 @@ def test_server_killed_mid_batch_batch_completes_and_server_restarts(ckpt, tmp_p
 
         async def go():
             async with RolloutClient(group.urls, backoff_s=0.2, retries=4) as c:
+                # The victim holds the requests it gets (paused in place), so the kill lands
+                # while it has some, however fast the other server works through the rest:
+                # waiting for it to be seen generating was a race (under load the batch could
+                # end between two looks, and the test then waited forever).
+                await c.post(victim.url, "/pause_generation", {"mode": "in_place"})
                 task = asyncio.create_task(c.generate(prompts, n=4, sampling_params=sp))
-                while True:  # kill once the victim is generating
+                while True:
                     info = await c.get(victim.url, "/server_info")
-                    if info["internal_states"][0]["num_running_reqs"] > 0:
+                    state = info["internal_states"][0]
+                    if state["num_running_reqs"] + state["num_waiting_reqs"] > 0:
                         break
+                    assert not task.done(), "the batch ended without reaching the victim"
                     await asyncio.sleep(0.01)
                 os.kill(first_pid, signal.SIGKILL)
                 groups = await task
@@ -66,7 +73,7 @@ def test_server_killed_mid_batch_batch_completes_and_server_restarts(ckpt, tmp_p
                     await asyncio.sleep(0.1)
                 return groups, info
 
-        groups, info = asyncio.run(go())
+        groups, info = asyncio.run(asyncio.wait_for(go(), 300))
         samples = [s for g in groups for s in g]
         assert [(s.prompt_index, s.sample_index) for s in samples] == [
             (i, j) for i in range(4) for j in range(4)

@@ -202,6 +202,70 @@ def test_pickle_with_code_is_refused(server, session, tmp_path):
     assert status == 400 and "file_system" in out["message"]
 
 
+def _storage_payload(handle: bytes, nbytes: int, manager: bytes = b"/tmp/any.sock") -> str:
+    """A payload whose one tensor is torch shared memory named `handle`: what a hostile client
+    sends to make the server open (and, with torch's own rebuild, grow, write or unlink) it."""
+    import base64
+    import pickle
+
+    from torch.multiprocessing import reductions
+
+    class Storage:
+        def __reduce__(self):
+            return (reductions.rebuild_storage_filename,
+                    (torch.UntypedStorage, manager, handle, nbytes))  # fmt: skip
+
+    class Typed:
+        def __reduce__(self):
+            return (reductions.rebuild_typed_storage, (Storage(), torch.float32))
+
+    class Tensor:
+        def __reduce__(self):
+            return (reductions.rebuild_tensor,
+                    (torch.Tensor, Typed(), (0, (max(nbytes, 0) // 4,), (1,), False)))  # fmt: skip
+
+    return base64.b64encode(pickle.dumps([("model.norm.weight", Tensor())])).decode()
+
+
+def test_shared_memory_names_a_peer_chooses_are_confined(server, session, ckpts, tmp_path):
+    """Names outside torch's form, objects of the wrong size, links: refused; an object of
+    torch's form is mapped read-only, never written, grown or unlinked by the server."""
+    victim = Path("/dev/shm") / f"victim_{os.getpid()}"
+    victim.write_bytes(b"precious" * 64)
+    fake = Path("/dev/shm") / f"torch_{os.getpid()}_4242_0"  # torch's form, made by us
+    fake.write_bytes(bytes(64) + torch.ones(SPEC.hidden).numpy().tobytes())
+    link = Path("/dev/shm") / f"torch_{os.getpid()}_4242_1"
+    link.symlink_to(victim)
+    try:
+        refused = [
+            (f"/{victim.name}".encode(), 512, "is not torch's"),
+            (f"/../../{tmp_path}/x".encode(), 512, "is not torch's"),
+            (b"/torch_1_2_3/../../etc/passwd", 512, "is not torch's"),
+            (f"/{fake.name}".encode(), 1 << 20, "not torch's header + 1048576"),  # "grow it"
+            (f"/{link.name}".encode(), 512, "cannot be opened"),
+            (f"/torch_{os.getpid()}_4242_9".encode(), 512, "cannot be opened"),
+            (f"/{fake.name}".encode(), -1, "out of range"),
+        ]
+        for handle, nbytes, words in refused:
+            body = {"serialized_named_tensors": [_storage_payload(handle, nbytes)]}
+            status, out = call(server, "/update_weights_from_tensor", body)
+            assert status == 400 and words in out["message"], (handle, out)
+        fake_bytes = fake.read_bytes()
+        body = {"serialized_named_tensors": [_storage_payload(f"/{fake.name}".encode(),
+                                                              4 * SPEC.hidden)]}  # fmt: skip
+        status, out = call(server, "/update_weights_from_tensor", body)
+        assert status == 200, out  # read as the weight it claims to be (as any payload could)
+        assert fake.read_bytes() == fake_bytes  # header (torch's refcount) and data untouched
+        assert victim.read_bytes() == b"precious" * 64
+    finally:
+        for f in (link, fake, victim):
+            f.unlink(missing_ok=True)
+    norm = [(n, t) for n, t in named_tensors(ckpts[0]) if n == "model.norm.weight"]
+    with wp.TensorSharing():  # the real norm back, for the tests after this one
+        body = wp.tensor_update_body(norm, load_format=None)
+    assert call(server, "/update_weights_from_tensor", body)[0] == 200
+
+
 def test_release_and_resume_memory(server, reference):
     on_a, _ = reference
     assert call(server, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})[0] == 200
@@ -218,6 +282,7 @@ def test_release_and_resume_memory(server, reference):
             while not (await c.get(server, "/server_info"))["internal_states"][0][
                 "num_running_reqs"
             ]:
+                assert not task.done(), "the request ended before it was seen running"
                 await asyncio.sleep(0.02)
             answer = await post(server, "/release_memory_occupation", {})
             await c.abort()
