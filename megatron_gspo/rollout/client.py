@@ -73,14 +73,18 @@ class RolloutClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         topk: int | None = None,
+        outage_s: float = 0.0,
     ):
+        """`retries` quick retries on other servers (backoff_s, doubling); after those, a
+        request waits up to `outage_s` for any server to answer /health again (its supervisor
+        restarting it) and is sent there: a sample is retried, never lost or doubled."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.max_concurrency = max_concurrency
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        self.retries, self.backoff_s = retries, backoff_s
+        self.retries, self.backoff_s, self.outage_s = retries, backoff_s, outage_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.topk = topk
         self._servers: list[_Server] | None = None
@@ -151,15 +155,27 @@ class RolloutClient:
     async def _one(self, sample: Sample, body: dict, server: _Server, epoch: int) -> Sample:
         session, servers = self._state()
         tried: list[_Server] = []
-        first = server
+        first, attempt, outage_until = server, 0, None
         try:
-            for attempt in range(self.retries + 1):
+            while True:
                 if epoch != self._epoch:
                     return sample  # aborted before it was sent
-                if attempt:
+                if attempt and attempt <= self.retries:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
                     server = self._pick_other(servers, tried)
+                elif attempt:  # every quick retry failed: wait for a server to come back
+                    if outage_until is None:
+                        outage_until = time.monotonic() + self.outage_s
+                    server = await self._healthy_server(servers, outage_until)
+                    if server is None:
+                        raise RolloutError(
+                            f"request {sample.rid} failed on "
+                            f"{', '.join(sorted({s.url for s in tried}))} after {attempt} "
+                            f"attempts and no server answered /health within {self.outage_s:.0f}"
+                            " s after; check that the servers are up"
+                        )
                 tried.append(server)
+                attempt += 1
                 try:
                     result = await self._post_generate(session, server, sample.rid, body, epoch)
                 except _Retryable as e:
@@ -170,12 +186,24 @@ class RolloutClient:
                 if result is None:
                     return sample
                 return self._fill(sample, result, server.url, body["return_routed_experts"])
-            raise RolloutError(
-                f"request {sample.rid} failed on {', '.join(s.url for s in tried)} "
-                f"after {self.retries + 1} attempts; check that the servers are up"
-            )
         finally:
             first.load -= 1
+
+    async def _healthy_server(self, servers: list[_Server], until: float) -> _Server | None:
+        """The first server (fewest failures first) to answer /health 200 before `until`."""
+        session, _ = self._state()
+        probe = aiohttp.ClientTimeout(total=5.0, sock_connect=self.timeout.sock_connect)
+        while True:
+            for server in sorted(servers, key=lambda s: (s.failures, s.load)):
+                try:
+                    async with session.get(server.url + "/health", timeout=probe) as resp:
+                        if resp.status == 200:
+                            return server
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+            if time.monotonic() >= until:
+                return None
+            await asyncio.sleep(0.5)
 
     def _pick_other(self, servers: list[_Server], tried: list[_Server]) -> _Server:
         fresh = [s for s in servers if s not in tried] or servers

@@ -92,16 +92,18 @@ class Rollouts:
         self.urls = list(cfg.rollout.urls) or self._launch()
         self._loop = asyncio.new_event_loop()
         topk = _topk(self.hf_dir)
+        outage = cfg.rollout.health_timeout_s  # servers down: wait this long for a restart
         self.client = RolloutClient(
-            self.urls, api_key=self.api_key, topk=topk, timeout_s=cfg.rollout.health_timeout_s
-        )
+            self.urls, api_key=self.api_key, topk=topk, timeout_s=cfg.rollout.health_timeout_s,
+            outage_s=outage,
+        )  # fmt: skip
         self._wait_healthy(self.client, "rollout.urls")
         self.generator = self.client
         if cfg.rollout.router_url:
             self.generator = RolloutClient(
                 [cfg.rollout.router_url], api_key=self.api_key, topk=topk,
                 timeout_s=cfg.rollout.health_timeout_s, max_concurrency=self.client.max_concurrency
-                * len(self.urls),
+                * len(self.urls), outage_s=outage,
             )  # fmt: skip
             self._wait_healthy(self.generator, "rollout.router_url")
 
@@ -242,17 +244,25 @@ class Rollouts:
         ]
         rewards = score_rewards(self.reward_fn, items, cfg.reward.fn)
         metrics = _rollout_metrics(samples, rewards, t_gen)
-        if version is not None:  # samples from other weights than the trainer's (a restart)
-            metrics["rollout/stale_samples"] = float(
-                sum(str(s.weight_version) != version for s in samples)
-            )
+        G = r.group_size
+        stale = set()  # groups with a sample from other weights than the trainer's (a restart)
+        if version is not None:
+            old = [k for k, s in enumerate(samples) if str(s.weight_version) != version]
+            stale = {k // G for k in old}
+            metrics["rollout/stale_samples"] = float(len(old))
+            metrics["rollout/stale_groups_dropped"] = float(len(stale))
+            if old:
+                log.warning("step %d: %d samples came from weights other than %s; their %d "
+                            "groups are dropped", step, len(old), version, len(stale))  # fmt: skip
         keep = list(range(len(groups)))
         if cfg.algo.dynamic_sampling:
             keep = dynamic_sampling_keep(rewards, r.group_size)
             metrics["rollout/groups_kept"] = float(len(keep))
+        # A group is trained on whole or not at all: its baseline is the mean of its samples,
+        # which must all come from the policy the step's old log-probs belong to.
+        keep = [g for g in keep if g not in stale]
         if not keep:
             return Collected(None, metrics)
-        G = r.group_size
         samples = [samples[g * G + j] for g in keep for j in range(G)]
         kept_rewards = torch.tensor([rewards[g * G + j] for g in keep for j in range(G)])
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from megatron_gspo.model.tiny import TinySpec, make_tiny_model
-from megatron_gspo.rollout.client import RolloutClient
+from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
 
 pytestmark = pytest.mark.e2e
@@ -87,11 +88,49 @@ def test_server_killed_mid_batch_batch_completes_and_server_restarts(ckpt, tmp_p
     assert all(gone(p) for p in [*pids, first_pid])
 
 
+def test_requests_wait_for_the_restart_of_the_only_server(ckpt, tmp_path):
+    """The only server killed -9 with requests in flight: they wait for its supervisor's
+    restart (outage_s) and finish there, each sample once; without the wait they failed after
+    the quick retries, which end long before a server is back."""
+    prompts = [[5 + i, 6, 7] for i in range(3)]
+    sp = {"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 5}
+    with ServerGroup([builtin(ckpt)], tmp_path / "logs", poll_s=0.1) as group:
+        victim = group.servers[0]
+        first_pid = victim.pid
+
+        async def go(outage_s):
+            async with RolloutClient(group.urls, backoff_s=0.05, retries=1,
+                                     outage_s=outage_s) as c:  # fmt: skip
+                await c.post(victim.url, "/pause_generation", {"mode": "in_place"})
+                task = asyncio.create_task(c.generate(prompts, n=2, sampling_params=sp))
+                while True:
+                    state = (await c.get(victim.url, "/server_info"))["internal_states"][0]
+                    if state["num_waiting_reqs"] == 6:  # every request held by the victim
+                        break
+                    assert not task.done()
+                    await asyncio.sleep(0.01)
+                os.kill(victim.pid, signal.SIGKILL)
+                return await task
+
+        groups = asyncio.run(asyncio.wait_for(go(outage_s=120), 300))
+        samples = [s for g in groups for s in g]
+        assert sorted((s.prompt_index, s.sample_index) for s in samples) == [
+            (i, j) for i in range(3) for j in range(2)
+        ]
+        assert len({s.rid for s in samples}) == 6
+        assert all(len(s.tokens) == 16 and len(s.logprobs) == 16 for s in samples)
+        assert victim.pid != first_pid and victim.restarts == 1
+        # the same kill without the wait: the batch fails, naming the server
+        while not victim.ready:
+            time.sleep(0.1)
+        with pytest.raises(RolloutError, match="no server answered /health within 0 s"):
+            asyncio.run(asyncio.wait_for(go(outage_s=0), 300))
+
+
 def test_server_whose_engine_died_is_restarted(ckpt, tmp_path):
     """A server that is alive but answers /health 503 (its engine thread is gone: the injected
     fault of tests/e2e/faulty_server.py, run through a python wrapper) is killed by the monitor
     and started again, like one that died."""
-    import time
     import urllib.error
     import urllib.request
     from pathlib import Path

@@ -316,6 +316,41 @@ def test_a_run_that_goes_non_finite_skips_updates_then_stops_without_checkpoints
     assert checkpointing.verify(run_dir / "checkpoints" / "step_1") is None
 
 
+STALE = """
+import sys
+from pathlib import Path
+import torch.distributed as dist
+from megatron_gspo.config import load_config
+from megatron_gspo.model.parallel import free_port
+from megatron_gspo.train.rollouts import Rollouts
+
+config, model, run_dir = sys.argv[1:4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+cfg = load_config(config, [f"model.path={model}", *sys.argv[4:]])
+with Rollouts(cfg, Path(run_dir), Path(model)) as rl:
+    for version in ("default", "7"):  # the servers' (the base model's), and the trainer's step 7
+        got = rl.collect([0, 1, 2, 3], step=1, version=version)
+        m = got.metrics
+        print(version, m["rollout/stale_samples"], m["rollout/stale_groups_dropped"],
+              None if got.batch is None else len(got.batch))
+dist.destroy_process_group()
+"""
+
+
+def test_samples_from_other_weights_are_dropped_by_group_and_counted(task_model, tmp_path):
+    """A server on other weights than the step's (a restart onto an older restore point): its
+    samples' groups are dropped and counted, never trained on."""
+    script = tmp_path / "stale.py"
+    script.write_text(STALE)
+    cmd = [sys.executable, str(script), str(ROOT / "configs" / "tiny_moe_gspo.yaml"),
+           str(task_model), str(tmp_path / "run"), *QUICK,
+           "algo.dynamic_sampling=false"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()[-2:]
+    assert lines == ["default 0.0 0.0 16", "7 16.0 4.0 None"], out.stdout[-2000:]
+
+
 def _errors(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("error:")]
 
