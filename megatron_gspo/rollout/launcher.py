@@ -21,6 +21,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -110,6 +111,11 @@ class ServerConfig:
         return env
 
 
+def _redacted(cmd: list[str]) -> list[str]:
+    """The command as the log shows it: an API key's value left out."""
+    return ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
+
+
 def free_port() -> int:
     """A TCP port free on this host now (kept for the server's lifetime, restarts included)."""
     with socket.socket() as s:
@@ -119,6 +125,36 @@ def free_port() -> int:
 
 class ServerFailed(RuntimeError):
     """A server that did not come up (the message holds the end of its log)."""
+
+    def __init__(self, what: str, log_path: Path | None = None, tail: str = ""):
+        super().__init__(f"{what}; {log_path} ends with:\n{tail}" if log_path else what)
+        self.what, self.log_path, self.tail = what, log_path, tail
+
+    def summary(self) -> str:
+        """One line: what happened, the cause the log gives, and where the whole log is."""
+        cause = failure_cause(self.tail)
+        where = f" (whole log: {self.log_path})" if self.log_path else ""
+        return f"{self.what}: {cause}{where}" if cause else f"{self.what}{where}"
+
+
+# an exception line of a Python traceback ("RuntimeError: ...", "torch.OutOfMemoryError: ...")
+_EXCEPTION = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt))\b:?")
+_NOISE = ("Traceback", "File ", "^", "~", "During handling", "The above exception")
+
+
+def failure_cause(tail: str) -> str:
+    """The line of a failed server's log that says why: the last exception line of the last
+    traceback, else the last line that mentions an error, else the last line (300 characters)."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    for pick in (
+        lambda ln: bool(_EXCEPTION.match(ln)),
+        lambda ln: "error" in ln.lower() and not ln.startswith(_NOISE),
+        lambda ln: not ln.startswith(_NOISE),
+    ):
+        found = [ln for ln in lines if pick(ln)]
+        if found:
+            return found[-1][:300]
+    return ""
 
 
 @dataclass
@@ -247,7 +283,7 @@ class ServerGroup:
         cmd = s.config.command(s.port)
         with open(s.log_path, "ab") as f:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            f.write(f"\n==== {stamp} start #{s.restarts}: {' '.join(cmd)}\n".encode())
+            f.write(f"\n==== {stamp} start #{s.restarts}: {' '.join(_redacted(cmd))}\n".encode())
             f.flush()
             s.proc = subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -262,8 +298,8 @@ class ServerGroup:
             if not s.alive():
                 raise ServerFailed(
                     f"server {s.index} ({s.config.kind}, pid {s.pid}) exited with code "
-                    f"{s.proc.returncode} while starting; {s.log_path} ends with:\n{s.log_tail()}"
-                )
+                    f"{s.proc.returncode} while starting", s.log_path, s.log_tail(60)
+                )  # fmt: skip
             if self._stopping.is_set():
                 return
             if _health(s) == 200:
@@ -271,8 +307,8 @@ class ServerGroup:
             time.sleep(0.2)
         raise ServerFailed(
             f"server {s.index} ({s.config.kind}, pid {s.pid}) was not healthy after "
-            f"{self.health_timeout_s:.0f} s; {s.log_path} ends with:\n{s.log_tail()}"
-        )
+            f"{self.health_timeout_s:.0f} s", s.log_path, s.log_tail(60)
+        )  # fmt: skip
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):

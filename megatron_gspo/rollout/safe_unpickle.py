@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import stat
+import threading
 import types
 import warnings
 from dataclasses import dataclass
@@ -88,13 +89,59 @@ def _shared_storage(handle: object, nbytes: object) -> torch.UntypedStorage:
             )
         if nbytes == 0:
             return torch.UntypedStorage(0)
-        view = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        return _MAPPINGS.storage(fd, info, nbytes)
     finally:
         os.close(fd)
-    with warnings.catch_warnings():  # read-only on purpose: nothing here writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.frombuffer(view, dtype=torch.uint8, offset=_SHM_HEADER, count=nbytes)
-    return data.untyped_storage()
+
+
+class _Mappings:
+    """Read-only mappings of the shared-memory objects a sender reuses from one update to the
+    next (its bucket pool), kept so that a sync does not fault in fresh pages per bucket (on a
+    CPU that costs as much as the copy). One is let go as soon as its object is unlinked (the
+    sender freed it), so the memory of freed objects is not held."""
+
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self.kept: dict[tuple[int, int], tuple[int, torch.UntypedStorage]] = {}  # (dev, ino)
+        self.lock = threading.Lock()  # decoding threads and the engine thread (release)
+
+    def storage(self, fd: int, info: os.stat_result, nbytes: int) -> torch.UntypedStorage:
+        with self.lock:
+            return self._storage(fd, info, nbytes)
+
+    def _storage(self, fd: int, info: os.stat_result, nbytes: int) -> torch.UntypedStorage:
+        self._forget_unlinked()
+        key = (info.st_dev, info.st_ino)
+        if key in self.kept:
+            return self.kept[key][1]
+        view = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        with warnings.catch_warnings():  # read-only on purpose: nothing here writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(view, dtype=torch.uint8, offset=_SHM_HEADER, count=nbytes)
+        if len(self.kept) >= self.limit:
+            self._forget()
+        self.kept[key] = (os.dup(fd), data.untyped_storage())
+        return self.kept[key][1]
+
+    def _forget_unlinked(self) -> None:
+        for key, (fd, _) in list(self.kept.items()):
+            if os.fstat(fd).st_nlink == 0:
+                os.close(fd)
+                del self.kept[key]
+
+    def forget(self) -> None:
+        """Let every mapping go (released memory)."""
+        with self.lock:
+            self._forget()
+
+    def _forget(self) -> None:
+        for fd, _ in self.kept.values():
+            os.close(fd)
+        self.kept.clear()
+
+
+_MAPPINGS = _Mappings()
+forget_mappings = _MAPPINGS.forget
 
 
 def _rebuild_storage_filename(cls, manager, handle, size, dtype=None):

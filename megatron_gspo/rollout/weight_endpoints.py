@@ -15,10 +15,9 @@ Transfers copy each byte once on this side: a flattened bucket is loaded straigh
 shared-memory views (tensor) or from the receive buffer the broadcast wrote into (distributed).
 Two things are kept between requests so that a sync does not fault in fresh pages per bucket
 (on this CPU that costs as much as the copy itself): two distributed receive buffers (a bucket
-is received while the one before it loads), and the
-shared-memory buffers of flattened buckets, as long as the sender reuses them: those of the last
-finished session and of the open one are held, older ones let go (the sender's pool holds them
-anyway while it lives).
+is received while the one before it loads), and the read-only mappings of the shared-memory
+buffers of flattened buckets, as long as the sender reuses them (safe_unpickle: one is let go
+once the sender frees its object).
 
 On CPU, releasing memory drops the KV cache (it is rebuilt on resume, or on demand) and the
 transfer buffers above; the weights stay, as on a GPU without --enable-memory-saver.
@@ -27,6 +26,7 @@ transfer buffers above; the weights stay, as on a GPU without --enable-memory-sa
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,8 +56,6 @@ class WeightUpdates:
     session: str | None = None  # the selector of the open begin/end_weight_update session
     group_timeout_s: float = 300.0
     recv_free: list[torch.Tensor] = field(default_factory=list)  # distributed receive buffers
-    held: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # this session's buckets
-    held_before: dict[int, torch.UntypedStorage] = field(default_factory=dict)  # the last one's
 
     def take_buffer(self, nbytes: int) -> torch.Tensor:
         """A receive buffer of at least `nbytes`: a kept one, else a new one. Two are kept, so
@@ -72,19 +70,12 @@ class WeightUpdates:
     def give_buffer(self, buf: torch.Tensor) -> None:
         self.recv_free = sorted([*self.recv_free, buf], key=torch.Tensor.numel)[-2:]
 
-    def hold(self, storage: torch.UntypedStorage) -> None:
-        """Keep a received bucket's shared memory mapped: the next payload naming the same
-        memory then reuses the mapping (torch's shared-storage cache) instead of a fresh one."""
-        self.held[storage.data_ptr()] = storage
-
     def end_session(self) -> None:
         self.session = None
-        self.held_before, self.held = self.held, {}
 
     def drop_buffers(self) -> None:
         self.recv_free = []
-        self.held.clear()
-        self.held_before.clear()
+        safe_unpickle.forget_mappings()
 
     def close(self) -> None:
         for group in self.groups.values():
@@ -173,11 +164,14 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     version, abort_all = _options(body)
     _require_session(st.weights, "update_weights_from_tensor")
     named = await asyncio.to_thread(safe_unpickle.decode_named_tensors, payloads[0], load_format)
-    if load_format == "flattened_bucket" and named:
-        st.weights.hold(named[0][1].untyped_storage())
     if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_tensor")
-    return await _load(st, named, version, "tensor")
+    answer = await _load(st, named, version, "tensor")
+    # torch's receiver gives back the reference the sender's pickle took on its shared memory;
+    # this server maps it read-only and never touches the count, so it says so, and the
+    # sender gives the reference back itself (weight_sync/transport.py)
+    body = json.loads(answer.body)
+    return web.json_response({**body, weight_payload.RELEASED: False}, status=answer.status)
 
 
 # ---- distributed groups --------------------------------------------------------------------

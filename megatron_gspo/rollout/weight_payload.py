@@ -43,6 +43,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
+# A field of the built-in server's /update_weights_from_tensor answer, false: it mapped the
+# payload's shared memory read-only and did not give back the references the sender's pickles
+# took on it (torch's receiver, SGLang's, does, and leaves the field out); the sender does.
+RELEASED = "released_shared_memory"
 
 
 class TensorSharing:

@@ -134,16 +134,48 @@ class Rollouts:
             api_key=self.api_key,
         )
         python = r.sglang_python or os.environ.get("SGLANG_PYTHON")
-        if r.backend == "sglang" and python:
-            server.python = python  # SGLang lives in its own environment (the image sets this)
+        if r.backend == "sglang":
+            if python:
+                server.python = python  # SGLang in its own environment (the image sets this)
+            self._size_sglang(server)
         self.group = ServerGroup(
             [server] * r.servers, self.run_dir / "logs", health_timeout_s=r.health_timeout_s
         )
         try:
             self.group.start()
         except ServerFailed as e:
-            raise UserError(f"a rollout server did not start: {str(e).splitlines()[0]}") from None
+            raise UserError(f"a rollout server did not start: {e.summary()}") from None
         return self.group.urls
+
+    def _size_sglang(self, server) -> None:
+        """What SGLang needs from the machine and the run, unless extra_server_args says it:
+        on a host without a GPU the cpu device (SGLang looks for one otherwise and exits) and no
+        CUDA graphs; the checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16
+        on CPU) unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run:
+        the most tokens a step or an eval keeps in flight, with headroom (its default takes a
+        fraction of the machine's memory: 14 GB for a tiny model on a 24 GB host, and steps
+        ~8x slower)."""
+        from megatron_gspo.data.prompts import encode_prompt
+        from megatron_gspo.model.hf_config import load_hf_config
+
+        cfg, r = self.cfg, self.cfg.rollout
+        given = {a.split("=", 1)[0] for a in r.extra_server_args if a.startswith("--")}
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu and "--device" not in given:
+            server.device = "cpu"
+            server.disable_cuda_graph = True
+        if "--dtype" not in given:
+            hf = load_hf_config(self.hf_dir)
+            server.dtype = r.dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        if on_cpu and not {"--max-total-tokens", "--mem-fraction-static"} & given:
+            rows = [self.train_rows.rows[i] for i in range(min(len(self.train_rows.rows), 1024))]
+            prompt = max((len(self._encode(encode_prompt, row.prompt)) for row in rows), default=0)
+            per_sequence = prompt + r.max_new_tokens
+            sequences = max(r.prompts_per_step * r.group_size, cfg.train.eval_prompts)
+            tokens = int(1.5 * sequences * per_sequence)
+            server.max_total_tokens = max(4096, -(-tokens // 1024) * 1024)
+            if "--max-running-requests" not in given:
+                server.max_running_requests = sequences
 
     def _run(self, coro):
         return self._loop.run_until_complete(coro)

@@ -31,6 +31,8 @@ class Servers:
             raise ValueError("the weight sync needs at least one rollout server")
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.refs)))
+        # servers that map shared memory read-only and leave its references to the sender
+        self.keeps_shared_refs: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.refs)

@@ -148,17 +148,36 @@ class TensorTransport(Transport):
         # A borrowed bucket (the trainer's own parameters) has no buffer to give back, so its
         # answers are awaited after the next bucket is posted: a server decodes that request
         # while it loads this one. A pooled buffer goes back only once every server has copied.
-        _, errors = collect(ctx.state.pop("pending", {}))
+        errors = self._answers(ctx, *ctx.state.pop("pending", ({}, None, tp)))
+        shared = bucket.flat.untyped_storage() if bucket.flat.device.type == "cpu" else None
+        sent = (futures, shared, tp)
         if bucket.borrowed:
-            ctx.state["pending"] = futures
+            ctx.state["pending"] = sent
         else:
-            for i, msg in collect(futures)[1].items():
+            for i, msg in self._answers(ctx, *sent).items():
                 errors.setdefault(i, msg)
         return errors
 
+    def _answers(self, ctx: StageContext, futures: dict, storage, tp: dict) -> dict[int, str]:
+        """The servers' answers (errors by server). Each payload's pickle took a reference on
+        the bucket's shared memory; torch's receiver (SGLang) gives it back, a server that maps
+        it read-only (the built-in one: `released_shared_memory: false`) does not, so it is
+        given back here, else the memory would outlive the bucket."""
+        answers, errors = collect(futures)
+        keeps = ctx.servers.keeps_shared_refs
+        for i, answer in answers.items():
+            if answer.get(wp.RELEASED) is False:
+                keeps.add(ctx.servers.refs[i].url)
+        if storage is not None:
+            for i in futures:
+                if ctx.servers.refs[i].url in keeps:
+                    for _ in range(tp[i]):
+                        storage._shared_decref()
+        return errors
+
     def close_stage(self, ctx: StageContext) -> None:
-        _, errors = collect(ctx.state.pop("pending", {}))  # the last borrowed bucket's answers
-        ctx.fail(errors)
+        errors = self._answers(ctx, *ctx.state.pop("pending", ({}, None, {})))
+        ctx.fail(errors)  # (the last borrowed bucket's answers)
 
 
 class DistributedTransport(Transport):

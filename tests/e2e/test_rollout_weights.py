@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 SPEC = TinySpec(arch="qwen3_moe", layers=2, dense_layers=[0], init_std=0.2)
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8]
+DEVICE = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +265,46 @@ def test_shared_memory_names_a_peer_chooses_are_confined(server, session, ckpts,
     with wp.TensorSharing():  # the real norm back, for the tests after this one
         body = wp.tensor_update_body(norm, load_format=None)
     assert call(server, "/update_weights_from_tensor", body)[0] == 200
+
+
+def test_tensor_transport_gives_back_the_shared_memory_references(server, ckpts, reference):
+    """The built-in server maps a bucket's shared memory read-only and leaves torch's reference
+    count alone (it says so in its answer); the sender gives back the references its pickles
+    took, so a bucket's memory is freed with the bucket, sync after sync, not at exit."""
+    import struct
+
+    from megatron_gspo.weight_sync.bucket import Bucket
+    from megatron_gspo.weight_sync.config import SyncConfig
+    from megatron_gspo.weight_sync.servers import Servers
+    from megatron_gspo.weight_sync.transport import StageContext, TensorTransport
+
+    named = named_tensors(ckpts[1])
+    transport = TensorTransport()
+    buffer = transport.alloc(sum(t.numel() * t.element_size() for _, t in named), DEVICE)
+    with wp.TensorSharing():
+        shm = Path("/dev/shm" + buffer.untyped_storage()._share_filename_cpu_()[1].decode())
+
+    def references() -> int:  # torch's count, in the object's header
+        return struct.unpack("q", shm.read_bytes()[:8])[0]
+
+    servers = Servers([server], timeout_s=60)
+    try:
+        for version in ("x1", "x2", "x3"):
+            bucket = Bucket(0, 0, buffer)
+            for name, t in named:
+                bucket.add(name, t)
+            ctx = StageContext(servers, SyncConfig(), version, 0, [0])
+            servers.post(0, "/begin_weight_update", {})
+            assert transport.send(bucket, ctx) == {}
+            servers.post(0, "/end_weight_update", {})
+            assert references() == 1  # the buffer's own, whatever the number of syncs
+        assert servers.keeps_shared_refs == {server}
+        assert greedy_tokens(server)[0] == reference[1]  # checkpoint b's weights arrived
+    finally:
+        servers.close()
+        assert call(server, "/update_weights_from_disk", {"model_path": str(ckpts[0])})[0] == 200
+    del bucket, buffer
+    assert not shm.exists()  # freed with the buffer
 
 
 def test_release_and_resume_memory(server, reference):
