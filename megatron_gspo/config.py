@@ -251,12 +251,17 @@ class SyncSection:
     method: str = "tensor"  # tensor | distributed | disk
     bucket_mb: float = 512.0
     verify_every: int = 0
+    # the mean |server - trainer| probe log-prob a verification accepts (null: by the server's
+    # dtype: 1e-4 for float32, 0.049 for float16, 0.39 for bfloat16; weight_sync/verify.py)
+    verify_tolerance: float | None = None
     keep_groups: bool = True  # distributed: keep each stage's broadcast group between syncs
 
     def check(self) -> None:
         _choice(self.method, "sync.method", ("tensor", "distributed", "disk"))
         _in_range(self.bucket_mb, "sync.bucket_mb", 0, lo_open=True)
         _in_range(self.verify_every, "sync.verify_every", 0)  # 0: never
+        if self.verify_tolerance is not None:
+            _in_range(self.verify_tolerance, "sync.verify_tolerance", 0, lo_open=True)
 
     def build(self, run_dir: Path):
         from megatron_gspo.weight_sync.config import SyncConfig
@@ -265,6 +270,7 @@ class SyncSection:
             transport=self.method,
             bucket_mb=self.bucket_mb,
             verify_every=self.verify_every,
+            tolerance=self.verify_tolerance,
             keep_groups=self.keep_groups,
             dir=str(run_dir / "weights") if self.method == "disk" else None,
         )

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_gspo.errors import UserError
 from megatron_gspo.weight_sync.disk import RestorePoint
 from megatron_gspo.weight_sync.transport import PARTIAL
 
@@ -56,6 +57,11 @@ class WeightSyncError(RuntimeError):
     def __init__(self, message: str, report: SyncReport | None = None):
         super().__init__(message)
         self.report = report
+
+
+class VerificationFailed(WeightSyncError, UserError):
+    """The servers' probe log-probs are not the trainer's (one line per server, joined): the
+    run ends with this message, not a traceback."""
 
 
 class Coordinator:

@@ -55,7 +55,12 @@ from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDir
 from megatron_gspo.weight_sync.placement import bcast, enter_thread, rank, shm_dir
 from megatron_gspo.weight_sync.relay import Fanout, make_plan, receive
 from megatron_gspo.weight_sync.servers import Servers
-from megatron_gspo.weight_sync.session import Coordinator, SyncReport, WeightSyncError
+from megatron_gspo.weight_sync.session import (
+    Coordinator,
+    SyncReport,
+    VerificationFailed,
+    WeightSyncError,
+)
 from megatron_gspo.weight_sync.transport import (
     StageContext,
     Transport,
@@ -336,7 +341,7 @@ class WeightSync(Coordinator):
         results = bcast(results)
         bad = verify.problems(results, version, self.config.tolerance)
         if bad:
-            raise WeightSyncError("weight sync verification failed:\n  " + "\n  ".join(bad))
+            raise VerificationFailed("weight sync verification failed: " + " | ".join(bad))
         return results
 
     def catch_up(self, version: str, among: list[int] | None = None) -> list[str]:

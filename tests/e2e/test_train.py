@@ -92,9 +92,8 @@ def test_bf16_servers_open_a_train_inference_gap_that_r3_measures(task_model, tm
     """rollout.dtype=bfloat16 against the fp32 trainer: the gap is bf16-sized, some routing
     differs between server and trainer, and the gap is split by that agreement."""
     run_dir = tmp_path / "run"
-    rc, out = train("tiny_moe_grpo_r3.yaml", run_dir, task_model, "rollout.dtype=bfloat16",
-                    "sync.verify_every=0")  # fmt: skip
-    assert rc == 0, out[-3000:]
+    rc, out = train("tiny_moe_grpo_r3.yaml", run_dir, task_model, "rollout.dtype=bfloat16")
+    assert rc == 0, out[-3000:]  # every sync verified, at bf16's tolerance
     for r in metrics(run_dir)[1:]:
         assert 1e-4 < r["mismatch/logprob_abs_diff"] < 0.5, r["mismatch/logprob_abs_diff"]
         assert 0.5 < r["routing/rollout_train_agreement"] <= 1.0
@@ -349,6 +348,51 @@ def test_samples_from_other_weights_are_dropped_by_group_and_counted(task_model,
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()[-2:]
     assert lines == ["default 0.0 0.0 16", "7 16.0 4.0 None"], out.stdout[-2000:]
+
+
+# The injected fault: step 2's sync sends noise in place of its first bucket (a copy: the
+# trainer's own weights stay as they are).
+CORRUPT = """
+import sys
+import torch
+import megatron_gspo.weight_sync.transport as transport
+from megatron_gspo.cli import main
+from megatron_gspo.weight_sync.bucket import Bucket
+
+real = transport.TensorTransport.send
+
+def send(self, bucket, ctx):
+    if ctx.version == "2" and bucket.index == 0:
+        noise = torch.randn(bucket.nbytes // 4, generator=torch.Generator().manual_seed(0))
+        buffer = self.alloc(bucket.nbytes, bucket.flat.device)
+        buffer.view(torch.float32).copy_(noise * 0.05)
+        bucket = Bucket(bucket.stage, 0, buffer, bucket.nbytes, bucket.metadata, pooled=False)
+    return real(self, bucket, ctx)
+
+transport.TensorTransport.send = send
+main()
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_verification_passes_16_bit_servers_and_catches_a_corrupt_bucket(task_model, tmp_path,
+                                                                          dtype):  # fmt: skip
+    """Against a 16-bit server the probe differs by rounding alone and passes (step 1); a
+    bucket of noise (step 2) fails the run with one line that says what differed, by how
+    much, against which tolerance."""
+    run_dir, script = tmp_path / "run", tmp_path / "corrupt.py"
+    script.write_text(CORRUPT)
+    cmd = [sys.executable, str(script), "train",
+           "--config", str(ROOT / "configs" / "tiny_moe_gspo.yaml"), "--run-dir", str(run_dir),
+           "--steps", "3", f"model.path={task_model}", *QUICK, f"rollout.dtype={dtype}",
+           "sync.bucket_mb=0.02"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=600)
+    errors = _errors(out.stdout + out.stderr)
+    assert out.returncode == 2 and len(errors) == 1, (out.stdout + out.stderr)[-3000:]
+    tol = {"bfloat16": "0.391 (bfloat16's)", "float16": "0.0488 (float16's)"}[dtype]
+    assert errors[0].startswith("error: weight sync verification failed: http://127.0.0.1:")
+    assert "on average (max " in errors[0] and f"above the tolerance {tol}" in errors[0]
+    assert [r["step"] for r in metrics(run_dir)] == [0, 1]  # step 1 synced and verified
 
 
 def _errors(out: str) -> list[str]:

@@ -438,6 +438,31 @@ def test_probe_is_fixed_and_compared_token_by_token():
     assert "expected '7'" in bad[0] and "tolerance" in bad[1] and "down" in bad[2]
 
 
+def test_probe_tolerance_follows_the_servers_dtype():
+    ref = [[None, -1.0, -2.0, -3.0], [None, -0.5]]
+    got = [[None, -1.1, -2.0, -3.5], [None, -0.5]]
+    worst, mean = verify.abs_diffs(got, ref)
+    assert worst == pytest.approx(0.5) and mean == pytest.approx((0.1 + 0.0 + 0.5 + 0.0) / 4)
+    # bf16 rounding (mean 0.09 measured) passes a bf16 server and fails an fp32 one
+    results = [
+        verify.ProbeResult("http://bf16", "7", max_diff=2.7, mean_diff=0.09, dtype="bfloat16"),
+        verify.ProbeResult("http://fp16", "7", max_diff=0.6, mean_diff=0.09, dtype="float16"),
+        verify.ProbeResult("http://fp32", "7", max_diff=0.01, mean_diff=2e-4, dtype="float32"),
+        verify.ProbeResult("http://auto", "7", max_diff=3.0, mean_diff=0.3, dtype=None),
+        verify.ProbeResult("http://wrong", "7", max_diff=9.0, mean_diff=1.5, dtype="bfloat16"),
+    ]
+    bad = verify.problems(results, "7")
+    assert [m.split(": ")[0] for m in bad] == ["http://fp16", "http://fp32", "http://wrong"]
+    assert verify.DTYPE_TOLERANCE == {"float32": 1e-4, "float16": 100 / 2**11,
+                                      "bfloat16": 100 / 2**8}  # fmt: skip
+    assert "by 1.5 on average (max 9), above the tolerance 0.391 (bfloat16's)" in bad[2]
+    assert "raise sync.verify_tolerance" in bad[2] and "\n" not in bad[2]
+    assert "0.0488 (float16's)" in bad[0] and "0.0001 (float32's)" in bad[1]
+    # set by the user, it holds for every server
+    assert [m.split(": ")[0] for m in verify.problems(results, "7", 2.0)] == []
+    assert "(sync.verify_tolerance)" in verify.problems(results, "7", 0.05)[0]
+
+
 def test_unreachable_server_is_named():
     url = f"http://127.0.0.1:{free_port()}"
     servers = Servers([url], timeout_s=5)
