@@ -1,0 +1,67 @@
+"""RL step time with real SGLang as the rollout backend against the built-in server, measured
+side by side in one run: the same config, model and steps, each started by the trainer from the
+documented keys alone (README: "Real SGLang on a CPU").
+
+Runs `megatron-gspo train` once per backend (alternating which goes first over --reps) and
+prints, per backend, the median over steps 2.. of time/step_s and its parts (rollout, train,
+sync), then the ratio SGLang / built-in.
+
+    .venv/bin/python bench/bench_sglang_step.py --model runs/task_model \\
+        [--sglang-python ~/.cache/megatron-gspo/sglang-venv/bin/python] [--steps 6] [--reps 1]
+        [key=value ...]   # overrides for both runs, e.g. rollout.dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s")
+
+
+def run(backend: list[str], a, extra: list[str]) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", a.config,
+               "--run-dir", str(Path(tmp) / "run"), "--steps", str(a.steps),
+               f"model.path={a.model}", "train.eval_every=0", *backend, *extra]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        if out.returncode:
+            sys.exit(f"{' '.join(backend) or 'builtin'} run failed:\n{out.stderr[-3000:]}")
+        rows = [json.loads(x) for x in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in rows if r["step"] >= 2]  # step 1 pays for first use
+    return {k: statistics.median(r[k] for r in steady) for k in PARTS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="an HF task model (make-task-model)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_moe_gspo.yaml"))
+    default = Path.home() / ".cache" / "megatron-gspo" / "sglang-venv" / "bin" / "python"
+    ap.add_argument("--sglang-python", default=str(default))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=1)
+    a, extra = ap.parse_known_args()
+    sglang = ["rollout.backend=sglang", f"rollout.sglang_python={a.sglang_python}"]
+    got: dict[str, list[dict]] = {"builtin": [], "sglang": []}
+    for rep in range(a.reps):
+        order = [("builtin", []), ("sglang", sglang)]
+        for name, flags in order if rep % 2 == 0 else order[::-1]:
+            got[name].append(run(flags, a, extra))
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in PARTS} for n, rs in got.items()}
+    print(f"{'backend':8s} " + " ".join(f"{k.split('/')[1]:>10s}" for k in PARTS))
+    for name, m in med.items():
+        print(f"{name:8s} " + " ".join(f"{m[k]:10.3f}" for k in PARTS))
+    ratio = med["sglang"]["time/step_s"] / med["builtin"]["time/step_s"]
+    print(f"step time sglang / builtin: {ratio:.2f}x (load average {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
