@@ -381,6 +381,29 @@ class ServerGroup:
             if s.restarting or (not s.alive() and s.restarts < self.max_restarts)
         ]  # fmt: skip
 
+    def recovering(
+        self, indices: list[int], since: list[int] | None = None, settle_s: float = 15.0
+    ) -> bool:
+        """Whether each of `indices` is being restarted, or was since `since` (restart counts
+        then): servers that failed a request because they died. A process still exiting (its
+        sockets closed, its threads and memory not yet torn down: SGLang takes a while) is
+        waited for, up to `settle_s`; one that is up and answers /health is not dying."""
+        deadline = time.monotonic() + settle_s
+        pending = set(indices)
+        while True:
+            coming = set(self.restarting())
+            pending = {
+                i for i in pending
+                if i not in coming and not (since is not None and self.servers[i].restarts > since[i])
+            }  # fmt: skip
+            if not pending:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            if any(self.servers[i].alive() and _health(self.servers[i]) == 200 for i in pending):
+                return False
+            time.sleep(0.2)
+
     def _bring_to_current(self, s: ManagedServer) -> None:
         cur = self.current or {}
         if cur.get("model_path"):

@@ -51,7 +51,7 @@ def run(
             for step in range(state["step"] + 1, last + 1):
                 t0 = time.perf_counter()
                 caught_up = catch_up(sync, rl, current)
-                collected = rl.collect(sampler.next_batch(), step, current)
+                collected = collect_current(sync, rl, sampler.next_batch(), step, current)
                 metrics = dict(collected.metrics) | caught_up
                 rl.release_memory()  # colocated GPUs: the servers' memory goes to training
                 if collected.batch is not None:
@@ -105,6 +105,25 @@ class NonFiniteGuard:
             )
 
 
+def collect_current(sync: WeightSync, rl: Rollouts, prompts, step: int, current: str, tries=3):
+    """The step's rollouts, from the trainer's weights: when a server restarted during them
+    (onto older weights) gave some samples, it is caught up and the batch generated again (the
+    same seeds: the same samples from the other servers), up to `tries` times in all; groups
+    still stale after that are dropped (rollouts.py). Every rank sees the same batch, so
+    every rank takes the same turns (catch_up is collective)."""
+    regenerated = 0.0
+    for attempt in range(tries):
+        collected = rl.collect(prompts, step, current)
+        stale = collected.metrics.get("rollout/stale_samples", 0.0)
+        if not stale or attempt == tries - 1:
+            break
+        log.warning("step %d: %d samples came from older weights; generating again", step, stale)
+        catch_up(sync, rl, current)
+        regenerated += stale
+    collected.metrics["rollout/regenerated_samples"] = regenerated
+    return collected
+
+
 def catch_up(sync: WeightSync, rl: Rollouts, current: str) -> dict:
     """Before a step's rollouts: wait for the servers their supervisor is restarting (onto
     the restore point), then bring every ready server that is on other weights to `current`."""
@@ -119,12 +138,14 @@ def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
     is being restarted is caught up before the next rollouts). A server that fails it while
     its supervisor restarts it (it died) does not end the run: it is restored or lost, never
     half-updated, and caught up next step. Any other failure ends the run."""
+    before = rl.restart_counts()
     try:
         report = sync.sync(step, only=rl.ready_servers())
     except WeightSyncError as e:
         report = e.report
         died = report is not None and not report.trainer_error
-        if not bcast(died and rl.being_restarted(report.failures) if rl.rank0 else None):
+        restarted = died and rl.being_restarted(report.failures, since=before)
+        if not bcast(restarted if rl.rank0 else None):
             raise
         log.warning("%s\ntheir supervisor restarts them; the next step catches them up", e)
     rl.weights_at(sync.restore_point)  # what a restarted server loads

@@ -215,12 +215,19 @@ class Rollouts:
             return None
         return self.group.ready()
 
-    def being_restarted(self, urls) -> bool:
-        """Rank 0: whether the supervisor is restarting every one of `urls` (or is about to)."""
+    def restart_counts(self) -> list[int] | None:
+        """Rank 0: how many times the supervisor has restarted each server so far."""
+        if self.group is None or not self.rank0:
+            return None
+        return [s.restarts for s in self.group.servers]
+
+    def being_restarted(self, urls, since: list[int] | None = None) -> bool:
+        """Rank 0: whether the supervisor is restarting every one of `urls` (or is about to),
+        or has restarted it since `since` (restart_counts() then): a server that died during a
+        sync may be up again, quickly restarted, by the time the sync reports it."""
         if self.group is None or not self.rank0:
             return False
-        coming = set(self.group.restarting())
-        return all(self.group.urls.index(u) in coming for u in urls)
+        return self.group.recovering([self.group.urls.index(u) for u in urls], since)
 
     def release_memory(self) -> None:
         """Colocated servers give their GPU memory to the trainer while it trains."""
@@ -402,5 +409,6 @@ def _rollout_metrics(samples, rewards: list[float], seconds: float) -> dict:
         "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples)
         / len(samples),
         "time/rollout_s": seconds,
+        "rollout/samples": float(len(samples)),
         "rollout/tokens": float(sum(len(s.prompt_ids) + len(s.tokens) for s in samples)),
     }

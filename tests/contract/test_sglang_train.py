@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import cli_env
 from tests.contract.sglang_venv import sglang_python
 
-pytestmark = [pytest.mark.contract, pytest.mark.real_sglang]
+pytestmark = [pytest.mark.contract]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,11 +29,19 @@ def task_model(tmp_path_factory) -> Path:
     return make_task_model(out, seed=0, clean_steps=30, sloppy_steps=10)
 
 
-def train(config: str, run_dir: Path, model: Path, *extra: str, steps: int = 5):
-    cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config",
+def train(
+    config: str,
+    run_dir: Path,
+    model: Path,
+    *extra: str,
+    steps: int = 5,
+    backend="sglang",
+    entry: list[str] | None = None,
+):
+    servers = ["rollout.backend=sglang", f"rollout.sglang_python={sglang_python()}"]
+    cmd = [sys.executable, *(entry or ["-m", "megatron_gspo"]), "train", "--config",
            str(ROOT / "configs" / config), "--run-dir", str(run_dir), "--steps", str(steps),
-           f"model.path={model}", "rollout.backend=sglang",
-           f"rollout.sglang_python={sglang_python()}", *extra]  # fmt: skip
+           f"model.path={model}", *(servers if backend == "sglang" else []), *extra]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -45,6 +53,7 @@ def train(config: str, run_dir: Path, model: Path, *extra: str, steps: int = 5):
     return rows, header
 
 
+@pytest.mark.real_sglang
 def test_sglang_trains_gspo_from_the_documented_keys(task_model, tmp_path):
     rows, header = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model)
     assert "-m sglang.launch_server" in header
@@ -58,6 +67,7 @@ def test_sglang_trains_gspo_from_the_documented_keys(task_model, tmp_path):
         assert r["rollout/stale_samples"] == 0
 
 
+@pytest.mark.real_sglang
 def test_sglang_bf16_trains_grpo_r3_with_every_sync_verified(task_model, tmp_path):
     rows, header = train("tiny_moe_grpo_r3.yaml", tmp_path / "run", task_model,
                          "rollout.dtype=bfloat16", "sync.verify_every=1")  # fmt: skip
@@ -65,3 +75,75 @@ def test_sglang_bf16_trains_grpo_r3_with_every_sync_verified(task_model, tmp_pat
     for r in rows[1:]:
         assert 1e-4 < r["mismatch/logprob_abs_diff"] < 0.5  # bf16 against the fp32 trainer
         assert 0.5 < r["routing/rollout_train_agreement"] <= 1.0
+
+
+# The injected fault: the one rollout server is killed -9 at a chosen point of step 2, found
+# as this trainer's child process (its pid, nothing else, comes from outside the code).
+KILL = """
+import os, signal, sys
+import psutil
+import megatron_gspo.rollout.client as client
+import megatron_gspo.train.rollouts as rollouts
+import megatron_gspo.weight_sync.transport as transport
+from megatron_gspo.cli import main
+
+where, state = sys.argv.pop(1), {"step": 0, "done": False}
+
+def kill_server():
+    state["done"] = True
+    for child in psutil.Process().children():
+        cmd = " ".join(child.cmdline())
+        if "sglang.launch_server" in cmd or "megatron_gspo.rollout.server" in cmd:
+            print(f"killing server pid {child.pid} at {where}", flush=True)
+            os.kill(child.pid, signal.SIGKILL)
+
+real_collect = rollouts.Rollouts.collect
+def collect(self, prompt_index, step, version=None):
+    state["step"] = step
+    return real_collect(self, prompt_index, step, version)
+rollouts.Rollouts.collect = collect
+
+real_post = client.RolloutClient._post_generate
+async def post(self, *args, **kwargs):
+    if where == "rollouts" and state["step"] == 2 and not state["done"]:
+        kill_server()  # the batch's first request: every request of it meets a dead server
+    return await real_post(self, *args, **kwargs)
+client.RolloutClient._post_generate = post
+
+real_send = transport.TensorTransport.send
+def send(self, bucket, ctx):
+    if where == "sync" and ctx.version == "2" and bucket.index == 1 and not state["done"]:
+        kill_server()  # mid-sync: one bucket in, the others to come
+    return real_send(self, bucket, ctx)
+transport.TensorTransport.send = send
+main()
+"""
+
+
+@pytest.mark.parametrize("backend", ["builtin", "sglang"])
+@pytest.mark.parametrize("where", ["rollouts", "sync"])
+def test_the_only_server_killed_mid_run_is_restarted_and_the_run_goes_on(
+    task_model, tmp_path, backend, where
+):
+    """Killed -9 at step 2's rollouts: the requests wait for the supervisor's restart and the
+    batch is whole. Killed during step 2's sync: the sync fails for it alone, the restarted
+    server is caught up before step 3's rollouts. Either way the run finishes, each batch
+    has its 64 samples, none from other weights."""
+    script = tmp_path / "kill.py"
+    script.write_text(KILL)
+    run_dir = tmp_path / "run"
+    rows, _ = train("tiny_moe_gspo.yaml", run_dir, task_model, "sync.bucket_mb=0.05", steps=4,
+                    backend=backend, entry=[str(script), where])  # fmt: skip
+    log = (run_dir / "logs" / "server-0.log").read_text()
+    assert " start #1: " in log and " start #2: " not in log  # restarted once
+    for r in rows[1:]:
+        assert r["rollout/samples"] == 64 and r["rollout/stale_samples"] == 0, r
+    # the restarted server comes up on the restore point (here the base model); step 2's
+    # batch, had the restart happened in it, is generated again once it is caught up
+    regenerated = [r["rollout/regenerated_samples"] for r in rows[1:]]
+    assert regenerated == ([0, 64, 0, 0] if where == "rollouts" else [0, 0, 0, 0]), regenerated
+    if where == "sync":
+        assert [r["sync/failed_servers"] for r in rows[1:]] == [0, 1, 0, 0]
+        assert [r["sync/caught_up_servers"] for r in rows[1:]] == [0, 0, 1, 0]
+    else:
+        assert all(r["sync/failed_servers"] == 0 for r in rows[1:])
