@@ -437,7 +437,9 @@ def test_rollout_server_that_will_not_start(task_model, tmp_path):
     assert rc == 2, out[-2000:]
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert errors and "rollout server did not start" in errors[0]
-    assert "server-0.log" in errors[0] or (run_dir / "logs" / "server-0.log").is_file()
+    # the cause, from the server's log, and where the whole log is, in the one line
+    assert "unrecognized arguments: --no-such-flag" in errors[0], errors[0]
+    assert f"(whole log: {run_dir / 'logs' / 'server-0.log'})" in errors[0], errors[0]
 
 
 def test_tis_and_lr_warmup_reach_the_step(task_model, tmp_path):

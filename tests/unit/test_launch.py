@@ -279,3 +279,42 @@ def test_colocated_sglang_servers_see_the_nodes_gpus_to_open_the_trainers_handle
         assert firsts == [0, 2, 4, 6]
     else:
         assert visible == ["9,10"] and bases == []  # the GPUs after the trainer's six
+
+
+SGLANG_NO_GPU_TAIL = """\
+[2026-12-01 10:02:11] server_args=ServerArgs(model_path='runs/task_model', device='cuda', ...)
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/sglang/srt/managers/scheduler.py", line 2901, in run
+    scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank)
+                ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/torch/cuda/__init__.py", line 372, in _lazy_init
+    torch._C._cuda_init()
+RuntimeError: Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU
+
+[2026-12-01 10:02:12] Received sigquit from a child process. It usually means the child failed.
+"""
+
+
+def test_a_server_that_fails_to_start_is_summed_up_by_its_cause(tmp_path):
+    """The one line a user sees names the cause (the last exception line of the log, not the
+    noise after it) and where the whole log is."""
+    from megatron_gspo.rollout.launcher import ServerFailed, failure_cause
+
+    assert failure_cause(SGLANG_NO_GPU_TAIL) == (
+        "RuntimeError: Found no NVIDIA driver on your system. Please check that you have an "
+        "NVIDIA GPU"
+    )
+    argparse_tail = (
+        "usage: server.py [-h] --model MODEL\nserver.py: error: unrecognized arguments: -x\n"
+    )
+    assert failure_cause(argparse_tail) == "server.py: error: unrecognized arguments: -x"
+    assert failure_cause("loading\nKilled\n") == "Killed"
+    assert failure_cause("") == ""
+    log = tmp_path / "server-0.log"
+    e = ServerFailed("server 0 (sglang, pid 7) exited with code 1 while starting", log,
+                     SGLANG_NO_GPU_TAIL)  # fmt: skip
+    assert e.summary() == (
+        "server 0 (sglang, pid 7) exited with code 1 while starting: RuntimeError: Found no "
+        f"NVIDIA driver on your system. Please check that you have an NVIDIA GPU (whole log: {log})"
+    )
+    assert "Received sigquit" in str(e)  # the exception itself keeps the tail
