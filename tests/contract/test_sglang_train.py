@@ -38,10 +38,12 @@ def train(
     backend="sglang",
     entry: list[str] | None = None,
 ):
-    servers = ["rollout.backend=sglang", f"rollout.sglang_python={sglang_python()}"]
+    servers = []  # the built-in server, the configs' default
+    if backend == "sglang":  # (asks for the venv only here: the built-in runs need none)
+        servers = ["rollout.backend=sglang", f"rollout.sglang_python={sglang_python()}"]
     cmd = [sys.executable, *(entry or ["-m", "megatron_gspo"]), "train", "--config",
            str(ROOT / "configs" / config), "--run-dir", str(run_dir), "--steps", str(steps),
-           f"model.path={model}", *(servers if backend == "sglang" else []), *extra]  # fmt: skip
+           f"model.path={model}", *servers, *extra]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
