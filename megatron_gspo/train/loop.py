@@ -24,6 +24,7 @@ from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
 from megatron_gspo.weight_sync.placement import bcast
+from megatron_gspo.weight_sync.session import VerificationFailed
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -139,17 +140,23 @@ def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
     its supervisor restarts it (it died) does not end the run: it is restored or lost, never
     half-updated, and caught up next step. Any other failure ends the run."""
     before = rl.restart_counts()
+    lost: list[str] = []
     try:
         report = sync.sync(step, only=rl.ready_servers())
     except WeightSyncError as e:
         report = e.report
-        died = report is not None and not report.trainer_error
-        restarted = died and rl.being_restarted(report.failures, since=before)
+        if isinstance(e, VerificationFailed):  # synced, then its probe got no answer: it died?
+            died, lost = e.only_unreachable, e.unreachable
+        else:
+            died = report is not None and not report.trainer_error
+            lost = list(report.failures) if report is not None else []
+        restarted = died and rl.being_restarted(lost, since=before)
         if not bcast(restarted if rl.rank0 else None):
             raise
         log.warning("%s\ntheir supervisor restarts them; the next step catches them up", e)
     rl.weights_at(sync.restore_point)  # what a restarted server loads
-    return {"sync/gb_per_s": report.gb_per_s, "sync/failed_servers": len(report.failures)}
+    failed = len(set(report.failures) | set(lost))
+    return {"sync/gb_per_s": report.gb_per_s, "sync/failed_servers": failed}
 
 
 def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:

@@ -61,7 +61,13 @@ class WeightSyncError(RuntimeError):
 
 class VerificationFailed(WeightSyncError, UserError):
     """The servers' probe log-probs are not the trainer's (one line per server, joined): the
-    run ends with this message, not a traceback."""
+    run ends with this message, not a traceback. `unreachable`: the servers whose probe got no
+    answer (died after the sync?); `only_unreachable`: that was every problem. `report`: the
+    sync's, which itself succeeded."""
+
+    def __init__(self, message: str, unreachable: list[str], only_unreachable: bool):
+        super().__init__(message)
+        self.unreachable, self.only_unreachable = unreachable, only_unreachable
 
 
 class Coordinator:

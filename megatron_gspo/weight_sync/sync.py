@@ -179,7 +179,11 @@ class WeightSync(Coordinator):
                 for i in range(len(self.servers))
                 if report.servers[self.servers.url(i)] == version
             ]
-            self.verify(version, on)  # not one left out of this sync: catch_up is for those
+            try:
+                self.verify(version, on)  # not one left out of this sync: catch_up is for those
+            except VerificationFailed as e:
+                e.report = report
+                raise
         return report
 
     def _stream(self, version: str, plan: dict) -> list[dict]:
@@ -341,7 +345,10 @@ class WeightSync(Coordinator):
         results = bcast(results)
         bad = verify.problems(results, version, self.config.tolerance)
         if bad:
-            raise VerificationFailed("weight sync verification failed: " + " | ".join(bad))
+            gone = [r.url for r in results if r.error]
+            raise VerificationFailed(
+                "weight sync verification failed: " + " | ".join(bad), gone, len(gone) == len(bad)
+            )
         return results
 
     def catch_up(self, version: str, among: list[int] | None = None) -> list[str]:

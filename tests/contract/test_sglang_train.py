@@ -118,24 +118,34 @@ def send(self, bucket, ctx):
         kill_server()  # mid-sync: one bucket in, the others to come
     return real_send(self, bucket, ctx)
 transport.TensorTransport.send = send
+
+import megatron_gspo.weight_sync.verify as verify
+real_probe = verify.server_logprobs
+def probe(servers, i, seqs):
+    if where == "verify" and state["step"] == 2 and not state["done"]:
+        kill_server()  # synced, then dead before its probe answers
+    return real_probe(servers, i, seqs)
+verify.server_logprobs = probe
 main()
 """
 
 
 @pytest.mark.parametrize("backend", ["builtin", "sglang"])
-@pytest.mark.parametrize("where", ["rollouts", "sync"])
+@pytest.mark.parametrize("where", ["rollouts", "sync", "verify"])
 def test_the_only_server_killed_mid_run_is_restarted_and_the_run_goes_on(
     task_model, tmp_path, backend, where
 ):
     """Killed -9 at step 2's rollouts: the requests wait for the supervisor's restart and the
-    batch is whole. Killed during step 2's sync: the sync fails for it alone, the restarted
-    server is caught up before step 3's rollouts. Either way the run finishes, each batch
+    batch is whole. Killed during step 2's sync, or after it before its verification probe
+    answers (every sync is verified): the sync fails for it alone, the restarted server is
+    caught up before step 3's rollouts. Either way the run finishes, each batch
     has its 64 samples, none from other weights."""
     script = tmp_path / "kill.py"
     script.write_text(KILL)
     run_dir = tmp_path / "run"
-    rows, _ = train("tiny_moe_gspo.yaml", run_dir, task_model, "sync.bucket_mb=0.05", steps=4,
-                    backend=backend, entry=[str(script), where])  # fmt: skip
+    rows, _ = train("tiny_moe_gspo.yaml", run_dir, task_model, "sync.bucket_mb=0.05",
+                    "sync.verify_every=1", steps=4, backend=backend,
+                    entry=[str(script), where])  # fmt: skip
     log = (run_dir / "logs" / "server-0.log").read_text()
     assert " start #1: " in log and " start #2: " not in log  # restarted once
     for r in rows[1:]:
@@ -144,7 +154,7 @@ def test_the_only_server_killed_mid_run_is_restarted_and_the_run_goes_on(
     # batch, had the restart happened in it, is generated again once it is caught up
     regenerated = [r["rollout/regenerated_samples"] for r in rows[1:]]
     assert regenerated == ([0, 64, 0, 0] if where == "rollouts" else [0, 0, 0, 0]), regenerated
-    if where == "sync":
+    if where in ("sync", "verify"):
         assert [r["sync/failed_servers"] for r in rows[1:]] == [0, 1, 0, 0]
         assert [r["sync/caught_up_servers"] for r in rows[1:]] == [0, 0, 1, 0]
     else:
