@@ -130,8 +130,13 @@ main()
 """
 
 
-@pytest.mark.parametrize("backend", ["builtin", "sglang"])
-@pytest.mark.parametrize("where", ["rollouts", "sync", "verify"])
+# (the death after the sync, before the probe, is the weight sync's own path whatever the
+# server: the built-in server alone covers it, and the contract tier stays shorter)
+@pytest.mark.parametrize(
+    "where,backend",
+    [(w, b) for w in ("rollouts", "sync", "verify") for b in ("builtin", "sglang")
+     if (w, b) != ("verify", "sglang")],
+)  # fmt: skip
 def test_the_only_server_killed_mid_run_is_restarted_and_the_run_goes_on(
     task_model, tmp_path, backend, where
 ):
