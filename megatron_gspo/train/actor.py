@@ -362,7 +362,7 @@ class Actor:
             opt.zero_grad()
             return False, norm, False
         ok, grad_norm, _ = opt.step()  # prepares the grads again: idempotent, and cheap
-        return ok, grad_norm, True
+        return ok, norm if grad_norm is None else grad_norm, True  # None: clip_grad 0
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group (the loop's schedule sets it per step)."""
