@@ -361,8 +361,9 @@ class Actor:
         if not math.isfinite(norm):
             opt.zero_grad()
             return False, norm, False
-        ok, grad_norm, _ = opt.step()  # prepares the grads again: idempotent, and cheap
-        return ok, norm if grad_norm is None else grad_norm, True  # None: clip_grad 0
+        ok, _, _ = opt.step()  # prepares the grads again: idempotent, and cheap
+        # the norm before clipping, as megatron's own; it gives none (or 0) with clip_grad 0
+        return ok, norm, True
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group (the loop's schedule sets it per step)."""

@@ -449,8 +449,8 @@ def test_tis_and_lr_warmup_reach_the_step(task_model, tmp_path):
                     "optim.clip_grad=0")  # fmt: skip
     assert rc == 0, out[-3000:]
     rows = metrics(run_dir)[1:]
-    # no clipping: megatron gives no norm, the non-finite check's own one is reported
-    assert all(np.isfinite(r["grad_norm"]) and r["grad_norm"] >= 0 for r in rows), rows
+    # no clipping: megatron gives no norm (or 0); the non-finite check's own one is reported
+    assert all(r["grad_norm"] > 0 for r in rows if r["reward/std"] > 0), rows
     assert all(r["update/nonfinite"] == 0 for r in rows)
     assert [r["lr"] for r in rows] == pytest.approx([5e-5, 1e-4])
     for r in rows:  # min(pi_old / pi_rollout, 1.5) averaged over tokens: ~1 (tiny mismatch)
