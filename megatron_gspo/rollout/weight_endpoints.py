@@ -26,7 +26,6 @@ transfer buffers above; the weights stay, as on a GPU without --enable-memory-sa
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +36,7 @@ from aiohttp import web
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout import safe_unpickle, weight_payload
 from megatron_gspo.rollout.engine import Engine
-from megatron_gspo.rollout.http_common import STATE, bad, read_json, run_on_engine
+from megatron_gspo.rollout.http_common import STATE, bad, error_body, read_json, run_on_engine
 from megatron_gspo.rollout.sampling import BadRequest
 
 if TYPE_CHECKING:
@@ -133,7 +132,12 @@ def _options(body: dict) -> tuple[str | None, bool]:
     return version, bool(body.get("abort_all_requests", False))
 
 
-async def _load(st: ServerState, named: list, version: str | None, how: str) -> web.Response:
+async def _load(
+    st: ServerState, named: list, version: str | None, how: str, extra: dict | None = None
+) -> web.Response:
+    """Load `named` on the engine; SGLang's answer, with `extra` fields in it either way."""
+    extra = extra or {}
+
     def load(engine: Engine) -> int:
         engine.model.load_weights(named)
         if version is not None:
@@ -143,11 +147,12 @@ async def _load(st: ServerState, named: list, version: str | None, how: str) -> 
     try:
         paused = await run_on_engine(st.engine, load, needs_idle=True)
     except UserError as e:
-        return bad(f"Failed to update weights from {how}: {e}")
+        failed = error_body(f"Failed to update weights from {how}: {e}")
+        return web.json_response({**failed, **extra}, status=400)
     message = f"Succeeded to update model weights from {how}."
     if version is not None:
         message += f" Weight version updated to {version}."
-    return _ok(message, num_paused_requests=paused)
+    return _ok(message, num_paused_requests=paused, **extra)
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
@@ -166,12 +171,10 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     named = await asyncio.to_thread(safe_unpickle.decode_named_tensors, payloads[0], load_format)
     if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_tensor")
-    answer = await _load(st, named, version, "tensor")
     # torch's receiver gives back the reference the sender's pickle took on its shared memory;
     # this server maps it read-only and never touches the count, so it says so, and the
     # sender gives the reference back itself (weight_sync/transport.py)
-    body = json.loads(answer.body)
-    return web.json_response({**body, weight_payload.RELEASED: False}, status=answer.status)
+    return await _load(st, named, version, "tensor", extra={weight_payload.RELEASED: False})
 
 
 # ---- distributed groups --------------------------------------------------------------------
