@@ -35,8 +35,9 @@ from aiohttp import web
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout import safe_unpickle, weight_payload
+from megatron_gspo.rollout.api import error_body
 from megatron_gspo.rollout.engine import Engine
-from megatron_gspo.rollout.http_common import STATE, bad, error_body, read_json, run_on_engine
+from megatron_gspo.rollout.http_common import STATE, bad, read_json, run_on_engine
 from megatron_gspo.rollout.sampling import BadRequest
 
 if TYPE_CHECKING:
