@@ -191,16 +191,10 @@ class RolloutClient:
 
     async def _healthy_server(self, servers: list[_Server], until: float) -> _Server | None:
         """The first server (fewest failures first) to answer /health 200 before `until`."""
-        session, _ = self._state()
-        probe = aiohttp.ClientTimeout(total=5.0, sock_connect=self.timeout.sock_connect)
         while True:
             for server in sorted(servers, key=lambda s: (s.failures, s.load)):
-                try:
-                    async with session.get(server.url + "/health", timeout=probe) as resp:
-                        if resp.status == 200:
-                            return server
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
+                if (await self._health(server.url, total_s=5.0))[0] == 200:
+                    return server
             if time.monotonic() >= until:
                 return None
             await asyncio.sleep(0.5)
@@ -290,23 +284,28 @@ class RolloutClient:
         """POST the same body to every server; raises if any refuses."""
         return list(await asyncio.gather(*(self.post(u, path, body) for u in self.urls)))
 
+    async def _health(self, url: str, total_s: float) -> tuple[int | None, str]:
+        """(HTTP status of `url`/health, or None when no answer came; what went wrong)."""
+        session, _ = self._state()
+        probe = aiohttp.ClientTimeout(total=total_s, sock_connect=self.timeout.sock_connect)
+        try:
+            async with session.get(url + "/health", timeout=probe) as resp:
+                return resp.status, f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return None, f"{type(e).__name__}: {e}".rstrip(": ")
+
     async def wait_healthy(self, timeout_s: float = 120.0, refused_s: float | None = None) -> None:
         """Wait until every server answers /health with 200, at most `timeout_s` in all. A server
         that answers (healthy or not yet) is waited for; with `refused_s`, one that no request
         reaches for that long (nothing listening, no such host) is an error at once."""
-        session, _ = self._state()
         deadline = time.monotonic() + timeout_s
-        probe = aiohttp.ClientTimeout(total=10.0, sock_connect=self.timeout.sock_connect)
         for url in self.urls:
-            since, answered, error = time.monotonic(), False, ""
+            since, answered = time.monotonic(), False
             while True:
-                try:
-                    async with session.get(url + "/health", timeout=probe) as resp:
-                        if resp.status == 200:
-                            break
-                        answered, error = True, f"HTTP {resp.status}"
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    error = f"{type(e).__name__}: {e}".rstrip(": ")
+                status, error = await self._health(url, total_s=10.0)
+                if status == 200:
+                    break
+                answered = answered or status is not None
                 now = time.monotonic()
                 if refused_s is not None and not answered and now - since > refused_s:
                     raise RolloutError(
