@@ -24,9 +24,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 
 ONE_GB_MOE = TinySpec(
     vocab_size=32000,

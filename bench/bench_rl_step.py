@@ -170,7 +170,7 @@ def run_ours(
 def _launcher(nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "megatron_gspo"]
-    from megatron_gspo.model.parallel import free_port
+    from megatron_gspo.comm import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", "-m", "megatron_gspo.cli"]  # fmt: skip
@@ -263,7 +263,7 @@ def _instrument(trainer) -> dict[str, list[float]]:
 def make_inputs(name: str, size: Size, work: Path) -> tuple[Path, Path, float]:
     from safetensors.torch import load_file
 
-    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     model = make_tiny_model(TinySpec(**size.spec), work / f"model-{name}")
     params = sum(t.numel() for f in model.glob("*.safetensors") for t in load_file(f).values())

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
 

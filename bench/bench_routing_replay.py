@@ -49,9 +49,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import load_policy
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
 from megatron_gspo.train.batch import RLBatch
 

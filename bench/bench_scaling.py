@@ -39,7 +39,7 @@ SIZES = {
 
 def active_params(spec: dict) -> float:
     """Parameters one token goes through (attention, top-k experts, embeddings, output)."""
-    from megatron_gspo.model.tiny import TinySpec
+    from megatron_gspo.hf.tiny import TinySpec
 
     s = TinySpec(**spec)
     attn = s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads)

@@ -56,8 +56,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_gspo.model.hf_config import load_hf_config, model_spec
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.config import load_hf_config, model_spec
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
 SPEC = TinySpec(vocab_size=32000, hidden=1024, layers=4, heads=8, kv_heads=4, head_dim=128,
                 ffn=2048, moe_ffn=512, experts=32, topk=4, seed=0)  # fmt: skip
@@ -84,7 +84,7 @@ def start_server(model: Path, log: Path, threads: int = 2) -> tuple[subprocess.P
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(model),
+            [sys.executable, "-m", "megatron_gspo.server", "--model", str(model),
              "--port", "0", "--threads", str(threads)],
             env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -160,7 +160,7 @@ def gloo_gbps(nbytes: int, bucket: int) -> float:
     """A bare gloo broadcast of `nbytes` in `bucket`-byte pieces between two fresh processes."""
     import torch.multiprocessing as mp
 
-    from megatron_gspo.model.parallel import free_port
+    from megatron_gspo.comm import free_port
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()

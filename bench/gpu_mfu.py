@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_gspo.model.hf_config import ModelSpec  # noqa: E402
+from megatron_gspo.hf.config import ModelSpec  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM, dense bf16
 GOAL_MFU = 0.40

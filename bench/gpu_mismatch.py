@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model  # noqa: E402
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model  # noqa: E402
 
 QWEN3_30B_A3B_LAYERS = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144,
                             moe_ffn=768, experts=128, topk=8, rope_theta=1e6)  # fmt: skip
@@ -45,7 +45,7 @@ QWEN3_30B_A3B_LAYERS = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn
 
 def rollout_side(model: Path, seqs: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per sequence: fp32 next-token log-probs [n - 1] and routed experts [n, layers, k]."""
-    from megatron_gspo.rollout.model import RolloutModel
+    from megatron_gspo.server.model import RolloutModel
 
     rm = RolloutModel.from_pretrained(model, torch.float32)
     logprobs, routed = [], []
@@ -143,7 +143,7 @@ def main() -> None:
     if a.tiny:
         a.seqs, a.len = min(a.seqs, 4), min(a.len, 32)
 
-    from megatron_gspo.model.hf_config import load_hf_config, model_spec
+    from megatron_gspo.hf.config import load_hf_config, model_spec
     from megatron_gspo.model.parallel import ParallelDims, device_type, init_distributed
 
     init_distributed(ParallelDims())

@@ -45,7 +45,7 @@ def _cmd_score(args) -> None:
 
 
 def _cmd_make_tiny(args) -> None:
-    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     fields = {k: v for k, v in vars(args).items() if k in TinySpec.__dataclass_fields__}
     fields["dense_layers"] = [int(x) for x in args.dense_layers.split(",") if x.strip()]
@@ -189,7 +189,7 @@ def _add_study(sub) -> None:
 
 def _add_serve(sub) -> None:
     try:
-        from megatron_gspo.rollout.server import add_serve_args, serve_main
+        from megatron_gspo.server.app import add_serve_args, serve_main
     except ImportError:
         return
     p = sub.add_parser("serve", help="the built-in SGLang-compatible rollout server")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
 TINY = {
     # Qwen3-MoE with a dense first layer, normalized top-k.
@@ -55,7 +55,7 @@ def run_cli(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.C
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_gspo.cli", *args]
     else:
-        from megatron_gspo.model.parallel import free_port
+        from megatron_gspo.comm import free_port
 
         cmd = [
             sys.executable,

@@ -6,7 +6,7 @@ every caller. A prompt belongs to `eval` when the first 8 bytes of its SHA-256, 
 divisible by EVAL_EVERY, else to `train`. The split depends on the prompt text only (not on a
 seed), so no prompt is ever in both, whatever the caller's seed.
 
-Prompts use only words of the tiny tokenizer (model/tiny.py): digits, `+ ?` and a few words.
+Prompts use only words of the tiny tokenizer (hf/tiny.py): digits, `+ ?` and a few words.
 Answers are written without spaces ("15"); the tiny tokenizer decodes digits with spaces
 ("1 5"), which the exact-answer reward ignores.
 

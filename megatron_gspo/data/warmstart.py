@@ -42,7 +42,7 @@ import torch
 from megatron_gspo.data.prompts import PromptRow, encode_prompt, load_prompts
 from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
 INFO_FILE = "warmstart.json"
 # Copying the list back is an easier habit to pick up than forgetting a carry: with the arith

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.hf_config import ModelSpec
+from megatron_gspo.hf.config import ModelSpec
 from megatron_gspo.model.norm import use_local_rmsnorm
 from megatron_gspo.model.parallel import ParallelDims, device_type
 from megatron_gspo.model.without_te import have_transformer_engine

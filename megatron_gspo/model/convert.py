@@ -23,8 +23,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.hf import io as hf_io
 from megatron_gspo.model import checkpoint as mckpt
-from megatron_gspo.model import hf_io, weights
+from megatron_gspo.model import weights
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.comm import free_port
 from megatron_gspo.errors import UserError
 
 
@@ -135,14 +136,6 @@ def _init_process_group(timeout_min: int) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def world_size_from_env() -> int:

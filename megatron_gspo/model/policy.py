@@ -6,10 +6,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
+from megatron_gspo.hf.io import HFReader
 from megatron_gspo.model import checkpoint as mckpt
 from megatron_gspo.model.builder import BuildOptions, build_model
-from megatron_gspo.model.hf_config import ModelSpec, load_hf_config, model_spec
-from megatron_gspo.model.hf_io import HFReader
 from megatron_gspo.model.parallel import ParallelDims
 
 

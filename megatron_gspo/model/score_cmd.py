@@ -57,7 +57,7 @@ def run_score(
     spec, meta = checkpoint_spec(checkpoint)
     dims.validate(spec)
     if meta is None:
-        from megatron_gspo.model.hf_io import HFReader
+        from megatron_gspo.hf.io import HFReader
 
         HFReader(checkpoint)  # a missing or truncated weight file fails before any work
     rows = read_sequences(Path(input_path), spec.vocab_size)

@@ -73,7 +73,7 @@ class ServerConfig:
             raise ValueError("ServerConfig.model_path is required")
 
     def command(self, port: int) -> list[str]:
-        module = "sglang.launch_server" if self.kind == "sglang" else "megatron_gspo.rollout.server"
+        module = "sglang.launch_server" if self.kind == "sglang" else "megatron_gspo.server"
         cmd = [self.python, "-m", module, "--model-path", str(self.model_path)]
         cmd += ["--host", self.host, "--port", str(port)]
         flags = {

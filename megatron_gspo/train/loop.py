@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_gspo.comm import bcast
 from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
@@ -23,7 +24,6 @@ from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
-from megatron_gspo.weight_sync.placement import bcast
 from megatron_gspo.weight_sync.session import VerificationFailed
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 

@@ -156,7 +156,7 @@ class Rollouts:
         fraction of the machine's memory: 14 GB for a tiny model on a 24 GB host, and steps
         ~8x slower)."""
         from megatron_gspo.data.prompts import encode_prompt
-        from megatron_gspo.model.hf_config import load_hf_config
+        from megatron_gspo.hf.config import load_hf_config
 
         cfg, r = self.cfg, self.cfg.rollout
         given = {a.split("=", 1)[0] for a in r.extra_server_args if a.startswith("--")}
@@ -362,7 +362,7 @@ def api_key() -> str | None:
 
 
 def _topk(hf_dir: Path) -> int | None:
-    from megatron_gspo.model.hf_config import load_hf_config, model_spec
+    from megatron_gspo.hf.config import load_hf_config, model_spec
 
     spec = model_spec(load_hf_config(hf_dir))
     return spec.topk if spec.is_moe else None

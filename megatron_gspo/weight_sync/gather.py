@@ -23,10 +23,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.comm import bcast, rank
 from megatron_gspo.model.bridge import get_bridge
 from megatron_gspo.model.bridge.base import split
 from megatron_gspo.model.weights import gather_full, local_params, shard_info
-from megatron_gspo.weight_sync.placement import bcast, rank
 
 log = logging.getLogger(__name__)
 

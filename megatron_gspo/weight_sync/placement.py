@@ -10,9 +10,9 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.comm import bcast, rank
 from megatron_gspo.errors import UserError
-from megatron_gspo.weight_sync.servers import ServerError, Servers
-from megatron_gspo.weight_sync.transport import LOCAL_HOSTS
+from megatron_gspo.weight_sync.servers import LOCAL_HOSTS, ServerError, Servers
 
 
 def bucket_device(model_device: torch.device, servers: Servers) -> torch.device:
@@ -60,15 +60,3 @@ def enter_thread(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # a new thread starts on device 0
         torch.cuda.set_stream(torch.cuda.Stream(device))
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def bcast(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -42,7 +42,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.weight_sync import gather
 from megatron_gspo.weight_sync.bucket import Bucket, BufferPool
 from megatron_gspo.weight_sync.servers import Servers
-from megatron_gspo.weight_sync.transport import TransportError
+from megatron_gspo.weight_sync.transports.base import TransportError
 
 NODE_ENV = "MEGATRON_GSPO_NODE_RANK"  # the launcher's index of the node a trainer rank runs on
 

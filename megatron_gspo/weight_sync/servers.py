@@ -15,6 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from megatron_gspo.weight_sync.config import ServerRef
 
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
 
 class ServerError(RuntimeError):
     """One server refused or could not be reached; the message starts with its URL."""

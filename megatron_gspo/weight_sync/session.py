@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.weight_sync.disk import RestorePoint
-from megatron_gspo.weight_sync.transport import PARTIAL
+from megatron_gspo.weight_sync.transports.base import PARTIAL
 
 log = logging.getLogger(__name__)
 

@@ -48,11 +48,12 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from megatron_gspo.comm import bcast, rank
 from megatron_gspo.weight_sync import gather, verify
 from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.disk import RestorePoint, ShardWriter, VersionDirs
-from megatron_gspo.weight_sync.placement import bcast, enter_thread, rank, shm_dir
+from megatron_gspo.weight_sync.placement import enter_thread, shm_dir
 from megatron_gspo.weight_sync.relay import Fanout, make_plan, receive
 from megatron_gspo.weight_sync.servers import Servers
 from megatron_gspo.weight_sync.session import (
@@ -61,7 +62,7 @@ from megatron_gspo.weight_sync.session import (
     VerificationFailed,
     WeightSyncError,
 )
-from megatron_gspo.weight_sync.transport import (
+from megatron_gspo.weight_sync.transports import (
     StageContext,
     Transport,
     TransportError,
@@ -111,16 +112,12 @@ class WeightSync(Coordinator):
         # On CPU the stage sender lends its parameter buffer (bucket.py) instead of copying it
         # into buckets: to the servers in shared memory (tensor), to the broadcast (distributed)
         # or to its shard writer (disk).
-        self._borrow = None
-        if self.transport.name == "tensor" and gather.is_stage_sender():
-            self._borrow = gather.share_parameters(self.chunks)
-        elif gather.is_stage_sender():
-            self._borrow = gather.buffer_parameters(self.chunks)
+        self._borrow = self.transport.lend(self.chunks) if gather.is_stage_sender() else None
         self.count = 0  # syncs of new versions (snapshot_every, verify_every count these)
         self.serial = 0  # every sync, catch-ups included (the stage turns' keys)
         self.coordinator = rank() == 0
         self.relay = None
-        if self.transport.name == "tensor":
+        if self.transport.relays:
             self.relay = make_plan(self.servers, node, self.device, config.timeout_s)
         # Stages that send in turn (distributed): each stage waits for the one before.
         self._turns = gather.StageTurns() if self.transport.stages_in_turn else None

@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_gspo.model.parallel import free_port
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.comm import free_port
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from megatron_gspo.rollout.launcher import ServerGroup

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.model.parallel import free_port
+from megatron_gspo.comm import free_port
 from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
 from tests.conftest import QUICK_TRAIN, cli_env
 from tests.contract.sglang_venv import sglang_python

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.launcher import ServerGroup
 from tests.conftest import cli_env
@@ -68,7 +68,7 @@ def rollouts(request, checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(rollouts, checkpoint, tmp_path_factory):
-    from megatron_gspo.model.parallel import free_port
+    from megatron_gspo.comm import free_port
 
     kind, samples = rollouts
     tmp = tmp_path_factory.mktemp(f"train-{kind}")

@@ -86,7 +86,7 @@ import os, signal, sys
 import psutil
 import megatron_gspo.rollout.client as client
 import megatron_gspo.train.rollouts as rollouts
-import megatron_gspo.weight_sync.transport as transport
+import megatron_gspo.weight_sync.transports.tensor as transport
 from megatron_gspo.cli import main
 
 where, state = sys.argv.pop(1), {"step": 0, "done": False}
@@ -95,7 +95,7 @@ def kill_server():
     state["done"] = True
     for child in psutil.Process().children():
         cmd = " ".join(child.cmdline())
-        if "sglang.launch_server" in cmd or "megatron_gspo.rollout.server" in cmd:
+        if "sglang.launch_server" in cmd or "megatron_gspo.server" in cmd:
             print(f"killing server pid {child.pid} at {where}", flush=True)
             os.kill(child.pid, signal.SIGKILL)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.model.parallel import free_port
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.comm import free_port
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.launcher import ServerGroup
 from tests.conftest import cli_env
 from tests.contract.sglang_venv import server_config

@@ -29,7 +29,7 @@ from megatron_gspo.weight_sync import verify
 from megatron_gspo.weight_sync.bucket import BufferPool
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.sync import WeightSync
-from megatron_gspo.weight_sync.transport import TensorTransport
+from megatron_gspo.weight_sync.transports import TensorTransport
 
 
 class KillMidSync(TensorTransport):

@@ -17,7 +17,7 @@ WORKER = Path(__file__).with_name("actor_worker.py")
 
 
 def run_worker(tmp_path, checkpoint, nproc, mbs, flags=(), kind="grpo", tag="run", extra=()):
-    from megatron_gspo.model.parallel import free_port
+    from megatron_gspo.comm import free_port
 
     out = tmp_path / f"{tag}.json"
     cmd = [

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.model.hf_io import HFReader
+from megatron_gspo.hf.io import HFReader
 from tests.conftest import (
     cli_env,
     hf_token_logprobs,
@@ -59,7 +59,8 @@ MEGATRON_WRITER = """
 import sys
 from pathlib import Path
 
-from megatron_gspo.model import checkpoint as mckpt, hf_io
+from megatron_gspo.model import checkpoint as mckpt
+from megatron_gspo.hf import io as hf_io
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, load_policy
 
@@ -99,7 +100,7 @@ def test_checkpoint_from_megatrons_own_writer_converts_back(tmp_path, tiny_model
 def test_bf16_round_trip_and_transformers_loads_it(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     src = make_tiny_model(TinySpec(dtype="bfloat16", dense_layers=[0]), tmp_path / "bf16")
     meg, back = tmp_path / "megatron", tmp_path / "hf"
@@ -118,7 +119,7 @@ def test_bf16_policy_scores_like_hf_in_bf16(tmp_path):
     log-prob (measured: mean 3 u, max 8 u); a wrong weight differs by far more."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     src = make_tiny_model(TinySpec(dtype="bfloat16", dense_layers=[0], init_std=0.2),
                           tmp_path / "bf16")  # fmt: skip

@@ -91,7 +91,7 @@ def batch_file(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, batch_file, tmp_path_factory):
-    from megatron_gspo.model.parallel import free_port
+    from megatron_gspo.comm import free_port
 
     tmp = tmp_path_factory.mktemp("routing")
     plan = tmp / "plan.json"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.model.parallel import free_port
+from megatron_gspo.comm import free_port
 from tests.conftest import cli_env
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +34,7 @@ def start_servers(checkpoint: Path, log_dir: Path, n: int = 2) -> list[tuple]:
         log = log_dir / f"server-{i}-{time.monotonic_ns()}.log"
         with open(log, "w") as f:
             p = subprocess.Popen(
-                [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(checkpoint),
+                [sys.executable, "-m", "megatron_gspo.server", "--model", str(checkpoint),
                  "--port", "0", "--threads", "1"],
                 env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip

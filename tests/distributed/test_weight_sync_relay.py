@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.model.parallel import free_port
+from megatron_gspo.comm import free_port
 from tests.conftest import cli_env
 from tests.distributed.test_weight_sync import assert_serves, start_servers, stop_servers
 

@@ -44,7 +44,7 @@ from megatron_gspo.weight_sync import sync as sync_module
 from megatron_gspo.weight_sync import verify
 from megatron_gspo.weight_sync.config import SyncConfig
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
-from megatron_gspo.weight_sync.transport import Transport, TransportError, make_transport
+from megatron_gspo.weight_sync.transports import Transport, TransportError, make_transport
 
 
 @torch.no_grad()
@@ -286,7 +286,7 @@ def restart_first_server(a, ws: WeightSync) -> None:
         log = Path(a.out + ".server.log")
         with open(log, "w") as f:
             p = subprocess.Popen(
-                [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", a.checkpoint,
+                [sys.executable, "-m", "megatron_gspo.server", "--model", a.checkpoint,
                  "--port", url.rsplit(":", 1)[1], "--threads", "1"],
                 env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from megatron_gspo.rollout import engine, server
+from megatron_gspo.server import app, engine
 
 
 def _die(self) -> None:
@@ -32,7 +32,7 @@ def main() -> None:
         engine.Engine._step = _stuck
     else:
         raise SystemExit(f"unknown fault {fault!r}; use die or stuck")
-    server.main(argv)
+    app.main(argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 def running_server(model, *flags: str, env: dict | None = None):
     """Yield the server's URL ("http://127.0.0.1:PORT"); terminate it on exit."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(model)]
+    cmd = [sys.executable, "-m", "megatron_gspo.server", "--model", str(model)]
     cmd += ["--port", "0", "--threads", "1", *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     try:

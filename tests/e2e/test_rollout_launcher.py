@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
 
@@ -137,7 +137,7 @@ def test_server_whose_engine_died_is_restarted(ckpt, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     wrapper = tmp_path / "python"
-    wrapper.write_text(  # drops "-m megatron_gspo.rollout.server", runs the faulty server
+    wrapper.write_text(  # drops "-m megatron_gspo.server", runs the faulty server
         f'#!/bin/sh\nshift 2\nexec {sys.executable} -m tests.e2e.faulty_server die "$@"\n'
     )
     wrapper.chmod(0o755)

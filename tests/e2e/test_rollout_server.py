@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import torch
 
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from tests.e2e.server_process import running_server
 
@@ -225,25 +225,44 @@ def test_client_retries_on_another_server_and_reports_dead_ones(server):
 
 
 def test_weight_update_waits_for_running_requests_unless_paused(server, ckpts):
-    sp = {"max_new_tokens": 300, "ignore_eos": True}
+    """A weight update waits for the running requests; under an in-place pause it runs at once
+    and the held request goes on with the new weights. A request on the tiny model can finish
+    between two looks (the C decode kernel writes 2000 tokens in milliseconds), so each phase
+    starts a request until one is seen running (at most ATTEMPTS times, never an endless wait),
+    and the paused phase until the update reports the request it held."""
+    sp = {"max_new_tokens": 2000, "ignore_eos": True}
+    attempts = 20
 
-    async def running(c, n=1):
-        while (await c.get(server, "/server_info"))["internal_states"][0]["num_running_reqs"] < n:
-            await asyncio.sleep(0.02)
+    async def started(c):
+        """A generate task whose request was seen running, or None if it ended unseen."""
+        task = asyncio.create_task(c.generate([[5, 6]], sampling_params=sp))
+        while not task.done():
+            info = await c.get(server, "/server_info")
+            if info["internal_states"][0]["num_running_reqs"]:
+                return task
+            await asyncio.sleep(0.002)
+        await task
+        return None
 
     async def go(c):
-        task = asyncio.create_task(c.generate([[5, 6]], sampling_params=sp))
-        await running(c)
+        for _ in range(attempts):
+            if task := await started(c):
+                break
+        else:
+            pytest.fail(f"no request was seen running in {attempts} tries")
         await c.update_weights_from_disk(str(ckpts[0]), "w-idle")  # waits for the request
         [[waited]] = await task
-        task = asyncio.create_task(c.generate([[5, 6]], sampling_params=sp))
-        await running(c)
-        await c.pause("in_place")
         body = {"model_path": str(ckpts[0]), "weight_version": "w-paused"}
-        [answer] = await c.broadcast("/update_weights_from_disk", body)
-        await c.resume()
-        [[paused]] = await task
-        return waited, answer, paused
+        for _ in range(attempts):
+            if not (task := await started(c)):
+                continue
+            await c.pause("in_place")
+            [answer] = await c.broadcast("/update_weights_from_disk", body)
+            await c.resume()
+            [[paused]] = await task
+            if answer.get("num_paused_requests"):  # else it ended before the pause: again
+                return waited, answer, paused
+        pytest.fail(f"no update held a paused request in {attempts} tries: {answer}")
 
     waited, answer, paused = run(with_client(server, go))
     assert waited.finish_reason == "length" and waited.weight_version != "w-idle"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_gspo.model.parallel import free_port
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.comm import free_port
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.rollout.client import RolloutClient
 from tests.e2e.server_process import running_server
@@ -135,7 +135,7 @@ def test_server_refusing_a_bucket_mid_broadcast_stops_the_stage_without_waiting(
     from megatron_gspo.weight_sync.bucket import Bucket
     from megatron_gspo.weight_sync.config import SyncConfig
     from megatron_gspo.weight_sync.servers import Servers
-    from megatron_gspo.weight_sync.transport import (
+    from megatron_gspo.weight_sync.transports import (
         DistributedTransport,
         StageContext,
         TransportError,
@@ -276,7 +276,7 @@ def test_tensor_transport_gives_back_the_shared_memory_references(server, ckpts,
     from megatron_gspo.weight_sync.bucket import Bucket
     from megatron_gspo.weight_sync.config import SyncConfig
     from megatron_gspo.weight_sync.servers import Servers
-    from megatron_gspo.weight_sync.transport import StageContext, TensorTransport
+    from megatron_gspo.weight_sync.transports import StageContext, TensorTransport
 
     named = named_tensors(ckpts[1])
     transport = TensorTransport()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from tests.e2e.server_process import running_server
 
 pytestmark = pytest.mark.e2e
@@ -176,9 +176,9 @@ def test_server_keeps_serving_after_every_bad_request(server):
 def test_engine_fails_a_broken_request_alone(model):
     """Requests that reach the engine unchecked (its Python API) and break it: the one that
     overflows the seed and the one that overflows top-k fail; the one beside them is served."""
-    from megatron_gspo.rollout.engine import Engine, Request
-    from megatron_gspo.rollout.model import RolloutModel
-    from megatron_gspo.rollout.sampling import SamplingParams
+    from megatron_gspo.server.engine import Engine, Request
+    from megatron_gspo.server.model import RolloutModel
+    from megatron_gspo.server.sampling import SamplingParams
 
     engine = Engine(RolloutModel.from_pretrained(model), eos_ids=set(), decode_kernel="torch")
     done = threading.Semaphore(0)

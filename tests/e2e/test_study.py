@@ -42,7 +42,7 @@ QUICK = [
 def task_model(tmp_path_factory) -> Path:
     """A random tiny MoE: the study's mechanics do not need a competent model (and making the
     task model would take most of this file's time budget)."""
-    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     return make_tiny_model(TinySpec(seed=0), tmp_path_factory.mktemp("task") / "model")
 

@@ -218,7 +218,7 @@ def test_broken_rows_and_a_dead_rollout_url_fail_fast(task_model, tmp_path):
     [error] = _errors(out)
     assert rc == 2 and "3 of 21 rows are broken (more than 10%)" in error, out[-3000:]
     data.write_text("\n".join([*rows, "{not json"]) + "\n")
-    from megatron_gspo.model.parallel import free_port
+    from megatron_gspo.comm import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()
@@ -320,7 +320,7 @@ import sys
 from pathlib import Path
 import torch.distributed as dist
 from megatron_gspo.config import load_config
-from megatron_gspo.model.parallel import free_port
+from megatron_gspo.comm import free_port
 from megatron_gspo.train.rollouts import Rollouts
 
 config, model, run_dir = sys.argv[1:4]
@@ -355,7 +355,7 @@ def test_samples_from_other_weights_are_dropped_by_group_and_counted(task_model,
 CORRUPT = """
 import sys
 import torch
-import megatron_gspo.weight_sync.transport as transport
+import megatron_gspo.weight_sync.transports.tensor as transport
 from megatron_gspo.cli import main
 from megatron_gspo.weight_sync.bucket import Bucket
 
@@ -471,7 +471,7 @@ def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, 
     port = (run / "logs" / "server-0.log").read_text().split("--port ")[1].split()[0]
     [server0] = [
         p for p in psutil.Process(proc.pid).children(recursive=True)
-        if "megatron_gspo.rollout.server" in " ".join(p.cmdline()) and port in p.cmdline()
+        if "megatron_gspo.server" in " ".join(p.cmdline()) and port in p.cmdline()
     ]  # fmt: skip
     server0.kill()
     assert proc.wait(timeout=600) == 0, (run.parent / "run.log").read_text()[-3000:]

@@ -9,7 +9,7 @@ import pytest
 from megatron_gspo.data.prompts import PromptSampler, broken_rows, encode_prompt, load_prompts
 from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.tiny import build_tokenizer, vocabulary
+from megatron_gspo.hf.tiny import build_tokenizer, vocabulary
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.hf_config import load_hf_config, model_spec
+from megatron_gspo.hf.config import load_hf_config, model_spec
 from megatron_gspo.model.parallel import ParallelDims
 
 pytestmark = pytest.mark.unit

@@ -48,7 +48,7 @@ def test_decode_routed_experts_checks_the_size():
 
 
 def test_wait_healthy_fails_fast_where_nothing_listens():
-    from megatron_gspo.model.parallel import free_port
+    from megatron_gspo.comm import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
 

@@ -1,12 +1,12 @@
-"""The compiled decode step (rollout/decode_kernel.c) against HF transformers and the torch path:
+"""The compiled decode step (server/decode_kernel.c) against HF transformers and the torch path:
 log-probs, routed experts, weight updates seen by the packed weight copies, the fallback switch."""
 
 import pytest
 import torch
 
-from megatron_gspo.model.tiny import make_tiny_model
-from megatron_gspo.rollout import kernels
-from megatron_gspo.rollout.model import Chunk, RolloutModel
+from megatron_gspo.hf.tiny import make_tiny_model
+from megatron_gspo.server import kernels
+from megatron_gspo.server.model import Chunk, RolloutModel
 from tests.unit.test_rollout_model import SPECS, hf_forward, prompt
 
 pytestmark = pytest.mark.unit
@@ -113,7 +113,7 @@ def test_failed_build_falls_back(ckpts, tmp_path, monkeypatch):
 
 def test_sampling_kernel_draws_the_torch_path_tokens(ckpts):
     """Same draws, same rule: greedy, tempered and seeded rows give the torch path's tokens."""
-    from megatron_gspo.rollout.sampling import SamplingParams
+    from megatron_gspo.server.sampling import SamplingParams
 
     kernel = compiled(ckpts["qwen3"]).decode_kernel
     g = torch.Generator().manual_seed(0)
@@ -127,7 +127,7 @@ def test_sampling_kernel_draws_the_torch_path_tokens(ckpts):
 
 
 def draw(logits, params, seed, kernel):
-    from megatron_gspo.rollout.sampling import sample_batch
+    from megatron_gspo.server.sampling import sample_batch
 
     gens = [None if i % 3 else torch.Generator().manual_seed(seed + i) for i in range(len(params))]
     return sample_batch(logits, params, gens, torch.Generator().manual_seed(seed), kernel)

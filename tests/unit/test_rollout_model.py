@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.hf_io import HFReader, write_index
-from megatron_gspo.model.tiny import TinySpec, make_tiny_model
-from megatron_gspo.rollout import model as rollout_model
-from megatron_gspo.rollout.model import Chunk, RolloutModel
+from megatron_gspo.hf.io import HFReader, write_index
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+from megatron_gspo.server import model as rollout_model
+from megatron_gspo.server.model import Chunk, RolloutModel
 
 pytestmark = pytest.mark.unit
 
@@ -207,9 +207,9 @@ def test_long_sequence_past_the_rope_table_equals_hf(ckpts):
 def test_engine_shared_prefill_equals_separate_prefills(ckpts, monkeypatch):
     """The n samples of one prompt prefill once (k/v rows and logits copied to the others):
     greedy tokens, log-probs, prompt log-probs and routed experts are those of separate prefills."""
-    from megatron_gspo.rollout import engine as rollout_engine
-    from megatron_gspo.rollout.engine import Engine, Request
-    from megatron_gspo.rollout.sampling import SamplingParams
+    from megatron_gspo.server import engine as rollout_engine
+    from megatron_gspo.server.engine import Engine, Request
+    from megatron_gspo.server.sampling import SamplingParams
 
     model = RolloutModel.from_pretrained(ckpts["qwen3_moe"])
 

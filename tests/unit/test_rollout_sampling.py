@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_gspo.rollout.sampling import (
+from megatron_gspo.server.sampling import (
     BadRequest,
     SamplingParams,
     adjust_logits,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_gspo.comm import free_port
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.parallel import free_port
-from megatron_gspo.rollout import safe_unpickle
 from megatron_gspo.rollout import weight_payload as wp
+from megatron_gspo.server import safe_unpickle
 from megatron_gspo.weight_sync import verify
 from megatron_gspo.weight_sync.bucket import (
     Bucket,
@@ -32,7 +32,7 @@ from megatron_gspo.weight_sync.disk import (
     write_shard,
 )
 from megatron_gspo.weight_sync.servers import ServerError, Servers
-from megatron_gspo.weight_sync.transport import TensorTransport
+from megatron_gspo.weight_sync.transports import TensorTransport
 
 pytestmark = pytest.mark.unit
 
@@ -395,7 +395,7 @@ def test_own_version_dir_is_removed_even_when_the_trainer_dies(tmp_path):
     import subprocess
     import sys
 
-    from megatron_gspo.model.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     model = make_tiny_model(TinySpec(), tmp_path / "m")
     code = (
@@ -512,7 +512,7 @@ def test_remote_servers_reach_the_group_store_at_this_hosts_outward_address():
     import ipaddress
     import socket
 
-    from megatron_gspo.weight_sync.transport import _master_address
+    from megatron_gspo.weight_sync.transports.distributed import _master_address
 
     assert _master_address(Servers(["http://127.0.0.1:1", "http://localhost:2"])) == "127.0.0.1"
     remote = "192.0.2.1"  # TEST-NET: routed by the default route, never contacted
@@ -531,7 +531,7 @@ def test_disk_buckets_are_packed_in_cpu_memory_for_a_gpu_trainer():
     """The shard writer writes from CPU memory: a GPU trainer's disk buckets are CPU (pinned
     when there is a GPU), not GPU buffers copied out again; the other transports' follow the
     trainer (a server that cannot be asked is taken to run where the trainer does)."""
-    from megatron_gspo.weight_sync.disk import DiskTransport
+    from megatron_gspo.weight_sync.transports import DiskTransport
 
     gpu = torch.device("cuda", 0)
     nobody = Servers(["http://127.0.0.1:9"], timeout_s=5)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_gspo.rollout.validate import (
+from megatron_gspo.server.validate import (
     DEFAULT_LIMITS,
     INT32_MAX,
     SEED_END,
@@ -27,7 +27,7 @@ from megatron_gspo.rollout.validate import (
 )
 
 if TYPE_CHECKING:
-    from megatron_gspo.rollout.kernels import CompiledDecode
+    from megatron_gspo.server.kernels import CompiledDecode
 
 KNOWN_KEYS = {
     "max_new_tokens",

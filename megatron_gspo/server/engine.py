@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_gspo.rollout import kernels
-from megatron_gspo.rollout.model import Chunk, RolloutModel
-from megatron_gspo.rollout.sampling import SamplingParams, adjust_logits, sample_batch
+from megatron_gspo.server import kernels
+from megatron_gspo.server.model import Chunk, RolloutModel
+from megatron_gspo.server.sampling import SamplingParams, adjust_logits, sample_batch
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,4 @@
-"""Transports: how a stage sender's buckets reach the servers. One interface, chosen by config.
-
-    open_stage(ctx)       before the stage's first bucket (distributed: join the stage's group)
-    send(bucket, ctx)     one bucket to every live server: {server index: error} for those that
-                          failed; raises TransportError when the trainer side failed (all affected)
-    close_stage(ctx)      after the last bucket, also after a failure
-    commit(...)           on the coordinator, after every stage (disk: the servers load the files)
-
-Tensor (colocated): /update_weights_from_tensor with a flattened_bucket payload. Buffers are
-allocated in shared memory ("file_system" strategy) on CPU and on the GPU otherwise (CUDA IPC), so
-serializing a bucket copies nothing: the payload holds a shared-memory file name or IPC handle, and
-the server copies the bytes straight into its weights. A buffer is reused once every server has
-answered (the server has copied it by then). A borrowed bucket (a span of the trainer's parameter
-buffer, lent in place; bucket.py) needs no buffer back, so two of those are in flight at a time.
-
-Distributed (disaggregated): one group per pipeline stage, the stage sender as rank 0 and every
+"""Distributed (disaggregated): one group per pipeline stage, the stage sender as rank 0 and every
 server TP rank after it (rank_offset), rendezvous over PrefixStore(group_name) as SGLang requires;
 per bucket, /update_weights_from_distributed is posted to every server and then the bucket is
 broadcast once (gloo on CPU, NCCL on GPU). The answers to a bucket are awaited after the next
@@ -35,149 +20,17 @@ import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 
-from megatron_gspo.model.parallel import free_port
+from megatron_gspo.comm import free_port
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.weight_sync.bucket import Bucket
-from megatron_gspo.weight_sync.config import SyncConfig
-from megatron_gspo.weight_sync.servers import Servers, collect
+from megatron_gspo.weight_sync.servers import LOCAL_HOSTS, Servers, collect
+from megatron_gspo.weight_sync.transports.base import StageContext, Transport, TransportError
 
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 log = logging.getLogger(__name__)
-PARTIAL = "partial:"  # weight_version prefix a server carries while an update is incomplete
-
-
-class TransportError(RuntimeError):
-    """The trainer's side of a transfer failed: every server of the stage may be half-updated."""
-
-
-@dataclass
-class StageContext:
-    """One stage sender's view of one sync; `live` shrinks as servers fail."""
-
-    servers: Servers
-    config: SyncConfig
-    version: str
-    stage: int
-    live: list[int]
-    touched: set[int] = field(default_factory=set)  # servers that were sent at least one bucket
-    failed: dict[int, str] = field(default_factory=dict)
-    buckets: int = 0
-    device: torch.device = torch.device("cpu")  # where the buckets are
-    state: dict = field(default_factory=dict)  # the transport's own per-stage state
-
-    def fail(self, errors: dict[int, str]) -> None:
-        for i, msg in errors.items():
-            self.failed.setdefault(i, msg)
-            if i in self.live:
-                self.live.remove(i)
-
-    def version_for_bucket(self) -> str | None:
-        """The first bucket marks the servers as mid-update; the commit sets the real version."""
-        return PARTIAL + self.version if self.buckets == 0 else None
-
-
-class Transport:
-    name = "base"
-    needs_session = True  # wrap in /begin_weight_update + /end_weight_update
-    writes_files = False  # the stage senders' shard writers are the transfer (disk)
-    gapless = False  # a lent bucket must be tensors back to back (the receiver lays it out)
-    stages_in_turn = False  # pipeline stages send one after another, in stage order
-
-    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def bucket_device(self, model_device: torch.device, servers: Servers) -> torch.device:
-        """Where the buckets live (every rank calls it: a collective on a GPU)."""
-        from megatron_gspo.weight_sync.placement import bucket_device
-
-        return bucket_device(model_device, servers)
-
-    def open_stage(self, ctx: StageContext) -> None:
-        pass
-
-    def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
-        raise NotImplementedError
-
-    def close_stage(self, ctx: StageContext) -> None:
-        pass
-
-    def close(self, servers: Servers) -> None:
-        """When the sync object closes: let go of what was kept between syncs."""
-
-    def commit(self, servers: Servers, live: list[int], version: str, new_dir: Path | None):
-        """On the coordinator once every stage is sent: make `version` current on `live`
-        (`new_dir`: this version written to disk, if it was). Returns {server index: error}."""
-        _, errors = servers.post_many(live, "/update_weight_version", {"new_version": version})
-        return errors
-
-
-class TensorTransport(Transport):
-    name = "tensor"
-
-    def alloc(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        if device.type == "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        with wp.TensorSharing():  # shared memory by file name, which the server can open
-            return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-
-    def send(self, bucket: Bucket, ctx: StageContext) -> dict[int, str]:
-        base = {
-            "load_format": "flattened_bucket",
-            "flush_cache": False,
-            "abort_all_requests": False,
-            "weight_version": ctx.version_for_bucket(),
-        }
-
-        def body(i: int) -> dict:
-            # One serialization per receiving rank: each one takes a reference on the shared
-            # memory that the receiver gives back, so a payload must not be read twice.
-            with wp.TensorSharing():
-                payloads = [wp.serialize(bucket.payload()) for _ in range(tp[i])]
-            return {"serialized_named_tensors": payloads, **base}
-
-        tp = {i: ctx.servers.refs[i].tp_size for i in ctx.live}
-        ctx.touched.update(ctx.live)
-        futures = {i: ctx.servers.submit(i, "/update_weights_from_tensor", body(i)) for i in tp}
-        bucket.sum()  # while the servers copy
-        # A borrowed bucket (the trainer's own parameters) has no buffer to give back, so its
-        # answers are awaited after the next bucket is posted: a server decodes that request
-        # while it loads this one. A pooled buffer goes back only once every server has copied.
-        errors = self._answers(ctx, *ctx.state.pop("pending", ({}, None, tp)))
-        shared = bucket.flat.untyped_storage() if bucket.flat.device.type == "cpu" else None
-        sent = (futures, shared, tp)
-        if bucket.borrowed:
-            ctx.state["pending"] = sent
-        else:
-            for i, msg in self._answers(ctx, *sent).items():
-                errors.setdefault(i, msg)
-        return errors
-
-    def _answers(self, ctx: StageContext, futures: dict, storage, tp: dict) -> dict[int, str]:
-        """The servers' answers (errors by server). Each payload's pickle took a reference on
-        the bucket's shared memory; torch's receiver (SGLang) gives it back, a server that maps
-        it read-only (the built-in one: `released_shared_memory: false`) does not, so it is
-        given back here, else the memory would outlive the bucket."""
-        answers, errors = collect(futures)
-        keeps = ctx.servers.keeps_shared_refs
-        for i, answer in answers.items():
-            if answer.get(wp.RELEASED) is False:
-                keeps.add(ctx.servers.refs[i].url)
-        if storage is not None:
-            for i in futures:
-                if ctx.servers.refs[i].url in keeps:
-                    for _ in range(tp[i]):
-                        storage._shared_decref()
-        return errors
-
-    def close_stage(self, ctx: StageContext) -> None:
-        errors = self._answers(ctx, *ctx.state.pop("pending", ({}, None, {})))
-        ctx.fail(errors)  # (the last borrowed bucket's answers)
 
 
 class DistributedTransport(Transport):
@@ -364,13 +217,3 @@ def _master_address(servers: Servers) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-
-
-def make_transport(config: SyncConfig) -> Transport:
-    if config.transport == "tensor":
-        return TensorTransport()
-    if config.transport == "distributed":
-        return DistributedTransport()
-    from megatron_gspo.weight_sync.disk import DiskTransport
-
-    return DiskTransport()

@@ -40,12 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.hf_config import ModelSpec, load_hf_config, model_spec
-from megatron_gspo.model.hf_io import HFReader
-from megatron_gspo.rollout.kv_cache import KVCache
+from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
+from megatron_gspo.hf.io import HFReader
+from megatron_gspo.server.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from megatron_gspo.rollout.kernels import CompiledDecode
+    from megatron_gspo.server.kernels import CompiledDecode
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")  # one matmul over all experts (CPU too, torch >= 2.9)
 

@@ -8,9 +8,9 @@ import json
 
 from aiohttp import web
 
-from megatron_gspo.rollout.api import error_body
-from megatron_gspo.rollout.engine import Engine
-from megatron_gspo.rollout.validate import BadRequest, check_depth
+from megatron_gspo.server.api import error_body
+from megatron_gspo.server.engine import Engine
+from megatron_gspo.server.validate import BadRequest, check_depth
 
 STATE = web.AppKey("state", object)
 BODY_TIMEOUT = web.AppKey("body_timeout_s", float)

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron_gspo.rollout.engine import Engine, Request
-from megatron_gspo.rollout.sampling import parse_sampling_params
-from megatron_gspo.rollout.validate import (
+from megatron_gspo.server.engine import Engine, Request
+from megatron_gspo.server.sampling import parse_sampling_params
+from megatron_gspo.server.validate import (
     DEFAULT_LIMITS,
     INT32_MAX,
     BadRequest,

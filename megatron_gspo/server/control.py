@@ -9,17 +9,14 @@ they apply at once and the paused requests continue on the new weights with thei
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout.engine import Engine
-from megatron_gspo.rollout.http_common import STATE, bad, read_json, run_on_engine
-from megatron_gspo.rollout.sampling import BadRequest
-
-if TYPE_CHECKING:
-    from megatron_gspo.rollout.server import ServerState
+from megatron_gspo.server.engine import Engine
+from megatron_gspo.server.http_common import STATE, bad, read_json, run_on_engine
+from megatron_gspo.server.sampling import BadRequest
+from megatron_gspo.server.state import ServerState
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing import reductions
 
-from megatron_gspo.rollout.sampling import BadRequest
+from megatron_gspo.server.sampling import BadRequest
 
 
 class BadPayload(BadRequest):

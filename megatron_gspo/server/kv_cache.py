@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.model.hf_config import ModelSpec
+from megatron_gspo.hf.config import ModelSpec
 
 # KV-cache capacity grows in blocks of this many positions; a tight capacity keeps the rows a
 # decode step reads close together in memory (measured faster than doubling from 256 on CPU).

@@ -26,62 +26,23 @@ transfer buffers above; the weights stay, as on a GPU without --enable-memory-sa
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from aiohttp import web
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout import safe_unpickle, weight_payload
-from megatron_gspo.rollout.api import error_body
-from megatron_gspo.rollout.engine import Engine
-from megatron_gspo.rollout.http_common import STATE, bad, read_json, run_on_engine
-from megatron_gspo.rollout.sampling import BadRequest
-
-if TYPE_CHECKING:
-    from megatron_gspo.rollout.server import ServerState
+from megatron_gspo.rollout import weight_payload
+from megatron_gspo.server import safe_unpickle
+from megatron_gspo.server.api import error_body
+from megatron_gspo.server.engine import Engine
+from megatron_gspo.server.http_common import STATE, bad, read_json, run_on_engine
+from megatron_gspo.server.sampling import BadRequest
+from megatron_gspo.server.state import ServerState, WeightUpdates
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-@dataclass
-class WeightUpdates:
-    """What the weight endpoints keep between requests."""
-
-    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transfer at a time
-    released: set[str] = field(default_factory=set)
-    session: str | None = None  # the selector of the open begin/end_weight_update session
-    group_timeout_s: float = 300.0
-    recv_free: list[torch.Tensor] = field(default_factory=list)  # distributed receive buffers
-
-    def take_buffer(self, nbytes: int) -> torch.Tensor:
-        """A receive buffer of at least `nbytes`: a kept one, else a new one. Two are kept, so
-        one bucket can be received while the one before is loaded."""
-        for i, buf in enumerate(self.recv_free):
-            if buf.numel() >= nbytes:
-                return self.recv_free.pop(i)
-        if len(self.recv_free) >= 2:
-            self.recv_free.pop(0)  # too small: let it go before allocating
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give_buffer(self, buf: torch.Tensor) -> None:
-        self.recv_free = sorted([*self.recv_free, buf], key=torch.Tensor.numel)[-2:]
-
-    def end_session(self) -> None:
-        self.session = None
-
-    def drop_buffers(self) -> None:
-        self.recv_free = []
-        safe_unpickle.forget_mappings()
-
-    def close(self) -> None:
-        for group in self.groups.values():
-            dist.destroy_process_group(group)
-        self.groups.clear()
-        self.drop_buffers()
 
 
 def _ok(message: str, **extra) -> web.Response:
@@ -174,7 +135,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         st.engine.abort(None, "Abort by update_weights_from_tensor")
     # torch's receiver gives back the reference the sender's pickle took on its shared memory;
     # this server maps it read-only and never touches the count, so it says so, and the
-    # sender gives the reference back itself (weight_sync/transport.py)
+    # sender gives the reference back itself (weight_sync/transports/tensor.py)
     return await _load(st, named, version, "tensor", extra={weight_payload.RELEASED: False})
 
 

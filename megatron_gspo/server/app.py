@@ -4,7 +4,7 @@ everything above it talks to it exactly as to SGLang.
 
     megatron-gspo serve --model HF_DIR [--host 127.0.0.1 --port 30000 --api-key KEY
                                         --enable-return-routed-experts]
-    python -m megatron_gspo.rollout.server --model HF_DIR --port 0   # prints the bound URL
+    python -m megatron_gspo.server --model HF_DIR --port 0   # prints the bound URL
 
 Security: it binds 127.0.0.1 by default and refuses a non-loopback --host without an API key;
 with a key every endpoint but GET /health requires `Authorization: Bearer KEY` (the trainer gives
@@ -27,79 +27,30 @@ import asyncio
 import gc
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
 from aiohttp import web
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.hf_config import load_hf_config
-from megatron_gspo.rollout import control, kernels, weight_endpoints
-from megatron_gspo.rollout.api import format_result, parse_generate
-from megatron_gspo.rollout.engine import Engine, Request
-from megatron_gspo.rollout.http_common import BODY_TIMEOUT, STATE, BodyTimeout, bad, read_json
-from megatron_gspo.rollout.model import RolloutModel
-from megatron_gspo.rollout.sampling import SamplingParams
-from megatron_gspo.rollout.validate import BadRequest, Limits
+from megatron_gspo.server import control, kernels, weight_endpoints
+from megatron_gspo.server.api import format_result, parse_generate
+from megatron_gspo.server.engine import Engine, Request
+from megatron_gspo.server.http_common import BODY_TIMEOUT, STATE, BodyTimeout, bad, read_json
+from megatron_gspo.server.sampling import SamplingParams
+from megatron_gspo.server.state import ServerState
+from megatron_gspo.server.validate import BadRequest
 
-log = logging.getLogger("megatron_gspo.rollout.server")
+log = logging.getLogger("megatron_gspo.server.app")
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
 DECODE_KERNEL_ENV = "MEGATRON_GSPO_DECODE_KERNEL"
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
-
-
-class ServerState:
-    """What the handlers share: the engine (which owns the model) and the served paths."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.model_path = str(Path(args.model).resolve())
-        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        model = RolloutModel.from_pretrained(self.model_path, dtype)
-        self.spec = model.spec
-        self.hf_config = load_hf_config(self.model_path)
-        self.tokenizer = _load_tokenizer(Path(self.model_path))
-        self.engine = Engine(
-            model,
-            eos_ids=_eos_ids(Path(self.model_path), self.hf_config),
-            decode=self.decode if self.tokenizer else None,
-            max_running=args.max_running_requests,
-            record_routing=args.enable_return_routed_experts,
-            seed=args.random_seed,
-            weight_version=args.weight_version,
-            decode_kernel=args.decode_kernel,
-        )
-        self.weights = weight_endpoints.WeightUpdates()
-        self.limits = Limits(max_n=args.max_n, max_batch=args.max_batch_size)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-def _load_tokenizer(path: Path):
-    if not (path / "tokenizer.json").is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path / "tokenizer.json"))
-
-
-def _eos_ids(path: Path, cfg: dict) -> set[int]:
-    gen = path / "generation_config.json"
-    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
-    eos = cfg.get("eos_token_id") if eos is None else eos
-    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
 # ---- generation ----------------------------------------------------------------------------
@@ -409,7 +360,7 @@ def _exit_now(grace_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatron_gspo.rollout.server")
+    parser = argparse.ArgumentParser(prog="python -m megatron_gspo.server")
     add_serve_args(parser)
     try:
         serve_main(parser.parse_args(argv))

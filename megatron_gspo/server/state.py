@@ -1,0 +1,103 @@
+"""What the built-in server's handlers share: the engine (which owns the model), the served paths,
+the tokenizer and the weight endpoints' state between requests."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.hf.config import load_hf_config
+from megatron_gspo.server import safe_unpickle
+from megatron_gspo.server.engine import Engine
+from megatron_gspo.server.model import RolloutModel
+from megatron_gspo.server.validate import Limits
+
+
+@dataclass
+class WeightUpdates:
+    """What the weight endpoints keep between requests."""
+
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transfer at a time
+    released: set[str] = field(default_factory=set)
+    session: str | None = None  # the selector of the open begin/end_weight_update session
+    group_timeout_s: float = 300.0
+    recv_free: list[torch.Tensor] = field(default_factory=list)  # distributed receive buffers
+
+    def take_buffer(self, nbytes: int) -> torch.Tensor:
+        """A receive buffer of at least `nbytes`: a kept one, else a new one. Two are kept, so
+        one bucket can be received while the one before is loaded."""
+        for i, buf in enumerate(self.recv_free):
+            if buf.numel() >= nbytes:
+                return self.recv_free.pop(i)
+        if len(self.recv_free) >= 2:
+            self.recv_free.pop(0)  # too small: let it go before allocating
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_buffer(self, buf: torch.Tensor) -> None:
+        self.recv_free = sorted([*self.recv_free, buf], key=torch.Tensor.numel)[-2:]
+
+    def end_session(self) -> None:
+        self.session = None
+
+    def drop_buffers(self) -> None:
+        self.recv_free = []
+        safe_unpickle.forget_mappings()
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            dist.destroy_process_group(group)
+        self.groups.clear()
+        self.drop_buffers()
+
+
+class ServerState:
+    """What the handlers share: the engine (which owns the model) and the served paths."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.model_path = str(Path(args.model).resolve())
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = RolloutModel.from_pretrained(self.model_path, dtype)
+        self.spec = model.spec
+        self.hf_config = load_hf_config(self.model_path)
+        self.tokenizer = _load_tokenizer(Path(self.model_path))
+        self.engine = Engine(
+            model,
+            eos_ids=_eos_ids(Path(self.model_path), self.hf_config),
+            decode=self.decode if self.tokenizer else None,
+            max_running=args.max_running_requests,
+            record_routing=args.enable_return_routed_experts,
+            seed=args.random_seed,
+            weight_version=args.weight_version,
+            decode_kernel=args.decode_kernel,
+        )
+        self.weights = WeightUpdates()
+        self.limits = Limits(max_n=args.max_n, max_batch=args.max_batch_size)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def _eos_ids(path: Path, cfg: dict) -> set[int]:
+    gen = path / "generation_config.json"
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    eos = cfg.get("eos_token_id") if eos is None else eos
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
