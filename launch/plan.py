@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.modes import Backend, Placement
+from megatron_gspo.weight_sync.config import SyncMethod
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Layout:
 
     @property
     def serving_nodes(self) -> list[int]:
-        if self.placement == "colocated" or self.rollout_nodes == 0:
+        if self.placement == Placement.COLOCATED or self.rollout_nodes == 0:
             return list(range(self.nnodes))
         return list(range(self.train_nodes, self.nnodes))
 
@@ -61,7 +63,7 @@ class Layout:
     @property
     def router(self) -> bool:
         """sglang-router in front when there are several SGLang servers."""
-        return self.backend == "sglang" and self.total_servers > 1
+        return self.backend == Backend.SGLANG and self.total_servers > 1
 
     def role(self, node_rank: int) -> str:
         """train | serve | both."""
@@ -78,7 +80,7 @@ class Layout:
         if not self.gpus_per_node:
             return [[] for _ in range(self.servers_per_node)]
         first = 0
-        if self.placement == "disaggregated" and self.role(node_rank) == "both":
+        if self.placement == Placement.DISAGGREGATED and self.role(node_rank) == "both":
             first = self.nproc_per_node  # one node, split: the servers take the GPUs after
         tp = self.server_tp
         return [
@@ -98,7 +100,7 @@ def make_layout(
     r = cfg.rollout
     if nnodes < 1:
         raise UserError(f"the job needs at least one node, not {nnodes}")
-    if r.placement == "colocated":
+    if r.placement == Placement.COLOCATED:
         if rollout_nodes:
             raise UserError(
                 f"ROLLOUT_NODES={rollout_nodes} sets nodes aside for servers, but "
@@ -107,7 +109,7 @@ def make_layout(
         rollout_nodes = 0
     elif rollout_nodes is None:
         rollout_nodes = 1 if nnodes > 1 else 0
-    if nnodes > 1 and r.placement == "disaggregated" and not 1 <= rollout_nodes < nnodes:
+    if nnodes > 1 and r.placement == Placement.DISAGGREGATED and not 1 <= rollout_nodes < nnodes:
         raise UserError(
             f"disaggregated on {nnodes} nodes needs 1..{nnodes - 1} rollout nodes, not "
             f"{rollout_nodes}; set ROLLOUT_NODES"
@@ -131,7 +133,7 @@ def make_layout(
 def _default_nproc(r, nnodes: int, gpus: int) -> int:
     if not gpus:
         return 1
-    if r.placement == "disaggregated" and nnodes == 1:
+    if r.placement == Placement.DISAGGREGATED and nnodes == 1:
         return max(gpus - r.server_tp, 1)  # the rest of the node serves
     return gpus
 
@@ -139,7 +141,7 @@ def _default_nproc(r, nnodes: int, gpus: int) -> int:
 def _default_servers(r, nnodes: int, gpus: int) -> int:
     if not gpus:
         return 1
-    if r.placement == "disaggregated" and nnodes == 1:
+    if r.placement == Placement.DISAGGREGATED and nnodes == 1:
         gpus -= _default_nproc(r, nnodes, gpus)
     return max(gpus // r.server_tp, 1)
 
@@ -157,7 +159,7 @@ def _check(cfg: Config, lay: Layout) -> None:
         _check_gpus(cfg, lay)
     multi_host = lay.nnodes > 1
     serve_only = [n for n in lay.serving_nodes if lay.role(n) == "serve"]
-    if cfg.sync.method == "tensor" and serve_only:
+    if cfg.sync.method == SyncMethod.TENSOR and serve_only:
         # Tensor handles only open on their own host: a trainer rank on each serving node relays
         # the buckets to its servers (weight_sync/relay.py). A node that only serves has none.
         raise UserError(
@@ -165,20 +167,22 @@ def _check(cfg: Config, lay: Layout) -> None:
             f"to its servers, and rollout node(s) {' '.join(map(str, serve_only))} only serve; "
             "set sync.method=distributed"
         )
-    if cfg.sync.method == "disk" and multi_host:
+    if cfg.sync.method == SyncMethod.DISK and multi_host:
         pass  # works when RUN_DIR is on a filesystem every node mounts (it must be anyway)
 
 
 def _check_gpus(cfg: Config, lay: Layout) -> None:
     gpus = lay.gpus_per_node
     used_by_servers = lay.servers_per_node * lay.server_tp
-    if lay.placement == "colocated" and (lay.nproc_per_node > gpus or used_by_servers > gpus):
+    if lay.placement == Placement.COLOCATED and (
+        lay.nproc_per_node > gpus or used_by_servers > gpus
+    ):
         raise UserError(
             f"colocated on {gpus} GPUs per node: {lay.nproc_per_node} trainer ranks and "
             f"{lay.servers_per_node} servers x rollout.server_tp {lay.server_tp} do not fit; "
             "lower NPROC_PER_NODE, SERVERS_PER_NODE or rollout.server_tp"
         )
-    if lay.placement == "disaggregated":
+    if lay.placement == Placement.DISAGGREGATED:
         trainer = lay.nproc_per_node if lay.nnodes == 1 else 0
         if lay.nproc_per_node > gpus or trainer + used_by_servers > gpus:
             raise UserError(
@@ -187,7 +191,11 @@ def _check_gpus(cfg: Config, lay: Layout) -> None:
                 "not fit; lower NPROC_PER_NODE, SERVERS_PER_NODE or rollout.server_tp"
             )
     r = cfg.rollout
-    if lay.placement == "colocated" and r.backend == "sglang" and not r.release_memory:
+    if (
+        lay.placement == Placement.COLOCATED
+        and r.backend == Backend.SGLANG
+        and not r.release_memory
+    ):
         print(
             "warning: colocated SGLang on GPUs without rollout.release_memory keeps its weights "
             "and KV cache on the GPUs while the trainer trains",

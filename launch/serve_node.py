@@ -38,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plan import add_layout_args, layout_from_args  # noqa: E402
 
+from megatron_gspo.comm import free_port  # noqa: E402
 from megatron_gspo.errors import UserError  # noqa: E402
-from megatron_gspo.model.parallel import free_port  # noqa: E402
+from megatron_gspo.rollout.modes import Backend, Placement  # noqa: E402
+from megatron_gspo.routing.replay import ReplayMode  # noqa: E402
 
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
 
@@ -61,8 +63,8 @@ def server_configs(cfg, layout, node_rank: int, host: str, port_base: int):
     gpu_sets = layout.server_gpus(node_rank)
     visible = _visible_devices()
     memory_saver = (
-        r.backend == "sglang"
-        and layout.placement == "colocated"
+        r.backend == Backend.SGLANG
+        and layout.placement == Placement.COLOCATED
         and r.release_memory
         and layout.gpus_per_node > 0
         and "--enable-memory-saver" not in extra
@@ -70,7 +72,7 @@ def server_configs(cfg, layout, node_rank: int, host: str, port_base: int):
     # A colocated SGLang server sees all of the node's GPUs and starts at its own
     # (--base-gpu-id): the tensor sync hands it CUDA IPC handles of the trainer ranks' GPUs,
     # which it can open only if it sees them. Otherwise each server sees its own GPUs alone.
-    see_node = r.backend == "sglang" and layout.placement == "colocated"
+    see_node = r.backend == Backend.SGLANG and layout.placement == Placement.COLOCATED
     configs = []
     for i, gpus in enumerate(gpu_sets):
         seen = range(layout.gpus_per_node) if see_node else gpus
@@ -82,14 +84,14 @@ def server_configs(cfg, layout, node_rank: int, host: str, port_base: int):
                 host=host,
                 port=port_base + i if port_base else 0,
                 python=(r.sglang_python or os.environ.get("SGLANG_PYTHON") or sys.executable)
-                if r.backend == "sglang"
+                if r.backend == Backend.SGLANG
                 else sys.executable,
                 api_key=os.environ.get(API_KEY_ENV) or None,
-                enable_return_routed_experts=cfg.algo.routing_replay == "r3",
+                enable_return_routed_experts=cfg.algo.routing_replay == ReplayMode.R3,
                 tp_size=r.server_tp,
                 enable_memory_saver=memory_saver,
                 base_gpu_id=gpus[0] if gpus and see_node else None,
-                threads=1 if r.backend == "builtin" else 0,
+                threads=1 if r.backend == Backend.BUILTIN else 0,
                 extra_args=extra,
                 env=env,
             )

@@ -5,15 +5,15 @@
 Every key is checked when the config is built: an unknown key is an error that suggests the
 nearest valid one, a value of the wrong type or out of range is an error naming the key and what
 it accepts. Every number goes through one check, `_in_range`: finite (no NaN or inf) and within
-the bounds its section gives. Each section builds the objects it configures (`OptimSection.build()` ...), so the
-rest of the code never sees a loose dict.
+the bounds its section gives. A section is its component's own config dataclass (`optim`: model/optim.py), or builds it
+(`algo.loss_config()`, `sync.build()`) from defaults defined once there; modes are StrEnums.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
+import enum
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +21,16 @@ from typing import Any
 
 import yaml
 
+from megatron_gspo.algo.config import Agg, LossConfig, LossKind, Tis
+from megatron_gspo.checks import choice as _choice
+from megatron_gspo.checks import in_range as _in_range
+from megatron_gspo.checks import need as _need
+from megatron_gspo.checks import positive as _positive
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.optim import OptimConfig
+from megatron_gspo.rollout.modes import Backend, Placement
+from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.weight_sync.config import SyncConfig, SyncMethod
 
 
 @dataclass
@@ -68,7 +77,7 @@ SERVER_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass
 class RolloutSection:
-    backend: str = "builtin"  # builtin | sglang
+    backend: Backend = Backend.BUILTIN
     servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
     urls: list[str] = field(default_factory=list)  # servers started by someone else
     # the node (the launcher's node index) each of `urls` runs on; with sync.method=tensor, servers
@@ -78,7 +87,7 @@ class RolloutSection:
     # sglang-router in front of `urls`: generation goes through it (it balances the requests);
     # weight syncs, health checks and memory release still address every server in `urls`
     router_url: str | None = None
-    placement: str = "colocated"  # colocated | disaggregated
+    placement: Placement = Placement.COLOCATED
     # colocated on GPUs: servers free their memory while the trainer trains (SGLang needs
     # --enable-memory-saver) and take it back before the weight sync
     release_memory: bool = False
@@ -100,10 +109,8 @@ class RolloutSection:
     dtype: str | None = None  # float32 | bfloat16 | float16
 
     def check(self) -> None:
-        _choice(self.backend, "rollout.backend", ("builtin", "sglang"))
         if self.dtype is not None:
             _choice(self.dtype, "rollout.dtype", SERVER_DTYPES)
-        _choice(self.placement, "rollout.placement", ("colocated", "disaggregated"))
         if not self.urls:
             _positive(self.servers, "rollout.servers")
         if self.url_nodes and len(self.url_nodes) != len(self.urls):
@@ -138,92 +145,33 @@ class RewardSection:
         _need(self.fn, "reward.fn", "exact, math or module:function")
 
 
+_LOSS = LossConfig()  # the loss keys' defaults, defined once (algo/config.py)
+
+
 @dataclass
 class AlgoSection:
-    loss: str = "gspo"  # gspo | gspo_token | grpo
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
-    agg: str | None = None  # None: the loss's published aggregation
+    loss: LossKind = _LOSS.kind
+    clip_low: float = _LOSS.clip_low
+    clip_high: float = _LOSS.clip_high
+    agg: Agg | None = _LOSS.agg  # None: the loss's published aggregation
     minibatches: int = 4  # optimizer steps per rollout batch
     # The first update takes its old log-probs from its own forward (exact: the weights have not
     # moved yet), so the old-log-prob forward skips that minibatch. Not under r3.
     on_policy_first_update: bool = True
-    routing_replay: str = "none"  # none | r2 | r3
+    routing_replay: ReplayMode = ReplayMode.NONE
     advantage_std_norm: bool = True  # False: Dr. GRPO (no division by the group std)
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     # truncated importance sampling for the train-vs-rollout mismatch (off: none)
-    tis: str = "none"  # none | token | sequence
-    tis_cap: float = 2.0
+    tis: Tis = _LOSS.tis
+    tis_cap: float = _LOSS.tis_cap
 
     def check(self) -> None:
-        from megatron_gspo.algo import AGGS, KINDS
-
-        _choice(self.loss, "algo.loss", tuple(KINDS))
-        if self.agg is not None:
-            _choice(self.agg, "algo.agg", tuple(AGGS))
-        _choice(self.routing_replay, "algo.routing_replay", ("none", "r2", "r3"))
-        _in_range(self.clip_low, "algo.clip_low", 0, 1, lo_open=True, hi_open=True)
-        _in_range(self.clip_high, "algo.clip_high", 0, lo_open=True)
+        self.loss_config().check("algo")
         _positive(self.minibatches, "algo.minibatches")
-        _choice(self.tis, "algo.tis", ("none", "token", "sequence"))
-        _in_range(self.tis_cap, "algo.tis_cap", 1)
 
-    def loss_config(self):
-        from megatron_gspo.train.actor import LossConfig
-
+    def loss_config(self) -> LossConfig:
         return LossConfig(
             self.loss, self.clip_low, self.clip_high, self.agg, self.tis, self.tis_cap
-        )
-
-
-@dataclass
-class OptimSection:
-    lr: float = 1e-6
-    # per RL step: linear warmup from lr/warmup_steps to lr over the first warmup_steps steps,
-    # then constant, or a linear / cosine decay to min_lr at train.steps
-    warmup_steps: int = 0
-    decay: str = "constant"  # constant | linear | cosine
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    distributed: bool = True  # megatron's distributed optimizer (state sharded over DP)
-
-    def check(self) -> None:
-        _in_range(self.lr, "optim.lr", 0, lo_open=True)
-        _in_range(self.warmup_steps, "optim.warmup_steps", 0)
-        _choice(self.decay, "optim.decay", ("constant", "linear", "cosine"))
-        _in_range(self.min_lr, "optim.min_lr", 0, self.lr, hi_name="optim.lr")
-        _in_range(self.weight_decay, "optim.weight_decay", 0)
-        _in_range(self.clip_grad, "optim.clip_grad", 0)  # 0: no clipping
-        for name in ("adam_beta1", "adam_beta2"):
-            _in_range(getattr(self, name), f"optim.{name}", 0, 1, hi_open=True)
-        _in_range(self.adam_eps, "optim.adam_eps", 0, lo_open=True)
-
-    def lr_at(self, step: int, total: int) -> float:
-        """The learning rate of RL step `step` (1-based) of a run of `total` steps."""
-        if step <= self.warmup_steps:
-            return self.lr * step / self.warmup_steps
-        if self.decay == "constant" or total <= self.warmup_steps:
-            return self.lr
-        done = min(1.0, (step - self.warmup_steps) / (total - self.warmup_steps))
-        shape = 1 - done if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * done))
-        return self.min_lr + (self.lr - self.min_lr) * shape
-
-    def build(self):
-        from megatron_gspo.train.actor import OptimConfig
-
-        return OptimConfig(
-            lr=self.lr,
-            min_lr=self.min_lr,
-            weight_decay=self.weight_decay,
-            clip_grad=self.clip_grad,
-            adam_beta1=self.adam_beta1,
-            adam_beta2=self.adam_beta2,
-            adam_eps=self.adam_eps,
-            use_distributed_optimizer=self.distributed,
         )
 
 
@@ -246,33 +194,32 @@ class TrainSection:
             _in_range(getattr(self, name), f"train.{name}", 0)
 
 
+_SYNC = SyncConfig()  # the sync keys' defaults, defined once (weight_sync/config.py)
+
+
 @dataclass
 class SyncSection:
-    method: str = "tensor"  # tensor | distributed | disk
-    bucket_mb: float = 512.0
-    verify_every: int = 0
+    """The keys of weight_sync's SyncConfig a run sets (the rest keep SyncConfig's defaults)."""
+
+    method: SyncMethod = _SYNC.transport
+    bucket_mb: float = _SYNC.bucket_mb
+    verify_every: int = _SYNC.verify_every
     # the mean |server - trainer| probe log-prob a verification accepts (null: by the server's
     # dtype: 1e-4 for float32, 0.049 for float16, 0.39 for bfloat16; weight_sync/verify.py)
-    verify_tolerance: float | None = None
-    keep_groups: bool = True  # distributed: keep each stage's broadcast group between syncs
+    verify_tolerance: float | None = _SYNC.tolerance
+    keep_groups: bool = _SYNC.keep_groups  # distributed: keep each stage's group between syncs
 
     def check(self) -> None:
-        _choice(self.method, "sync.method", ("tensor", "distributed", "disk"))
-        _in_range(self.bucket_mb, "sync.bucket_mb", 0, lo_open=True)
-        _in_range(self.verify_every, "sync.verify_every", 0)  # 0: never
-        if self.verify_tolerance is not None:
-            _in_range(self.verify_tolerance, "sync.verify_tolerance", 0, lo_open=True)
+        self.build(Path("."))  # SyncConfig checks its values
 
-    def build(self, run_dir: Path):
-        from megatron_gspo.weight_sync.config import SyncConfig
-
+    def build(self, run_dir: Path) -> SyncConfig:
         return SyncConfig(
             transport=self.method,
             bucket_mb=self.bucket_mb,
             verify_every=self.verify_every,
             tolerance=self.verify_tolerance,
             keep_groups=self.keep_groups,
-            dir=str(run_dir / "weights") if self.method == "disk" else None,
+            dir=str(run_dir / "weights") if self.method == SyncMethod.DISK else None,
         )
 
 
@@ -292,7 +239,7 @@ class Config:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     reward: RewardSection = field(default_factory=RewardSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
-    optim: OptimSection = field(default_factory=OptimSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
     sync: SyncSection = field(default_factory=SyncSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -317,7 +264,8 @@ class Config:
             )
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain values (a mode as its string), as YAML and JSON write them."""
+        return dataclasses.asdict(self, dict_factory=_plain)
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -378,7 +326,14 @@ def _suggest(key: str, names: list[str], where: str) -> str:
     return f"; did you mean {(where + '.' if where else '') + near[0]!r}?"
 
 
+def _plain(items: list[tuple[str, Any]]) -> dict:
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in items}
+
+
 def _convert(hint, value: Any, key: str):
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        _choice(value, key, tuple(hint))
+        return hint(value)
     if dataclasses.is_dataclass(hint):
         return build(hint, value if value is not None else {}, key)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -421,56 +376,6 @@ def _scalar(hint, value: Any, key: str):
             return str(value)
         raise UserError(f"{key} must be a string, not {value!r}")
     return value
-
-
-def _need(value, key: str, what: str) -> None:
-    if not value:
-        raise UserError(f"{key} is required: {what}")
-
-
-def _choice(value, key: str, choices: tuple) -> None:
-    if value not in choices:
-        raise UserError(f"{key} must be one of {', '.join(map(str, choices))}, not {value!r}")
-
-
-def _positive(value, key: str) -> None:
-    _in_range(value, key, 1)
-
-
-def _in_range(
-    value,
-    key: str,
-    lo: float | None = None,
-    hi: float | None = None,
-    *,
-    lo_open: bool = False,
-    hi_open: bool = False,
-    hi_name: str | None = None,
-) -> None:
-    """The one check of a numeric value: a finite number (an integer for an int field) within
-    [lo, hi] (lo or hi excluded with lo_open / hi_open; None: no bound). `hi_name` names the key
-    the upper bound comes from."""
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    ok = is_int or (isinstance(value, float) and math.isfinite(value))
-    if ok and lo is not None:
-        ok = value > lo if lo_open else value >= lo
-    if ok and hi is not None:
-        ok = value < hi if hi_open else value <= hi
-    if ok:
-        return
-    what = "an integer" if is_int else "a finite number"
-    low, high = _bound(lo), hi_name or _bound(hi)
-    if lo is not None and hi is not None:
-        what += f" in {'(' if lo_open else '['}{low}, {high}{')' if hi_open else ']'}"
-    elif lo is not None:
-        what += f" {'>' if lo_open else '>='} {low}"
-    elif hi is not None:
-        what += f" {'<' if hi_open else '<='} {high}"
-    raise UserError(f"{key} must be {what}, not {value!r}")
-
-
-def _bound(x: float | None) -> str:
-    return str(x) if x is None or isinstance(x, int) else format(x, "g")
 
 
 def dump_config(cfg: Config, path: Path) -> None:

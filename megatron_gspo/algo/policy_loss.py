@@ -23,36 +23,34 @@ Legend: B = sequences in the microbatch, T = padded tokens per sequence; m = mas
 number of masked-in tokens. Suffixes name shapes: logprobs_BT is [B, T], advantages_B is [B].
 """
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
+from megatron_gspo.algo.config import Agg, LossKind
 from megatron_gspo.algo.loss_stats import ratio_stats, token_stats
 from megatron_gspo.algo.mismatch import logprob_abs_diff
 
-Kind = Literal["gspo", "gspo_token", "grpo"]
-Agg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"]
-KINDS: tuple[str, ...] = ("gspo", "gspo_token", "grpo")
-AGGS: tuple[str, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+KINDS: tuple[LossKind, ...] = tuple(LossKind)
+AGGS: tuple[Agg, ...] = tuple(Agg)
 
 # Published defaults. GRPO (DeepSeekMath): mean over each sequence's tokens, then over sequences.
 # GSPO: (1/G) sum_i of one clipped term per sequence, which is seq-mean-token-mean of that term
 # broadcast over the tokens. So both defaults carry the same name.
-DEFAULT_AGG: dict[str, Agg] = {kind: "seq-mean-token-mean" for kind in KINDS}
+DEFAULT_AGG: dict[LossKind, Agg] = {kind: Agg.SEQ_MEAN_TOKEN_MEAN for kind in KINDS}
 
 
 def resolve_agg(kind: str, agg: str | None) -> Agg:
     """The aggregation to use: `agg`, or the kind's published default when None."""
     if kind not in KINDS:
         raise ValueError(f"unknown loss kind {kind!r}; expected one of {KINDS}")
-    agg = DEFAULT_AGG[kind] if agg is None else agg
+    if agg is None:
+        return DEFAULT_AGG[LossKind(kind)]
     if agg not in AGGS:
         raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGS}")
-    return agg  # type: ignore[return-value]
+    return Agg(agg)
 
 
-def loss_denominator(mask_BT: Tensor, agg: str | None = None, kind: str = "gspo") -> Tensor:
+def loss_denominator(mask_BT: Tensor, agg: str | None = None, kind: str = LossKind.GSPO) -> Tensor:
     """What this microbatch adds to the step's loss denominator (0-d float32 tensor).
 
     token-mean: masked-in tokens. seq-mean-*: sequences with at least one token (an empty row is
@@ -61,7 +59,7 @@ def loss_denominator(mask_BT: Tensor, agg: str | None = None, kind: str = "gspo"
     """
     agg = resolve_agg(kind, agg)
     mask_BT = mask_BT.bool()
-    if agg == "token-mean":
+    if agg == Agg.TOKEN_MEAN:
         return mask_BT.sum().float()
     return mask_BT.any(dim=-1).sum().float()
 
@@ -72,7 +70,7 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    kind: Kind,
+    kind: LossKind | str,
     clip_low: float,
     clip_high: float,
     agg: Agg | None = None,
@@ -110,12 +108,14 @@ def policy_loss(
     log_ratio_BT = _masked_log_ratio_BT(logp_BT, old_BT, mask_BT, log_ratio_clamp)
     log_rho_BT = log_ratio_BT.detach()  # for the metrics
 
-    if kind == "grpo":
+    if kind == LossKind.GRPO:
         ratio_BT = torch.exp(log_ratio_BT)
         report = ratio_stats(log_rho_BT, mask_BT)
     else:
         seq_log_ratio_B = _seq_log_ratio_B(logp_BT, old_BT, mask_BT, log_ratio_clamp)
-        ratio_BT = _gspo_ratio_BT(seq_log_ratio_B, logp_BT, mask_BT, token_level=kind != "gspo")
+        ratio_BT = _gspo_ratio_BT(
+            seq_log_ratio_B, logp_BT, mask_BT, token_level=kind != LossKind.GSPO
+        )
         report = ratio_stats(seq_log_ratio_B.detach(), mask_BT.any(-1))
 
     objective_BT = _clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
@@ -169,7 +169,7 @@ def _clipped_objective(
 
 def _objective_sum(objective_BT: Tensor, mask_BT: Tensor, agg: Agg) -> Tensor:
     """The numerator of the aggregation (objective_BT is already zero at masked-out tokens)."""
-    if agg == "seq-mean-token-mean":
+    if agg == Agg.SEQ_MEAN_TOKEN_MEAN:
         # Average each sequence over its own tokens so every sequence weighs 1 whatever its
         # length; the sum over sequences is then divided by the step's sequence count.
         return (objective_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).sum()
@@ -198,7 +198,7 @@ def _token_advantages(advantages: Tensor, mask_BT: Tensor, kind: str) -> Tensor:
         adv = adv.unsqueeze(-1).expand_as(mask_BT)
     elif adv.shape != mask_BT.shape:
         raise ValueError(f"advantages {tuple(adv.shape)} must be [B] or [B, T] for {kind}")
-    elif kind == "gspo":
+    elif kind == LossKind.GSPO:
         raise ValueError("gspo takes one advantage per sequence; use gspo_token for [B, T]")
     return torch.where(mask_BT, adv, 0.0)
 

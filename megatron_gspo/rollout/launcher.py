@@ -33,7 +33,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+
+from megatron_gspo.rollout.modes import Backend
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class ServerConfig:
     """One rollout server. Fields left None are not passed (the server's default applies)."""
 
     model_path: str
-    kind: Literal["builtin", "sglang"] = "builtin"
+    kind: Backend = Backend.BUILTIN
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port, kept across restarts
     python: str = sys.executable  # for SGLang: the python of its own venv
@@ -73,7 +74,7 @@ class ServerConfig:
             raise ValueError("ServerConfig.model_path is required")
 
     def command(self, port: int) -> list[str]:
-        module = "sglang.launch_server" if self.kind == "sglang" else "megatron_gspo.server"
+        module = "sglang.launch_server" if self.kind == Backend.SGLANG else "megatron_gspo.server"
         cmd = [self.python, "-m", module, "--model-path", str(self.model_path)]
         cmd += ["--host", self.host, "--port", str(port)]
         flags = {
@@ -82,7 +83,7 @@ class ServerConfig:
             "--max-running-requests": self.max_running_requests,
         }
         switches = {"--enable-return-routed-experts": self.enable_return_routed_experts}
-        if self.kind == "sglang":
+        if self.kind == Backend.SGLANG:
             flags |= {
                 "--tp-size": self.tp_size,
                 "--device": self.device,
@@ -106,7 +107,7 @@ class ServerConfig:
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        if self.kind == "builtin" and self.api_key:
+        if self.kind == Backend.BUILTIN and self.api_key:
             env["MEGATRON_GSPO_API_KEY"] = self.api_key  # not on the command line
         return env
 

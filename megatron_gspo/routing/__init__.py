@@ -14,11 +14,12 @@ actor adds (kept out of megatron's class-level list, which nothing here uses).
 """
 
 from megatron_gspo.routing.align import align_rollout_experts
-from megatron_gspo.routing.replay import MODES, RoutingReplay
+from megatron_gspo.routing.replay import MODES, ReplayMode, RoutingReplay
 from megatron_gspo.routing.storage import SampleRouting, bytes_per_token, index_dtype
 
 __all__ = [
     "MODES",
+    "ReplayMode",
     "RoutingReplay",
     "SampleRouting",
     "align_rollout_experts",

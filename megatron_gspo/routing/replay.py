@@ -18,6 +18,8 @@ positions (sequence / context parallel slice) only.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import numpy as np
 import torch
 
@@ -29,7 +31,14 @@ from megatron_gspo.routing.storage import SampleRouting, index_dtype
 from megatron_gspo.routing.sweep import Sweep
 from megatron_gspo.routing.taps import RouterTap
 
-MODES = ("none", "r2", "r3")
+
+class ReplayMode(StrEnum):
+    NONE = "none"
+    R2 = "r2"  # the trainer's own routing of the old log-probs, replayed in training
+    R3 = "r3"  # the rollout server's routing, replayed in the old log-probs and training
+
+
+MODES: tuple[ReplayMode, ...] = tuple(ReplayMode)
 
 
 class RoutingReplay:
@@ -68,7 +77,7 @@ class RoutingReplay:
         """The old-log-prob sweep: capture the natural routing (r3: while replaying the
         rollout's, compared with it). Every sample is checked before anything runs."""
         samples = [SampleRouting(self.layers) for _ in range(len(batch))]
-        if self.mode == "r3":
+        if self.mode == ReplayMode.R3:
             for i, s in enumerate(samples):
                 s.rollout = self._align(batch, i)
             return self._sweep(samples, mbs, seq_len, "rollout", "rollout", True)
@@ -79,7 +88,9 @@ class RoutingReplay:
         or "recorded" | "rollout" | None) and count drift against the recorded routing."""
         samples = batch.routing
         if source == "mode":
-            source = {"none": None, "r2": "recorded", "r3": "rollout"}[self.mode]
+            source = {ReplayMode.NONE: None, ReplayMode.R2: "recorded", ReplayMode.R3: "rollout"}[
+                self.mode
+            ]
         if samples is None:
             if source is not None:
                 raise UserError(
@@ -102,7 +113,7 @@ class RoutingReplay:
         batch.routing = sweep.samples
         stored = sum(s.nbytes for s in sweep.samples)
         out = {M.BYTES_PER_TOKEN: M.model_bytes(stored) / max(sum(lengths), 1)}
-        if self.mode == "r3":
+        if self.mode == ReplayMode.R3:
             out.update(M.fraction_metrics(M.AGREEMENT, self._counts(sweep), agreement=True))
         self.reset()
         return out

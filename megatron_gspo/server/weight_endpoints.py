@@ -43,8 +43,6 @@ from megatron_gspo.server.state import ServerState, WeightUpdates
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-
-
 def _ok(message: str, **extra) -> web.Response:
     return web.json_response({"success": True, "message": message, **extra})
 

@@ -28,7 +28,7 @@ fewer rows than asked: a forward-only pass keeps no activations for a backward.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -44,11 +44,13 @@ from megatron_gspo.algo import (
     summarize_stats,
     token_tis_weights,
 )
+from megatron_gspo.algo.config import LossConfig, Tis
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
+from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
-from megatron_gspo.routing import RoutingReplay
+from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 
@@ -58,34 +60,16 @@ from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 _FORWARD_LOGITS = 1 << 28
 
 
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    use_distributed_optimizer: bool = True
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    kind: str = "gspo"  # gspo | gspo_token | grpo
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
-    agg: str | None = None  # None: the kind's published default
-    # truncated importance sampling against the train-vs-rollout mismatch: each token's (token)
-    # or each sequence's (sequence) objective times min(pi_old / pi_rollout, tis_cap)
-    tis: str = "none"  # none | token | sequence
-    tis_cap: float = 2.0
-
-
 class Actor:
     """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
 
-    def __init__(self, chunks, optim: OptimConfig = OptimConfig(), routing_replay: str = "none"):
+    def __init__(
+        self,
+        chunks,
+        optim: OptimConfig | None = None,
+        routing_replay: ReplayMode | str = ReplayMode.NONE,
+    ):
+        optim = optim or OptimConfig()
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -102,7 +86,7 @@ class Actor:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=optim.use_distributed_optimizer,
+            use_distributed_optimizer=optim.distributed,
         )
         self.chunks = [
             DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c)
@@ -127,7 +111,7 @@ class Actor:
                 bf16=dtype == torch.bfloat16,
                 fp16=dtype == torch.float16,
                 params_dtype=dtype,
-                use_distributed_optimizer=optim.use_distributed_optimizer,
+                use_distributed_optimizer=optim.distributed,
             ),
             self.chunks,
         )
@@ -139,7 +123,7 @@ class Actor:
         self.pp = mpu.get_pipeline_model_parallel_world_size()
         self.world = dist.get_world_size()
         self._schedule = get_forward_backward_func()
-        use_routing = self.spec.is_moe or routing_replay != "none"
+        use_routing = self.spec.is_moe or routing_replay != ReplayMode.NONE
         self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
         self.last_logprob_metrics: dict[str, float] = {}
 
@@ -238,7 +222,7 @@ class Actor:
         if self.routing is None:
             raise UserError("replayed_logprobs needs an MoE model")
         mbs, seq_len, _ = self._layout(batch, micro_batch_size)
-        source = "rollout" if self.routing.mode == "r3" else "recorded"
+        source = "rollout" if self.routing.mode == ReplayMode.R3 else "recorded"
         sweep = self.routing.train_sweep(batch, mbs, seq_len, source)
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
         self.last_logprob_metrics = self.routing.finish_train(sweep)
@@ -275,7 +259,7 @@ class Actor:
         routing is the natural one (which is what R2 would record and replay); R3 needs the
         rollout's routing aligned by `logprobs` and is refused. batch.old_logprobs is then set
         from this forward."""
-        if on_policy and self.routing is not None and self.routing.mode == "r3":
+        if on_policy and self.routing is not None and self.routing.mode == ReplayMode.R3:
             raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
         if batch.old_logprobs is None and not on_policy:
             raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
@@ -292,7 +276,7 @@ class Actor:
         scale = len(mbs) * dp
         vocab = self.spec.vocab_size
 
-        if loss_cfg.tis != "none" and batch.rollout_logprobs is None:
+        if loss_cfg.tis != Tis.NONE and batch.rollout_logprobs is None:
             raise ValueError(f"tis={loss_cfg.tis} needs the batch's rollout_logprobs")
 
         def loss(mb, logits):
@@ -420,9 +404,9 @@ def _moved_split(split: list, moved: list) -> list[dict]:
 
 
 def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
-    if loss_cfg.tis == "none":
+    if loss_cfg.tis == Tis.NONE:
         return None
-    fn = token_tis_weights if loss_cfg.tis == "token" else sequence_tis_weights
+    fn = token_tis_weights if loss_cfg.tis == Tis.TOKEN else sequence_tis_weights
     return fn(mb.old_logprobs, mb.rollout_logprobs, mb.mask, cap=loss_cfg.tis_cap)
 
 

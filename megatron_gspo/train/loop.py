@@ -20,6 +20,7 @@ from megatron_gspo.comm import bcast
 from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
+from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
@@ -171,7 +172,7 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
     actor.set_lr(cfg.optim.lr_at(step, cfg.train.steps))
     order = np.random.default_rng([cfg.seed, step]).permutation(len(batch)).tolist()
     parts = [sorted(p.tolist()) for p in np.array_split(order, cfg.algo.minibatches) if len(p)]
-    first_on_policy = cfg.algo.on_policy_first_update and cfg.algo.routing_replay != "r3"
+    first_on_policy = cfg.algo.on_policy_first_update and cfg.algo.routing_replay != ReplayMode.R3
     ahead = [i for p in parts[1:] for i in p] if first_on_policy else list(range(len(batch)))
     # As many rows per forward as fit (one forward on a small model). The minibatches below are
     # other row sets with their own padding, so their forwards equal these to fp32 rounding.

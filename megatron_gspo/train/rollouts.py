@@ -27,6 +27,8 @@ import torch.distributed as dist
 from megatron_gspo.algo import group_advantages
 from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.modes import Backend
+from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.batch import RLBatch
 
 log = logging.getLogger(__name__)
@@ -126,15 +128,15 @@ class Rollouts:
         server = ServerConfig(
             model_path=str(self.hf_dir),
             kind=r.backend,
-            enable_return_routed_experts=self.cfg.algo.routing_replay == "r3",
+            enable_return_routed_experts=self.cfg.algo.routing_replay == ReplayMode.R3,
             tp_size=r.server_tp,
             dtype=r.dtype,
             extra_args=list(r.extra_server_args),
-            threads=1 if r.backend == "builtin" else 0,
+            threads=1 if r.backend == Backend.BUILTIN else 0,
             api_key=self.api_key,
         )
         python = r.sglang_python or os.environ.get("SGLANG_PYTHON")
-        if r.backend == "sglang":
+        if r.backend == Backend.SGLANG:
             if python:
                 server.python = python  # SGLang in its own environment (the image sets this)
             self._size_sglang(server)
@@ -270,7 +272,7 @@ class Rollouts:
                 n=r.group_size,
                 sampling_params=self._sampling(step),
                 return_logprob=True,
-                return_routed_experts=cfg.algo.routing_replay == "r3",
+                return_routed_experts=cfg.algo.routing_replay == ReplayMode.R3,
             )
         )
         t_gen = time.perf_counter() - t0

@@ -87,7 +87,7 @@ class TrainerSetup:
             routing_replay=True,
         )
         chunks = load_policy(m.path, dims, opts)
-        return Actor(chunks, self.cfg.optim.build(), routing_replay=self.cfg.algo.routing_replay)
+        return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay)
 
     def sampler(self, n_rows: int):
         from megatron_gspo.data.prompts import PromptSampler

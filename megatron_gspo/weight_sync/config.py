@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
-from megatron_gspo.errors import UserError
+from megatron_gspo.checks import choice, in_range, positive
 
-TRANSPORTS = ("tensor", "distributed", "disk")
+
+class SyncMethod(StrEnum):
+    TENSOR = "tensor"  # colocated: /update_weights_from_tensor (shared memory, CUDA IPC)
+    DISTRIBUTED = "distributed"  # disaggregated: a broadcast group per pipeline stage
+    DISK = "disk"  # safetensors versions + /update_weights_from_disk
+
+
+TRANSPORTS: tuple[SyncMethod, ...] = tuple(SyncMethod)
 
 
 @dataclass(frozen=True)
@@ -19,7 +26,7 @@ class SyncConfig:
     GPU) or "disk" (safetensors shards + /update_weights_from_disk).
     """
 
-    transport: Literal["tensor", "distributed", "disk"] = "tensor"
+    transport: SyncMethod = SyncMethod.TENSOR
     bucket_mb: float = 512.0  # flattened bucket size; tensors larger than this go alone
     buffers: int = 2  # buckets in flight per sender: one is packed while the other is sent
     verify_every: int = 0  # compare probe log-probs with the servers' after every N-th sync
@@ -44,25 +51,17 @@ class SyncConfig:
     keep_groups: bool = True
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise UserError(
-                f"sync.transport must be one of {', '.join(TRANSPORTS)}, not {self.transport!r}"
-            )
-        if not self.bucket_mb > 0:
-            raise UserError(f"sync.bucket_mb must be > 0, not {self.bucket_mb}")
-        if self.buffers < 1:
-            raise UserError("sync.buffers must be >= 1")
-        for name in ("verify_every", "snapshot_every"):
-            if getattr(self, name) < 0:
-                raise UserError(f"sync.{name} must be >= 0 (0 turns it off)")
-        if self.tolerance is not None and not 0 < self.tolerance < float("inf"):
-            raise UserError(f"sync.verify_tolerance must be > 0 and finite, not {self.tolerance}")
-        if self.probe_sequences < 1 or self.probe_length < 2:
-            raise UserError("sync.probe_sequences must be >= 1 and sync.probe_length >= 2")
-        if self.keep_versions < 1:
-            raise UserError("sync.keep_versions must be >= 1")
-        if self.timeout_s <= 0:
-            raise UserError("sync.timeout_s must be > 0")
+        choice(self.transport, "sync.method", TRANSPORTS)
+        in_range(self.bucket_mb, "sync.bucket_mb", 0, lo_open=True)
+        positive(self.buffers, "sync.buffers")
+        for name in ("verify_every", "snapshot_every"):  # 0 turns it off
+            in_range(getattr(self, name), f"sync.{name}", 0)
+        if self.tolerance is not None:
+            in_range(self.tolerance, "sync.verify_tolerance", 0, lo_open=True)
+        positive(self.probe_sequences, "sync.probe_sequences")
+        in_range(self.probe_length, "sync.probe_length", 2)
+        positive(self.keep_versions, "sync.keep_versions")
+        in_range(self.timeout_s, "sync.timeout_s", 0, lo_open=True)
 
     @property
     def bucket_bytes(self) -> int:

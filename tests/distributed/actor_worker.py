@@ -68,7 +68,7 @@ def main() -> None:
     init_distributed(dims)
     actor = Actor(
         load_policy(a.checkpoint, dims),
-        OptimConfig(lr=1e-3, use_distributed_optimizer=not a.no_dist_opt),
+        OptimConfig(lr=1e-3, distributed=not a.no_dist_opt),
     )
     batch = fixed_batch()
     if not a.own_forward:

@@ -1,9 +1,14 @@
 """The typed run config: YAML + dotted overrides, every key and value checked at load."""
 
 import pytest
+import yaml
 
+from megatron_gspo.algo.config import LossConfig, LossKind
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.optim import OptimConfig
+from megatron_gspo.routing import ReplayMode
+from megatron_gspo.weight_sync.config import SyncConfig
 
 pytestmark = pytest.mark.unit
 
@@ -21,8 +26,12 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
     assert cfg.algo.loss == "grpo" and cfg.algo.routing_replay == "r2"
     assert cfg.algo.clip_low == pytest.approx(3e-4)  # YAML reads 3e-4 as a string
     assert cfg.train.steps == 3 and cfg.rollout.urls == ["http://a"]
-    assert cfg.optim.build().lr == cfg.optim.lr
-    assert cfg.algo.loss_config().kind == "grpo"
+    # the sections are their components' own configs (one set of defaults), modes their enums
+    assert isinstance(cfg.optim, OptimConfig) and cfg.optim.lr == OptimConfig().lr
+    assert cfg.algo.loss is LossKind.GRPO and cfg.algo.routing_replay is ReplayMode.R2
+    assert cfg.algo.loss_config() == LossConfig(kind=LossKind.GRPO, clip_low=3e-4)
+    assert cfg.sync.build(tmp_path) == SyncConfig()
+    assert yaml.safe_load(yaml.safe_dump(cfg.to_dict()))["algo"]["loss"] == "grpo"
 
 
 @pytest.mark.parametrize(

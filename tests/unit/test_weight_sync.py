@@ -368,7 +368,7 @@ def test_version_dirs_keep_the_newest_and_persist_the_restore_point(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"transport": "nccl"}, "sync.transport"),
+        ({"transport": "nccl"}, "sync.method"),
         ({"bucket_mb": 0}, "bucket_mb"),
         ({"verify_every": -1}, "verify_every"),
         ({"tolerance": 0}, "tolerance"),
