@@ -1,57 +1,9 @@
 """Make megatron-core run on a CPU (gloo), without a GPU or Transformer Engine.
 
 Applied by `apply()` only when the run's device is the CPU (`model.parallel.init_distributed`
-decides); a GPU run never imports this module. It patches process-wide state, which is why it is
-never applied next to CUDA work.
-
-What it redirects, and why (call sites as of megatron-core 0.16.1 - 0.19.x):
-
-- `torch.cuda.current_device()` -> the CPU device. Used as `device=` by the router, rotary
-  embeddings, attention's global memory buffer, p2p shape exchange, DDP's grad buffers and the
-  distributed optimizer.
-- `device="cuda"` literals -> "cpu", in the modules that create tensors with them: the causal-mask
-  helper (`transformer/utils.py`), the schedules' token counter (`pipeline_parallel/schedules.py`),
-  the MoE aux-loss tracker (`moe_utils.py`), DDP's warm-up tensor (`param_and_grad_buffer.py`),
-  the optimizers' overflow and scale flags (`optimizer.py`, `grad_scaler.py`, `clip_grads.py`),
-  the local multi-tensor l2 norm (`utils.py`), the rerun state machine, checkpoint exchange.
-  Done by giving those modules a `torch` namespace whose tensor factories map the device; the real
-  `torch` is untouched elsewhere.
-- `Tensor.cuda()` -> the tensor itself (embedding sharing in `language_module.py`, tests).
-- The CUDA RNG state (`torch.cuda.get_rng_state/set_rng_state/manual_seed` and the tracker's
-  `_get_cuda_rng_state/_set_cuda_rng_state` in `tensor_parallel/random.py`) -> the CPU generator,
-  so `model_parallel_cuda_manual_seed` and the tracker's `fork()` keep their meaning.
-- `moe_utils.maybe_move_tensor_to_cpu` (alltoall token dispatcher) converts split sizes to numpy
-  only for CUDA tensors; on a CPU they stayed tensors and `all_to_all_single` rejects them. The
-  dispatcher's copy converts CPU tensors too.
-- Uneven all-gather / reduce-scatter along the first dim (`tensor_parallel/mappings.py`, used by
-  the alltoall dispatcher when TP x EP > 1): gloo only gathers equal sizes. The CPU versions pad
-  to the largest split and trim (gather), or all-reduce and slice (reduce-scatter).
-- CUDA streams and events (alltoall token dispatcher, DDP overlap, `torch.cuda.synchronize`) ->
-  no-op objects: on a CPU every op is already synchronous.
-- Optimizer dtype checks on `param.type()` strings ('torch.cuda.FloatTensor'...) in
-  `optimizer.py`, `distrib_optimizer.py` and `clip_grads.py` -> `Tensor.type()` reports the CUDA
-  name for CPU tensors of those dtypes when called with no argument.
-
-- DDP's buffer collectives (`dist_all_gather_func`, `dist_reduce_scatter_func` in
-  `param_and_grad_buffer.py`) over a group of one rank: megatron calls them at data-parallel size
-  1 too, where the shard is the whole bucket and gloo copies the whole parameter (or gradient)
-  buffer onto itself, twice per optimizer step. They are skipped when input and output are the
-  same memory, a plain copy otherwise.
-- megatron's gradient-accumulation fusion calls a CUDA extension (`fused_weight_gradient_mlp_cuda`)
-  to add each linear layer's weight gradient straight into its fp32 `main_grad`. A torch version
-  (`addmm_`) stands in; the actor turns the fusion on for its DDP-wrapped layers
-  (`enable_wgrad_accumulation`), which saves a pass over every weight gradient per backward.
-- The alltoall dispatcher's `sort_chunks_by_idxs` (unfused: split + cat) with the identity order,
-  which it is with one expert-parallel rank: it returns its input instead of a copy of every
-  routed token, in the forward and in the backward.
-- glibc's malloc (not megatron): blocks of 32 MiB and more (the vocabulary-sized logits, their
-  gradient, the buffers of a long microbatch) are fresh mmaps, unmapped on free and page-faulted
-  in again, page by page, on every step; freed memory at the top of the heap is trimmed back to
-  the OS too. `mallopt` keeps both in the heap for reuse (halves the trainer's system time on the
-  bench model), unless the user set glibc's malloc tunables themselves.
-
-The upstream bugs that bite without Transformer Engine (always the case on a CPU) are worked
-around in `model/without_te.py`, on every device.
+decides); a GPU run never imports this module. It redirects megatron-core's CUDA-only calls
+(current device, "cuda" literals, RNG state, streams, uneven gathers, fused CUDA extensions) to
+CPU equivalents, each listed with its reason in docs/architecture.md ("megatron-core on a CPU").
 """
 
 from __future__ import annotations

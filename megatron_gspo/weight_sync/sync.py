@@ -3,39 +3,9 @@
     ws = WeightSync(actor.chunks, urls, SyncConfig(transport="tensor"), base_model=HF_DIR)
     report = ws.sync(version=str(step))      # every trainer rank calls it: it runs collectives
 
-Roles: the coordinator (global rank 0; its half is session.py) talks to the servers about the
-update as a whole; each pipeline stage's sender (gather.py) streams that stage's buckets. With
-the tensor transport and servers on several nodes, a sender posts to its own node's servers and
-a relay on every other node (relay.py) receives the buckets by broadcast and posts them to that
-node's servers. One sync:
- 1. begin (coordinator): optionally /pause_generation (in place), then /begin_weight_update on
-    every server. One that does not answer is left out: untouched, still on its whole version.
- 2. stream (every rank): gather -> pack (bucket.py) -> transport, on a sender thread so the next
-    bucket is packed while this one is sent. On CPU, tensors that are views of the sender's
-    parameter buffer are not packed but lent (borrowed buckets): with the tensor transport the
-    buffer is moved into shared memory once, so the server's copy is the only one; the
-    distributed transport broadcasts runs of adjacent parameters straight from the buffer; the
-    disk transport's shard writer writes them from there. The first bucket labels each server
-    `partial:{version}`: a server caught mid-update says so in every sample's weight_version.
-    A server that fails is dropped for the rest of the sync; a trainer-side failure (packing
-    included) stops sending but the gathers run on (they are collectives). With the distributed
-    transport the stages send in turn, in stage order (a server receives one group at a time;
-    transport.py). A relay is a sender to its node's servers in every respect: its failures and
-    the servers it touched reach the coordinator the same way. On a GPU the sender's and the
-    relays' threads each queue their work on a CUDA stream of their own (placement.py).
- 3. commit (coordinator): servers that took every bucket get `version` (/update_weight_version;
-    disk: /update_weights_from_disk of the finished directory).
- 4. restore: a server that failed after it was touched, or every touched server when the trainer
-    side failed, reloads the restore point (the last complete version on disk, else the base
-    model) with /update_weights_from_disk. A server that cannot be reached is reported as lost;
-    its supervisor (rollout.launcher) restarts it onto the restore point, and the trainer's
-    `catch_up` before the next rollouts brings it to the current weights.
- 5. end: /end_weight_update, /continue_generation, a best-effort /flush_cache. Every rank gets
-    the report; a failure raises WeightSyncError on every rank, naming each failed server.
-
-So no server is left serving a half-applied version: each ends on the new version, the restore
-point's, the one it had (untouched), or is lost. `recover()` restores servers a crashed trainer
-left labelled partial.
+Begin (coordinator) -> stream buckets (every stage sender, relays on other nodes) -> commit ->
+restore what failed -> end. Each server ends on the new version, the restore point's, the one it
+had, or is reported lost; docs/architecture.md ("A weight sync") tells the whole story.
 """
 
 from __future__ import annotations
