@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import enum
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,7 +272,7 @@ class Config:
 # ---- loading --------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     """Config from a YAML file (None: defaults) with `key.sub=value` overrides applied in order."""
     raw: dict = {}
     if path is not None:

@@ -119,8 +119,8 @@ class HFReader:
             filename = self._file_of(name)
             header, base = self._header(filename)
             entry = header.get(name)
-            dtype = DTYPES_ST.get(entry.get("dtype")) if isinstance(entry, dict) else None
-            if dtype is None:
+            dtype = DTYPES_ST.get(entry.get("dtype", "")) if isinstance(entry, dict) else None
+            if dtype is None or not isinstance(entry, dict):  # (no dtype unless a dict)
                 raise UserError(f"{self.path / filename} has no readable entry for {name!r}")
             shape = tuple(entry["shape"])
             if shape != tuple(dst.shape):
@@ -189,7 +189,7 @@ class HFReader:
 
 
 def _pread_into(fd: int, dst: torch.Tensor, offset: int, n: int, path: Path) -> None:
-    view = memoryview(dst.view(-1).view(torch.uint8).numpy())
+    view = dst.view(-1).view(torch.uint8).numpy().data  # a memoryview of the tensor's bytes
     done = 0
     while done < n:
         got = os.preadv(fd, [view[done:]], offset + done)

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def build_tokenizer(vocab_size: int):
 def hf_config(spec: TinySpec):
     import transformers
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden,
         num_hidden_layers=spec.layers,
@@ -93,7 +94,8 @@ def hf_config(spec: TinySpec):
     )
     if spec.arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            head_dim=spec.head_dim,
+            # the config keeps keys its signature does not list (head_dim) as attributes
+            head_dim=spec.head_dim,  # type: ignore[call-arg]
             moe_intermediate_size=spec.moe_ffn,
             num_experts=spec.experts,
             num_experts_per_tok=spec.topk,

@@ -109,6 +109,7 @@ class RolloutClient:
                 headers=self.headers, connector=aiohttp.TCPConnector(limit=0)
             )
             self._servers = [_Server(u, asyncio.Semaphore(self.max_concurrency)) for u in self.urls]
+        assert self._servers is not None  # set with the first session
         return self._session, self._servers
 
     # ---- generation ----------------------------------------------------------------------
@@ -155,7 +156,7 @@ class RolloutClient:
     async def _one(self, sample: Sample, body: dict, server: _Server, epoch: int) -> Sample:
         session, servers = self._state()
         tried: list[_Server] = []
-        first, attempt, outage_until = server, 0, None
+        first, attempt, outage_until, last_error = server, 0, None, ""
         try:
             while True:
                 if epoch != self._epoch:
@@ -166,20 +167,27 @@ class RolloutClient:
                 elif attempt:  # every quick retry failed: wait for a server to come back
                     if outage_until is None:
                         outage_until = time.monotonic() + self.outage_s
-                    server = await self._healthy_server(servers, outage_until)
-                    if server is None:
+                    # (a request that keeps failing on healthy servers gives up at the same
+                    # deadline: a healthy /health does not make it retry for ever)
+                    healthy = None
+                    if time.monotonic() < outage_until:
+                        healthy = await self._healthy_server(servers, outage_until)
+                    if healthy is None:
                         raise RolloutError(
                             f"request {sample.rid} failed on "
                             f"{', '.join(sorted({s.url for s in tried}))} after {attempt} "
-                            f"attempts and no server answered /health within {self.outage_s:.0f}"
-                            " s after; check that the servers are up"
+                            f"attempts (last: {last_error}) and no server took it within "
+                            f"{self.outage_s:.0f} s after; check that the servers are up and "
+                            "their logs"
                         )
+                    server = healthy
                 tried.append(server)
                 attempt += 1
                 try:
                     result = await self._post_generate(session, server, sample.rid, body, epoch)
                 except _Retryable as e:
                     server.failures += 1
+                    last_error = str(e)
                     log.warning("rollout request %s failed on %s: %s", sample.rid, server.url, e)
                     continue
                 server.failures = 0

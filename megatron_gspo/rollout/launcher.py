@@ -77,7 +77,7 @@ class ServerConfig:
         module = "sglang.launch_server" if self.kind == Backend.SGLANG else "megatron_gspo.server"
         cmd = [self.python, "-m", module, "--model-path", str(self.model_path)]
         cmd += ["--host", self.host, "--port", str(port)]
-        flags = {
+        flags: dict[str, object] = {
             "--dtype": self.dtype,
             "--random-seed": self.random_seed,
             "--max-running-requests": self.max_running_requests,
@@ -297,6 +297,7 @@ class ServerGroup:
         deadline = time.monotonic() + self.health_timeout_s
         while time.monotonic() < deadline:
             if not s.alive():
+                assert s.proc is not None  # _spawn ran before
                 raise ServerFailed(
                     f"server {s.index} ({s.config.kind}, pid {s.pid}) exited with code "
                     f"{s.proc.returncode} while starting", s.log_path, s.log_tail(60)
@@ -320,6 +321,7 @@ class ServerGroup:
                     # the process is up but says its engine is gone (/health 503): end it, so
                     # it is restarted like a server that died
                     log.warning("server %d (pid %s): its engine died; killing it", s.index, s.pid)
+                    assert s.proc is not None  # alive()
                     _signal_group(s.proc, signal.SIGKILL)
                     s.proc.wait()
                 if s.alive():
@@ -350,6 +352,7 @@ class ServerGroup:
             self._bring_to_current(s)
             s.ready = True
         except BaseException:
+            assert s.proc is not None  # _spawn ran above
             _signal_group(s.proc, signal.SIGKILL)  # dead again: the monitor tries once more
             raise
         finally:

@@ -37,6 +37,7 @@ import threading
 import types
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -193,6 +194,7 @@ def tensor_update_body(
     pickle: a shared-memory tensor pickle carries one reference that its receiver releases, so
     one pickle handed to several ranks would unlink the memory under the later ones.
     """
+    obj: object
     if load_format == "flattened_bucket":
         obj = flatten_bucket(named)
     elif load_format in (None, "direct"):
@@ -267,12 +269,18 @@ def open_update_group(
     Rank 0 (the trainer) must call this while the servers join (their HTTP call is in flight).
     """
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
     store = dist.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
+        world_size,
+        rank,
+        [],
+        backend,
+        store,
+        group_name=cast("c10d.GroupName", group_name),  # a NewType of str
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

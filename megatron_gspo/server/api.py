@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -170,7 +171,7 @@ def format_result(
     text = decode(text_ids, sp.skip_special_tokens) if decode else ""
     if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
         text = text[: text.index(matched)]
-    meta = {
+    meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.input_ids),

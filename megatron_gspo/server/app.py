@@ -338,7 +338,7 @@ def _on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, grace
     """SIGTERM/SIGINT: stop cleanly, and exit anyway after `grace_s` (a stuck engine thread, a
     hung transfer) or at a second signal. A plain signal handler, not the event loop's: it runs
     even while the loop is busy."""
-    signalled = []
+    signalled: list[int] = []
 
     def handler(signum, frame) -> None:
         if signalled:

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -48,7 +49,7 @@ class Request:
     return_logprob: bool = False
     logprob_start_len: int = -1
     return_routed: bool = False
-    on_done: Callable[[Request], None] | None = None
+    on_done: Callable[[Request], object] | None = None  # its result is ignored
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -296,6 +297,7 @@ class Engine:
         req.adjusted = sp.penalised or bool(sp.logit_bias)
 
     def _chunk(self, req: Request) -> Chunk:
+        assert req.slot is not None  # a running request holds a slot
         if req.fed == 0:
             first = -1
             if req.return_logprob and 0 <= req.logprob_start_len < len(req.input_ids):
@@ -304,7 +306,8 @@ class Engine:
         return Chunk(req.slot, req.fed, [req.output_ids[-1]])
 
     def _step(self) -> None:
-        batch = sorted(self.running, key=lambda r: r.slot)  # cache rows in order: a view
+        # cache rows in order: a view (running requests hold a slot)
+        batch = sorted(self.running, key=lambda r: cast(int, r.slot))
         chunks = [self._chunk(r) for r in batch]
         src = _shared_prefills(chunks)
         run = [i for i, j in enumerate(src) if i == j]
@@ -480,7 +483,7 @@ def _shared_prefills(chunks: list[Chunk]) -> list[int]:
     """For each chunk, the index of the chunk whose forward serves it: itself, or the first
     chunk prefilling the same prompt (the n samples of one prompt, as SGLang's prefix cache
     shares them), whose k/v rows and logits it then copies."""
-    first: dict[tuple, int] = {}
+    first: dict[tuple | int, int] = {}
     src = []
     for i, c in enumerate(chunks):
         key = (tuple(c.tokens), c.logits_from) if c.start == 0 and len(c.tokens) > 1 else i

@@ -10,9 +10,10 @@ from aiohttp import web
 
 from megatron_gspo.server.api import error_body
 from megatron_gspo.server.engine import Engine
+from megatron_gspo.server.state import ServerState
 from megatron_gspo.server.validate import BadRequest, check_depth
 
-STATE = web.AppKey("state", object)
+STATE = web.AppKey("state", ServerState)
 BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
 
 

@@ -94,7 +94,7 @@ def _build(cc: str) -> Path:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("MEGATRON_GSPO_KERNEL_CACHE")
+    root: str | Path | None = os.environ.get("MEGATRON_GSPO_KERNEL_CACHE")
     if root is None:
         base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         root = Path(base) / "megatron_gspo" / "kernels"
@@ -188,7 +188,9 @@ class CompiledDecode:
                 t = _pack(t)
                 keep.append(t)
             ptrs.append(0 if t is None else t.data_ptr())
-        head_t = _pack(srcs[-1])
+        head = srcs[-1]
+        assert head is not None  # the head is always there (lm_head or the tied embedding)
+        head_t = _pack(head)
         table = array.array("q", ptrs)
         self.model._derived["decode_kernel"] = (key, table, head_t, keep)
         return table, head_t

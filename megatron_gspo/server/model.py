@@ -34,7 +34,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 import torch.nn.functional as F
@@ -248,6 +248,7 @@ class RolloutModel:
         return StepOutput(rows_NV, counts, routed_out)
 
     def _compiled_decode(self, chunks: list[Chunk], cache: KVCache, record_routing: bool):
+        assert self.decode_kernel is not None  # forward() comes here only with one attached
         ids, pos, slots = zip(*((c.tokens[0], c.start, c.slot) for c in chunks))
         rows_NV, routed = self.decode_kernel.step(ids, pos, slots, cache, record_routing)
         routed_out = list(routed.split(1)) if routed is not None else None
@@ -376,12 +377,14 @@ class RolloutModel:
         v_BGKd = v_cache[m.rows, :, : m.k_len]
         if m.q_len == 1:  # decode: one query per chunk; GQA as [B * G] small matmuls
             k_NKd = k_BGKd.reshape(T * G, m.k_len, hd)  # N = B * G
+            assert m.bias_BG1K is not None  # _batch sets it for decode steps
             scores_NhK = torch.baddbmm(
                 m.bias_BG1K, q.reshape(T * G, H // G, hd), k_NKd.transpose(1, 2), alpha=hd**-0.5
             )
             v_NKd = v_BGKd.reshape(T * G, m.k_len, hd)
             o_T = torch.bmm(torch.softmax(scores_NhK, -1), v_NKd).view(T, H * hd)
         else:
+            assert m.mask_BQK is not None  # _batch sets it for prefill batches
             q_BQHd = q.new_zeros(len(m.slot_B), m.q_len, H, hd)
             q_BQHd[m.b_T, m.j_T] = q
             o = F.scaled_dot_product_attention(
@@ -446,6 +449,12 @@ class _Batch:
     rope_T2d: torch.Tensor  # cos and sign-folded sin at each token's position
 
 
+@overload
+def _longs(values: list[int], /) -> torch.Tensor: ...
+@overload
+def _longs(
+    first: list[int], second: list[int], /, *more: list[int]
+) -> tuple[torch.Tensor, ...]: ...
 def _longs(*lists: list[int]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """int64 tensors from equally long int lists, in one copy (torch.tensor(list) is slow)."""
     flat = array.array("q", lists[0] if len(lists) == 1 else itertools.chain(*lists))

@@ -32,6 +32,7 @@ import threading
 import types
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.multiprocessing import reductions
@@ -233,6 +234,7 @@ def _from_bucket(obj: object) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
         raise BadPayload("flattened_tensor must be a 1-d uint8 tensor")
     out = []
+    m: Any  # an entry, or None where metadata is no list (then refused as a bad entry)
     for m in metadata if isinstance(metadata, (list, tuple)) else [None]:
         try:
             name, dtype, start, end = m.name, m.dtype, int(m.start_idx), int(m.end_idx)

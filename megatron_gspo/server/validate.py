@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 INT32_MAX = 2**31 - 1
 SEED_END = 2**63  # torch generators and SGLang's seed tensors are int64
@@ -71,7 +72,7 @@ def flag(v: object, key: str) -> bool:
 
 def check_depth(obj: object, limit: int = MAX_JSON_DEPTH) -> None:
     """Refuse a JSON value nested deeper than `limit` (iterative: no recursion to exhaust)."""
-    stack = [(obj, 1)]
+    stack: list[tuple[Any, int]] = [(obj, 1)]  # obj: the parsed JSON value
     while stack:
         node, depth = stack.pop()
         if depth > limit:

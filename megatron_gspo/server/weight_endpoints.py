@@ -175,9 +175,9 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 
 def _distributed_spec(body: dict) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
     names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-    if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not (
-        len(names) == len(dtypes) == len(shapes)
-    ):
+    if not (
+        isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+    ) or not (len(names) == len(dtypes) == len(shapes)):
         raise BadRequest("names, dtypes and shapes must be lists of the same length")
     torch_dtypes = []
     for d in dtypes:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,6 +212,7 @@ class Actor:
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
         if self.routing:
+            assert sweep is not None  # recorded above with routing
             self.last_logprob_metrics = self.routing.finish_record(sweep, batch)
         return rows
 
@@ -308,13 +310,18 @@ class Actor:
             sweep = self.routing.train_sweep(replace(batch, routing=None), mbs, seq_len, None)
         elif self.routing:
             sweep = self.routing.train_sweep(batch, mbs, seq_len)
-        split = [] if sweep is not None and sweep.moved is not None else None
+        # (microbatch index, token log-ratios, mask) of each loss call, for the drift split
+        split: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = (
+            [] if sweep is not None and sweep.moved is not None else None
+        )
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
         routing = {}
         if self.routing:
+            assert sweep is not None  # made above with routing
             if split is not None:
                 moved = sweep.moved_positions([len(t) for t in batch.tokens])
+                assert moved is not None  # split is made only when the sweep tracks moves
                 outputs = [*outputs, *_moved_split(split, moved)]
             routing = self.routing.finish_train(sweep)
         if on_policy:
@@ -428,7 +435,7 @@ def _fused_cpu_adam(optimizer) -> None:
 
 def _gather_rows(mine: list, n: int, world: int) -> list:
     """Every rank gets every row: gather (row, value) pairs over the whole world."""
-    parts = [mine]
+    parts: list[Any] = [mine]  # every rank's list, once all_gather_object filled it
     if world > 1:
         parts = [None] * world
         dist.all_gather_object(parts, mine)
@@ -444,7 +451,7 @@ def _reduce_stats(outputs: list[dict], world: int, tp: int) -> dict:
     stage), then share them with every rank."""
     local = combine_stats(outputs) if outputs else {}
     mine = {k: float(v) for k, v in local.items()}
-    parts = [mine]
+    parts: list[dict[str, float] | None] = [mine]
     if world > 1:
         parts = [None] * world
         dist.all_gather_object(parts, mine)

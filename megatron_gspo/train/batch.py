@@ -19,8 +19,10 @@ class RLBatch:
     tokens: list[list[int]]  # prompt + response
     loss_mask: list[list[int]]  # 1 on the response tokens that are trained on
     advantages: list[float] | list[list[float]]  # per sequence, or per token
-    old_logprobs: list[list[float]] | None = None  # token-aligned; None until computed
-    rollout_logprobs: list[list[float]] | None = None  # token-aligned, from the rollout server
+    # token-aligned (None where no log-prob: position 0, the prompt); None until computed, and a
+    # row None while only some rows are (train.loop._old_logprobs)
+    old_logprobs: list[list[float | None] | None] | None = None
+    rollout_logprobs: list[list[float | None]] | None = None  # token-aligned, from the server
     # R3: per sample, as Sample.routed_experts (int32 [len(tokens) - 1, layers, k]) or None
     rollout_experts: list | None = None
     # per-sample recorded routing (megatron_gspo.routing.SampleRouting); set by Actor.logprobs
@@ -52,7 +54,7 @@ class TrainMicrobatch:
     old_logprobs: torch.Tensor | None  # [b, S]
     rollout_logprobs: torch.Tensor | None  # [b, S]
     index: torch.Tensor  # [b] row in the caller's batch, -1 for an empty row
-    lengths: torch.Tensor = field(default=None)  # [b]
+    lengths: torch.Tensor | None = field(default=None)  # [b]
     logits_from: int = 0  # the first position whose logits are computed (the logits window)
 
     @property

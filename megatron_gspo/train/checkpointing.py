@@ -110,7 +110,9 @@ def _write_manifest(directory: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     box = [_files(directory) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    mine = {rel: _entry(directory / rel) for rel in box[0][rank::world]}
+    files = box[0]
+    assert files is not None  # every rank holds rank 0's list after the broadcast
+    mine = {rel: _entry(directory / rel) for rel in files[rank::world]}
     shares: list = [None] * world
     dist.all_gather_object(shares, mine)
     if rank == 0:
@@ -153,7 +155,7 @@ def verify(path: Path, threads: int = 4) -> str | None:
 
 def newest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete checkpoint that verifies, and the newer ones that do not (with why)."""
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     for ckpt in reversed(complete_checkpoints(run_dir)):
         problem = verify(ckpt)
         if problem is None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from megatron_gspo.config import Config
 from megatron_gspo.train import checkpointing
+
+if TYPE_CHECKING:
+    from megatron_gspo.train.metrics import MetricsLogger
 
 
 class StepHooks:
@@ -17,7 +21,7 @@ class StepHooks:
         self.cfg, self.run_dir = cfg, run_dir
         self.setup, self.rollouts = setup, rollouts
         self.rank0 = dist.get_rank() == 0
-        self.logger = None
+        self.logger: MetricsLogger | None = None
         self.saved_step = -1
         self.last_finite = True
 

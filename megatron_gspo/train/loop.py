@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
-from megatron_gspo.weight_sync.session import VerificationFailed
+from megatron_gspo.weight_sync.session import SyncReport, VerificationFailed
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
     half-updated, and caught up next step. Any other failure ends the run."""
     before = rl.restart_counts()
     lost: list[str] = []
+    report: SyncReport | None
     try:
         report = sync.sync(step, only=rl.ready_servers())
     except WeightSyncError as e:
@@ -156,6 +158,8 @@ def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
             raise
         log.warning("%s\ntheir supervisor restarts them; the next step catches them up", e)
     rl.weights_at(sync.restore_point)  # what a restarted server loads
+    # a failure the run goes on after carries its sync's report (sync() attaches it)
+    assert report is not None
     failed = len(set(report.failures) | set(lost))
     return {"sync/gb_per_s": report.gb_per_s, "sync/failed_servers": failed}
 
@@ -185,6 +189,8 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
         rows = batch.rows(part)
         if k == 0 and first_on_policy:
             update = actor.train_step(rows, loss_cfg, mbs, on_policy=True)
+            # both set: by this on-policy step, and by _old_logprobs above
+            assert rows.old_logprobs is not None and batch.old_logprobs is not None
             for i, lp in zip(part, rows.old_logprobs):
                 batch.old_logprobs[i] = lp
         else:
@@ -215,6 +221,7 @@ def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int)
     for j, i in enumerate(rows):
         batch.old_logprobs[i] = old[j]
         if routing is not None:
+            assert sub.routing is not None  # routing is made only then
             routing[i] = sub.routing[j]
     batch.routing = routing
 
@@ -226,7 +233,9 @@ def _mismatch(batch: RLBatch) -> dict:
     if batch.rollout_logprobs is None:
         return {}
     sums = {"": [0.0, 0], "_routing_same": [0.0, 0], "_routing_differs": [0.0, 0]}
-    rows = zip(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask)
+    # train_on computed every row's old log-probs before this
+    old_rows = cast("list[list[float | None]]", batch.old_logprobs)
+    rows = zip(old_rows, batch.rollout_logprobs, batch.loss_mask)
     for i, (old, roll, mask) in enumerate(rows):
         differs = _rollout_differs(batch, i)
         for t, (o, r, m) in enumerate(zip(old, roll, mask)):

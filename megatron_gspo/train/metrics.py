@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, cast
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.train.files import fsync_dir
@@ -265,7 +265,8 @@ class ConsoleProgress:
             self._eval = float(row["eval/reward"])
         reward = row.get("reward/mean")
         reward = float(reward) if isinstance(reward, int | float) else None
-        return progress_text(row["step"], self.total_steps, reward, self._eval, self.sec_per_step())
+        step = cast(int, row["step"])
+        return progress_text(step, self.total_steps, reward, self._eval, self.sec_per_step())
 
     def log(self, row: dict[str, Scalar]) -> None:
         line, stream = self.text(row), sys.stderr

@@ -74,7 +74,7 @@ def _owners(optimizer) -> dict:
     return out
 
 
-def _local(param, owner) -> tuple[int, int, dict] | None:
+def _local(param, owner) -> tuple[int, int, dict]:
     """This rank's slice [start, end) of the flattened param and its state tensors."""
     opt, main = owner
     if main is None:

@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.train.metrics import read_metrics
@@ -64,8 +65,8 @@ def _number(value) -> float | None:
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that have a numeric `key`; non-finite values become NaN gaps."""
     pairs = [(r["step"], _number(r.get(key))) for r in rows]
-    pairs = [(s, v) for s, v in pairs if v is not None]
-    return [s for s, _ in pairs], [v for _, v in pairs]
+    kept = [(s, v) for s, v in pairs if v is not None]
+    return [s for s, _ in kept], [v for _, v in kept]
 
 
 def layer_keys(rows: list[dict]) -> list[tuple[int, str]]:
@@ -85,7 +86,7 @@ def aggregate_seeds(seed_rows: Sequence[list[dict]]) -> list[dict]:
                     cell.setdefault(key, []).append(v)
     out = []
     for step in sorted(by_step):
-        row: dict = {"step": step}
+        row = {"step": step}
         for key, vals in by_step[step].items():
             row[key] = sum(vals) / len(vals)
             row[f"{key}:min"], row[f"{key}:max"] = min(vals), max(vals)
@@ -126,7 +127,10 @@ def draw_panel(ax, panel: Panel, runs: Sequence[Run]) -> bool:
     for i, (label, rows) in enumerate(runs):
         for j, key in enumerate(panel.keys):
             name = f"{label} ({panel.names[j]})" if panel.names else label
-            style = {"color": f"C{i % 10}", "linestyle": LINESTYLES[j % len(LINESTYLES)]}
+            style: dict[str, Any] = {
+                "color": f"C{i % 10}",
+                "linestyle": LINESTYLES[j % len(LINESTYLES)],
+            }
             if panel.markers:
                 style.update(marker="o", markersize=3)
             drawn |= _draw_key(ax, rows, key, name, **style)
@@ -144,6 +148,7 @@ def draw_layers(ax, label: str, rows: list[dict]) -> None:
     few = len(layers) <= 10
     norm = Normalize(layers[0][0], layers[-1][0]) if layers else None
     for n, (layer, key) in enumerate(layers):
+        assert norm is not None  # made whenever there are layers
         color = f"C{n}" if few else colormaps["viridis"](norm(layer))
         _draw_key(ax, rows, key, f"layer {layer}", color=color)
     _finish(ax, f"routing/changed_fraction per layer ({label})", bool(layers), legend=few)

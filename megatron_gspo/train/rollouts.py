@@ -20,6 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,10 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.batch import RLBatch
+
+if TYPE_CHECKING:
+    from megatron_gspo.rollout.client import RolloutClient
+    from megatron_gspo.rollout.launcher import ServerGroup
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +53,11 @@ class Rollouts:
         self.run_dir = run_dir
         self.hf_dir = hf_dir
         self.rank0 = dist.get_rank() == 0
-        self.group = None
-        self.client = None  # every server: health, memory release/resume
-        self.generator = None  # generation: the router when there is one, else `client`
-        self._loop = None
+        self.group: ServerGroup | None = None
+        self.client: RolloutClient | None = None  # every server: health, memory release/resume
+        # generation: the router when there is one, else `client`
+        self.generator: RolloutClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.urls: list[str] = []
         self.api_key: str | None = None  # the servers' key: the launch script's, or one we made
 
@@ -244,6 +250,7 @@ class Rollouts:
 
     def _memory(self, path: str) -> None:
         if self.rank0 and self.cfg.rollout.release_memory:
+            assert self.client is not None  # rank 0 made it on entering
             self._run(self.client.broadcast(path, {"tags": ["weights", "kv_cache"]}))
         dist.barrier()
 
@@ -253,10 +260,13 @@ class Rollouts:
         """G responses for each prompt, scored; the same RLBatch on every rank."""
         result = self._collect(prompt_index, step, version) if self.rank0 else None
         if dist.get_world_size() == 1:
+            assert result is not None  # one process: it is rank 0
             return result  # one process: no pickled round trip of the batch
         box = [result]
         dist.broadcast_object_list(box, src=0)
-        return box[0]
+        collected = box[0]
+        assert collected is not None  # rank 0's, on every rank
+        return collected
 
     def _collect(self, prompt_index: list[int], step: int, version: str | None) -> Collected:
         from megatron_gspo.data.prompts import encode_prompt
@@ -266,6 +276,7 @@ class Rollouts:
         t0 = time.perf_counter()
         rows = [self.train_rows.rows[i] for i in prompt_index]
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
+        assert self.generator is not None  # rank 0 made it on entering
         groups = self._run(
             self.generator.generate(
                 prompts,
@@ -278,7 +289,10 @@ class Rollouts:
         t_gen = time.perf_counter() - t0
         samples = [s for g in groups for s in g]
         _check_samples(samples)
-        texts = [self.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in samples]
+        # one id list decodes to one string
+        texts = [
+            cast(str, self.tokenizer.decode(s.tokens, skip_special_tokens=True)) for s in samples
+        ]
         items = [
             (rows[s.prompt_index].prompt, text, rows[s.prompt_index].answer)
             for s, text in zip(samples, texts)
@@ -338,11 +352,16 @@ class Rollouts:
 
         rows = self.eval_rows.rows[: self.cfg.train.eval_prompts]
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
+        assert self.generator is not None  # rank 0 made it on entering
         groups = self._run(
             self.generator.generate(prompts, n=1, sampling_params=self._sampling(0, greedy=True))
         )
         items = [
-            (row.prompt, self.tokenizer.decode(g[0].tokens, skip_special_tokens=True), row.answer)
+            (
+                row.prompt,
+                cast(str, self.tokenizer.decode(g[0].tokens, skip_special_tokens=True)),
+                row.answer,
+            )
             for row, g in zip(rows, groups)
         ]
         rewards = score_rewards(self.reward_fn, items, self.cfg.reward.fn)

@@ -148,6 +148,7 @@ def _clear_attempt(run_dir: Path, left: list[str]) -> str:
         shutil.rmtree(run_dir / name, ignore_errors=True)
     done = []
     if moved:
+        assert dest is not None  # made above when files were moved
         done.append(f"moved {', '.join(moved)} to {dest.relative_to(run_dir)}/")
     if deleted:
         done.append(f"deleted {', '.join(n + '/' for n in deleted)} (incomplete, unusable)")
@@ -199,7 +200,7 @@ def config_changes(old_raw: dict, new: Config) -> list[tuple[str, object, object
 
 
 def _flatten(d: dict, where: str = "") -> dict:
-    out = {}
+    out: dict[str, object] = {}
     for key, value in d.items():
         full = f"{where}{key}"
         if isinstance(value, dict) and value:

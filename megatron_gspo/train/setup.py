@@ -101,7 +101,7 @@ class TrainerSetup:
 
         r = self.cfg.rollout
         nodes = r.url_nodes if r.urls and r.url_nodes else [None] * len(urls)
-        refs = [
+        refs: list[str | ServerRef] = [
             ServerRef(u, r.server_tp, api_key, node) for u, node in zip(urls, nodes, strict=True)
         ]
         self.sync = WeightSync(
