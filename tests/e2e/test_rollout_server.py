@@ -12,6 +12,7 @@ import torch
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from tests.e2e.server_process import running_server
+from tests.helpers import hold_running
 
 pytestmark = pytest.mark.e2e
 
@@ -154,11 +155,11 @@ def test_abort_returns_partial_output_and_flush_refuses_while_busy(server):
     sp = {"max_new_tokens": 1500, "ignore_eos": True}
 
     async def go(c):
-        task = asyncio.create_task(c.generate([[5, 6]], n=2, sampling_params=sp))
-        while (await c.get(server, "/server_info"))["internal_states"][0]["num_running_reqs"] < 2:
-            await asyncio.sleep(0.02)
+        start = lambda: c.generate([[5, 6]], n=2, sampling_params=sp)  # noqa: E731
+        task = await hold_running(c, server, start, n=2)
         flush = await raw(server, "POST", "/flush_cache")
         await c.abort()
+        await c.resume()
         return flush, await task
 
     (flush_status, flush_body), [group] = run(with_client(server, go))
@@ -167,10 +168,9 @@ def test_abort_returns_partial_output_and_flush_refuses_while_busy(server):
     assert all(len(s.logprobs) == len(s.tokens) for s in group)
 
     async def abort_all(c):
-        task = asyncio.create_task(c.generate([[7]], sampling_params=sp))
-        while (await c.get(server, "/server_info"))["internal_states"][0]["num_running_reqs"] < 1:
-            await asyncio.sleep(0.02)
+        task = await hold_running(c, server, lambda: c.generate([[7]], sampling_params=sp))
         assert (await raw(server, "POST", "/abort_request", {"abort_all": True}))[0] == 200
+        await c.resume()
         return await task
 
     [[sample]] = run(with_client(server, abort_all))

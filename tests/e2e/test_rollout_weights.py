@@ -16,6 +16,7 @@ from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.rollout.client import RolloutClient
 from tests.e2e.server_process import running_server
+from tests.helpers import hold_running
 
 pytestmark = pytest.mark.e2e
 
@@ -319,14 +320,10 @@ def test_release_and_resume_memory(server, reference):
     async def busy():
         async with RolloutClient([server]) as c:
             sp = {"max_new_tokens": 1500, "ignore_eos": True}
-            task = asyncio.create_task(c.generate([[5]], sampling_params=sp))
-            while not (await c.get(server, "/server_info"))["internal_states"][0][
-                "num_running_reqs"
-            ]:
-                assert not task.done(), "the request ended before it was seen running"
-                await asyncio.sleep(0.02)
+            task = await hold_running(c, server, lambda: c.generate([[5]], sampling_params=sp))
             answer = await post(server, "/release_memory_occupation", {})
             await c.abort()
+            await c.resume()
             await task
             return answer
 

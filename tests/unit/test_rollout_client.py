@@ -88,3 +88,41 @@ def test_wait_healthy_waits_for_a_server_that_answers_but_is_not_ready():
 
     asyncio.run(go())
     assert len(calls) == 9 and calls[-1] - calls[0] > 0.5
+
+
+@pytest.mark.parametrize("outage_s", [0.0, 1.0])
+def test_a_request_that_fails_on_a_healthy_server_gives_up(outage_s):
+    """A server whose /health is fine but whose /generate answers 500 (an injected fault: an
+    engine that fails every step) ends the request after the quick retries and the outage wait,
+    naming the last error; it is not retried for ever because /health keeps answering 200."""
+    from aiohttp import web
+
+    posts = []
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def generate(request):
+        posts.append(time.monotonic())
+        return web.json_response({"error": {"message": "engine step failed: boom"}}, status=500)
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with RolloutClient(url, retries=2, backoff_s=0.01, outage_s=outage_s) as c:
+                await c.generate([[5]], sampling_params={"max_new_tokens": 2})
+        finally:
+            await runner.cleanup()
+
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match=r"after \d+ attempts \(last: HTTP 500: engine step"):
+        asyncio.run(asyncio.wait_for(go(), 60))
+    assert time.monotonic() - t0 < outage_s + 10
+    assert len(posts) >= 3  # the first try and the two quick retries at least
