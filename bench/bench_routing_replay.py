@@ -109,8 +109,10 @@ class Variants:
             tap.replay._tap = tap
 
 
-def record(actor, batch, mbs: int) -> None:
-    batch.old_logprobs = actor.logprobs(batch, mbs)
+def record(actor, batch, mbs: int, out: dict | None = None) -> None:
+    batch.old_logprobs, metrics = actor.logprobs(batch, mbs)
+    if out is not None:
+        out.update(metrics)
 
 
 ROUTING_ENTRIES = {  # (file suffix, function): the routing code's entry points in a step
@@ -248,7 +250,7 @@ def main() -> None:
     base = make_batch(a.batch, a.seq, vocab=1000)
     batches = {v: base.rows(list(range(len(base)))) for v in VARIANTS}
     variants.use("none")
-    actor.logprobs(batches["none"], a.mbs)
+    record(actor, batches["none"], a.mbs)
     payload = rollout_payload([s.recorded for s in batches["none"].routing], model_spec, 0.10)
     batches["r3"].rollout_experts = payload
     cpu = {f"{v}/{p}": [] for v in VARIANTS for p in ("logprobs", "step")}
@@ -260,8 +262,8 @@ def main() -> None:
         for v in order:
             variants.use(v)
             clock.reset()
-            c, w = timed(partial(record, actor, batches[v], a.mbs))
-            metrics[v] = actor.last_logprob_metrics
+            metrics[v] = {}
+            c, w = timed(partial(record, actor, batches[v], a.mbs, metrics[v]))
             c2, w2 = timed(partial(actor.train_step, batches[v], LOSS, a.mbs))
             routing_s = clock.reset()
             if rep:

@@ -70,7 +70,7 @@ def trainer_side(model: Path, seqs: list[list[int]], dtype: torch.dtype, mbs: in
     chunks = load_policy(model, ParallelDims(), BuildOptions(params_dtype=dtype))
     actor = Actor(chunks, OptimConfig(lr=0.0))
     batch = RLBatch(seqs, [[0] + [1] * (len(s) - 1) for s in seqs], [0.0] * len(seqs))
-    rows = actor.logprobs(batch, mbs)
+    rows, _ = actor.logprobs(batch, mbs)
     logprobs = [np.array(r[1:], dtype=np.float64) for r in rows]
     routing = [s.recorded for s in batch.routing]
     layers = batch.routing[0].layers

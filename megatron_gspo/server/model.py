@@ -103,6 +103,11 @@ class RolloutModel:
         self._rope_CSd = torch.zeros(0, 2, hd, dtype=self.dtype)  # grown by _rope_table
         # Decode steps through the compiled kernel (kernels.attach sets it), else torch.
         self.decode_kernel: CompiledDecode | None = None
+        # torch's grouped matmul needs rows of a multiple of 16 bytes (hidden and expert widths
+        # times the element size); narrower experts (e.g. 4 bf16 values) take the per-expert loop.
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        widths = (spec.hidden_size, spec.moe_ffn_hidden_size or 0)
+        self.grouped_mm = all(w * item % 16 == 0 for w in widths)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> RolloutModel:
@@ -417,7 +422,7 @@ class RolloutModel:
         tok_N = order_N // s.topk
         counts_E = torch.bincount(idx_Tk.view(-1), minlength=s.num_experts)
         h_ND = x[tok_N]
-        if _GROUPED_MM:
+        if _GROUPED_MM and self.grouped_mm:
             offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
             gate, up = torch._grouped_mm(h_ND, ex["gate_up"].transpose(1, 2), offs=offs).chunk(
                 2, -1

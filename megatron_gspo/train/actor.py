@@ -126,7 +126,6 @@ class Actor:
         self._schedule = get_forward_backward_func()
         use_routing = self.spec.is_moe or routing_replay != ReplayMode.NONE
         self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
-        self.last_logprob_metrics: dict[str, float] = {}
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -195,12 +194,12 @@ class Actor:
     @torch.no_grad()
     def logprobs(
         self, batch: RLBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
-    ) -> list[list[float | None]]:
-        """Token-aligned log-probs of every sample under the current weights (entry 0 None).
+    ) -> tuple[list[list[float | None]], dict[str, float]]:
+        """Token-aligned log-probs of every sample under the current weights (entry 0 None),
+        and the forward's routing metrics ({} on a dense model).
 
         On an MoE model it also records every sample's natural routing into batch.routing (r3:
-        while replaying batch.rollout_experts, whose agreement it measures); its metrics are in
-        `last_logprob_metrics`.
+        while replaying batch.rollout_experts, whose agreement it measures).
 
         With the training `micro_batch_size` the values are bit for bit those of `train_step`'s
         forward (unchanged weights give ratios of exactly 1). `fit_logits=True` takes more rows
@@ -211,24 +210,24 @@ class Actor:
         mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
-        if self.routing:
-            assert sweep is not None  # recorded above with routing
-            self.last_logprob_metrics = self.routing.finish_record(sweep, batch)
-        return rows
+        if self.routing is None or sweep is None:
+            return rows, {}
+        return rows, self.routing.finish_record(sweep, batch)
 
     @torch.no_grad()
-    def replayed_logprobs(self, batch: RLBatch, micro_batch_size: int = 8) -> list:
+    def replayed_logprobs(
+        self, batch: RLBatch, micro_batch_size: int = 8
+    ) -> tuple[list, dict[str, float]]:
         """Log-probs under the current weights with the batch's routing replayed as `train_step`
-        would (r2: recorded, r3: rollout; "none": recorded too). batch.routing is unchanged;
-        routing/changed_fraction of this forward goes to `last_logprob_metrics`."""
+        would (r2: recorded, r3: rollout; "none": recorded too), and this forward's
+        routing/changed_fraction. batch.routing is unchanged."""
         if self.routing is None:
             raise UserError("replayed_logprobs needs an MoE model")
         mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         source = "rollout" if self.routing.mode == ReplayMode.R3 else "recorded"
         sweep = self.routing.train_sweep(batch, mbs, seq_len, source)
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
-        self.last_logprob_metrics = self.routing.finish_train(sweep)
-        return rows
+        return rows, self.routing.finish_train(sweep)
 
     def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, n) -> list:
         self._set_mode(False)

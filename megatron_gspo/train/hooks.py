@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_gspo.config import Config
 from megatron_gspo.train import checkpointing
+from megatron_gspo.train.state import TrainState
 
 if TYPE_CHECKING:
     from megatron_gspo.train.metrics import MetricsLogger
@@ -25,7 +26,7 @@ class StepHooks:
         self.saved_step = -1
         self.last_finite = True
 
-    def begin(self, state: dict, last: int) -> None:
+    def begin(self, state: TrainState, last: int) -> None:
         """Open the sinks (a resumed run's logger drops metrics of steps after its checkpoint). A
         fresh run logs step 0: the starting checkpoint's eval reward."""
         from megatron_gspo.train.metrics import MetricsLogger
@@ -35,19 +36,25 @@ class StepHooks:
             log = self.cfg.logging
             self.logger = MetricsLogger(
                 self.run_dir,
-                total_steps=max(last, state["step"]),
-                start_step=state["step"],
+                total_steps=max(last, state.step),
+                start_step=state.step,
                 tensorboard=log.tensorboard,
                 wandb=log.wandb,
                 console=log.console,
                 config=self.cfg.to_dict(),
             )
-        self.saved_step = state["step"]
-        if state["step"] == 0 and t.eval_every:
+        self.saved_step = state.step
+        if state.step == 0 and t.eval_every:
             self._log(0, {"eval/reward": self.rollouts.evaluate(), "weight_version": 0})
 
     def end_step(
-        self, step: int, metrics: dict, state: dict, t0: float, last: int, checkpoint: bool = True
+        self,
+        step: int,
+        metrics: dict,
+        state: TrainState,
+        t0: float,
+        last: int,
+        checkpoint: bool = True,
     ) -> None:
         """Eval, metrics, and the checkpoint when due (`checkpoint=False`: a step that skipped
         its update for a non-finite loss writes none)."""
@@ -63,16 +70,15 @@ class StepHooks:
         if checkpoint and t.checkpoint_every and step % t.checkpoint_every == 0:
             self._save(step, state)
 
-    def finish(self, state: dict) -> None:
-        if state["step"] > self.saved_step and self.last_finite:
-            self._save(state["step"], state)
+    def finish(self, state: TrainState) -> None:
+        if state.step > self.saved_step and self.last_finite:
+            self._save(state.step, state)
         if self.logger is not None:
             self.logger.close()
 
-    def _save(self, step: int, state: dict) -> None:
-        checkpointing.save(
-            self.setup.actor, self.run_dir, step, state, self.cfg.train.keep_checkpoints
-        )
+    def _save(self, step: int, state: TrainState) -> None:
+        keep = self.cfg.train.keep_checkpoints
+        checkpointing.save(self.setup.actor, self.run_dir, step, state.state_dict(), keep)
         self.saved_step = step
 
     def _log(self, step: int, metrics: dict) -> None:

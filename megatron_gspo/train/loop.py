@@ -26,6 +26,7 @@ from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
+from megatron_gspo.train.state import TrainState
 from megatron_gspo.weight_sync.session import SyncReport, VerificationFailed
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 
@@ -49,9 +50,9 @@ def run(
             state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
             last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
             hooks.begin(state, last)
-            current = str(state["weight_version"]) if state["step"] else sync.base_version
+            current = str(state.weight_version) if state.step else sync.base_version
             guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
-            for step in range(state["step"] + 1, last + 1):
+            for step in range(state.step + 1, last + 1):
                 t0 = time.perf_counter()
                 caught_up = catch_up(sync, rl, current)
                 collected = collect_current(sync, rl, sampler.next_batch(), step, current)
@@ -68,7 +69,7 @@ def run(
                     t1 - t0 - metrics["time/rollout_s"] - metrics["time/catch_up_s"]
                 )
                 metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
-                state = {"step": step, "weight_version": step, "sampler": sampler.state_dict()}
+                state = TrainState(step, step, sampler.state_dict())
                 hooks.end_step(step, metrics, state, t0, last, checkpoint=finite)
                 guard.stop_if_over()
             hooks.finish(state)
@@ -180,9 +181,8 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
     ahead = [i for p in parts[1:] for i in p] if first_on_policy else list(range(len(batch)))
     # As many rows per forward as fit (one forward on a small model). The minibatches below are
     # other row sets with their own padding, so their forwards equal these to fp32 rounding.
-    _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
-    metrics = {"time/old_logprobs_s": time.perf_counter() - t0}
-    metrics |= getattr(actor, "last_logprob_metrics", {}) or {}
+    metrics = _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
+    metrics["time/old_logprobs_s"] = time.perf_counter() - t0
     loss_cfg, mbs = cfg.algo.loss_config(), cfg.train.micro_batch_size
     per_update = []
     for k, part in enumerate(parts):
@@ -205,18 +205,18 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
     return metrics | _combine_updates(per_update)
 
 
-def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int) -> None:
-    """Old log-probs (and recorded routing) of `rows` into the batch; None for the others."""
+def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int) -> dict:
+    """Old log-probs (and recorded routing) of `rows` into the batch, None for the others;
+    returns the forward's routing metrics."""
     n = len(batch)
     if len(rows) == n:
-        batch.old_logprobs = actor.logprobs(batch, micro_batch_size, fit_logits=True)
-        return
+        batch.old_logprobs, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True)
+        return metrics
     sub = replace(batch, old_logprobs=None, routing=None).rows(rows)
     batch.old_logprobs = [None] * n
     if not rows:  # one minibatch, on policy: no old-log-prob pass at all
-        actor.last_logprob_metrics = {}
-        return
-    old = actor.logprobs(sub, micro_batch_size, fit_logits=True)
+        return {}
+    old, metrics = actor.logprobs(sub, micro_batch_size, fit_logits=True)
     routing = [None] * n if sub.routing is not None else None
     for j, i in enumerate(rows):
         batch.old_logprobs[i] = old[j]
@@ -224,6 +224,7 @@ def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int)
             assert sub.routing is not None  # routing is made only then
             routing[i] = sub.routing[j]
     batch.routing = routing
+    return metrics
 
 
 def _mismatch(batch: RLBatch) -> dict:

@@ -12,6 +12,7 @@ from megatron_gspo.config import Config, dump_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
 from megatron_gspo.train.run_dir import RunDirLock, prepare
+from megatron_gspo.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -115,20 +116,20 @@ class TrainerSetup:
             print(f"weight sync: {self.sync.relay.describe(self.sync.servers)}", flush=True)
         return self.sync
 
-    def restore(self, sampler, sync, rollouts) -> dict:
+    def restore(self, sampler, sync, rollouts) -> TrainState:
         """Fresh run: step 0. Resume: load the newest complete checkpoint and bring the rollout
         servers to its weights (they started from the base model)."""
         if self.resume_from is None:
-            return {"step": 0, "weight_version": 0, "sampler": sampler.state_dict()}
-        state = checkpointing.load(self.actor, self.resume_from)
-        sampler.load_state_dict(state["sampler"])
-        version = str(state["weight_version"])
+            return TrainState(sampler=sampler.state_dict())
+        state = TrainState.from_state_dict(checkpointing.load(self.actor, self.resume_from))
+        sampler.load_state_dict(state.sampler)
+        version = str(state.weight_version)
         report = sync.sync(version)
         if not report.ok:
             raise UserError(report.message().splitlines()[0])
         rollouts.weights_at(sync.restore_point)
         if self.rank0:
-            log.info("resumed from %s (step %d)", self.resume_from, state["step"])
+            log.info("resumed from %s (step %d)", self.resume_from, state.step)
         return state
 
 

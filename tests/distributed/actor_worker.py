@@ -72,7 +72,7 @@ def main() -> None:
     )
     batch = fixed_batch()
     if not a.own_forward:
-        old = actor.logprobs(batch, a.mbs, fit_logits=a.fit_logits)
+        old, _ = actor.logprobs(batch, a.mbs, fit_logits=a.fit_logits)
         batch.old_logprobs = old if a.on_policy else off_policy(old)
     if a.tis != "none":
         batch.rollout_logprobs = rollout_of(batch.old_logprobs)
@@ -90,7 +90,7 @@ def main() -> None:
         steps.append(actor.train_step(batch, loss_cfg, a.mbs, on_policy=own))
     # After training (whose forward skips the prompts' logits): every position, both ways.
     after = {"score": score([c.module for c in actor.chunks], batch.tokens, micro_batch_size=a.mbs),
-             "logprobs": actor.logprobs(batch, a.mbs)}  # fmt: skip
+             "logprobs": actor.logprobs(batch, a.mbs)[0]}  # fmt: skip
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump({"steps": steps, "old": batch.old_logprobs, "rollout": batch.rollout_logprobs,

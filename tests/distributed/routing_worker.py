@@ -116,14 +116,12 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
     actor = Actor(chunks, OptimConfig(lr=layout.get("lr", 1e-3)), routing_replay=mode)
     mbs = layout["mbs"]
     batch = load_batch(batch_path)
-    old = actor.logprobs(batch, mbs)
-    record_metrics = dict(actor.last_logprob_metrics)
+    old, record_metrics = actor.logprobs(batch, mbs)
     batch.old_logprobs = old
     step1 = actor.train_step(batch, LOSS, mbs)
     used = UsedExperts(chunks)
-    replayed = actor.replayed_logprobs(batch, mbs)
+    replayed, replay_metrics = actor.replayed_logprobs(batch, mbs)
     used.close()
-    replay_metrics = dict(actor.last_logprob_metrics)
     source = "rollout" if mode == "r3" else "recorded"
     layout_mbs, _, _ = actor._layout(batch, mbs)
     sp = bool(chunks[0].config.sequence_parallel)
@@ -131,7 +129,7 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
     natural = {}
     if mode == "none":
         probe = RLBatch(batch.tokens, batch.loss_mask, batch.advantages)
-        natural["natural_logprobs"] = actor.logprobs(probe, mbs)
+        natural["natural_logprobs"] = actor.logprobs(probe, mbs)[0]
         natural["natural_recorded"] = full_recorded(probe)
     step2 = actor.train_step(batch.rows(MINIBATCH), LOSS, mbs)
     checks = [None] * dist.get_world_size()

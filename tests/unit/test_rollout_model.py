@@ -243,3 +243,20 @@ def test_engine_shared_prefill_equals_separate_prefills(ckpts, monkeypatch):
         assert ids == ids2 and torch.equal(routed, routed2)
         assert lps == pytest.approx(lps2, abs=1e-5)
         assert ilps[0] is None and ilps[1:] == pytest.approx(ilps2[1:], abs=1e-5)
+
+
+def test_experts_narrower_than_16_bytes_are_served(tmp_path):
+    """Experts of 4 values are 8 bytes a row in bf16, below what torch's grouped matmul takes
+    ("strides should be multiple of 16 bytes"): a bf16 server of such a model goes through the
+    per-expert loop, and its log-probs equal HF's fp32 forward within bf16 rounding (a bf16
+    rollout server of a drift model with 256 experts of width 4 failed every request)."""
+    spec = TinySpec(arch="qwen3_moe", layers=2, experts=16, topk=4, moe_ffn=4, init_std=0.2)
+    path = make_tiny_model(spec, tmp_path / "narrow")
+    tokens = prompt(16)
+    model = RolloutModel.from_pretrained(path, torch.bfloat16)
+    assert not model.grouped_mm and RolloutModel.from_pretrained(path).grouped_mm
+    _, out = hf_forward(path, tokens)
+    ref = torch.log_softmax(out.logits[0].float(), -1)
+    mine = torch.log_softmax(model.full_logits(tokens).logits[0].float(), -1)
+    assert ref.std() > 0.5
+    assert (mine - ref).abs().mean() < 0.1
