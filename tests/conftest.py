@@ -13,6 +13,17 @@ import torch
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
+# What needs servers, several processes or a GPU is slow: `pytest -m "not slow" tests` is the
+# inner loop (the unit tier), README's command runs everything.
+SLOW_KINDS = ("distributed", "e2e", "contract", "slurm", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
+
+
 TINY = {
     # Qwen3-MoE with a dense first layer, normalized top-k.
     "moe": TinySpec(dense_layers=[0]),
