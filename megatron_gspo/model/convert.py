@@ -26,6 +26,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.hf import io as hf_io
 from megatron_gspo.model import checkpoint as mckpt
 from megatron_gspo.model import weights
+from megatron_gspo.model.checkpoint_reader import DistCheckpointReader
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
 
@@ -120,7 +121,7 @@ def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> 
     tmp = _shared_tmpdir(out)
     ok = False
     try:
-        reader = mckpt.DistCheckpointReader(meg_dir / "model")
+        reader = DistCheckpointReader(meg_dir / "model")
         try:
             mine = _my_share(weights.stored_params(reader, spec), reader)
             tensors = (t for sp in mine for t in weights.read_stored(reader, sp, spec))

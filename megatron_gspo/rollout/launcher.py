@@ -21,9 +21,7 @@ import atexit
 import json
 import logging
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,131 +29,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gspo.rollout.modes import Backend
+from megatron_gspo.comm import free_port
+from megatron_gspo.rollout.failures import ServerFailed, failure_cause
+from megatron_gspo.rollout.server_config import ServerConfig, _redacted
+
+__all__ = ["ServerConfig", "ServerFailed", "ServerGroup", "failure_cause", "free_port", "stop_all"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerConfig:
-    """One rollout server. Fields left None are not passed (the server's default applies)."""
-
-    model_path: str
-    kind: Backend = Backend.BUILTIN
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port, kept across restarts
-    python: str = sys.executable  # for SGLang: the python of its own venv
-    api_key: str | None = None
-    enable_return_routed_experts: bool = False
-    dtype: str | None = None
-    random_seed: int | None = None
-    max_running_requests: int | None = None
-    # SGLang only
-    tp_size: int = 1
-    device: str | None = None  # "cpu" for SGLang on a CPU-only host
-    disable_cuda_graph: bool = False
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    enable_memory_saver: bool = False
-    skip_server_warmup: bool = False
-    base_gpu_id: int | None = None  # its first GPU among those visible (colocated: the node's)
-    # built-in only
-    threads: int = 0
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.kind not in ("builtin", "sglang"):
-            raise ValueError(f"ServerConfig.kind must be builtin or sglang, not {self.kind!r}")
-        if not self.model_path:
-            raise ValueError("ServerConfig.model_path is required")
-
-    def command(self, port: int) -> list[str]:
-        module = "sglang.launch_server" if self.kind == Backend.SGLANG else "megatron_gspo.server"
-        cmd = [self.python, "-m", module, "--model-path", str(self.model_path)]
-        cmd += ["--host", self.host, "--port", str(port)]
-        flags: dict[str, object] = {
-            "--dtype": self.dtype,
-            "--random-seed": self.random_seed,
-            "--max-running-requests": self.max_running_requests,
-        }
-        switches = {"--enable-return-routed-experts": self.enable_return_routed_experts}
-        if self.kind == Backend.SGLANG:
-            flags |= {
-                "--tp-size": self.tp_size,
-                "--device": self.device,
-                "--max-total-tokens": self.max_total_tokens,
-                "--mem-fraction-static": self.mem_fraction_static,
-                "--api-key": self.api_key,
-                "--base-gpu-id": self.base_gpu_id,
-            }
-            switches |= {
-                "--disable-cuda-graph": self.disable_cuda_graph,
-                "--enable-memory-saver": self.enable_memory_saver,
-                "--skip-server-warmup": self.skip_server_warmup,
-            }
-        else:
-            flags["--threads"] = self.threads or None
-        for flag, value in flags.items():
-            if value is not None:
-                cmd += [flag, str(value)]
-        cmd += [flag for flag, on in switches.items() if on]
-        return cmd + list(self.extra_args)
-
-    def environment(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        if self.kind == Backend.BUILTIN and self.api_key:
-            env["MEGATRON_GSPO_API_KEY"] = self.api_key  # not on the command line
-        return env
-
-
-def _redacted(cmd: list[str]) -> list[str]:
-    """The command as the log shows it: an API key's value left out."""
-    return ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (kept for the server's lifetime, restarts included)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerFailed(RuntimeError):
-    """A server that did not come up (the message holds the end of its log)."""
-
-    def __init__(self, what: str, log_path: Path | None = None, tail: str = ""):
-        super().__init__(f"{what}; {log_path} ends with:\n{tail}" if log_path else what)
-        self.what, self.log_path, self.tail = what, log_path, tail
-
-    def summary(self) -> str:
-        """One line: what happened, the cause the log gives, and where the whole log is."""
-        cause = failure_cause(self.tail)
-        where = f" (whole log: {self.log_path})" if self.log_path else ""
-        return f"{self.what}: {cause}{where}" if cause else f"{self.what}{where}"
-
-
-# an exception line of a Python traceback ("RuntimeError: ...", "torch.OutOfMemoryError: ...")
-_EXCEPTION = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt))\b:?")
-_NOISE = ("Traceback", "File ", "^", "~", "During handling", "The above exception")
-
-
-def failure_cause(tail: str) -> str:
-    """The line of a failed server's log that says why: the last exception line of the last
-    traceback, else the last line that mentions an error, else the last line (300 characters)."""
-    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
-    for pick in (
-        lambda ln: bool(_EXCEPTION.match(ln)),
-        lambda ln: "error" in ln.lower() and not ln.startswith(_NOISE),
-        lambda ln: not ln.startswith(_NOISE),
-    ):
-        found = [ln for ln in lines if pick(ln)]
-        if found:
-            return found[-1][:300]
-    return ""
 
 
 @dataclass

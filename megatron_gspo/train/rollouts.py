@@ -31,6 +31,13 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.samples import (
+    _check_samples,
+    _report_broken_rows,
+    _rollout_metrics,
+    _to_batch,
+    _topk,
+)
 
 if TYPE_CHECKING:
     from megatron_gspo.rollout.client import RolloutClient
@@ -368,68 +375,7 @@ class Rollouts:
         return sum(rewards) / max(len(rewards), 1)
 
 
-def _report_broken_rows(ps, key: str) -> None:
-    from megatron_gspo.data.prompts import broken_rows
-
-    line = broken_rows(ps, key)
-    if line:
-        print(line, flush=True)
-
-
 def api_key() -> str | None:
     """Servers a launch script started off loopback require a key; it comes in the environment
     (never on a command line or in the config file)."""
     return os.environ.get("MEGATRON_GSPO_API_KEY") or None
-
-
-def _topk(hf_dir: Path) -> int | None:
-    from megatron_gspo.hf.config import load_hf_config, model_spec
-
-    spec = model_spec(load_hf_config(hf_dir))
-    return spec.topk if spec.is_moe else None
-
-
-def _check_samples(samples) -> None:
-    bad = [s for s in samples if s.aborted or not s.tokens]
-    if bad:
-        raise UserError(
-            f"{len(bad)} of {len(samples)} rollouts came back aborted or empty "
-            f"(first from {bad[0].server}); check the rollout server logs in RUN_DIR/logs"
-        )
-    partial = [s for s in samples if str(s.weight_version).startswith("partial:")]
-    if partial:
-        raise UserError(
-            f"{len(partial)} rollouts came from a server caught mid weight update "
-            f"({partial[0].weight_version}); the last weight sync did not complete"
-        )
-
-
-def _to_batch(samples, advantages: list[float]) -> RLBatch:
-    tokens, mask, rollout_lp, experts = [], [], [], []
-    for s in samples:
-        p = len(s.prompt_ids)
-        tokens.append(list(s.prompt_ids) + list(s.tokens))
-        mask.append([0] * p + [1] * len(s.tokens))
-        lp = s.logprobs or [None] * len(s.tokens)
-        rollout_lp.append([None] * p + list(lp))
-        experts.append(s.routed_experts)
-    batch = RLBatch(tokens, mask, advantages, rollout_logprobs=rollout_lp)
-    if any(e is not None for e in experts):
-        batch.rollout_experts = experts
-    return batch
-
-
-def _rollout_metrics(samples, rewards: list[float], seconds: float) -> dict:
-    r = torch.tensor(rewards, dtype=torch.float64)
-    lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.float64)
-    return {
-        "reward/mean": float(r.mean()),
-        "reward/std": float(r.std(correction=0)),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples)
-        / len(samples),
-        "time/rollout_s": seconds,
-        "rollout/samples": float(len(samples)),
-        "rollout/tokens": float(sum(len(s.prompt_ids) + len(s.tokens) for s in samples)),
-    }
