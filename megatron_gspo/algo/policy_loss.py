@@ -64,7 +64,7 @@ def loss_denominator(mask_BT: Tensor, agg: str | None = None, kind: str = LossKi
     return mask_BT.any(dim=-1).sum().float()
 
 
-def policy_loss(
+def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keyword-only
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
@@ -107,16 +107,7 @@ def policy_loss(
     # log pi - log pi_old per token, clamped, zero at masked-out tokens.
     log_ratio_BT = _masked_log_ratio_BT(logp_BT, old_BT, mask_BT, log_ratio_clamp)
     log_rho_BT = log_ratio_BT.detach()  # for the metrics
-
-    if kind == LossKind.GRPO:
-        ratio_BT = torch.exp(log_ratio_BT)
-        report = ratio_stats(log_rho_BT, mask_BT)
-    else:
-        seq_log_ratio_B = _seq_log_ratio_B(logp_BT, old_BT, mask_BT, log_ratio_clamp)
-        ratio_BT = _gspo_ratio_BT(
-            seq_log_ratio_B, logp_BT, mask_BT, token_level=kind != LossKind.GSPO
-        )
-        report = ratio_stats(seq_log_ratio_B.detach(), mask_BT.any(-1))
+    ratio_BT, report = _ratio_BT(kind, log_ratio_BT, logp_BT, old_BT, mask_BT, log_ratio_clamp)
 
     objective_BT = _clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
     tis_BT = None if tis_weights is None else _per_token(tis_weights, mask_BT).to(dtype)
@@ -131,11 +122,27 @@ def policy_loss(
     clipped_low_BT = mask_BT & (adv_BT < 0) & (ratio_d_BT < 1.0 - clip_low)
     clipped_high_BT = mask_BT & (adv_BT > 0) & (ratio_d_BT > 1.0 + clip_high)
     stats = token_stats(mask_BT, clipped_low_BT, clipped_high_BT, log_rho_BT) | report
+    return loss, stats | _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT)
+
+
+def _ratio_BT(kind, log_ratio_BT, logp_BT, old_BT, mask_BT, clamp) -> tuple[Tensor, dict]:
+    """The importance ratio at each token (GRPO: the token's own; GSPO: the sequence's, with
+    per-token gradients for gspo_token) and the stats of the log-ratio it comes from."""
+    if kind == LossKind.GRPO:
+        return torch.exp(log_ratio_BT), ratio_stats(log_ratio_BT.detach(), mask_BT)
+    seq_log_ratio_B = _seq_log_ratio_B(logp_BT, old_BT, mask_BT, clamp)
+    ratio_BT = _gspo_ratio_BT(seq_log_ratio_B, logp_BT, mask_BT, token_level=kind != LossKind.GSPO)
+    return ratio_BT, ratio_stats(seq_log_ratio_B.detach(), mask_BT.any(-1))
+
+
+def _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT) -> dict[str, Tensor]:
+    """Sums for the train-vs-rollout mismatch and the TIS weights, where they apply."""
+    stats = {}
     if rollout_logprobs is not None:
         stats["mismatch_abs_sum"] = logprob_abs_diff(old_BT, rollout_logprobs, mask_BT).sum()
     if tis_BT is not None:
         stats["tis_weight_sum"] = torch.where(mask_BT, tis_BT, 0.0).sum()
-    return loss, stats
+    return stats
 
 
 def _masked_log_ratio_BT(logp_BT: Tensor, old_BT: Tensor, mask_BT: Tensor, c: float) -> Tensor:

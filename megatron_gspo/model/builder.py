@@ -101,23 +101,28 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
         if opts.recompute == "full":
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     if spec.is_moe:
-        kwargs.update(
-            num_moe_experts=spec.num_experts,
-            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-            moe_router_topk=spec.topk,
-            moe_router_score_function="softmax",
-            # HF norm_topk_prob=False: softmax over all experts, then top-k (unnormalized).
-            moe_router_pre_softmax=not spec.norm_topk_prob,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_layer_freq=[int(m) for m in spec.moe_layers],
-            moe_token_dispatcher_type=opts.token_dispatcher,
-            moe_grouped_gemm=False,
-            moe_permute_fusion=False,
-            moe_router_fusion=False,  # it silently skips routing replay
-            moe_enable_routing_replay=opts.routing_replay,
-        )
+        kwargs.update(_moe_fields(spec, opts))
     return TransformerConfig(**_known_fields(TransformerConfig, kwargs))
+
+
+def _moe_fields(spec: ModelSpec, opts: BuildOptions) -> dict:
+    """TransformerConfig's MoE fields for an HF Qwen3-MoE router and experts."""
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.topk,
+        moe_router_score_function="softmax",
+        # HF norm_topk_prob=False: softmax over all experts, then top-k (unnormalized).
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_layer_freq=[int(m) for m in spec.moe_layers],
+        moe_token_dispatcher_type=opts.token_dispatcher,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,  # it silently skips routing replay
+        moe_enable_routing_replay=opts.routing_replay,
+    )
 
 
 def _known_fields(cls, kwargs: dict) -> dict:

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+import torch
+
 from megatron_gspo.checks import in_range
 
 
@@ -50,3 +52,22 @@ class OptimConfig:
         done = min(1.0, (step - self.warmup_steps) / (total - self.warmup_steps))
         shape = 1 - done if self.decay == Decay.LINEAR else 0.5 * (1 + math.cos(math.pi * done))
         return self.min_lr + (self.lr - self.min_lr) * shape
+
+    def megatron(self, params_dtype: torch.dtype):
+        """megatron-core's OptimizerConfig (Adam) for these settings and the model's dtype."""
+        from megatron.core.optimizer import OptimizerConfig
+
+        return OptimizerConfig(
+            optimizer="adam",
+            lr=self.lr,
+            min_lr=self.min_lr,
+            weight_decay=self.weight_decay,
+            clip_grad=self.clip_grad,
+            adam_beta1=self.adam_beta1,
+            adam_beta2=self.adam_beta2,
+            adam_eps=self.adam_eps,
+            bf16=params_dtype == torch.bfloat16,
+            fp16=params_dtype == torch.float16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=self.distributed,
+        )

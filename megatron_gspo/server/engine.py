@@ -21,54 +21,22 @@ every pending and later request and command fails at once instead of waiting for
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 
 from megatron_gspo.server import kernels
+from megatron_gspo.server.engine_sampling import SamplingSteps
 from megatron_gspo.server.model import Chunk, RolloutModel
-from megatron_gspo.server.sampling import SamplingParams, adjust_logits, sample_batch
+from megatron_gspo.server.request import Request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)  # identity: the engine looks requests up in its lists
-class Request:
-    input_ids: list[int]
-    params: SamplingParams
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    group: str = ""  # the rid the client sent, shared by the n samples of one prompt
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    return_routed: bool = False
-    on_done: Callable[[Request], object] | None = None  # its result is ignored
-    # Filled in by the engine.
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    routed: list[torch.Tensor] = field(default_factory=list)  # [n, L, k] per forward chunk
-    finish_reason: dict | None = None
-    error: str | None = None  # set when the engine failed on this request (HTTP 500)
-    weight_version: str = ""
-    created: float = field(default_factory=time.perf_counter)
-    finished: float = 0.0
-    slot: int | None = None
-    fed: int = 0  # tokens whose k/v are in the cache
-    generator: torch.Generator | None = None
-    abort_message: str | None = None
-    # Set on admission, so the per-token checks stay cheap: the ids that may stop it, the output
-    # length that ends it, and whether its logits are adjusted regardless of the output so far.
-    stop_ids: frozenset[int] = frozenset()
-    limit: int = 0
-    adjusted: bool = False
 
 
 @dataclass
@@ -78,7 +46,7 @@ class _Command:
     needs_idle: bool
 
 
-class Engine:
+class Engine(SamplingSteps):
     def __init__(
         self,
         model: RolloutModel,
@@ -362,91 +330,6 @@ class Engine:
         targets = torch.tensor(ids[first + 1 :], dtype=torch.long)
         vals = logp.gather(1, targets[:, None])[:, 0].tolist() if len(targets) else []
         req.input_logprobs = ([None] if start == 0 else []) + vals
-
-    def _sample(self, reqs: list[Request], logits_BV: torch.Tensor) -> None:
-        """Sample one token for each request from its row of logits; finish those that stop."""
-        if any(r.params.max_new_tokens == 0 for r in reqs):
-            keep = [i for i, r in enumerate(reqs) if r.params.max_new_tokens > 0]
-            for req in reqs:
-                if req.params.max_new_tokens == 0:
-                    self._finish(req, {"type": "length", "length": 0})
-            reqs, logits_BV = [reqs[i] for i in keep], logits_BV[keep]
-        if not reqs:
-            return
-        reqs, logits_BV = self._adjust(reqs, logits_BV)
-        for req, token, logprob in zip(reqs, *self._draw(reqs, logits_BV)):
-            if token is None:  # failed in _draw
-                continue
-            if math.isnan(logprob):  # the validation should make this impossible: a bug
-                self._fail(req, "sampling failed: the token's log-prob is NaN")
-                continue
-            req.output_ids.append(token)
-            req.output_logprobs.append(logprob)
-            n, sp = len(req.output_ids), req.params
-            may_stop = (token in req.stop_ids or bool(sp.stop)) and n >= sp.min_new_tokens
-            if may_stop or n >= req.limit:  # the full check only where it can stop
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    self._finish(req, reason)
-
-    def _adjust(self, reqs: list[Request], logits_BV: torch.Tensor):
-        """Penalties, logit bias and min_new_tokens on the rows that need them; a request whose
-        adjustment fails is failed and left out."""
-        adjust = [
-            i
-            for i, r in enumerate(reqs)
-            if r.adjusted or len(r.output_ids) < r.params.min_new_tokens
-        ]
-        if not adjust:
-            return reqs, logits_BV
-        logits_BV = logits_BV.clone()
-        for i in adjust:
-            r = reqs[i]
-            try:
-                logits_BV[i] = adjust_logits(
-                    logits_BV[i], r.params, r.input_ids, r.output_ids, self.eos_ids
-                )
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                self._fail(r, f"sampling failed: {type(e).__name__}: {e}")
-        keep = [i for i, r in enumerate(reqs) if r.error is None]
-        if len(keep) < len(reqs):
-            return [reqs[i] for i in keep], logits_BV[keep]
-        return reqs, logits_BV
-
-    def _draw(self, reqs: list[Request], logits_BV: torch.Tensor) -> tuple[list, list]:
-        """Tokens and log-probs for the batch; should a request's parameters break the batched
-        draw, row by row, with None as the token of the rows that fail."""
-        args = [r.params for r in reqs], [r.generator for r in reqs]
-        try:
-            return sample_batch(logits_BV, *args, self.generator, self.model.decode_kernel)
-        except Exception:  # noqa: BLE001 - find the row that did it
-            log.exception("batched sampling failed; sampling row by row")
-        tokens, logprobs = [], []
-        for i, r in enumerate(reqs):
-            try:
-                [t], [lp] = sample_batch(
-                    logits_BV[i : i + 1], [r.params], [r.generator], self.generator
-                )
-            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-                t, lp = None, math.nan
-                self._fail(r, f"sampling failed: {type(e).__name__}: {e}")
-            tokens.append(t)
-            logprobs.append(lp)
-        return tokens, logprobs
-
-    def _stop_reason(self, req: Request, token: int) -> dict | None:
-        sp, n = req.params, len(req.output_ids)
-        if n >= sp.min_new_tokens:
-            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
-                return {"type": "stop", "matched": token}
-            if sp.stop and self.decode is not None:
-                text = self.decode(req.output_ids)
-                for s in sp.stop:
-                    if s and s in text:
-                        return {"type": "stop", "matched": s}
-        if n >= sp.max_new_tokens or len(req.input_ids) + n >= self.context_len:
-            return {"type": "length", "length": n}
-        return None
 
     def _fail(self, req: Request, message: str) -> None:
         """Finish a request the engine could not serve (the server answers 500)."""

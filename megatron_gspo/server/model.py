@@ -30,8 +30,6 @@ from __future__ import annotations
 import array
 import functools
 import itertools
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, overload
@@ -39,18 +37,14 @@ from typing import TYPE_CHECKING, overload
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
-from megatron_gspo.hf.io import HFReader
 from megatron_gspo.server.kv_cache import KVCache
+from megatron_gspo.server.weights import ModelWeights
 
 if TYPE_CHECKING:
     from megatron_gspo.server.kernels import CompiledDecode
 
 _GROUPED_MM = hasattr(torch, "_grouped_mm")  # one matmul over all experts (CPU too, torch >= 2.9)
-
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 @dataclass
@@ -82,21 +76,11 @@ class StepOutput:
         return self.rows_NV[_longs(list(itertools.accumulate(self.counts))) - 1]
 
 
-class RolloutModel:
+class RolloutModel(ModelWeights):
     """Inference-only causal LM over HF-named weights. Not an nn.Module: no autograd, no hooks."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
-        self.spec = spec
-        self.dtype = dtype or spec.dtype
-        self.params: dict[str, torch.Tensor] = {}
-        # Fused weights (q|k|v rows, dense gate|up rows): the HF-named params are row views of
-        # them, so loading a name fills the fused tensor and one matmul serves all parts.
-        self.fused: dict[str, torch.Tensor] = {}
-        self.experts: dict[int, dict[str, torch.Tensor]] = {}
-        self._alloc()
-        # Tensors computed from the weights once (e.g. the per-head q|k norm weight); emptied by
-        # every load, so a partial update is never served stale.
-        self._derived: dict[str, torch.Tensor] = {}
+        super().__init__(spec, dtype)
         self.moe_layer_ids = spec.moe_layer_ids
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
@@ -114,104 +98,6 @@ class RolloutModel:
         model = cls(model_spec(load_hf_config(path)), dtype)
         model.load_checkpoint(path)
         return model
-
-    # ---- weights -------------------------------------------------------------------------
-
-    def _alloc(self) -> None:
-        s, dt = self.spec, self.dtype
-        d, hd = s.hidden_size, s.head_dim
-
-        def new(name: str, *shape: int) -> None:
-            self.params[name] = torch.zeros(shape, dtype=dt)
-
-        def fused(key: str, parts: list[tuple[str, int]], *cols: int) -> None:
-            t = self.fused[key] = torch.zeros(sum(n for _, n in parts), *cols, dtype=dt)
-            for (name, _), rows in zip(parts, t.split([n for _, n in parts])):
-                self.params[name] = rows
-
-        new("model.embed_tokens.weight", s.vocab_size, d)
-        new("model.norm.weight", d)
-        if not s.tie_embeddings:
-            new("lm_head.weight", s.vocab_size, d)
-        for i in range(s.num_layers):
-            p = f"model.layers.{i}."
-            new(p + "input_layernorm.weight", d)
-            new(p + "post_attention_layernorm.weight", d)
-            qkv = [("q", s.num_heads), ("k", s.num_kv_heads), ("v", s.num_kv_heads)]
-            fused(p + "qkv", [(p + f"self_attn.{n}_proj.weight", h * hd) for n, h in qkv], d)
-            if s.qkv_bias:
-                fused(p + "qkv_bias", [(p + f"self_attn.{n}_proj.bias", h * hd) for n, h in qkv])
-            new(p + "self_attn.o_proj.weight", d, s.num_heads * hd)
-            if s.qk_norm:
-                new(p + "self_attn.q_norm.weight", hd)
-                new(p + "self_attn.k_norm.weight", hd)
-            if s.moe_layers[i]:
-                e, f = s.num_experts, s.moe_ffn_hidden_size
-                new(p + "mlp.gate.weight", e, d)
-                gate_up = torch.zeros(e, 2 * f, d, dtype=dt)  # one matmul for both
-                self.experts[i] = {
-                    "gate_up": gate_up,
-                    "gate": gate_up[:, :f],
-                    "up": gate_up[:, f:],
-                    "down": torch.zeros(e, d, f, dtype=dt),
-                }
-            else:
-                f = s.ffn_hidden_size
-                fused(
-                    p + "gate_up",
-                    [(p + "mlp.gate_proj.weight", f), (p + "mlp.up_proj.weight", f)],
-                    d,
-                )
-                new(p + "mlp.down_proj.weight", d, s.ffn_hidden_size)
-
-    def hf_names(self) -> list[str]:
-        """Every HF tensor name a full checkpoint of this model holds (experts one by one)."""
-        names = list(self.params)
-        for i, ex in self.experts.items():
-            for j in range(ex["gate"].shape[0]):
-                names += [
-                    f"model.layers.{i}.mlp.experts.{j}.{w}_proj.weight"
-                    for w in ("gate", "up", "down")
-                ]
-        return names
-
-    def _target(self, name: str) -> torch.Tensor:
-        """The tensor (or expert slice) an HF name loads into; UserError for unknown names."""
-        if name in self.params:
-            return self.params[name]
-        m = _EXPERT.fullmatch(name)
-        if m and int(m[1]) in self.experts and int(m[2]) < self.spec.num_experts:
-            return self.experts[int(m[1])][m[3]][int(m[2])]
-        m = _FUSED.fullmatch(name)
-        if m and int(m[1]) in self.experts:
-            ex = self.experts[int(m[1])]
-            return ex["gate_up"] if m[2] == "gate_up_proj" else ex["down"]
-        raise UserError(f"weight {name!r} does not belong to this {self.spec.architecture} model")
-
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors in; all shapes are checked before any is written. Returns count."""
-        items = list(named)
-        for name, t in items:
-            want = self._target(name).shape
-            if tuple(t.shape) != tuple(want):
-                raise UserError(
-                    f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(want)}"
-                )
-        with torch.no_grad():
-            for name, t in items:
-                self._target(name).copy_(t)
-        self._derived.clear()
-        return len(items)
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Read every weight of an HF checkpoint directory (the same architecture and sizes)."""
-        spec = model_spec(load_hf_config(path))
-        if _shape_key(spec) != _shape_key(self.spec):
-            raise UserError(f"{path} holds a different model ({spec.architecture}); cannot load it")
-        # Straight from the files into the weights: one copy, every header checked first.
-        targets = [(n, self._target(n)) for n in self.hf_names()]
-        HFReader(path).read_into(targets, threads=torch.get_num_threads())
-        self._derived.clear()
 
     # ---- compute -------------------------------------------------------------------------
 
@@ -479,10 +365,3 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(x.dtype)
-
-
-def _shape_key(spec: ModelSpec) -> tuple:
-    d = dict(spec.__dict__)
-    d.pop("dtype")
-    d.pop("max_position_embeddings")
-    return tuple(sorted(d.items()))

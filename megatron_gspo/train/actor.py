@@ -77,7 +77,7 @@ class Actor:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.spec = chunks[0].model_spec
@@ -98,23 +98,8 @@ class Actor:
             from megatron_gspo.model import cpu_compat
 
             cpu_compat.enable_wgrad_accumulation(self.chunks)
-        dtype = self.config.params_dtype
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=optim.lr,
-                min_lr=optim.min_lr,
-                weight_decay=optim.weight_decay,
-                clip_grad=optim.clip_grad,
-                adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2,
-                adam_eps=optim.adam_eps,
-                bf16=dtype == torch.bfloat16,
-                fp16=dtype == torch.float16,
-                params_dtype=dtype,
-                use_distributed_optimizer=optim.distributed,
-            ),
-            self.chunks,
+            optim.megatron(self.config.params_dtype), self.chunks
         )
         _fused_cpu_adam(self.optimizer)
         # The layout is fixed for the actor's life: read it once, not per step.
@@ -260,10 +245,7 @@ class Actor:
         routing is the natural one (which is what R2 would record and replay); R3 needs the
         rollout's routing aligned by `logprobs` and is refused. batch.old_logprobs is then set
         from this forward."""
-        if on_policy and self.routing is not None and self.routing.mode == ReplayMode.R3:
-            raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
-        if batch.old_logprobs is None and not on_policy:
-            raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
+        self._check_step(batch, loss_cfg, on_policy)
         if on_policy:
             batch.old_logprobs = None  # set from this forward below
         self._set_mode(True)
@@ -273,46 +255,13 @@ class Actor:
         # Logits (the LM head and the log-softmax, forward and backward) only from the first
         # position with a loss: the prompts before it have none.
         mbs, seq_len, dp = self._layout(batch, micro_batch_size, window=True)
-        denom = float(loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind))
-        scale = len(mbs) * dp
-        vocab = self.spec.vocab_size
-
-        if loss_cfg.tis != Tis.NONE and batch.rollout_logprobs is None:
-            raise ValueError(f"tis={loss_cfg.tis} needs the batch's rollout_logprobs")
-
-        def loss(mb, logits):
-            lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
-            if on_policy:
-                mb.old_logprobs = lp.detach()
-                own.append((mb, mb.old_logprobs))
-            value, stats = policy_loss(
-                lp,
-                mb.old_logprobs,
-                mb.advantages,
-                mb.mask,
-                kind=loss_cfg.kind,
-                clip_low=loss_cfg.clip_low,
-                clip_high=loss_cfg.clip_high,
-                agg=loss_cfg.agg,
-                rollout_logprobs=mb.rollout_logprobs,
-                tis_weights=_tis_weights(mb, loss_cfg),
-                loss_scale_denominator=denom,
-            )
-            stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
-            if split is not None:  # the token log-ratios this loss saw, for the drift split
-                split.append((mb.index, (lp - mb.old_logprobs).detach(), mb.mask))
-            return value * scale, stats
-
+        sweep = self._train_sweep(batch, mbs, seq_len, on_policy)
         own: list = []  # on_policy: (microbatch, its log-probs) as the loss saw them
-        sweep = None
-        if self.routing and on_policy:  # natural routing, nothing compared
-            sweep = self.routing.train_sweep(replace(batch, routing=None), mbs, seq_len, None)
-        elif self.routing:
-            sweep = self.routing.train_sweep(batch, mbs, seq_len)
         # (microbatch index, token log-ratios, mask) of each loss call, for the drift split
         split: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = (
             [] if sweep is not None and sweep.moved is not None else None
         )
+        loss = self._loss_fn(batch, loss_cfg, len(mbs) * dp, on_policy, own, split)
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=False)
         routing = {}
@@ -338,6 +287,55 @@ class Actor:
             lr=self.optimizer.param_groups[0]["lr"],
         )
         return metrics
+
+    def _check_step(self, batch: RLBatch, loss_cfg: LossConfig, on_policy: bool) -> None:
+        if on_policy and self.routing is not None and self.routing.mode == ReplayMode.R3:
+            raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
+        if batch.old_logprobs is None and not on_policy:
+            raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
+        if loss_cfg.tis != Tis.NONE and batch.rollout_logprobs is None:
+            raise ValueError(f"tis={loss_cfg.tis} needs the batch's rollout_logprobs")
+
+    def _train_sweep(self, batch: RLBatch, mbs, seq_len: int, on_policy: bool):
+        """The routing replay of this step: natural routing (nothing compared) on policy, else
+        the batch's (R2: recorded, R3: rollout); None on a dense model."""
+        if self.routing and on_policy:
+            return self.routing.train_sweep(replace(batch, routing=None), mbs, seq_len, None)
+        if self.routing:
+            return self.routing.train_sweep(batch, mbs, seq_len)
+        return None
+
+    def _loss_fn(self, batch: RLBatch, loss_cfg: LossConfig, scale: int, on_policy: bool,
+                 own: list, split: list | None):  # fmt: skip
+        """The loss of one microbatch's logits, scaled for megatron's schedule; on policy it
+        keeps its own log-probs in `own`, and the token log-ratios go to `split` when given."""
+        denom = float(loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind))
+        vocab = self.spec.vocab_size
+
+        def loss(mb, logits):
+            lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
+            if on_policy:
+                mb.old_logprobs = lp.detach()
+                own.append((mb, mb.old_logprobs))
+            value, stats = policy_loss(
+                lp,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.mask,
+                kind=loss_cfg.kind,
+                clip_low=loss_cfg.clip_low,
+                clip_high=loss_cfg.clip_high,
+                agg=loss_cfg.agg,
+                rollout_logprobs=mb.rollout_logprobs,
+                tis_weights=_tis_weights(mb, loss_cfg),
+                loss_scale_denominator=denom,
+            )
+            stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
+            if split is not None:  # the token log-ratios this loss saw, for the drift split
+                split.append((mb.index, (lp - mb.old_logprobs).detach(), mb.mask))
+            return value * scale, stats
+
+        return loss
 
     def _optimizer_step(self) -> tuple[bool, float | None, bool]:
         """The optimizer step, unless the gradient norm is not finite (a NaN/Inf loss, an

@@ -155,3 +155,18 @@ def test_no_mode_is_compared_as_a_string_literal_outside_its_enum_module():
         values = [v for v, m in owner.items() if m != module]
         offenders += [f"{rel}: {h}" for h in _literal_mode_comparisons(path.read_text(), values)]
     assert offenders == []
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    long_files, long_functions = [], []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        rel = path.relative_to(ROOT)
+        if len(text.splitlines()) > 400:
+            long_files.append(f"{rel}: {len(text.splitlines())}")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long_functions.append(f"{rel}:{node.lineno} {node.name}: {length}")
+    assert long_files == [] and long_functions == []
