@@ -24,6 +24,7 @@ from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
+from megatron_gspo.train.protocols import PolicyActor, RolloutSource
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
 from megatron_gspo.train.state import TrainState
@@ -109,7 +110,9 @@ class NonFiniteGuard:
             )
 
 
-def collect_current(sync: WeightSync, rl: Rollouts, prompts, step: int, current: str, tries=3):
+def collect_current(
+    sync: WeightSync, rl: RolloutSource, prompts, step: int, current: str, tries: int = 3
+):
     """The step's rollouts, from the trainer's weights: when a server restarted during them
     (onto older weights) gave some samples, it is caught up and the batch generated again (the
     same seeds: the same samples from the other servers), up to `tries` times in all; groups
@@ -128,7 +131,7 @@ def collect_current(sync: WeightSync, rl: Rollouts, prompts, step: int, current:
     return collected
 
 
-def catch_up(sync: WeightSync, rl: Rollouts, current: str) -> dict:
+def catch_up(sync: WeightSync, rl: RolloutSource, current: str) -> dict:
     """Before a step's rollouts: wait for the servers their supervisor is restarting (onto
     the restore point), then bring every ready server that is on other weights to `current`."""
     t0 = time.perf_counter()
@@ -137,7 +140,7 @@ def catch_up(sync: WeightSync, rl: Rollouts, current: str) -> dict:
     return {"sync/caught_up_servers": len(urls), "time/catch_up_s": time.perf_counter() - t0}
 
 
-def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
+def sync_weights(sync: WeightSync, rl: RolloutSource, step: int) -> dict:
     """The step's weight sync, as version `step`, into the servers that are ready (one that
     is being restarted is caught up before the next rollouts). A server that fails it while
     its supervisor restarts it (it died) does not end the run: it is restored or lost, never
@@ -165,7 +168,7 @@ def sync_weights(sync: WeightSync, rl: Rollouts, step: int) -> dict:
     return {"sync/gb_per_s": report.gb_per_s, "sync/failed_servers": failed}
 
 
-def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
+def train_on(actor: PolicyActor, batch: RLBatch, cfg: Config, step: int) -> dict:
     """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch.
 
     With `algo.on_policy_first_update` (default; not under R3) the first minibatch's old
@@ -205,12 +208,15 @@ def train_on(actor, batch: RLBatch, cfg: Config, step: int) -> dict:
     return metrics | _combine_updates(per_update)
 
 
-def _old_logprobs(actor, batch: RLBatch, rows: list[int], micro_batch_size: int) -> dict:
+def _old_logprobs(
+    actor: PolicyActor, batch: RLBatch, rows: list[int], micro_batch_size: int
+) -> dict:
     """Old log-probs (and recorded routing) of `rows` into the batch, None for the others;
     returns the forward's routing metrics."""
     n = len(batch)
     if len(rows) == n:
-        batch.old_logprobs, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True)
+        every, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True)
+        batch.old_logprobs = list[list[float | None] | None](every)
         return metrics
     sub = replace(batch, old_logprobs=None, routing=None).rows(rows)
     batch.old_logprobs = [None] * n

@@ -1,0 +1,83 @@
+"""What the RL loop needs of its parts, as protocols: the actor (log-probs and updates), the
+rollouts (samples from the servers, and their supervision around a weight sync) and the setup.
+`Actor`, `Rollouts` and `TrainerSetup` are the implementations; an asynchronous rollout source
+or another trainer backend fits the loop by providing the same methods."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from megatron_gspo.algo.config import LossConfig
+    from megatron_gspo.train.batch import RLBatch
+    from megatron_gspo.train.rollouts import Collected
+    from megatron_gspo.train.state import TrainState
+    from megatron_gspo.weight_sync.disk import RestorePoint
+    from megatron_gspo.weight_sync.sync import WeightSync
+
+
+class PolicyActor(Protocol):
+    def set_lr(self, lr: float) -> None: ...
+
+    def logprobs(
+        self, batch: RLBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
+    ) -> tuple[list[list[float | None]], dict[str, float]]: ...
+
+    def train_step(
+        self,
+        batch: RLBatch,
+        loss_cfg: LossConfig,
+        micro_batch_size: int = 8,
+        *,
+        on_policy: bool = False,
+    ) -> dict: ...
+
+
+class RolloutSource(Protocol):
+    rank0: bool
+    urls: list[str]
+    api_key: str | None
+
+    @property
+    def n_train_prompts(self) -> int: ...
+
+    def collect(
+        self, prompt_index: list[int], step: int, version: str | None = None
+    ) -> Collected: ...
+
+    def weights_at(self, point: RestorePoint) -> None: ...
+
+    def wait_for_restarts(self) -> None: ...
+
+    def ready_servers(self) -> list[int] | None: ...
+
+    def restart_counts(self) -> list[int] | None: ...
+
+    def being_restarted(self, urls: list[str], since: list[int] | None = None) -> bool: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+
+class Setup(Protocol):
+    actor: PolicyActor
+    hf_dir: Path
+
+    def sampler(self, n_rows: int) -> Any: ...
+
+    def weight_sync(self, urls: list[str], api_key: str | None = None) -> WeightSync: ...
+
+    def restore(self, sampler: Any, sync: WeightSync, rollouts: Any) -> TrainState: ...
+
+
+if TYPE_CHECKING:  # mypy checks that the implementations provide what the loop needs
+    from megatron_gspo.train.actor import Actor
+    from megatron_gspo.train.rollouts import Rollouts
+    from megatron_gspo.train.setup import TrainerSetup
+
+    def _implementations(
+        actor: Actor, rollouts: Rollouts, setup: TrainerSetup
+    ) -> tuple[PolicyActor, RolloutSource, Setup]:
+        return actor, rollouts, setup
