@@ -3,6 +3,7 @@ to come up, against a port nothing listens on and a server that is not healthy a
 
 import asyncio
 import base64
+import contextlib
 import time
 
 import numpy as np
@@ -11,6 +12,25 @@ import pytest
 from megatron_gspo.rollout.client import RolloutClient, RolloutError, Sample, decode_routed_experts
 
 pytestmark = pytest.mark.unit
+
+
+@contextlib.asynccontextmanager
+async def fake_server(routes: dict):
+    """A local aiohttp server for an injected fault: {"/path" (GET) or "POST /path": handler};
+    yields its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    for key, handler in routes.items():
+        method, _, path = key.rpartition(" ")
+        app.router.add_route(method or "GET", path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 def answer(tokens, routed=None, reason="length"):
@@ -73,18 +93,8 @@ def test_wait_healthy_waits_for_a_server_that_answers_but_is_not_ready():
         return web.Response(status=200 if len(calls) > 8 else 503)  # ~1.6 s of 503s
 
     async def go():
-        app = web.Application()
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with RolloutClient(url) as client:
-                await client.wait_healthy(timeout_s=30, refused_s=0.5)
-        finally:
-            await runner.cleanup()
+        async with fake_server({"/health": health}) as url, RolloutClient(url) as client:
+            await client.wait_healthy(timeout_s=30, refused_s=0.5)
 
     asyncio.run(go())
     assert len(calls) == 9 and calls[-1] - calls[0] > 0.5
@@ -107,19 +117,10 @@ def test_a_request_that_fails_on_a_healthy_server_gives_up(outage_s):
         return web.json_response({"error": {"message": "engine step failed: boom"}}, status=500)
 
     async def go():
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
+        routes = {"/health": health, "POST /generate": generate}
+        async with fake_server(routes) as url:
             async with RolloutClient(url, retries=2, backoff_s=0.01, outage_s=outage_s) as c:
                 await c.generate([[5]], sampling_params={"max_new_tokens": 2})
-        finally:
-            await runner.cleanup()
 
     t0 = time.monotonic()
     with pytest.raises(RolloutError, match=r"after \d+ attempts \(last: HTTP 500: engine step"):
