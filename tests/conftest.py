@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
@@ -40,69 +35,3 @@ TINY = {
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {name: make_tiny_model(spec, root / name) for name, spec in TINY.items()}
-
-
-# Overrides that make a tiny config's training run quick (a few seconds a step) in tests.
-QUICK_TRAIN = [
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "train.micro_batch_size=4",
-    "train.eval_prompts=8",
-    "train.eval_every=2",
-    "logging.tensorboard=false",
-    "logging.console=false",
-]
-
-
-def cli_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def run_cli(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run `megatron-gspo ARGS`, under torchrun with `nproc` processes when nproc > 1."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megatron_gspo.cli", *args]
-    else:
-        from megatron_gspo.comm import free_port
-
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            "-m",
-            "megatron_gspo.cli",
-            *args,
-        ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())
-
-
-def hf_token_logprobs(checkpoint: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Independent reference: log p(token_t | prefix) from a transformers forward, fp32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for s in seqs:
-            logp = model(torch.tensor([s])).logits[0].float().log_softmax(-1)
-            out.append(logp[:-1].gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1))
-    return out
-
-
-def random_sequences(vocab: int, lengths=(5, 17, 9, 12, 3), seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def write_jsonl(path: Path, seqs) -> Path:
-    path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
-    return path
-
-
-def read_logprobs(path: Path) -> list[list[float | None]]:
-    return [json.loads(line)["logprobs"] for line in path.read_text().splitlines()]

@@ -1,9 +1,101 @@
-"""Helpers the tests import (fixtures stay in conftest.py)."""
+"""Helpers the tests import (fixtures stay in conftest.py): running the CLI and workers under
+torchrun, independent references (an HF forward), and holding a request on a server."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import torch
+
+# Overrides that make a tiny config's training run quick (a few seconds a step) in tests.
+QUICK_TRAIN = [
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "train.micro_batch_size=4",
+    "train.eval_prompts=8",
+    "train.eval_every=2",
+    "logging.tensorboard=false",
+    "logging.console=false",
+]
+
+
+def cli_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_cli(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `megatron-gspo ARGS`, under torchrun with `nproc` processes when nproc > 1."""
+    target = ["-m", "megatron_gspo.cli", *args]
+    cmd = [sys.executable, *target] if nproc == 1 else torchrun(nproc, *target)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())
+
+
+def hf_token_logprobs(checkpoint: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Independent reference: log p(token_t | prefix) from a transformers forward, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            logp = model(torch.tensor([s])).logits[0].float().log_softmax(-1)
+            out.append(logp[:-1].gather(-1, torch.tensor(s[1:]).unsqueeze(-1)).squeeze(-1))
+    return out
+
+
+def random_sequences(vocab: int, lengths=(5, 17, 9, 12, 3), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def write_jsonl(path: Path, seqs) -> Path:
+    path.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
+    return path
+
+
+def read_logprobs(path: Path) -> list[list[float | None]]:
+    return [json.loads(line)["logprobs"] for line in path.read_text().splitlines()]
+
+
+def torchrun(nproc: int, *target: str) -> list[str]:
+    """The command running `target` (a script and its arguments, or "-m", module, ...) under
+    torchrun with `nproc` ranks on this machine."""
+    from megatron_gspo.comm import free_port
+
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", *target,
+    ]  # fmt: skip
+
+
+def run_distributed(
+    worker: Path, nproc: int, *args: str, out: Path, log: Path | None = None,
+    timeout: int = 400, expect_rc: int = 0,
+) -> dict | None:  # fmt: skip
+    """Run the worker script under torchrun with `nproc` ranks; returns the JSON it wrote to
+    `out` (None when it wrote none). Its output goes to `log` when given: a file, not a pipe,
+    for workers whose children (torch's shared-memory manager) may outlive them."""
+    cmd = torchrun(nproc, str(worker), *args)
+    if log is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())
+        tail = proc.stderr[-4000:]
+    else:
+        with open(log, "w") as f:
+            proc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=cli_env()
+            )
+        tail = log.read_text()[-4000:]
+    assert proc.returncode == expect_rc, tail
+    return json.loads(out.read_text()) if out.exists() else None
 
 
 async def running_requests(client, url: str) -> int:

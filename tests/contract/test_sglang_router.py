@@ -20,8 +20,8 @@ import pytest
 
 from megatron_gspo.comm import free_port
 from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
-from tests.conftest import QUICK_TRAIN, cli_env
 from tests.contract.sglang_venv import sglang_python
+from tests.helpers import QUICK_TRAIN, cli_env
 
 pytestmark = [pytest.mark.contract, pytest.mark.e2e]
 

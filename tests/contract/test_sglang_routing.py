@@ -26,8 +26,8 @@ import torch
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.launcher import ServerGroup
-from tests.conftest import cli_env
 from tests.contract.sglang_venv import server_config
+from tests.helpers import cli_env
 
 pytestmark = pytest.mark.contract
 

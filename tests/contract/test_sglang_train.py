@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env
 from tests.contract.sglang_venv import sglang_python
+from tests.helpers import cli_env
 
 pytestmark = [pytest.mark.contract]
 

@@ -1,15 +1,12 @@
 """The actor's optimizer step gives the same loss and grad norm however the batch is split:
 one microbatch vs four, DP1 vs DP2, TP1 vs TP2, EP2, PP2 (1F1B and VPP2), TP2xEP2 (gloo)."""
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -17,26 +14,9 @@ WORKER = Path(__file__).with_name("actor_worker.py")
 
 
 def run_worker(tmp_path, checkpoint, nproc, mbs, flags=(), kind="grpo", tag="run", extra=()):
-    from megatron_gspo.comm import free_port
-
     out = tmp_path / f"{tag}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
-        str(WORKER),
-        str(checkpoint),
-        str(out),
-        kind,
-        str(mbs),
-        *flags,
-        *extra,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=cli_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    args = (str(checkpoint), str(out), kind, str(mbs), *flags, *extra)
+    return run_distributed(WORKER, nproc, *args, out=out)
 
 
 def assert_same_steps(got, ref):

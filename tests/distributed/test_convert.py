@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_gspo.hf.io import HFReader
-from tests.conftest import (
+from tests.helpers import (
     cli_env,
     hf_token_logprobs,
     random_sequences,

@@ -11,8 +11,6 @@ replay matters from the first forward. Independent references: an HF transformer
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_gspo.rollout.client import RolloutClient
-from tests.conftest import cli_env
 from tests.distributed.routing_worker import MINIBATCH  # the second update's rows
 from tests.e2e.server_process import running_server
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -91,7 +89,6 @@ def batch_file(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, batch_file, tmp_path_factory):
-    from megatron_gspo.comm import free_port
 
     tmp = tmp_path_factory.mktemp("routing")
     plan = tmp / "plan.json"
@@ -104,14 +101,8 @@ def runs(checkpoints, batch_file, tmp_path_factory):
         )
     )
     out = tmp / "out.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4",
-        f"--master-port={free_port()}", str(WORKER), str(checkpoints[1]), str(batch_file),
-        str(out), str(plan),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    args = (str(checkpoints[1]), str(batch_file), str(out), str(plan))
+    return run_distributed(WORKER, 4, *args, out=out, timeout=900)
 
 
 def run_names():

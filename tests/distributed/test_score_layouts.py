@@ -7,7 +7,7 @@ same within 1e-5 across TP1, TP2, EP2, PP2, TP2xEP2, PP2xEP2 and PP2xVPP2.
 import pytest
 import torch
 
-from tests.conftest import hf_token_logprobs, random_sequences, read_logprobs, run_cli, write_jsonl
+from tests.helpers import hf_token_logprobs, random_sequences, read_logprobs, run_cli, write_jsonl
 
 pytestmark = pytest.mark.distributed
 

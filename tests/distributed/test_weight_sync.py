@@ -6,7 +6,6 @@ the trainer's probe log-probs within 1e-4 (fp32). A failure injected mid-sync (a
 transport error, the trainer killed) leaves every server on one whole version.
 """
 
-import json
 import os
 import re
 import signal
@@ -17,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.comm import free_port
-from tests.conftest import cli_env
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -69,18 +67,11 @@ def servers(tiny_models, tmp_path_factory):
 
 def run_worker(tmp_path, checkpoint, urls, nproc=1, flags=(), expect_rc=0, tag="run"):
     out = tmp_path / f"{tag}.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}", str(WORKER), str(checkpoint), str(out), ",".join(urls),
-        "--dir", str(tmp_path / "sync"), *flags,
-    ]  # fmt: skip
+    args = (str(checkpoint), str(out), ",".join(urls), "--dir", str(tmp_path / "sync"), *flags)
     # Output to a file, not a pipe: torch's shared-memory manager, a child of the worker, lives
     # on while servers hold the worker's shared buffers, and would keep a pipe open.
     log = tmp_path / f"{tag}.log"
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=400, env=cli_env())
-    assert proc.returncode == expect_rc, log.read_text()[-4000:]
-    return json.loads(out.read_text()) if out.exists() else None
+    return run_distributed(WORKER, nproc, *args, out=out, log=log, expect_rc=expect_rc)
 
 
 def run_restarting_worker(tmp_path, checkpoint, started, nproc, flags) -> dict:

@@ -8,17 +8,13 @@ one stage and the relay of the other, both at once. A server on the relay's node
 is named in the error and lost, while every other server ends on the new version.
 """
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_gspo.comm import free_port
-from tests.conftest import cli_env
 from tests.distributed.test_weight_sync import assert_serves, start_servers, stop_servers
+from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -28,16 +24,20 @@ SERVER_NODES = [0, 1, 1]
 
 def run_relay_worker(tmp_path, checkpoint, urls, flags=(), tag="run") -> dict:
     out = tmp_path / f"{tag}.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        f"--master-port={free_port()}", str(WORKER), str(checkpoint), str(out), ",".join(urls),
-        "--server-nodes", ",".join(map(str, SERVER_NODES)), "--rank-nodes", "0,1", *flags,
-    ]  # fmt: skip
+    nodes = ",".join(map(str, SERVER_NODES))
+    args = (
+        str(checkpoint),
+        str(out),
+        ",".join(urls),
+        "--server-nodes",
+        nodes,
+        "--rank-nodes",
+        "0,1",
+    )
     log = tmp_path / f"{tag}.log"  # a file, not a pipe (see test_weight_sync.run_worker)
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=400, env=cli_env())
-    assert proc.returncode == 0, log.read_text()[-4000:]
-    return json.loads(out.read_text())
+    result = run_distributed(WORKER, 2, *args, *flags, out=out, log=log)
+    assert result is not None
+    return result
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from megatron_gspo.rollout.launcher import free_port
-from tests.conftest import QUICK_TRAIN, cli_env
+from tests.helpers import QUICK_TRAIN, cli_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

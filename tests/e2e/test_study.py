@@ -21,7 +21,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.study.analysis import collapse_events
 from megatron_gspo.study.figures import CAPTIONS
 from megatron_gspo.study.plan import algo_table, build_study, check_manifest
-from tests.conftest import cli_env
+from tests.helpers import cli_env
 
 pytestmark = [pytest.mark.e2e]
 

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.conftest import QUICK_TRAIN, cli_env
+from tests.helpers import QUICK_TRAIN, cli_env
 
 pytestmark = [pytest.mark.e2e]
 

@@ -4,7 +4,7 @@ installed. Skipped where there is no GPU; CI machines have none."""
 import pytest
 import torch
 
-from tests.conftest import hf_token_logprobs, random_sequences, read_logprobs, run_cli, write_jsonl
+from tests.helpers import hf_token_logprobs, random_sequences, read_logprobs, run_cli, write_jsonl
 
 pytestmark = [
     pytest.mark.gpu,

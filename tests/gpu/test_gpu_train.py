@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import cli_env
+from tests.helpers import cli_env
 
 pytestmark = [
     pytest.mark.gpu,

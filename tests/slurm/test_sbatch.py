@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import QUICK_TRAIN, cli_env
+from tests.helpers import QUICK_TRAIN, cli_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import random_sequences, run_cli, write_jsonl
+from tests.helpers import random_sequences, run_cli, write_jsonl
 
 pytestmark = pytest.mark.unit
 
