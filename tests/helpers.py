@@ -1,5 +1,6 @@
 """Helpers the tests import (fixtures stay in conftest.py): running the CLI and workers under
-torchrun, independent references (an HF forward), and holding a request on a server."""
+torchrun, independent references (an HF forward), holding a request on a server and holding a
+training run at a step (to kill it there)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,43 @@ async def hold_running(
             await asyncio.sleep(0.002)
         await task
     raise AssertionError(f"{n} request(s) were never seen running in {attempts} tries")
+
+
+_GATE = """
+import time
+from pathlib import Path
+
+from megatron_gspo.rewards.exact import exact_answer
+
+RUN, HOLD, AFTER = Path({run!r}), Path({hold!r}), {after}
+
+
+def reward(prompt, response, answer):
+    metrics = RUN / "metrics.jsonl"
+    while (HOLD.exists() and (RUN / "checkpoints" / f"step_{{AFTER}}" / "trainer_state.json").is_file()
+           and metrics.is_file() and len(metrics.read_text().splitlines()) > AFTER):
+        (HOLD.parent / "held").touch()
+        time.sleep(0.1)
+    return exact_answer(prompt, response, answer)
+"""
+
+
+class StepGate:
+    """A reward plugin ("exact", the same rewards) that holds the training run in `run` inside
+    step AFTER + 1, once step AFTER's checkpoint and metrics are written, for as long as the gate
+    is closed: a deterministic point to kill a run at, whatever the machine's speed (a tiny
+    step can end between two looks at the checkpoint directory)."""
+
+    def __init__(self, tmp: Path, run: Path, after: int):
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.hold, self.held, path = tmp / "hold", tmp / "held", tmp / "gate.py"
+        path.write_text(_GATE.format(run=str(run), hold=str(self.hold), after=after))
+        self.override = f"reward.fn={path}:reward"
+        self.hold.touch()
+
+    @property
+    def holding(self) -> bool:
+        return self.held.is_file()
+
+    def open(self) -> None:
+        self.hold.unlink(missing_ok=True)

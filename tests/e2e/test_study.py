@@ -21,7 +21,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.study.analysis import collapse_events
 from megatron_gspo.study.figures import CAPTIONS
 from megatron_gspo.study.plan import algo_table, build_study, check_manifest
-from tests.helpers import cli_env
+from tests.helpers import StepGate, cli_env
 
 pytestmark = [pytest.mark.e2e]
 
@@ -47,35 +47,39 @@ def task_model(tmp_path_factory) -> Path:
     return make_tiny_model(TinySpec(seed=0), tmp_path_factory.mktemp("task") / "model")
 
 
-def study_cmd(out: Path, model: Path) -> list[str]:
+def study_cmd(out: Path, model: Path, *extra: str) -> list[str]:
     args = ["--config", str(BASE), "--algos", "gspo,grpo", "--seeds", "1", "--steps", "3"]
     return [sys.executable, "-m", "megatron_gspo.study", *args, "--out", str(out),
-            f"model.path={model}", *QUICK]  # fmt: skip
+            f"model.path={model}", *QUICK, *extra]  # fmt: skip
 
 
-def run_study(out: Path, model: Path) -> tuple[int, str]:
-    proc = subprocess.run(study_cmd(out, model), capture_output=True, text=True, timeout=300,
-                          env=cli_env(), cwd=ROOT)  # fmt: skip
+def run_study(out: Path, model: Path, *extra: str) -> tuple[int, str]:
+    proc = subprocess.run(study_cmd(out, model, *extra), capture_output=True, text=True,
+                          timeout=300, env=cli_env(), cwd=ROOT)  # fmt: skip
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def test_study_killed_then_resumed_then_skipped(task_model, tmp_path):
     out = tmp_path / "study"
-    log = open(tmp_path / "first.log", "wb")
-    proc = subprocess.Popen(study_cmd(out, task_model), stdout=log, stderr=subprocess.STDOUT,
-                            env=cli_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
     second = out / "runs" / "grpo" / "seed1"
+    gate = StepGate(tmp_path / "gate", second, after=2)  # holds grpo/seed1 inside step 3
+    gated = [f"grpo:{gate.override}"]
+    log = open(tmp_path / "first.log", "wb")
+    proc = subprocess.Popen(study_cmd(out, task_model, *gated), stdout=log,
+                            stderr=subprocess.STDOUT, env=cli_env(), cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 240
-    while not (second / "checkpoints" / "step_2" / "trainer_state.json").is_file():
+    while not gate.holding:
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "timed out waiting for the second run's checkpoint"
+        assert time.monotonic() < deadline, "timed out waiting for the second run's step 3"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # the study and its train run, no clean-up
     proc.wait(timeout=60)
+    gate.open()
     first = out / "runs" / "gspo" / "seed1" / "metrics.jsonl"
     done_before = first.read_bytes()
 
-    rc, text = run_study(out, task_model)
+    rc, text = run_study(out, task_model, *gated)
     assert rc == 0, text[-3000:]
     assert "2 runs, 1 complete, 1 to run" in text
     assert "grpo/seed1: resume from step 2" in text
@@ -94,7 +98,7 @@ def test_study_killed_then_resumed_then_skipped(task_model, tmp_path):
         assert (out / name).stat().st_size > 5000, name
         assert f"]({name})" in report
 
-    rc, text = run_study(out, task_model)
+    rc, text = run_study(out, task_model, *gated)
     assert rc == 0, text[-3000:]
     assert "2 runs, 2 complete, 0 to run" in text
     assert first.read_bytes() == done_before

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import QUICK_TRAIN, cli_env
+from tests.helpers import QUICK_TRAIN, StepGate, cli_env
 
 pytestmark = [pytest.mark.e2e]
 
@@ -120,16 +120,18 @@ def test_bf16_trainer_trains_checkpoints_and_resumes(task_model, tmp_path):
     assert rc == 0, out[-3000:]
 
     run = tmp_path / "killed"
+    gate = StepGate(tmp_path / "gate", run, after=2)  # holds the run inside step 3
     proc = train("tiny_moe_gspo.yaml", run, task_model, "train.checkpoint_every=1",
-                 steps=steps, wait=False)  # fmt: skip
-    _wait_for(lambda: (run / "checkpoints" / "step_2").is_dir(), proc)
+                 gate.override, steps=steps, wait=False)  # fmt: skip
+    _wait_for(lambda: gate.holding, proc)
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGKILL)  # no handler, no atexit: servers die with their parent
     proc.wait(timeout=60)
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [" ".join(p.cmdline())[:200] for p in alive]  # nothing left behind
+    gate.open()
     rc, out = train("tiny_moe_gspo.yaml", run, task_model, "--resume",
-                    "train.checkpoint_every=1", steps=steps)  # fmt: skip
+                    "train.checkpoint_every=1", gate.override, steps=steps)  # fmt: skip
     assert rc == 0, out[-3000:]
     got, want = metrics(run), metrics(ref)
     assert [r["step"] for r in got] == list(range(steps + 1))
