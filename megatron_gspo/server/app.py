@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import gc
 import hmac
-import ipaddress
 import logging
 import os
 import signal
@@ -45,7 +44,7 @@ from megatron_gspo.server.engine import Engine, Request
 from megatron_gspo.server.http_common import BODY_TIMEOUT, STATE, BodyTimeout, bad, read_json
 from megatron_gspo.server.sampling import SamplingParams
 from megatron_gspo.server.state import ServerState
-from megatron_gspo.server.validate import BadRequest
+from megatron_gspo.server.validate import BadRequest, is_loopback
 
 log = logging.getLogger("megatron_gspo.server.app")
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
@@ -277,21 +276,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_host(host: str, api_key: str | None) -> None:
-    if api_key or _is_loopback(host):
+    if api_key or is_loopback(host):
         return
     raise UserError(
         f"refusing to serve on non-loopback host {host!r} without an API key; "
         f"pass --api-key (or set ${API_KEY_ENV}) or bind 127.0.0.1"
     )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve_main(args: argparse.Namespace) -> None:

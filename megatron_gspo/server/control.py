@@ -8,8 +8,6 @@ they apply at once and the paused requests continue on the new weights with thei
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from aiohttp import web
 
 from megatron_gspo.errors import UserError
@@ -17,6 +15,7 @@ from megatron_gspo.server.engine import Engine
 from megatron_gspo.server.http_common import STATE, bad, read_json, run_on_engine
 from megatron_gspo.server.sampling import BadRequest
 from megatron_gspo.server.state import ServerState
+from megatron_gspo.server.validate import weight_dir
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -77,13 +76,14 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         raise BadRequest("weight_version must be a string")
     if body.get("load_format") not in (None, "auto", "safetensors"):
         raise BadRequest(f"load_format {body['load_format']!r} is not supported; use auto")
+    path = weight_dir(path, st.served_path)
     if body.get("abort_all_requests"):
         st.engine.abort(None, "Abort by update_weights_from_disk")
 
     def load(engine: Engine) -> int:
         paused = len(engine.running) if engine.paused else 0
         engine.model.load_checkpoint(path)
-        st.model_path = str(Path(path).resolve())
+        st.model_path = path
         if version is not None:
             engine.weight_version = version
         return paused

@@ -15,7 +15,9 @@ server could grow, overwrite or, at exit, delete any /dev/shm object of its user
 must have torch's form (`/torch_<pid>_<n>_<n>`, nothing else in /dev/shm, no path), the object
 must be a regular file of the server's own user whose size is exactly torch's header plus the
 claimed size, and it is mapped read-only: the server never writes, grows, counts or unlinks it
-(the sender frees it). The manager socket is ignored.
+(the sender frees it). The manager socket is ignored. A client on another machine cannot have
+created a shared-memory object here, so a payload from one that names any is refused
+(`allow_shared=False`; a peer is on this machine when its address is one of this machine's).
 """
 
 from __future__ import annotations
@@ -177,8 +179,21 @@ _HINTS = {
 }
 
 
+_SHARED = ("torch.multiprocessing.reductions", "rebuild_storage_filename")
+
+
 class _TensorUnpickler(pickle.Unpickler):
+    def __init__(self, file, allow_shared: bool):
+        super().__init__(file)
+        self.allow_shared = allow_shared
+
     def find_class(self, module: str, name: str):
+        if (module, name) == _SHARED and not self.allow_shared:
+            raise BadPayload(
+                "weight payload refers to shared memory, which only a process on this machine "
+                "can pass: refused from a client on another machine (from there, sync weights "
+                "with sync.method distributed or disk)"
+            )
         found = _ALLOWED.get((module, name))
         if found is not None:
             return found
@@ -191,14 +206,15 @@ class _TensorUnpickler(pickle.Unpickler):
         raise BadPayload("weight payload uses persistent ids: refused")
 
 
-def loads(b64: str | bytes) -> object:
-    """Decode one base64 payload with the restricted unpickler."""
+def loads(b64: str | bytes, allow_shared: bool = True) -> object:
+    """Decode one base64 payload with the restricted unpickler; `allow_shared` False (a client
+    on another machine) refuses shared-memory tensors."""
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError, TypeError) as e:
         raise BadPayload(f"serialized_named_tensors is not base64: {e}") from None
     try:
-        return _TensorUnpickler(io.BytesIO(raw)).load()
+        return _TensorUnpickler(io.BytesIO(raw), allow_shared).load()
     except BadPayload:
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the client's error
@@ -206,10 +222,11 @@ def loads(b64: str | bytes) -> object:
 
 
 def decode_named_tensors(
-    b64: str | bytes, load_format: str | None
+    b64: str | bytes, load_format: str | None, allow_shared: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) list of one payload; load_format None/"direct" or "flattened_bucket"."""
-    obj = loads(b64)
+    """The (name, tensor) list of one payload; load_format None/"direct" or "flattened_bucket".
+    `allow_shared`: whether shared-memory tensors are accepted (a client on this machine)."""
+    obj = loads(b64, allow_shared)
     if load_format == "flattened_bucket":
         return _from_bucket(obj)
     if not isinstance(obj, (list, tuple)):

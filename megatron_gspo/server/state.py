@@ -63,6 +63,7 @@ class ServerState:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.model_path = str(Path(args.model).resolve())
+        self.served_path = self.model_path  # (model_path follows disk updates)
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         model = RolloutModel.from_pretrained(self.model_path, dtype)
         self.spec = model.spec

@@ -9,8 +9,14 @@ engine's types otherwise (int64 seeds, int32 lengths).
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import math
+import os
+import socket
+import stat
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 INT32_MAX = 2**31 - 1
@@ -96,3 +102,58 @@ def show(v: object) -> str:
     except ValueError:  # an int too long to print
         return "a very large integer"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` (a bind address or a peer's address) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+@functools.lru_cache(maxsize=256)
+def is_local_address(host: str | None) -> bool:
+    """Whether `host` (a peer's IP address) is one of this machine's own: a socket can be bound
+    to it. A peer that connects from one is a process on this machine (a trainer rank on the
+    server's node reaches it by the node's address, not only by loopback)."""
+    if not host:
+        return False
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return True
+    except (ValueError, OSError):
+        return False
+
+
+def _guarded(path: Path, what: str) -> None:
+    info = os.stat(path)
+    if info.st_uid != os.getuid() or info.st_mode & stat.S_IWOTH:
+        raise BadRequest(
+            f"model_path {what} {str(path)!r} is owned by uid {info.st_uid} with mode "
+            f"{stat.S_IMODE(info.st_mode):o}; this server loads weights only from directories "
+            f"that its own user (uid {os.getuid()}) owns and others cannot write (chmod o-w)"
+        )
+
+
+def weight_dir(path: str, served: str) -> str:
+    """`path` (a client's /update_weights_from_disk model_path), resolved, once it is a directory
+    no other user could have put weights in: owned by the server's user and not world-writable,
+    as is every file in it (group-writable is allowed: under a umask of 002 the user's own files
+    are). A peer on a shared machine can reach a loopback port; it must not be able to make the
+    server serve weights it wrote. The directory the server was started with (its operator's
+    choice) is always allowed."""
+    resolved = Path(path).resolve()
+    if not resolved.is_dir():
+        raise BadRequest(f"model_path {path!r} is not a checkpoint directory")
+    if str(resolved) == served:
+        return str(resolved)
+    _guarded(resolved, "directory")
+    for entry in resolved.iterdir():
+        if entry.is_file():  # (a link is judged by what it points to)
+            _guarded(entry, "file")
+    return str(resolved)

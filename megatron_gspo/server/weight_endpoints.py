@@ -39,6 +39,7 @@ from megatron_gspo.server.engine import Engine
 from megatron_gspo.server.http_common import STATE, bad, read_json, run_on_engine
 from megatron_gspo.server.sampling import BadRequest
 from megatron_gspo.server.state import ServerState, WeightUpdates
+from megatron_gspo.server.validate import is_local_address
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -128,7 +129,10 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise BadRequest(f"load_format must be null, direct or flattened_bucket: {load_format!r}")
     version, abort_all = _options(body)
     _require_session(st.weights, "update_weights_from_tensor")
-    named = await asyncio.to_thread(safe_unpickle.decode_named_tensors, payloads[0], load_format)
+    local = is_local_address(request.remote)  # (only a process here made shared memory)
+    named = await asyncio.to_thread(
+        safe_unpickle.decode_named_tensors, payloads[0], load_format, local
+    )
     if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_tensor")
     # torch's receiver gives back the reference the sender's pickle took on its shared memory;

@@ -3,6 +3,7 @@ shared memory (direct and flattened bucket), a gloo broadcast group, memory rele
 pickle that tries to run code, and SGLang's error shape for every wrong request."""
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -266,6 +267,90 @@ def test_shared_memory_names_a_peer_chooses_are_confined(server, session, ckpts,
     with wp.TensorSharing():  # the real norm back, for the tests after this one
         body = wp.tensor_update_body(norm, load_format=None)
     assert call(server, "/update_weights_from_tensor", body)[0] == 200
+
+
+def test_disk_updates_load_only_directories_no_other_user_could_write(server, ckpts, tmp_path):
+    """A peer that can reach the port (any local user, on a shared node) must not make the
+    server serve weights it wrote: a directory, or a file in it, that another user owns or
+    anyone can write is refused (400, the fix named); the server's own user's directory loads
+    (group-writable too: a umask of 002 makes it so)."""
+    import shutil
+
+    new = tmp_path / "v"
+    shutil.copytree(ckpts[1], new)
+    weights = new / "model.safetensors"
+    body = {"model_path": str(new)}
+    for target, mode in ((new, 0o777), (weights, 0o666), (new / "config.json", 0o646)):
+        before = target.stat().st_mode
+        target.chmod(mode)
+        status, out = call(server, "/update_weights_from_disk", body)
+        target.chmod(before)
+        assert status == 400 and "others cannot write (chmod o-w)" in out["message"], out
+        assert f"mode {mode:o}" in out["message"], out
+    if os.getuid() == 0:  # (only root can give a file away)
+        os.chown(weights, 12345, -1)
+        status, out = call(server, "/update_weights_from_disk", body)
+        os.chown(weights, 0, -1)
+        assert status == 400 and "owned by uid 12345" in out["message"], out
+    new.chmod(0o775)
+    assert call(server, "/update_weights_from_disk", body)[0] == 200
+    assert call(server, "/update_weights_from_disk", {"model_path": str(ckpts[0])})[0] == 200
+
+
+def _outward_address() -> str | None:
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+def test_shared_memory_comes_only_from_this_machine(ckpts, tmp_path):
+    """A shared-memory payload from a peer on this machine loads, whether it connects by
+    loopback or by the machine's own address (a trainer rank relaying to the server of its node
+    does); the server's check of which peers are local is the one it uses (a peer from another
+    machine is refused: tests/unit/test_weight_sync.py, no second machine here)."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from megatron_gspo.server.validate import is_local_address
+
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    assert is_local_address(address) and is_local_address("127.0.0.1")
+    fake = Path("/dev/shm") / f"torch_{os.getpid()}_4343_0"  # torch's form and size
+    fake.write_bytes(bytes(64) + torch.ones(SPEC.hidden).numpy().tobytes())
+    port = free_port()
+    cmd = [sys.executable, "-m", "megatron_gspo.server", "--model", str(ckpts[0]), "--host",
+           "0.0.0.0", "--port", str(port), "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_GSPO_API_KEY": "k"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer k"}
+
+    def post_json(host: str, path: str, body: dict) -> int:
+        req = urllib.request.Request(f"http://{host}:{port}{path}", json.dumps(body).encode(),
+                                     headers)  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+
+    try:
+        assert " on http://" in proc.stdout.readline()
+        payload = _storage_payload(f"/{fake.name}".encode(), 4 * SPEC.hidden)
+        for host in (address, "127.0.0.1"):
+            assert post_json(host, "/begin_weight_update", {}) == 200
+            body = {"serialized_named_tensors": [payload]}
+            assert post_json(host, "/update_weights_from_tensor", body) == 200
+            assert post_json(host, "/end_weight_update", {}) == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        fake.unlink(missing_ok=True)
 
 
 def test_tensor_transport_gives_back_the_shared_memory_references(server, ckpts, reference):

@@ -578,3 +578,20 @@ def test_tensor_sharing_stays_on_until_the_last_thread_leaves():
         assert mp.get_sharing_strategy() == "file_descriptor"  # the last to leave put it back
     finally:
         mp.set_sharing_strategy(before)
+
+
+def test_shared_memory_payload_from_another_machine_is_refused_before_any_name_is_opened():
+    """A peer on another machine cannot have made a shared-memory object here: its payload is
+    refused without opening the name (a by-value decode of the same bytes from this machine
+    works); the server tells local peers from others by whether their address is its own."""
+    from megatron_gspo.server.validate import is_local_address
+
+    with wp.TensorSharing():
+        t = torch.arange(6, dtype=torch.float32).share_memory_()
+        payload = wp.serialize([("w", t)])
+    assert safe_unpickle.decode_named_tensors(payload, None)[0][1].tolist() == t.tolist()
+    with pytest.raises(safe_unpickle.BadPayload, match="from a client on another machine"):
+        safe_unpickle.decode_named_tensors(payload, None, allow_shared=False)
+    assert is_local_address("127.0.0.1")
+    for remote in ("203.0.113.7", "2001:db8::7", "not an address", "", None):
+        assert not is_local_address(remote), remote
