@@ -2,8 +2,9 @@
 
 A reward function is fn(prompt, response_text, answer) -> float, 1.0 for a right answer and 0.0
 for a wrong one (the built-in ones return exactly these). `score_rewards` calls it on a batch and
-turns what can go wrong in a plugin into a one-line UserError; `dynamic_sampling_keep` drops the
-groups that carry no learning signal.
+turns what can go wrong in a plugin into a one-line UserError; `score_each` records a failure
+per item instead (training: a failure ends its sample, not the run); `dynamic_sampling_keep`
+drops the groups that carry no learning signal.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.rewards.exact import exact_answer
@@ -20,7 +22,14 @@ from megatron_gspo.rewards.plugin import load_plugin
 RewardFn = Callable[[str, str, str], float]
 BUILTIN: dict[str, RewardFn] = {"exact": exact_answer, "math": math_answer}
 
-__all__ = ["RewardFn", "load_reward", "score_rewards", "dynamic_sampling_keep"]
+__all__ = [
+    "RewardFn",
+    "Scored",
+    "load_reward",
+    "score_each",
+    "score_rewards",
+    "dynamic_sampling_keep",
+]
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -38,24 +47,53 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _score(fn: RewardFn, item: tuple[str, str, str], i: int, name: str) -> float:
+    prompt, response, answer = item
+    try:
+        value = fn(prompt, response, answer)
+    except Exception as e:
+        raise UserError(
+            f"reward {name!r} raised {type(e).__name__}: {e} on item {i} (prompt "
+            f"{_short(prompt)!r}); fix the reward function"
+        ) from e
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise UserError(
+            f"reward {name!r} returned {_short(repr(value))} ({type(value).__name__}) on "
+            f"item {i} (prompt {_short(prompt)!r}); it must return a finite number"
+        )
+    return float(value)
+
+
 def score_rewards(fn: RewardFn, items: list[tuple[str, str, str]], name: str) -> list[float]:
     """[float(fn(prompt, response, answer)) for each item]; any failure is a UserError."""
-    rewards = []
-    for i, (prompt, response, answer) in enumerate(items):
+    return [_score(fn, item, i, name) for i, item in enumerate(items)]
+
+
+@dataclass
+class Scored:
+    """Rewards of a batch where a failure ends its item alone: `rewards[i]` is None where the
+    function raised or returned no finite number, and `failures` says why (one line each)."""
+
+    rewards: list[float | None]
+    failures: list[str]
+
+    @property
+    def failed(self) -> list[int]:
+        return [i for i, v in enumerate(self.rewards) if v is None]
+
+
+def score_each(fn: RewardFn, items: list[tuple[str, str, str]], name: str) -> Scored:
+    """Like score_rewards, but a failing item is recorded, not raised (the user's code failing
+    on one sample ends that sample, not the run)."""
+    rewards: list[float | None] = []
+    failures = []
+    for i, item in enumerate(items):
         try:
-            value = fn(prompt, response, answer)
-        except Exception as e:
-            raise UserError(
-                f"reward {name!r} raised {type(e).__name__}: {e} on item {i} (prompt "
-                f"{_short(prompt)!r}); fix the reward function"
-            ) from e
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise UserError(
-                f"reward {name!r} returned {_short(repr(value))} ({type(value).__name__}) on "
-                f"item {i} (prompt {_short(prompt)!r}); it must return a finite number"
-            )
-        rewards.append(float(value))
-    return rewards
+            rewards.append(_score(fn, item, i, name))
+        except UserError as e:
+            rewards.append(None)
+            failures.append(str(e))
+    return Scored(rewards, failures)
 
 
 def dynamic_sampling_keep(rewards: list[float], group_size: int) -> list[int]:

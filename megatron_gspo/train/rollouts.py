@@ -37,6 +37,7 @@ from megatron_gspo.train.samples import (
     _rollout_metrics,
     _to_batch,
     _topk,
+    reward_failures,
 )
 
 if TYPE_CHECKING:
@@ -277,7 +278,7 @@ class Rollouts:
 
     def _collect(self, prompt_index: list[int], step: int, version: str | None) -> Collected:
         from megatron_gspo.data.prompts import encode_prompt
-        from megatron_gspo.rewards import dynamic_sampling_keep, score_rewards
+        from megatron_gspo.rewards import dynamic_sampling_keep, score_each
 
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
@@ -304,8 +305,11 @@ class Rollouts:
             (rows[s.prompt_index].prompt, text, rows[s.prompt_index].answer)
             for s, text in zip(samples, texts)
         ]
-        rewards = score_rewards(self.reward_fn, items, cfg.reward.fn)
-        metrics = _rollout_metrics(samples, rewards, t_gen)
+        scored = score_each(self.reward_fn, items, cfg.reward.fn)
+        failed = reward_failures(scored, step)
+        rewards = [0.0 if v is None else v for v in scored.rewards]
+        metrics = _rollout_metrics(samples, scored.rewards, t_gen)
+        metrics["reward/failed_samples"] = float(len(failed))
         G = r.group_size
         stale = set()  # groups with a sample from other weights than the trainer's (a restart)
         if version is not None:
@@ -322,7 +326,10 @@ class Rollouts:
             metrics["rollout/groups_kept"] = float(len(keep))
         # A group is trained on whole or not at all: its baseline is the mean of its samples,
         # which must all come from the policy the step's old log-probs belong to.
-        keep = [g for g in keep if g not in stale]
+        unscored = {k // G for k in failed}  # (a group without its baseline sample)
+        metrics["rollout/reward_failed_groups_dropped"] = float(len(unscored))
+        dropped = stale | unscored
+        keep = [g for g in keep if g not in dropped]
         if not keep:
             return Collected(None, metrics)
         samples = [samples[g * G + j] for g in keep for j in range(G)]
@@ -355,7 +362,7 @@ class Rollouts:
 
     def _evaluate(self) -> float:
         from megatron_gspo.data.prompts import encode_prompt
-        from megatron_gspo.rewards import score_rewards
+        from megatron_gspo.rewards import score_each
 
         rows = self.eval_rows.rows[: self.cfg.train.eval_prompts]
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
@@ -371,8 +378,11 @@ class Rollouts:
             )
             for row, g in zip(rows, groups)
         ]
-        rewards = score_rewards(self.reward_fn, items, self.cfg.reward.fn)
-        return sum(rewards) / max(len(rewards), 1)
+        scored = score_each(self.reward_fn, items, self.cfg.reward.fn)
+        if scored.failures:
+            log.warning("eval: the reward failed on %d of %d samples, counted wrong (first: %s)",
+                        len(scored.failures), len(items), scored.failures[0])  # fmt: skip
+        return sum(v or 0.0 for v in scored.rewards) / max(len(items), 1)
 
 
 def api_key() -> str | None:

@@ -1,13 +1,17 @@
-"""From rollout samples to the trainer's batch: their checks, the RLBatch, the rollout metrics."""
+"""From rollout samples to the trainer's batch: their checks, the RLBatch, the rollout metrics, the
+samples whose reward failed."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.train.batch import RLBatch
+
+log = logging.getLogger(__name__)
 
 
 def _report_broken_rows(ps, key: str) -> None:
@@ -55,8 +59,10 @@ def _to_batch(samples, advantages: list[float]) -> RLBatch:
     return batch
 
 
-def _rollout_metrics(samples, rewards: list[float], seconds: float) -> dict:
-    r = torch.tensor(rewards, dtype=torch.float64)
+def _rollout_metrics(samples, rewards: list[float | None], seconds: float) -> dict:
+    """The step's rollout metrics; reward statistics over the samples whose reward was scored
+    (None: the reward function failed on it)."""
+    r = torch.tensor([v for v in rewards if v is not None] or [0.0], dtype=torch.float64)
     lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.float64)
     return {
         "reward/mean": float(r.mean()),
@@ -69,3 +75,17 @@ def _rollout_metrics(samples, rewards: list[float], seconds: float) -> dict:
         "rollout/samples": float(len(samples)),
         "rollout/tokens": float(sum(len(s.prompt_ids) + len(s.tokens) for s in samples)),
     }
+
+
+def reward_failures(scored, step: int) -> list[int]:
+    """The samples whose reward failed (their groups are dropped); an error when every one did
+    (the function is broken, and the step would have nothing to train on)."""
+    failed = scored.failed
+    if failed and len(failed) == len(scored.rewards):
+        raise UserError(f"{scored.failures[0]} (it failed on all {len(failed)} samples of step "
+                        f"{step})")  # fmt: skip
+    if failed:
+        log.warning("step %d: the reward failed on %d of %d samples; their groups are dropped "
+                    "(first: %s)", step, len(failed), len(scored.rewards),
+                    scored.failures[0])  # fmt: skip
+    return failed

@@ -420,6 +420,34 @@ def test_reward_plugin_that_raises(task_model, tmp_path):
     assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
 
 
+def test_reward_plugin_failing_on_some_samples_ends_those_samples_not_the_run(task_model,
+                                                                             tmp_path):  # fmt: skip
+    """Every ninth call raises: the run finishes; each step counts its failed samples and drops
+    their groups (a group's baseline needs every sample), and trains on the rest."""
+    plugin = tmp_path / "flaky_reward.py"
+    plugin.write_text(
+        "from megatron_gspo.rewards.exact import exact_answer\n"
+        "CALLS = [0]\n"
+        "def score(prompt, response, answer):\n"
+        "    CALLS[0] += 1\n"
+        "    if CALLS[0] % 9 == 0:\n"
+        "        raise ValueError('flaky')\n"
+        "    return exact_answer(prompt, response, answer)\n"
+    )
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, f"reward.fn={plugin}:score",
+                    "rollout.prompts_per_step=8", "train.micro_batch_size=8")  # fmt: skip
+    assert rc == 0, out[-3000:]
+    assert "the reward failed on" in out and "raised ValueError: flaky" in out
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        # 32 samples a step, every ninth call fails (3 or 4 of them: the count runs on)
+        assert r["reward/failed_samples"] in (3.0, 4.0), r
+        assert 1 <= r["rollout/reward_failed_groups_dropped"] <= r["reward/failed_samples"], r
+        assert 0 < r["rollout/samples"] == 32.0 and r["grad_norm"] >= 0.0, r
+
+
 def _with_pythonpath(path: Path, fn):
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = f"{path}{os.pathsep}{old}" if old else str(path)
