@@ -1,11 +1,18 @@
 """Worker for the actor tests: two optimizer steps on a fixed batch, metrics as JSON on rank 0.
 
 torchrun --nproc-per-node N tests/distributed/actor_worker.py CKPT OUT.json KIND MBS [--tp ..]
+torchrun --nproc-per-node N tests/distributed/actor_worker.py --jobs JOBS.json
+
+With --jobs, the file lists several such argument lists, all of one parallel layout; they run one
+after another in this one launch (each with its own model and optimizer), which saves a launch
+(a few seconds of process start and imports) per job.
 """
 
 import argparse
+import gc
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,7 +51,7 @@ def rollout_of(old: list) -> list:
     ]
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("out")
@@ -63,9 +70,10 @@ def main() -> None:
     ap.add_argument("--fit-logits", action="store_true", help="logprobs(fit_logits=True)")
     ap.add_argument("--own-forward", action="store_true",
                     help="no logprobs pass: the first step is train_step(on_policy=True)")  # fmt: skip
-    a = ap.parse_args()
-    dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
-    init_distributed(dims)
+    return ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace, dims: ParallelDims) -> None:
     actor = Actor(
         load_policy(a.checkpoint, dims),
         OptimConfig(lr=1e-3, distributed=not a.no_dist_opt),
@@ -95,6 +103,24 @@ def main() -> None:
         with open(a.out, "w") as f:
             json.dump({"steps": steps, "old": batch.old_logprobs, "rollout": batch.rollout_logprobs,
                        "mask": batch.loss_mask, "adv": batch.advantages, "after": after}, f)  # fmt: skip
+    dist.barrier()
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["--jobs"]:
+        with open(argv[1]) as f:
+            jobs = [parse(job) for job in json.load(f)]
+    else:
+        jobs = [parse(argv)]
+    layouts = {(a.tp, a.pp, a.ep, a.vpp) for a in jobs}
+    assert len(layouts) == 1, f"one launch runs one layout, not {layouts}"
+    a = jobs[0]
+    dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
+    init_distributed(dims)
+    for a in jobs:
+        run(a, dims)
+        gc.collect()
 
 
 if __name__ == "__main__":
