@@ -8,7 +8,8 @@ sync), then the ratio SGLang / built-in.
 
     .venv/bin/python bench/bench_sglang_step.py --model runs/task_model \\
         [--sglang-python ~/.cache/megatron-gspo/sglang-venv/bin/python] [--steps 6] [--reps 1]
-        [key=value ...]   # overrides for both runs, e.g. rollout.dtype=bfloat16
+        [--variant NAME=FLAG,FLAG ...]   # more SGLang runs with these server flags
+        [key=value ...]   # overrides for every run, e.g. rollout.dtype=bfloat16
 """
 
 from __future__ import annotations
@@ -48,19 +49,27 @@ def main() -> None:
     ap.add_argument("--sglang-python", default=str(default))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=FLAG,FLAG: an SGLang run with these server flags too")  # fmt: skip
     a, extra = ap.parse_known_args()
     sglang = ["rollout.backend=sglang", f"rollout.sglang_python={a.sglang_python}"]
-    got: dict[str, list[dict]] = {"builtin": [], "sglang": []}
+    order = [("builtin", []), ("sglang", sglang)]
+    for v in a.variant:
+        name, _, flags = v.partition("=")
+        order.append((name, [*sglang, f"rollout.extra_server_args=[{flags}]"]))
+    got: dict[str, list[dict]] = {name: [] for name, _ in order}
     for rep in range(a.reps):
-        order = [("builtin", []), ("sglang", sglang)]
         for name, flags in order if rep % 2 == 0 else order[::-1]:
             got[name].append(run(flags, a, extra))
     med = {n: {k: statistics.median(r[k] for r in rs) for k in PARTS} for n, rs in got.items()}
-    print(f"{'backend':8s} " + " ".join(f"{k.split('/')[1]:>10s}" for k in PARTS))
+    print(f"{'backend':12s} " + " ".join(f"{k.split('/')[1]:>10s}" for k in PARTS))
     for name, m in med.items():
-        print(f"{name:8s} " + " ".join(f"{m[k]:10.3f}" for k in PARTS))
-    ratio = med["sglang"]["time/step_s"] / med["builtin"]["time/step_s"]
-    print(f"step time sglang / builtin: {ratio:.2f}x (load average {os.getloadavg()[0]:.1f})")
+        print(f"{name:12s} " + " ".join(f"{m[k]:10.3f}" for k in PARTS))
+    for name in med:
+        if name != "builtin":
+            ratio = med[name]["time/step_s"] / med["builtin"]["time/step_s"]
+            print(f"step time {name} / builtin: {ratio:.2f}x")
+    print(f"(load average {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":
