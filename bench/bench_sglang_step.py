@@ -4,7 +4,8 @@ documented keys alone (README: "Real SGLang on a CPU").
 
 Runs `megatron-gspo train` once per backend (alternating which goes first over --reps) and
 prints, per backend, the median over steps 2.. of time/step_s and its parts (rollout, train,
-sync), then the ratio SGLang / built-in.
+sync) and the mean response length (the samples differ: each backend draws its own), then the
+ratio SGLang / built-in.
 
     .venv/bin/python bench/bench_sglang_step.py --model runs/task_model \\
         [--sglang-python ~/.cache/megatron-gspo/sglang-venv/bin/python] [--steps 6] [--reps 1]
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s")
+PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "response/length_mean")
 
 
 def run(backend: list[str], a, extra: list[str]) -> dict[str, float]:
