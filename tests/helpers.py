@@ -79,12 +79,13 @@ def torchrun(nproc: int, *target: str) -> list[str]:
 
 
 def run_distributed(
-    worker: Path, nproc: int, *args: str, out: Path, log: Path | None = None,
+    worker: Path, nproc: int, *args: str, out: Path | None, log: Path | None = None,
     timeout: int = 400, expect_rc: int = 0,
 ) -> dict | None:  # fmt: skip
     """Run the worker script under torchrun with `nproc` ranks; returns the JSON it wrote to
-    `out` (None when it wrote none). Its output goes to `log` when given: a file, not a pipe,
-    for workers whose children (torch's shared-memory manager) may outlive them."""
+    `out` (None when it wrote none, or `out` is None: workers that write results of their own).
+    Its output goes to `log` when given: a file, not a pipe, for workers whose children
+    (torch's shared-memory manager) may outlive them."""
     cmd = torchrun(nproc, str(worker), *args)
     if log is None:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())
@@ -96,7 +97,7 @@ def run_distributed(
             )
         tail = log.read_text()[-4000:]
     assert proc.returncode == expect_rc, tail
-    return json.loads(out.read_text()) if out.exists() else None
+    return json.loads(out.read_text()) if out is not None and out.exists() else None
 
 
 async def running_requests(client, url: str) -> int:

@@ -216,7 +216,7 @@ def _old_logprobs(
     n = len(batch)
     if len(rows) == n:
         every, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True)
-        batch.old_logprobs = list[list[float | None] | None](every)
+        batch.old_logprobs = cast(list[list[float | None] | None], every)  # (no copy)
         return metrics
     sub = replace(batch, old_logprobs=None, routing=None).rows(rows)
     batch.old_logprobs = [None] * n

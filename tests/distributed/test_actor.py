@@ -138,7 +138,7 @@ class Runs:
         ]  # fmt: skip
         file = self.tmp / f"jobs-{group}.json"
         file.write_text(json.dumps(jobs))
-        run_distributed(WORKER, nproc, "--jobs", str(file), out=self.tmp / "none",
+        run_distributed(WORKER, nproc, "--jobs", str(file), out=None,
                         log=self.tmp / f"{group}.log", timeout=900)  # fmt: skip
 
 

@@ -297,32 +297,24 @@ def test_disk_updates_load_only_directories_no_other_user_could_write(server, ck
     assert call(server, "/update_weights_from_disk", {"model_path": str(ckpts[0])})[0] == 200
 
 
-def _outward_address() -> str | None:
-    import ipaddress
-
-    import psutil
-
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family.name == "AF_INET" and not ipaddress.ip_address(a.address).is_loopback:
-                return a.address
-    return None
-
-
 def test_shared_memory_comes_only_from_this_machine(ckpts, tmp_path):
     """A shared-memory payload from a peer on this machine loads, whether it connects by
     loopback or by the machine's own address (a trainer rank relaying to the server of its node
     does); the server's check of which peers are local is the one it uses (a peer from another
     machine is refused: tests/unit/test_weight_sync.py, no second machine here)."""
+    import ipaddress
     import subprocess
     import sys
     import urllib.request
 
     from megatron_gspo.server.validate import is_local_address
+    from megatron_gspo.weight_sync.servers import Servers
+    from megatron_gspo.weight_sync.transports.distributed import _master_address
 
-    address = _outward_address()
-    if address is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+    # the address a relaying rank's requests come from (TEST-NET: routed, never contacted)
+    address = _master_address(Servers(["http://203.0.113.7:1"]))
+    if ipaddress.ip_address(address).is_loopback:
+        pytest.skip("this machine has no non-loopback address")
     assert is_local_address(address) and is_local_address("127.0.0.1")
     fake = Path("/dev/shm") / f"torch_{os.getpid()}_4343_0"  # torch's form and size
     fake.write_bytes(bytes(64) + torch.ones(SPEC.hidden).numpy().tobytes())
