@@ -108,6 +108,10 @@ class RolloutSection:
     # opens the train-inference gap real engines have: log-probs and MoE routing then differ
     # between rollout and trainer (what R3 and algo.tis address)
     dtype: str | None = None  # float32 | bfloat16 | float16
+    # one /generate request per prompt carrying its group_size samples (a batch, each sample
+    # with its own rid and seed) instead of one per sample: less per-request overhead in the
+    # server, which dominates with short answers
+    group_requests: bool = True
 
     def check(self) -> None:
         if self.dtype is not None:

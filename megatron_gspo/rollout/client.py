@@ -1,7 +1,9 @@
 """Async client for a set of SGLang-compatible rollout servers (SGLang or the built-in server).
 
 `generate` sends one /generate request per sample (G per prompt), each with its own rid, so
-samples spread over servers and can be aborted one by one. The samples of one prompt go to the
+samples spread over servers and can be aborted one by one; with `grouped=True` it sends one
+batch request per prompt instead (its G samples as a list, each still with its own rid and
+seed), which saves a server's per-request overhead when responses are short. The samples of one prompt go to the
 same server (the least loaded when the prompt is scheduled), so SGLang's radix cache shares the
 prompt. Each server takes at most `max_concurrency` requests at a time. Connection errors, time-outs
 and 5xx answers are retried on another server with exponential back-off; a 4xx is the caller's
@@ -121,8 +123,10 @@ class RolloutClient:
         sampling_params: dict | None = None,
         return_logprob: bool = True,
         return_routed_experts: bool = False,
+        grouped: bool = False,
     ) -> list[list[Sample]]:
-        """n samples for each token-id prompt; result[i][j] is sample j of prompt i."""
+        """n samples for each token-id prompt; result[i][j] is sample j of prompt i. `grouped`:
+        one batch request per prompt (its n samples), else one request per sample."""
         _, servers = self._state()
         if return_routed_experts and self.topk is None:
             info = await self.get(servers[0].url, "/model_info")
@@ -134,33 +138,43 @@ class RolloutClient:
         for i, prompt in enumerate(prompts):
             server = min(servers, key=lambda s: (s.failures > 0, s.load))
             server.load += n
+            samples, params = [], []
             for j in range(n):
                 sp = dict(sampling_params or {})
                 if sp.get("sampling_seed") is not None:
                     sp["sampling_seed"] = int(sp["sampling_seed"]) + i * n + j
-                sample = Sample(i, j, list(prompt), rid=f"{uuid.uuid4().hex}-{i}-{j}")
-                body = {
-                    "input_ids": list(prompt),
-                    "sampling_params": sp,
-                    "return_logprob": return_logprob,
-                    "return_routed_experts": return_routed_experts,
-                    "rid": sample.rid,
-                }
-                tasks.append(self._one(sample, body, server, epoch))
+                samples.append(Sample(i, j, list(prompt), rid=f"{uuid.uuid4().hex}-{i}-{j}"))
+                params.append(sp)
+            flags = {"return_logprob": return_logprob,
+                     "return_routed_experts": return_routed_experts}  # fmt: skip
+            if grouped and n > 1:
+                body = {"input_ids": [list(prompt)] * n, "sampling_params": params,
+                        "rid": [s.rid for s in samples], **flags}  # fmt: skip
+                tasks.append(self._send(samples, body, server, epoch))
+                continue
+            for sample, sp in zip(samples, params):
+                body = {"input_ids": list(prompt), "sampling_params": sp, "rid": sample.rid,
+                        **flags}  # fmt: skip
+                tasks.append(self._send([sample], body, server, epoch))
         done = await asyncio.gather(*tasks)
         out: list[list[Sample]] = [[] for _ in prompts]
-        for s in done:
-            out[s.prompt_index].append(s)
+        for group in done:
+            for s in group:
+                out[s.prompt_index].append(s)
         return out
 
-    async def _one(self, sample: Sample, body: dict, server: _Server, epoch: int) -> Sample:
+    async def _send(
+        self, samples: list[Sample], body: dict, server: _Server, epoch: int
+    ) -> list[Sample]:
+        """One request for `samples` (one, or a prompt's group as a batch), retried whole."""
         session, servers = self._state()
+        rids = [s.rid for s in samples]
         tried: list[_Server] = []
         first, attempt, outage_until, last_error = server, 0, None, ""
         try:
             while True:
                 if epoch != self._epoch:
-                    return sample  # aborted before it was sent
+                    return samples  # aborted before it was sent
                 if attempt and attempt <= self.retries:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
                     server = self._pick_other(servers, tried)
@@ -174,7 +188,7 @@ class RolloutClient:
                         healthy = await self._healthy_server(servers, outage_until)
                     if healthy is None:
                         raise RolloutError(
-                            f"request {sample.rid} failed on "
+                            f"request {rids[0]} failed on "
                             f"{', '.join(sorted({s.url for s in tried}))} after {attempt} "
                             f"attempts (last: {last_error}) and no server took it within "
                             f"{self.outage_s:.0f} s after; check that the servers are up and "
@@ -184,18 +198,24 @@ class RolloutClient:
                 tried.append(server)
                 attempt += 1
                 try:
-                    result = await self._post_generate(session, server, sample.rid, body, epoch)
+                    result = await self._post_generate(session, server, rids, body, epoch)
                 except _Retryable as e:
                     server.failures += 1
                     last_error = str(e)
-                    log.warning("rollout request %s failed on %s: %s", sample.rid, server.url, e)
+                    log.warning("rollout request %s failed on %s: %s", rids[0], server.url, e)
                     continue
                 server.failures = 0
                 if result is None:
-                    return sample
-                return self._fill(sample, result, server.url, body["return_routed_experts"])
+                    return samples
+                items, latency = result
+                if len(items) != len(samples):
+                    raise RolloutError(f"{server.url} answered {len(items)} results for a batch "
+                                       f"of {len(samples)}")  # fmt: skip
+                want = body["return_routed_experts"]
+                return [self._fill(s, d, server.url, latency, want)
+                        for s, d in zip(samples, items)]  # fmt: skip
         finally:
-            first.load -= 1
+            first.load -= len(samples)
 
     async def _healthy_server(self, servers: list[_Server], until: float) -> _Server | None:
         """The first server (fewest failures first) to answer /health 200 before `until`."""
@@ -212,12 +232,14 @@ class RolloutClient:
         return min(fresh, key=lambda s: (s.failures, s.load))
 
     async def _post_generate(
-        self, session, server: _Server, rid: str, body: dict, epoch: int
-    ) -> dict | None:
+        self, session, server: _Server, rids: list[str], body: dict, epoch: int
+    ) -> tuple[list[dict], float] | None:
+        """(the results, one per rid; the latency), or None when aborted before it was sent."""
         async with server.sem:
             if epoch != self._epoch:
                 return None  # aborted while it waited for a slot
-            self._outstanding[rid] = server.url
+            for rid in rids:
+                self._outstanding[rid] = server.url
             t0 = time.perf_counter()
             try:
                 async with session.post(
@@ -229,21 +251,23 @@ class RolloutClient:
                     if resp.status != 200:
                         raise RolloutError(f"{server.url} refused the request: {_message(data)}")
             except TimeoutError:
-                await self._abort_rid(server.url, rid)
+                await asyncio.gather(*(self._abort_rid(server.url, rid) for rid in rids))
                 raise _Retryable("timed out") from None
             except aiohttp.ClientError as e:
                 raise _Retryable(f"{type(e).__name__}: {e}") from None
             finally:
-                self._outstanding.pop(rid, None)
-            data["_latency"] = time.perf_counter() - t0
-            return data
+                for rid in rids:
+                    self._outstanding.pop(rid, None)
+            batch = data.get("data") if isinstance(body["rid"], list) else None
+            items = batch if isinstance(batch, list) else [data]
+            return items, time.perf_counter() - t0
 
-    def _fill(self, sample: Sample, data: dict, url: str, want_routed: bool) -> Sample:
+    def _fill(self, sample: Sample, data: dict, url: str, latency: float, want_routed: bool):
         meta = data["meta_info"]
         sample.tokens = list(data["output_ids"])
         sample.finish_reason = (meta.get("finish_reason") or {}).get("type", "abort")
         sample.weight_version = str(meta.get("weight_version", ""))
-        sample.server, sample.latency_s = url, data["_latency"]
+        sample.server, sample.latency_s = url, latency
         if "output_token_logprobs" in meta:
             sample.logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
         if meta.get("routed_experts") is not None:

@@ -4,7 +4,8 @@ A server sends int32 [prompt + output - 1, layers, k]: row t is the routing of t
 server fed it (the last token is never fed, so it has no row). `layers` is every decoder layer
 with zero rows for dense ones (SGLang, the built-in server) or the MoE layers only; both are
 accepted. Row t is the training sample's token t, since a sample's tokens are prompt + output;
-right padding and the last token have no ids and route naturally (taps.py).
+right padding and the last token have no ids and route naturally (taps.py). A shard of the RL
+loop's batch holds its stage's MoE layers only (`given_layers`, train/shard.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def align_rollout_experts(
     topk: int,
     num_experts: int,
     sample: int,
+    given_layers: tuple[int, ...] | None = None,
 ) -> np.ndarray:
     """One sample's server routing as [r, len(layers), k] small ints, r = min(rows, n_tokens),
     keeping only `layers` (global MoE layer ids, e.g. this pipeline stage's). UserError on
@@ -41,7 +43,13 @@ def align_rollout_experts(
             "(is the rollout server serving the same model?)"
         )
     rows, n_layers, _ = a.shape
-    if n_layers == num_layers:
+    if (
+        given_layers is not None
+        and n_layers == len(given_layers)
+        and set(layers) <= set(given_layers)
+    ):
+        cols = [given_layers.index(layer) for layer in layers]
+    elif n_layers == num_layers:
         cols = list(layers)
     elif n_layers == len(moe_layer_ids):
         cols = [moe_layer_ids.index(layer) for layer in layers]

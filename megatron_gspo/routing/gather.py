@@ -2,10 +2,12 @@
 
 Every rank captured, for each of its microbatches, its own router tokens (its data-parallel
 rows, its sequence-parallel / context-parallel positions) for the MoE layers of its pipeline
-stage: a [M, L, N, k] tensor. The ranks of one stage (the tensor x data x context parallel group)
-hold the same layers and together every token, and all of them need every sample (a later
-minibatch may put any sample on any replica), so they all-gather within that group only; the
-layers of other stages never reach them. Equal shapes on every member: a plain all_gather.
+stage: a [M, L, N, k] tensor. The ranks of one stage hold the same layers. With a whole batch on every rank (tests, tools) all of them need
+every sample (a later minibatch may put any sample on any replica), so they all-gather within the
+stage's tensor x data x context parallel group; with the RL loop's shard (train/shard.py) a
+replica keeps its own rows for every update, so only its tensor x context parallel peers, which
+hold other positions of the same rows, gather. The layers of other stages never reach them.
+Equal shapes on every member: a plain all_gather.
 
 Legend: M microbatches, L MoE layers of this stage, N router tokens per microbatch, b rows,
 k top-k, n tokens of a sample.
@@ -26,11 +28,16 @@ def gather_stage(
     layout: TokenLayout,
     seq_len: int,
     lengths: list[int],
+    within_replica: bool = False,
 ) -> dict[int, np.ndarray]:
-    """{sample: [n, L, k]} for every sample any rank of this stage captured."""
+    """{sample: [n, L, k]} for every sample any rank of this stage captured (`within_replica`:
+    of this data-parallel replica)."""
     from megatron.core import parallel_state as mpu
 
-    group = mpu.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if within_replica:
+        group = mpu.get_tensor_and_context_parallel_group()
+    else:
+        group = mpu.get_tensor_and_data_parallel_group(with_context_parallel=True)
     size = dist.get_world_size(group)
     header = torch.tensor([layout.tp_rank, layout.cp_rank], device=captured_MLNk.device)
     rows_Mb = rows_Mb.to(captured_MLNk.device)

@@ -16,6 +16,7 @@ reports.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 CHANGED = "routing/changed_fraction"
@@ -26,31 +27,40 @@ TOKENS_CHANGED = "routing/tokens_changed_any"
 LayerCounts = dict[int, tuple[int, int]]  # layer -> (differing positions, positions seen)
 
 
-def reduce_counts(local: LayerCounts, report: bool) -> LayerCounts:
-    """Per-layer (differing, seen) summed over the world (`report`: this rank's tokens count)."""
+def reduce_counts(
+    local: LayerCounts, report: bool, layers: list[int] | tuple[int, ...], device="cpu"
+) -> LayerCounts:
+    """Per-layer (differing, seen) summed over the world (`report`: this rank's tokens count;
+    `layers`: every MoE layer of the model), as one tensor all-reduce."""
     mine = local if report else {}
-    parts: list = [None] * dist.get_world_size()
-    if len(parts) == 1:
-        parts = [mine]  # nothing to gather (and no pickling) on one process
-    else:
-        dist.all_gather_object(parts, mine)
-    total: dict[int, list[int]] = {}
-    for part in parts:
-        for layer, (diff, seen) in part.items():
-            acc = total.setdefault(int(layer), [0, 0])
-            acc[0] += diff
-            acc[1] += seen
-    return {layer: (d, s) for layer, (d, s) in sorted(total.items())}
+    if dist.get_world_size() == 1:
+        return {int(layer): mine[layer] for layer in sorted(mine)}
+    row = {int(layer): j for j, layer in enumerate(layers)}
+    t = torch.zeros((len(layers), 2), dtype=torch.int64, device=device)
+    for layer, (diff, seen) in mine.items():
+        t[row[int(layer)]] += torch.tensor([diff, seen], device=device)
+    dist.all_reduce(t)
+    counts = t.cpu().tolist()
+    return {int(layer): (counts[j][0], counts[j][1]) for j, layer in enumerate(layers)
+            if counts[j][1] or int(layer) in mine}  # fmt: skip
 
 
-def model_bytes(stage_bytes: int) -> int:
-    """The bytes this rank's stage stores, summed over the pipeline stages (the ranks of one
-    stage hold the same)."""
+def model_bytes(stage_bytes: int, tokens: int, sharded: bool, device="cpu") -> tuple[int, int]:
+    """(bytes stored over the pipeline stages, the tokens they hold routing for): summed over
+    the ranks that hold distinct rows and layers (TP rank 0, CP rank 0; of a whole batch,
+    data-parallel rank 0 too), tokens over the first stage only, as one tensor all-reduce."""
     from megatron.core import parallel_state as mpu
 
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (mpu.get_pipeline_model_parallel_rank(), stage_bytes))
-    return sum(dict(parts).values())
+    if dist.get_world_size() == 1:
+        return stage_bytes, tokens
+    holder = mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+    if not sharded:
+        holder = holder and mpu.get_data_parallel_rank() == 0
+    first = mpu.get_pipeline_model_parallel_rank() == 0
+    values = [stage_bytes * holder, tokens * (holder and first)]
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t)
+    return int(t[0]), int(t[1])
 
 
 def fraction_metrics(name: str, counts: LayerCounts, agreement: bool = False) -> dict[str, float]:

@@ -80,8 +80,8 @@ class RoutingReplay:
         if self.mode == ReplayMode.R3:
             for i, s in enumerate(samples):
                 s.rollout = self._align(batch, i)
-            return self._sweep(samples, mbs, seq_len, "rollout", "rollout", True)
-        return self._sweep(samples, mbs, seq_len, None, None, True)
+            return self._sweep(samples, mbs, seq_len, "rollout", "rollout", True, batch.sharded)
+        return self._sweep(samples, mbs, seq_len, None, None, True, batch.sharded)
 
     def train_sweep(self, batch, mbs, seq_len, source: str | None = "mode") -> Sweep:
         """A training forward: replay `source` ("mode": r2 recorded, r3 rollout, none nothing;
@@ -97,9 +97,9 @@ class RoutingReplay:
                     f"replaying {source} routing needs the batch's routing; compute old log-probs "
                     "with actor.logprobs(batch) and train on batch.rows(...) of that batch"
                 )
-            return self._sweep(None, mbs, seq_len, None, None, False)
+            return self._sweep(None, mbs, seq_len, None, None, False, batch.sharded)
         self._check(samples, source)
-        return self._sweep(samples, mbs, seq_len, source, "recorded", False)
+        return self._sweep(samples, mbs, seq_len, source, "recorded", False, batch.sharded)
 
     def finish_record(self, sweep: Sweep, batch) -> dict[str, float]:
         """Store the captured routing in batch.routing; the sweep's metrics."""
@@ -112,7 +112,8 @@ class RoutingReplay:
             s.rollout_differs = None if differs is None else differs[i]
         batch.routing = sweep.samples
         stored = sum(s.nbytes for s in sweep.samples)
-        out = {M.BYTES_PER_TOKEN: M.model_bytes(stored) / max(sum(lengths), 1)}
+        total, tokens = M.model_bytes(stored, sum(lengths), batch.sharded, self.device)
+        out = {M.BYTES_PER_TOKEN: total / max(tokens, 1)}
         if self.mode == ReplayMode.R3:
             out.update(M.fraction_metrics(M.AGREEMENT, self._counts(sweep), agreement=True))
         self.reset()
@@ -131,12 +132,15 @@ class RoutingReplay:
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _sweep(self, samples, mbs, seq_len, replay, compare, capture) -> Sweep:
+    def _sweep(self, samples, mbs, seq_len, replay, compare, capture, within_replica) -> Sweep:
         self.reset()
-        return Sweep(self, samples, mbs, seq_len, replay=replay, compare=compare, capture=capture)
+        return Sweep(self, samples, mbs, seq_len, replay=replay, compare=compare, capture=capture,
+                     within_replica=within_replica)  # fmt: skip
 
     def _counts(self, sweep: Sweep) -> M.LayerCounts:
-        return M.reduce_counts(sweep.counts(), self.layout.counts_tokens)
+        return M.reduce_counts(
+            sweep.counts(), self.layout.counts_tokens, self.spec.moe_layer_ids, self.device
+        )
 
     def _align(self, batch, i: int) -> np.ndarray:
         experts = batch.rollout_experts
@@ -148,7 +152,8 @@ class RoutingReplay:
         spec = self.spec
         return align_rollout_experts(
             experts[i], len(batch.tokens[i]), spec.num_layers, spec.moe_layer_ids,
-            self.layers, self.topk, self.num_experts, sample=i,
+            self.layers, self.topk, self.num_experts, sample=batch.global_index()[i],
+            given_layers=batch.expert_layers,
         )  # fmt: skip
 
     def _check(self, samples, source) -> None:

@@ -27,8 +27,10 @@ from megatron_gspo.routing.storage import SampleRouting, microbatch_targets
 
 
 class Sweep:
-    def __init__(self, owner, samples, mbs, seq_len, *, replay=None, compare=None, capture=False):
+    def __init__(self, owner, samples, mbs, seq_len, *, replay=None, compare=None, capture=False,
+                 within_replica=False):  # fmt: skip
         self.owner = owner
+        self.within_replica = within_replica  # a shard: this replica's rows only
         self.samples: list[SampleRouting | None] = samples
         self.replay, self.compare, self.capture = replay, compare, capture
         self.seq_len = seq_len
@@ -99,7 +101,8 @@ class Sweep:
 
     def captured(self, lengths: list[int]) -> dict[int, np.ndarray]:
         """{sample: [n, L, k]} natural routing of every sample (collective over the stage)."""
-        return gather_stage(self.buffer, self.rows_Mb, self.owner.layout, self.seq_len, lengths)
+        return gather_stage(self.buffer, self.rows_Mb, self.owner.layout, self.seq_len, lengths,
+                            self.within_replica)  # fmt: skip
 
     def moved_positions(self, lengths: list[int]) -> list[np.ndarray] | None:
         """Per sample, [n] bool: position p's top-k set differs from the reference in at least
@@ -107,7 +110,8 @@ class Sweep:
         whose stages hold the other layers). None without a reference."""
         if self.moved is None:
             return None
-        mine = gather_stage(self.moved, self.rows_Mb, self.owner.layout, self.seq_len, lengths)
+        mine = gather_stage(self.moved, self.rows_Mb, self.owner.layout, self.seq_len, lengths,
+                            self.within_replica)  # fmt: skip
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         flat = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=self.owner.device)
         for i, arr in mine.items():

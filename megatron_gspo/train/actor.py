@@ -3,9 +3,13 @@
 The step runs megatron's `forward_backward_func` (no pipelining, 1F1B, or interleaved 1F1B) over
 microbatches, under TP (+ sequence parallel), EP and DP (megatron DDP + distributed optimizer).
 
+Batches. In the RL loop each rank holds a shard (train/shard.py): its replica's rows, sent by
+rank 0 (`shard`); the log-probs and routing it records stay with it. A whole batch on every rank
+(tests, tools) works too: each replica picks its rows, and results are gathered to every rank.
+
 Loss denominators. The batch's denominator D (sequences for seq-mean aggregations, tokens for
-token-mean) is counted once per step over the WHOLE batch, which every rank holds, so it is the
-same number on every rank and needs no collective. Each microbatch returns
+token-mean) is counted once per step over the WHOLE batch (of a shard: its count all-reduced over
+the data-parallel replicas), so it is the same number on every rank. Each microbatch returns
 sum(objective in microbatch) / D, so summing microbatches and replicas gives the full-batch
 loss. Megatron then divides each microbatch loss by the number of microbatches M and DDP averages
 gradients over the dp data-parallel replicas; the loss function multiplies by M * dp to undo both.
@@ -27,7 +31,6 @@ fewer rows than asked: a forward-only pass keeps no activations for a backward.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from functools import partial
 
@@ -47,10 +50,12 @@ from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
+from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
     _fused_cpu_adam,
     _gather_rows,
     _moved_split,
+    _optimizer_step,
     _reduce_stats,
     _tis_weights,
 )
@@ -111,15 +116,47 @@ class Actor:
         self._schedule = get_forward_backward_func()
         use_routing = self.spec.is_moe or routing_replay != ReplayMode.NONE
         self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
+        self._dp_group = mpu.get_data_parallel_group()
+        # what every rank trains on, for rank 0 to send each its shard (once: a few numbers)
+        self.needs = needs_table(
+            RankNeeds(
+                self.dp_rank,
+                self.dp,
+                self.routing.layers if self.routing else (),
+                self.spec.num_layers,
+                tuple(self.spec.moe_layer_ids),
+                self.spec.num_experts or 0,
+            )
+        )
+
+    def shard(self, batch: RLBatch | None, parts: list[list[int]]) -> RLBatch:
+        """Rank 0's whole batch (None on the other ranks) -> this rank's shard, its replica's
+        rows of the step's minibatch split `parts` (collective; one process: the batch)."""
+        return distribute(batch, parts, self.needs, device=self.device)
 
     # ---- helpers -----------------------------------------------------------------------------
 
+    def _extent(self, batch: RLBatch) -> tuple[int, int]:
+        """(the most rows a replica holds, the longest row): of a shard, over every replica
+        (one all-reduce over the data-parallel group)."""
+        longest = max((len(t) for t in batch.tokens), default=1)
+        if not batch.sharded:
+            return -(-len(batch) // self.dp), longest
+        if self.dp == 1:
+            return len(batch), longest
+        t = torch.tensor([len(batch), longest], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
+        return int(t[0]), int(t[1])
+
     def _layout(self, batch: RLBatch, micro_batch_size: int, window: bool = False):
         dp = self.dp
-        seq_len = padded_length(max(len(t) for t in batch.tokens), self.tp)
+        per_rank, longest = self._extent(batch)
+        seq_len = padded_length(longest, self.tp)
         # Same number of microbatches on every replica (expert-parallel collectives span them).
-        per_rank = -(-len(batch) // dp)
-        index = list(range(self.dp_rank, len(batch), dp))
+        if batch.sharded:
+            index = list(range(len(batch)))  # a shard: every row is this replica's
+        else:
+            index = list(range(self.dp_rank, len(batch), dp))
         mbs = microbatches(batch, index, micro_batch_size, seq_len, window)
         n_micro = max(1, -(-per_rank // micro_batch_size))
         while len(mbs) < n_micro:
@@ -132,8 +169,8 @@ class Actor:
         stages overlap microbatches, so under PP their number is kept. The same on every rank."""
         if self.pp > 1:
             return micro_batch_size
-        per_rank = -(-len(batch) // self.dp)
-        seq_len = padded_length(max(len(t) for t in batch.tokens), self.tp)
+        per_rank, longest = self._extent(batch)
+        seq_len = padded_length(longest, self.tp)
         fits = _FORWARD_LOGITS // (seq_len * -(-self.spec.vocab_size // self.tp))
         return max(micro_batch_size, min(per_rank, fits))
 
@@ -194,7 +231,7 @@ class Actor:
             micro_batch_size = self._fitted_micro_batch(batch, micro_batch_size)
         mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
-        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
+        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
         if self.routing is None or sweep is None:
             return rows, {}
         return rows, self.routing.finish_record(sweep, batch)
@@ -211,10 +248,11 @@ class Actor:
         mbs, seq_len, _ = self._layout(batch, micro_batch_size)
         source = "rollout" if self.routing.mode == ReplayMode.R3 else "recorded"
         sweep = self.routing.train_sweep(batch, mbs, seq_len, source)
-        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, len(batch))
+        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
         return rows, self.routing.finish_train(sweep)
 
-    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, n) -> list:
+    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, batch: RLBatch) -> list:
+        """Every row's log-probs (a shard's: here, on the last stage; None elsewhere)."""
         self._set_mode(False)
         vocab = self.spec.vocab_size
 
@@ -225,7 +263,7 @@ class Actor:
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=True)
         mine = [r for out in outputs for r in token_rows(out["mb"], out["lp"])]
-        return _gather_rows(mine, n, self.world)
+        return _gather_rows(mine, len(batch), self.world, local=batch.sharded)
 
     # ---- one optimizer step ------------------------------------------------------------------
 
@@ -274,9 +312,9 @@ class Actor:
             routing = self.routing.finish_train(sweep)
         if on_policy:
             mine = [r for mb, lp in own for r in token_rows(mb, lp)]
-            batch.old_logprobs = _gather_rows(mine, len(batch), self.world)
-        ok, grad_norm, finite = self._optimizer_step()
-        metrics = _reduce_stats(outputs, self.world, self.tp)
+            batch.old_logprobs = _gather_rows(mine, len(batch), self.world, batch.sharded)
+        ok, grad_norm, finite = _optimizer_step(self.optimizer)
+        metrics = _reduce_stats(outputs, self.world, self.tp, self.device)
         if "tokens_moved_fraction" in metrics:
             routing[TOKENS_CHANGED] = metrics.pop("tokens_moved_fraction")
         metrics.update(routing)
@@ -309,7 +347,11 @@ class Actor:
                  own: list, split: list | None):  # fmt: skip
         """The loss of one microbatch's logits, scaled for megatron's schedule; on policy it
         keeps its own log-probs in `own`, and the token log-ratios go to `split` when given."""
-        denom = float(loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind))
+        count = loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind)
+        if batch.sharded and self.dp > 1:  # the whole batch's: every replica's rows
+            count = count.to(self.device)
+            dist.all_reduce(count, group=self._dp_group)
+        denom = float(count)
         vocab = self.spec.vocab_size
 
         def loss(mb, logits):
@@ -337,22 +379,6 @@ class Actor:
 
         return loss
 
-    def _optimizer_step(self) -> tuple[bool, float | None, bool]:
-        """The optimizer step, unless the gradient norm is not finite (a NaN/Inf loss, an
-        overflow): then the gradients are dropped and the weights stay as they were. The norm
-        is reduced over the model-parallel (and, with the distributed optimizer, data-parallel)
-        ranks, so every rank takes the same branch. Returns (updated, grad norm, finite)."""
-        opt = self.optimizer
-        if opt.prepare_grads():  # a loss scaler found an overflow: megatron skips the step
-            return False, None, True
-        norm = float(opt.get_grad_norm())
-        if not math.isfinite(norm):
-            opt.zero_grad()
-            return False, norm, False
-        ok, _, _ = opt.step()  # prepares the grads again: idempotent, and cheap
-        # the norm before clipping, as megatron's own; it gives none (or 0) with clip_grad 0
-        return ok, norm, True
-
     def set_lr(self, lr: float) -> None:
         """The learning rate of every parameter group (the loop's schedule sets it per step)."""
         for group in self.optimizer.param_groups:
@@ -360,34 +386,15 @@ class Actor:
 
     # ---- checkpoint -------------------------------------------------------------------------
 
-    def _sharded_state(self, is_loading: bool) -> dict:
-        from megatron_gspo.model.checkpoint import sharded_model_state
+    def save(self, directory) -> None:
+        """Model + optimizer state as one dist-checkpoint (collective; directory exists, empty)."""
         from megatron_gspo.train import optim_state
 
-        modules = [c.module for c in self.chunks]
-        model = sharded_model_state(modules)
-        optimizer = optim_state.sharded_state(self.optimizer, modules, model, is_loading)
-        return {"model": model, "optimizer": optimizer}
-
-    def save(self, directory) -> None:
-        """Model + optimizer state as one dist-checkpoint (collective; directory exists, empty).
-
-        Written by this process (megatron's torch_dist format): megatron's default writer forks
-        writer processes and spawns a queue manager that outlives a trainer killed with SIGKILL."""
-        from megatron_gspo.model.checkpoint import save_sharded
-
-        save_sharded(self._sharded_state(is_loading=False), directory)
+        optim_state.save_actor(self.chunks, self.optimizer, directory)
 
     def load(self, directory) -> None:
         """Load a checkpoint saved by `save` under any layout and either optimizer kind
         (collective)."""
-        from megatron.core import dist_checkpointing
-
-        from megatron_gspo.model.checkpoint import _take_over
         from megatron_gspo.train import optim_state
 
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(directory))
-        modules = [c.module for c in self.chunks]
-        for i, c in enumerate(modules):
-            _take_over(c, state["model"][f"model{i}"], directory, copy=True)
-        optim_state.restore(self.optimizer, modules, state["optimizer"])
+        optim_state.load_actor(self.chunks, self.optimizer, directory)

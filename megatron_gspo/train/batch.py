@@ -2,9 +2,14 @@
 
 Legend: b microbatch rows, s padded sequence length, S = s - 1 next-token positions.
 Token-aligned fields follow `tokens`: entry t belongs to token t (its log-prob given tokens < t);
-entry 0 is never trained on. Every rank holds the whole batch; `shard` picks a data-parallel
-replica's rows, and every replica gets the same number of full microbatches (empty rows have an
-all-zero mask), since pipeline stages and expert-parallel collectives need equal shapes.
+entry 0 is never trained on.
+
+In the RL loop a rank holds a shard: its data-parallel replica's rows only (`index`: their rows in
+the step's whole batch of `total` rows; train/shard.py sends them from rank 0), with R3 routing for
+its pipeline stage's MoE layers only (`expert_layers`). A batch without `index` is whole: every
+rank holds every row and the actor picks its replica's (tests, scoring tools). Either way every
+replica gets the same number of full microbatches (empty rows have an all-zero mask), since
+pipeline stages and expert-parallel collectives need equal shapes.
 """
 
 from __future__ import annotations
@@ -27,11 +32,38 @@ class RLBatch:
     rollout_experts: list | None = None
     # per-sample recorded routing (megatron_gspo.routing.SampleRouting); set by Actor.logprobs
     routing: list | None = None
+    # a shard: these rows' places in the whole batch, and its size (None: this is the whole)
+    index: list[int] | None = None
+    total: int | None = None
+    # the decoder layers the rollout_experts arrays hold, in order (None: as the server sent)
+    expert_layers: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def rows(self, index: list[int]) -> RLBatch:
+    @property
+    def sharded(self) -> bool:
+        return self.index is not None
+
+    @property
+    def global_size(self) -> int:
+        """Rows of the whole batch this holds (or is a shard of)."""
+        return len(self) if self.total is None else self.total
+
+    def global_index(self) -> list[int]:
+        return list(range(len(self))) if self.index is None else list(self.index)
+
+    def positions_of(self, rows: list[int]) -> list[int]:
+        """Local positions of those of the whole batch's `rows` this holds (all, unsharded)."""
+        if self.index is None:
+            return list(rows)
+        where = {g: j for j, g in enumerate(self.index)}
+        return [where[g] for g in rows if g in where]
+
+    def rows(self, index: list[int], total: int | None = None) -> RLBatch:
+        """The rows at local positions `index`. Of a shard: a shard of a whole batch of `total`
+        rows (the rows every replica holds of that sub-batch together)."""
+
         def pick(x):
             return None if x is None else [x[i] for i in index]
 
@@ -43,6 +75,9 @@ class RLBatch:
             pick(self.rollout_logprobs),
             pick(self.rollout_experts),
             pick(self.routing),
+            index=pick(self.index),
+            total=None if self.index is None else (len(index) if total is None else total),
+            expert_layers=self.expert_layers,
         )
 
 
@@ -65,6 +100,7 @@ class TrainMicrobatch:
 
 def _padded(rows, b: int, s: int, fill, dtype: torch.dtype) -> torch.Tensor:
     """[b, s] tensor of `rows` right-padded with `fill` (None entries too), built in one call."""
+    rows = [r or [] for r in rows]  # (a None row: no values here, e.g. an earlier stage's)
     out = [[fill if v is None else v for v in r] + [fill] * (s - len(r)) for r in rows]
     out += [[fill] * s for _ in range(b - len(rows))]
     return torch.tensor(out, dtype=dtype)
@@ -112,6 +148,8 @@ def microbatches(
 
 
 def loss_mask_tensor(batch: RLBatch) -> torch.Tensor:
-    """The whole batch's next-token loss mask [B, S], for counting the step's denominator."""
+    """The batch's next-token loss mask [B, S], for counting the step's denominator."""
+    if not len(batch):
+        return torch.zeros((0, 0))  # (a shard without rows of this minibatch)
     s = max(len(t) for t in batch.tokens)
     return _token_field(batch.loss_mask, len(batch), s)

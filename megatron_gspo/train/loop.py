@@ -27,6 +27,7 @@ from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.protocols import PolicyActor, RolloutSource
 from megatron_gspo.train.rollouts import Rollouts
 from megatron_gspo.train.setup import TrainerSetup
+from megatron_gspo.train.shard import minibatch_parts, reduce_sums
 from megatron_gspo.train.state import TrainState
 from megatron_gspo.weight_sync.session import SyncReport, VerificationFailed
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
@@ -59,8 +60,8 @@ def run(
                 collected = collect_current(sync, rl, sampler.next_batch(), step, current)
                 metrics = dict(collected.metrics) | caught_up
                 rl.release_memory()  # colocated GPUs: the servers' memory goes to training
-                if collected.batch is not None:
-                    metrics |= train_on(actor, collected.batch, cfg, step)
+                if collected.rows:
+                    metrics |= train_on(actor, collected.batch, cfg, step, collected.rows)
                 finite = guard.check(step, metrics)
                 rl.resume_memory()
                 t1 = time.perf_counter()
@@ -168,8 +169,14 @@ def sync_weights(sync: WeightSync, rl: RolloutSource, step: int) -> dict:
     return {"sync/gb_per_s": report.gb_per_s, "sync/failed_servers": failed}
 
 
-def train_on(actor: PolicyActor, batch: RLBatch, cfg: Config, step: int) -> dict:
+def train_on(
+    actor: PolicyActor, batch: RLBatch | None, cfg: Config, step: int, rows: int | None = None
+) -> dict:
     """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch.
+
+    `batch` is rank 0's whole batch of `rows` rows (None on the other ranks); every rank trains
+    on its shard of it (train/shard.py: its replica's rows of each minibatch), and the
+    metrics are reduced over the ranks.
 
     With `algo.on_policy_first_update` (default; not under R3) the first minibatch's old
     log-probs are those of its own training forward: its update runs on the very weights old
@@ -178,10 +185,12 @@ def train_on(actor: PolicyActor, batch: RLBatch, cfg: Config, step: int) -> dict
     construction (its recorded routing is its natural routing) and is counted as such."""
     t0 = time.perf_counter()
     actor.set_lr(cfg.optim.lr_at(step, cfg.train.steps))
-    order = np.random.default_rng([cfg.seed, step]).permutation(len(batch)).tolist()
-    parts = [sorted(p.tolist()) for p in np.array_split(order, cfg.algo.minibatches) if len(p)]
+    n = len(batch) if batch is not None else rows
+    assert n, "train_on needs the batch's size on every rank"
+    parts = minibatch_parts(n, cfg.algo.minibatches, cfg.seed, step)
+    batch = actor.shard(batch, parts)
     first_on_policy = cfg.algo.on_policy_first_update and cfg.algo.routing_replay != ReplayMode.R3
-    ahead = [i for p in parts[1:] for i in p] if first_on_policy else list(range(len(batch)))
+    ahead = [i for p in parts[1:] for i in p] if first_on_policy else list(range(n))
     # As many rows per forward as fit (one forward on a small model). The minibatches below are
     # other row sets with their own padding, so their forwards equal these to fp32 rounding.
     metrics = _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
@@ -189,15 +198,16 @@ def train_on(actor: PolicyActor, batch: RLBatch, cfg: Config, step: int) -> dict
     loss_cfg, mbs = cfg.algo.loss_config(), cfg.train.micro_batch_size
     per_update = []
     for k, part in enumerate(parts):
-        rows = batch.rows(part)
+        mine = batch.positions_of(part)  # (all of them when every rank holds the batch)
+        sub = batch.rows(mine, total=len(part))
         if k == 0 and first_on_policy:
-            update = actor.train_step(rows, loss_cfg, mbs, on_policy=True)
+            update = actor.train_step(sub, loss_cfg, mbs, on_policy=True)
             # both set: by this on-policy step, and by _old_logprobs above
-            assert rows.old_logprobs is not None and batch.old_logprobs is not None
-            for i, lp in zip(part, rows.old_logprobs):
+            assert sub.old_logprobs is not None and batch.old_logprobs is not None
+            for i, lp in zip(mine, sub.old_logprobs):
                 batch.old_logprobs[i] = lp
         else:
-            update = actor.train_step(rows, loss_cfg, mbs)
+            update = actor.train_step(sub, loss_cfg, mbs)
         per_update.append(update)
         if update.get("nonfinite"):  # the weights stay as they were; the step ends here
             break
@@ -211,20 +221,21 @@ def train_on(actor: PolicyActor, batch: RLBatch, cfg: Config, step: int) -> dict
 def _old_logprobs(
     actor: PolicyActor, batch: RLBatch, rows: list[int], micro_batch_size: int
 ) -> dict:
-    """Old log-probs (and recorded routing) of `rows` into the batch, None for the others;
-    returns the forward's routing metrics."""
+    """Old log-probs (and recorded routing) of the whole batch's `rows` into the batch (of a
+    shard: those it holds), None for the others; returns the forward's routing metrics."""
     n = len(batch)
-    if len(rows) == n:
+    if len(rows) == batch.global_size:
         every, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True)
         batch.old_logprobs = cast(list[list[float | None] | None], every)  # (no copy)
         return metrics
-    sub = replace(batch, old_logprobs=None, routing=None).rows(rows)
+    mine = batch.positions_of(rows)
+    sub = replace(batch, old_logprobs=None, routing=None).rows(mine, total=len(rows))
     batch.old_logprobs = [None] * n
     if not rows:  # one minibatch, on policy: no old-log-prob pass at all
         return {}
     old, metrics = actor.logprobs(sub, micro_batch_size, fit_logits=True)
     routing = [None] * n if sub.routing is not None else None
-    for j, i in enumerate(rows):
+    for j, i in enumerate(mine):
         batch.old_logprobs[i] = old[j]
         if routing is not None:
             assert sub.routing is not None  # routing is made only then
@@ -241,9 +252,11 @@ def _mismatch(batch: RLBatch) -> dict:
         return {}
     sums = {"": [0.0, 0], "_routing_same": [0.0, 0], "_routing_differs": [0.0, 0]}
     # train_on computed every row's old log-probs before this
-    old_rows = cast("list[list[float | None]]", batch.old_logprobs)
+    old_rows = cast("list[list[float | None] | None]", batch.old_logprobs)
     rows = zip(old_rows, batch.rollout_logprobs, batch.loss_mask)
     for i, (old, roll, mask) in enumerate(rows):
+        if old is None:  # (a shard's rows on a stage before the last: no log-probs here)
+            continue
         differs = _rollout_differs(batch, i)
         for t, (o, r, m) in enumerate(zip(old, roll, mask)):
             if m and o is not None and r is not None:
@@ -253,6 +266,8 @@ def _mismatch(batch: RLBatch) -> dict:
                 for key in keys:
                     sums[key][0] += abs(o - r)
                     sums[key][1] += 1
+    if batch.sharded:  # every replica's tokens (counted once: on its last stage's first rank)
+        sums = dict(zip(sums, reduce_sums(list(sums.values()))))
     return {f"mismatch/logprob_abs_diff{k}": total / n for k, (total, n) in sums.items() if n}
 
 

@@ -180,3 +180,36 @@ def restore(optimizer, chunks, loaded: dict) -> None:
                 state["step"] = (
                     torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
                 )
+
+
+def _sharded_actor_state(chunks, optimizer, is_loading: bool) -> dict:
+    from megatron_gspo.model.checkpoint import sharded_model_state
+
+    modules = [c.module for c in chunks]
+    model = sharded_model_state(modules)
+    return {"model": model, "optimizer": sharded_state(optimizer, modules, model, is_loading)}
+
+
+def save_actor(chunks, optimizer, directory) -> None:
+    """The actor's model + optimizer state as one dist-checkpoint (collective; the directory
+    exists, empty). Written by this process (megatron's torch_dist format): megatron's default
+    writer forks writer processes and spawns a queue manager that outlives a trainer killed
+    with SIGKILL."""
+    from megatron_gspo.model.checkpoint import save_sharded
+
+    save_sharded(_sharded_actor_state(chunks, optimizer, is_loading=False), directory)
+
+
+def load_actor(chunks, optimizer, directory) -> None:
+    """Load `save_actor`'s checkpoint under any layout and either optimizer kind (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_gspo.model.checkpoint import _take_over
+
+    state = dist_checkpointing.load(
+        _sharded_actor_state(chunks, optimizer, is_loading=True), str(directory)
+    )
+    modules = [c.module for c in chunks]
+    for i, c in enumerate(modules):
+        _take_over(c, state["model"][f"model{i}"], directory, copy=True)
+    restore(optimizer, modules, state["optimizer"])

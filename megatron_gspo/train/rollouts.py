@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Collected:
-    batch: RLBatch | None  # None when dynamic sampling dropped every group
+    batch: RLBatch | None  # rank 0's whole batch (None elsewhere; everywhere when it is empty)
     metrics: dict
+    rows: int = 0  # the batch's rows, on every rank (0: every group was dropped)
 
 
 class Rollouts:
@@ -265,16 +266,19 @@ class Rollouts:
     # ---- one step's batch ------------------------------------------------------------------
 
     def collect(self, prompt_index: list[int], step: int, version: str | None = None) -> Collected:
-        """G responses for each prompt, scored; the same RLBatch on every rank."""
+        """G responses for each prompt, scored: the batch on rank 0 (the actor's `shard` sends
+        every rank its rows), its metrics and size on every rank."""
         result = self._collect(prompt_index, step, version) if self.rank0 else None
+        if result is not None:
+            result.rows = 0 if result.batch is None else len(result.batch)
         if dist.get_world_size() == 1:
             assert result is not None  # one process: it is rank 0
-            return result  # one process: no pickled round trip of the batch
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        collected = box[0]
-        assert collected is not None  # rank 0's, on every rank
-        return collected
+            return result
+        box = [None if result is None else (result.metrics, result.rows)]
+        dist.broadcast_object_list(box, src=0)  # (the step's metrics: numbers, not its rows)
+        assert box[0] is not None  # rank 0's, on every rank
+        metrics, rows = box[0]
+        return Collected(result.batch if result is not None else None, metrics, rows)
 
     def _collect(self, prompt_index: list[int], step: int, version: str | None) -> Collected:
         from megatron_gspo.data.prompts import encode_prompt
@@ -285,15 +289,11 @@ class Rollouts:
         rows = [self.train_rows.rows[i] for i in prompt_index]
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
         assert self.generator is not None  # rank 0 made it on entering
+        r3 = cfg.algo.routing_replay == ReplayMode.R3
         groups = self._run(
-            self.generator.generate(
-                prompts,
-                n=r.group_size,
-                sampling_params=self._sampling(step),
-                return_logprob=True,
-                return_routed_experts=cfg.algo.routing_replay == ReplayMode.R3,
-            )
-        )
+            self.generator.generate(prompts, n=r.group_size, sampling_params=self._sampling(step),
+                                    return_routed_experts=r3, grouped=r.group_requests)
+        )  # fmt: skip
         t_gen = time.perf_counter() - t0
         samples = [s for g in groups for s in g]
         _check_samples(samples)

@@ -3,6 +3,7 @@ the fused CPU Adam, gathering rows and reducing step statistics over ranks."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -56,10 +57,12 @@ def _fused_cpu_adam(optimizer) -> None:
                 group["foreach"], group["fused"] = False, True
 
 
-def _gather_rows(mine: list, n: int, world: int) -> list:
-    """Every rank gets every row: gather (row, value) pairs over the whole world."""
+def _gather_rows(mine: list, n: int, world: int, local: bool = False) -> list:
+    """The batch's rows from (row, value) pairs: with `local` (a shard: its rows stay on the
+    rank that computed them) this rank's only, None elsewhere; else every rank's, gathered over
+    the whole world (a whole batch on every rank)."""
     parts: list[Any] = [mine]  # every rank's list, once all_gather_object filled it
-    if world > 1:
+    if world > 1 and not local:
         parts = [None] * world
         dist.all_gather_object(parts, mine)
     out = [None] * n
@@ -69,29 +72,29 @@ def _gather_rows(mine: list, n: int, world: int) -> list:
     return out
 
 
-def _reduce_stats(outputs: list[dict], world: int, tp: int) -> dict:
+_IDENTITY = {"sum": 0.0, "min": float("inf"), "max": float("-inf")}
+
+
+def _reduce_stats(outputs: list[dict], world: int, tp: int, device="cpu") -> dict:
     """Sum/min/max the microbatch stats over the data-parallel replicas (on the last pipeline
-    stage), then share them with every rank."""
+    stage), then share them with every rank: three tensor all-reduces over the keys (which the
+    ranks agree on first: those of the last stage's loss)."""
     local = combine_stats(outputs) if outputs else {}
     mine = {k: float(v) for k, v in local.items()}
-    parts: list[dict[str, float] | None] = [mine]
+    total: dict[str, float] = dict(mine)
     if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, mine)
-    total: dict[str, float] = {}
-    for part in parts:
-        if not part:
-            continue
-        for k, v in part.items():
-            op = stat_reduce_op(k)
-            if k not in total:
-                total[k] = v
-            elif op == "min":
-                total[k] = min(total[k], v)
-            elif op == "max":
-                total[k] = max(total[k], v)
-            else:
-                total[k] += v
+        names: list = [None] * world
+        dist.all_gather_object(names, sorted(mine))  # (the stat names: a few short strings)
+        keys = sorted({k for part in names for k in part})
+        for op in ("sum", "min", "max"):
+            mine_op = [k for k in keys if stat_reduce_op(k) == op]
+            if not mine_op:
+                continue
+            t = torch.tensor([mine.get(k, _IDENTITY[op]) for k in mine_op],
+                             dtype=torch.float64, device=device)  # fmt: skip
+            red = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+            dist.all_reduce(t, op=red[op])
+            total.update(zip(mine_op, t.cpu().tolist()))
     # Every TP rank of a replica reports the same numbers: count one TP rank per replica.
     sums = {k: v / tp for k, v in total.items() if stat_reduce_op(k) == "sum"}
     total.update(sums)
@@ -99,3 +102,19 @@ def _reduce_stats(outputs: list[dict], world: int, tp: int) -> dict:
     metrics["loss"] = total.get("loss_sum", 0.0)
     metrics["entropy"] = total.get("entropy_sum", 0.0) / max(total.get("num_tokens", 0.0), 1.0)
     return metrics
+
+
+def _optimizer_step(opt) -> tuple[bool, float | None, bool]:
+    """The optimizer step, unless the gradient norm is not finite (a NaN/Inf loss, an
+    overflow): then the gradients are dropped and the weights stay as they were. The norm
+    is reduced over the model-parallel (and, with the distributed optimizer, data-parallel)
+    ranks, so every rank takes the same branch. Returns (updated, grad norm, finite)."""
+    if opt.prepare_grads():  # a loss scaler found an overflow: megatron skips the step
+        return False, None, True
+    norm = float(opt.get_grad_norm())
+    if not math.isfinite(norm):
+        opt.zero_grad()
+        return False, norm, False
+    ok, _, _ = opt.step()  # prepares the grads again: idempotent, and cheap
+    # the norm before clipping, as megatron's own; it gives none (or 0) with clip_grad 0
+    return ok, norm, True

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -35,20 +36,53 @@ def fixed_batch(n: int = 8, vocab: int = 100) -> RLBatch:
     return RLBatch(tokens, masks, torch.randn(n, generator=g).tolist())
 
 
-def off_policy(old: list) -> list:
-    """Shift the old log-probs a little so ratios differ from 1 and some tokens clip."""
+def off_policy(old: list, index: list[int]) -> list:
+    """Shift the old log-probs a little so ratios differ from 1 and some tokens clip (row i of
+    the whole batch by its own amounts; None rows: another pipeline stage's)."""
     return [
-        [None] + [v + 0.15 * ((i * 7 + j) % 5 - 2) for j, v in enumerate(r[1:])]
-        for i, r in enumerate(old)
+        None
+        if r is None
+        else [None] + [v + 0.15 * ((i * 7 + j) % 5 - 2) for j, v in enumerate(r[1:])]
+        for i, r in zip(index, old)
     ]
 
 
-def rollout_of(old: list) -> list:
+def rollout_of(old: list, index: list[int]) -> list:
     """Rollout log-probs that differ from the old ones by log rho = 0.3 * k, k in -2..2."""
     return [
-        [None] + [v - 0.3 * ((i * 3 + j) % 5 - 2) for j, v in enumerate(r[1:])]
-        for i, r in enumerate(old)
+        None
+        if r is None
+        else [None] + [v - 0.3 * ((i * 3 + j) % 5 - 2) for j, v in enumerate(r[1:])]
+        for i, r in zip(index, old)
     ]
+
+
+def this_ranks_shard(actor: Actor, whole: RLBatch) -> RLBatch:
+    """The RL loop's way: rank 0 sends every rank its replica's rows (one minibatch of all 8);
+    each checks that what came is the whole batch's rows it names."""
+    shard = actor.shard(whole if dist.get_rank() == 0 else None, [list(range(len(whole)))])
+    if dist.get_world_size() > 1:
+        assert shard.sharded and shard.total == len(whole)
+        assert shard.index == list(range(actor.dp_rank, len(whole), actor.dp)), shard.index
+        for j, i in enumerate(shard.index):
+            assert shard.tokens[j] == whole.tokens[i] and shard.loss_mask[j] == whole.loss_mask[i]
+            assert shard.advantages[j] == pytest.approx(whole.advantages[i], abs=0)
+    return shard
+
+
+def whole_rows(batch: RLBatch, field: str) -> list | None:
+    """A shard's `field` gathered (here, for the test's output) into the whole batch's rows,
+    from the ranks that hold values (the last pipeline stage)."""
+    rows = getattr(batch, field)
+    if rows is None or not batch.sharded:
+        return rows
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(zip(batch.index, rows)))
+    out: list = [None] * batch.global_size
+    for part in parts:
+        for i, r in part:
+            out[i] = out[i] or r
+    return out
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -78,12 +112,13 @@ def run(a: argparse.Namespace, dims: ParallelDims) -> None:
         load_policy(a.checkpoint, dims),
         OptimConfig(lr=1e-3, distributed=not a.no_dist_opt),
     )
-    batch = fixed_batch()
+    whole = fixed_batch()
+    batch = this_ranks_shard(actor, whole)
     if not a.own_forward:
         old, _ = actor.logprobs(batch, a.mbs, fit_logits=a.fit_logits)
-        batch.old_logprobs = old if a.on_policy else off_policy(old)
+        batch.old_logprobs = old if a.on_policy else off_policy(old, batch.global_index())
     if a.tis != "none":
-        batch.rollout_logprobs = rollout_of(batch.old_logprobs)
+        batch.rollout_logprobs = rollout_of(batch.old_logprobs, batch.global_index())
     loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28, tis=a.tis, tis_cap=a.tis_cap)
     if a.load:
         actor.load(a.load)
@@ -97,12 +132,14 @@ def run(a: argparse.Namespace, dims: ParallelDims) -> None:
         own = a.own_forward and i == 0
         steps.append(actor.train_step(batch, loss_cfg, a.mbs, on_policy=own))
     # After training (whose forward skips the prompts' logits): every position, both ways.
-    after = {"score": score([c.module for c in actor.chunks], batch.tokens, micro_batch_size=a.mbs),
-             "logprobs": actor.logprobs(batch, a.mbs)[0]}  # fmt: skip
+    # (the whole batch on every rank: the actor's other way, gathering to every rank)
+    after = {"score": score([c.module for c in actor.chunks], whole.tokens, micro_batch_size=a.mbs),
+             "logprobs": actor.logprobs(whole, a.mbs)[0]}  # fmt: skip
+    old, rollout = whole_rows(batch, "old_logprobs"), whole_rows(batch, "rollout_logprobs")
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
-            json.dump({"steps": steps, "old": batch.old_logprobs, "rollout": batch.rollout_logprobs,
-                       "mask": batch.loss_mask, "adv": batch.advantages, "after": after}, f)  # fmt: skip
+            json.dump({"steps": steps, "old": old, "rollout": rollout,
+                       "mask": whole.loss_mask, "adv": whole.advantages, "after": after}, f)  # fmt: skip
     dist.barrier()
 
 

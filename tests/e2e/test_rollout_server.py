@@ -92,6 +92,26 @@ def test_generate_logprobs_and_routing_equal_hf(server, ckpts):
     assert [s.tokens for g in again for s in g] == [s.tokens for s in samples]
 
 
+def test_grouped_requests_give_the_samples_of_one_request_each(server, ckpts):
+    """generate(grouped=True): one batch request per prompt, its samples each with their own
+    rid and seed: the same tokens as one request per sample, log-probs and routing as HF's."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 11, "ignore_eos": True}
+
+    def go(grouped):
+        async def call(c):
+            return await c.generate(prompts, n=3, sampling_params=sp,
+                                    return_routed_experts=True, grouped=grouped)  # fmt: skip
+
+        return run(with_client(server, call))
+
+    each, grouped = go(False), go(True)
+    assert [[s.tokens for s in g] for g in grouped] == [[s.tokens for s in g] for g in each]
+    assert [s.sample_index for s in grouped[1]] == [0, 1, 2]
+    assert len({s.rid for g in grouped for s in g}) == 6
+    check_against_hf(ckpts[0], [s for g in grouped for s in g])
+
+
 def test_raw_generate_shapes(server):
     body = {
         "input_ids": [[5, 6, 7], [8, 9]],
@@ -215,6 +235,14 @@ def test_client_retries_on_another_server_and_reports_dead_ones(server):
 
     s, _ = run(both())
     assert s.server == server and len(s.tokens) == 2
+
+    async def group_on_both():  # a prompt's group, one batch request: retried whole
+        async with RolloutClient([dead, server], api_key=KEY, backoff_s=0.01) as c:
+            return await c.generate([[5]], n=3, sampling_params={"max_new_tokens": 2},
+                                    grouped=True)  # fmt: skip
+
+    [group] = run(group_on_both())
+    assert [x.server for x in group] == [server] * 3 and all(len(x.tokens) == 2 for x in group)
 
     async def only_dead():
         async with RolloutClient([dead], retries=1, backoff_s=0.01) as c:
