@@ -108,10 +108,12 @@ class RolloutSection:
     # opens the train-inference gap real engines have: log-probs and MoE routing then differ
     # between rollout and trainer (what R3 and algo.tis address)
     dtype: str | None = None  # float32 | bfloat16 | float16
-    # one /generate request per prompt carrying its group_size samples (a batch, each sample
-    # with its own rid and seed) instead of one per sample: less per-request overhead in the
-    # server, which dominates with short answers
+    # one /generate request per prompt group (a batch, each sample with its own rid and seed)
+    # instead of one per sample: less per-request overhead in the server
     group_requests: bool = True
+    # 1: the servers generate step k+1's batch while the trainer trains on step k's, which is
+    # then one weight version old (algo.tis corrects for it); 0: synchronous. train/ahead.py
+    max_staleness: int = 0
 
     def check(self) -> None:
         if self.dtype is not None:
@@ -140,6 +142,13 @@ class RolloutSection:
         _in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
         for name in ("health_timeout_s", "connect_grace_s"):
             _in_range(getattr(self, name), f"rollout.{name}", 0, lo_open=True)
+        _in_range(self.max_staleness, "rollout.max_staleness", 0, 1)
+        if self.max_staleness and self.release_memory:
+            raise UserError(
+                "rollout.max_staleness 1 generates while the trainer trains, which "
+                "rollout.release_memory (the servers' GPU memory lent to training) rules out; "
+                "set one of them to 0, or place the servers on GPUs of their own"
+            )
 
 
 @dataclass

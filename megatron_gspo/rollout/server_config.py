@@ -86,3 +86,29 @@ class ServerConfig:
 def _redacted(cmd: list[str]) -> list[str]:
     """The command as the log shows it: an API key's value left out."""
     return ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
+
+
+def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: bool) -> None:
+    """What SGLang needs from the machine and the run, unless rollout.extra_server_args says
+    it: on a host without a GPU the cpu device (SGLang looks for one otherwise and exits) and no
+    CUDA graphs; the checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16 on CPU)
+    unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens
+    a step or an eval keeps in flight, with headroom (its default takes a fraction of the
+    machine's memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower)."""
+    from megatron_gspo.hf.config import load_hf_config
+
+    r = cfg.rollout
+    given = {a.split("=", 1)[0] for a in r.extra_server_args if a.startswith("--")}
+    if not gpu and "--device" not in given:
+        server.device = "cpu"
+        server.disable_cuda_graph = True
+    if "--dtype" not in given:
+        hf = load_hf_config(hf_dir)
+        server.dtype = r.dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    if not gpu and not {"--max-total-tokens", "--mem-fraction-static"} & given:
+        per_sequence = longest_prompt + r.max_new_tokens
+        sequences = max(r.prompts_per_step * r.group_size, cfg.train.eval_prompts)
+        tokens = int(1.5 * sequences * per_sequence)
+        server.max_total_tokens = max(4096, -(-tokens // 1024) * 1024)
+        if "--max-running-requests" not in given:
+            server.max_running_requests = sequences

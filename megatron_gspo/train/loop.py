@@ -22,6 +22,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.train.ahead import Ahead, version_index
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.protocols import PolicyActor, RolloutSource
@@ -47,6 +48,7 @@ def run(
     with setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
         actor, sampler = setup.actor, setup.sampler(rl.n_train_prompts)
         sync = setup.weight_sync(rl.urls, rl.api_key)
+        ahead = Ahead(rl, sampler, cfg.rollout.max_staleness)
         try:
             hooks = StepHooks(cfg, run_dir, setup, rl)
             state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
@@ -57,26 +59,38 @@ def run(
             for step in range(state.step + 1, last + 1):
                 t0 = time.perf_counter()
                 caught_up = catch_up(sync, rl, current)
-                collected = collect_current(sync, rl, sampler.next_batch(), step, current)
-                metrics = dict(collected.metrics) | caught_up
-                rl.release_memory()  # colocated GPUs: the servers' memory goes to training
-                if collected.rows:
-                    metrics |= train_on(actor, collected.batch, cfg, step, collected.rows)
-                finite = guard.check(step, metrics)
-                rl.resume_memory()
+                collected, waited = take_batch(ahead, sync, rl, step, current)
+                if step < last:  # (staleness 1: the next batch generates while this trains)
+                    ahead.start(step + 1, current)
+                metrics = dict(collected.metrics) | caught_up | waited
+                finite = train_phase(actor, rl, collected, cfg, step, guard, metrics)
+                generating = ahead.finish_generation()  # weights change only between batches
                 t1 = time.perf_counter()
+                busy = generating if cfg.rollout.max_staleness else metrics["time/rollout_s"]
+                metrics["time/servers_idle_s"] = max(0.0, t1 - t0 - busy)
                 metrics |= sync_weights(sync, rl, step)
                 current = str(step)
-                metrics["time/train_s"] = (
-                    t1 - t0 - metrics["time/rollout_s"] - metrics["time/catch_up_s"]
-                )
                 metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
-                state = TrainState(step, step, sampler.state_dict())
+                state = TrainState(step, step, ahead.sampler_state())
                 hooks.end_step(step, metrics, state, t0, last, checkpoint=finite)
                 guard.stop_if_over()
             hooks.finish(state)
         finally:  # also after a failure: e.g. the update groups kept with the servers
+            ahead.close()
             sync.close()
+
+
+def train_phase(actor, rl: RolloutSource, collected, cfg: Config, step: int,
+                guard: NonFiniteGuard, metrics: dict) -> bool:  # fmt: skip
+    """The step's training, into `metrics`: whether it was finite (a checkpoint may follow)."""
+    t0 = time.perf_counter()
+    rl.release_memory()  # colocated GPUs: the servers' memory goes to training
+    if collected.rows:
+        metrics |= train_on(actor, collected.batch, cfg, step, collected.rows)
+    finite = guard.check(step, metrics)
+    rl.resume_memory()
+    metrics["time/train_s"] = time.perf_counter() - t0
+    return finite
 
 
 class NonFiniteGuard:
@@ -109,6 +123,24 @@ class NonFiniteGuard:
                 "optim.lr (or optim.clip_grad), check the data and rewards, then --resume from "
                 f"the last checkpoint (the limit is train.max_nonfinite_steps={self.limit})"
             )
+
+
+def take_batch(ahead: Ahead, sync: WeightSync, rl: RolloutSource, step: int, current: str):
+    """The step's batch: the one generated ahead during the last step (staleness 1), else one
+    generated now (`collect_current`); with its staleness (the versions between the weights
+    that generated it and `current`, the trainer's) and the trainer's wait for it."""
+    t0 = time.perf_counter()
+    taken = ahead.take(step)
+    if taken is None:
+        collected, version = collect_current(sync, rl, ahead.next_prompts(), step, current), current
+    else:
+        collected, version = taken
+    # every trained sample comes from `version` (groups from other weights were dropped); the
+    # samples' own versions say which (rollouts.py: rollout/version_oldest)
+    oldest = collected.metrics.get("rollout/version_oldest", float(version_index(version)))
+    stale = float(version_index(current) - oldest)
+    return collected, {"time/trainer_idle_s": time.perf_counter() - t0,
+                       "rollout/staleness_mean": stale, "rollout/staleness_max": stale}  # fmt: skip
 
 
 def collect_current(

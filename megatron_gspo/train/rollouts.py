@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend
 from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.train.ahead import version_index
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.samples import (
     _check_samples,
@@ -83,7 +85,9 @@ class Rollouts:
     def __exit__(self, *exc) -> None:
         if self._loop is not None:
             for c in {id(c): c for c in (self.client, self.generator) if c is not None}.values():
-                self._loop.run_until_complete(c.close())
+                self._run(c.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._io.join()
             self._loop.close()
         if self.group is not None:
             self.group.stop()
@@ -107,7 +111,11 @@ class Rollouts:
         # servers a launch script started use the one it exported.
         self.api_key = api_key() or (None if cfg.rollout.urls else secrets.token_urlsafe(32))
         self.urls = list(cfg.rollout.urls) or self._launch()
+        # the clients' event loop runs on a thread of its own: rollouts generated ahead of
+        # training (train/ahead.py) and the main thread's requests share it
         self._loop = asyncio.new_event_loop()
+        self._io = threading.Thread(target=self._loop.run_forever, name="rollout-io", daemon=True)
+        self._io.start()
         topk = _topk(self.hf_dir)
         outage = cfg.rollout.health_timeout_s  # servers down: wait this long for a restart
         self.client = RolloutClient(
@@ -165,37 +173,17 @@ class Rollouts:
         return self.group.urls
 
     def _size_sglang(self, server) -> None:
-        """What SGLang needs from the machine and the run, unless extra_server_args says it:
-        on a host without a GPU the cpu device (SGLang looks for one otherwise and exits) and no
-        CUDA graphs; the checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16
-        on CPU) unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run:
-        the most tokens a step or an eval keeps in flight, with headroom (its default takes a
-        fraction of the machine's memory: 14 GB for a tiny model on a 24 GB host, and steps
-        ~8x slower)."""
+        """What SGLang needs from the machine and the run (rollout/server_config.py)."""
         from megatron_gspo.data.prompts import encode_prompt
-        from megatron_gspo.hf.config import load_hf_config
+        from megatron_gspo.rollout.server_config import size_sglang
 
-        cfg, r = self.cfg, self.cfg.rollout
-        given = {a.split("=", 1)[0] for a in r.extra_server_args if a.startswith("--")}
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu and "--device" not in given:
-            server.device = "cpu"
-            server.disable_cuda_graph = True
-        if "--dtype" not in given:
-            hf = load_hf_config(self.hf_dir)
-            server.dtype = r.dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
-        if on_cpu and not {"--max-total-tokens", "--mem-fraction-static"} & given:
-            rows = [self.train_rows.rows[i] for i in range(min(len(self.train_rows.rows), 1024))]
-            prompt = max((len(self._encode(encode_prompt, row.prompt)) for row in rows), default=0)
-            per_sequence = prompt + r.max_new_tokens
-            sequences = max(r.prompts_per_step * r.group_size, cfg.train.eval_prompts)
-            tokens = int(1.5 * sequences * per_sequence)
-            server.max_total_tokens = max(4096, -(-tokens // 1024) * 1024)
-            if "--max-running-requests" not in given:
-                server.max_running_requests = sequences
+        rows = self.train_rows.rows[:1024]
+        longest = max((len(self._encode(encode_prompt, row.prompt)) for row in rows), default=0)
+        size_sglang(server, self.cfg, self.hf_dir, longest, torch.cuda.is_available())
 
     def _run(self, coro):
-        return self._loop.run_until_complete(coro)
+        assert self._loop is not None  # rank 0 made it on entering
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
     def n_train_prompts(self) -> int:
@@ -268,7 +256,20 @@ class Rollouts:
     def collect(self, prompt_index: list[int], step: int, version: str | None = None) -> Collected:
         """G responses for each prompt, scored: the batch on rank 0 (the actor's `shard` sends
         every rank its rows), its metrics and size on every rank."""
-        result = self._collect(prompt_index, step, version) if self.rank0 else None
+        return self.share(self.gather(prompt_index, step, version) if self.rank0 else None)
+
+    def gather(self, prompt_index: list[int], step: int, version: str | None = None) -> Collected:
+        """Rank 0: the step's batch and metrics (any thread: train/ahead.py runs it on one of
+        its own while the trainer trains)."""
+        return self._collect(prompt_index, step, version)
+
+    def abort_generation(self) -> None:
+        """Rank 0: abort every request in flight (they return what they have so far)."""
+        if self.generator is not None:
+            self._run(self.generator.abort())
+
+    def share(self, result: Collected | None) -> Collected:
+        """Rank 0's `gather` result -> the batch on rank 0, its metrics and size everywhere."""
         if result is not None:
             result.rows = 0 if result.batch is None else len(result.batch)
         if dist.get_world_size() == 1:
@@ -333,6 +334,9 @@ class Rollouts:
         if not keep:
             return Collected(None, metrics)
         samples = [samples[g * G + j] for g in keep for j in range(G)]
+        # the oldest weights a trained sample came from, by its server's word (train/ahead.py)
+        oldest = min(version_index(str(s.weight_version)) for s in samples)
+        metrics["rollout/version_oldest"] = float(oldest)
         kept_rewards = torch.tensor([rewards[g * G + j] for g in keep for j in range(G)])
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
         return Collected(_to_batch(samples, adv.tolist()), metrics)

@@ -57,6 +57,16 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("model: {path: m}\n", ["optim.decay=step"], "optim.decay must be one of"),
         ("model: {path: m}\n", ["optim.min_lr=1"], "min_lr must be a finite number in"),
         ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
+        (
+            "model: {path: m}\n",
+            ["rollout.max_staleness=2"],
+            "max_staleness must be an integer in \\[0, 1\\]",
+        ),
+        (
+            "model: {path: m}\n",
+            ["rollout.max_staleness=1", "rollout.release_memory=true"],
+            "rules out; set one of them to 0",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_error(tmp_path, text, override, message):

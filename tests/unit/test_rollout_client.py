@@ -41,13 +41,13 @@ def answer(tokens, routed=None, reason="length"):
     }
     if routed is not None:
         meta["routed_experts"] = base64.b64encode(routed.astype(np.int32).tobytes()).decode()
-    return {"output_ids": tokens, "meta_info": meta, "_latency": 0.1}
+    return {"output_ids": tokens, "meta_info": meta}
 
 
 def test_fill_decodes_routed_experts_as_tokens_layers_topk():
     client = RolloutClient("http://127.0.0.1:1", topk=2)
     routed = np.arange(4 * 3 * 2).reshape(4, 3, 2)  # prompt 3 + output 2 - 1 tokens
-    s = client._fill(Sample(0, 0, [1, 2, 3]), answer([4, 5], routed), "u", want_routed=True)
+    s = client._fill(Sample(0, 0, [1, 2, 3]), answer([4, 5], routed), "u", 0.1, want_routed=True)
     assert s.tokens == [4, 5] and s.logprobs == [-0.5, -0.5] and s.weight_version == "v7"
     assert s.finish_reason == "length" and not s.aborted
     np.testing.assert_array_equal(s.routed_experts, routed)
@@ -56,8 +56,8 @@ def test_fill_decodes_routed_experts_as_tokens_layers_topk():
 def test_missing_routed_experts_is_an_error_unless_aborted():
     client = RolloutClient("http://127.0.0.1:1", topk=2)
     with pytest.raises(RolloutError, match="enable-return-routed-experts"):
-        client._fill(Sample(0, 0, [1]), answer([4]), "u", want_routed=True)
-    s = client._fill(Sample(0, 0, [1]), answer([], reason="abort"), "u", want_routed=True)
+        client._fill(Sample(0, 0, [1]), answer([4]), "u", 0.1, want_routed=True)
+    s = client._fill(Sample(0, 0, [1]), answer([], reason="abort"), "u", 0.1, want_routed=True)
     assert s.aborted and s.routed_experts is None
 
 

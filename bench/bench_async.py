@@ -1,0 +1,70 @@
+"""The RL loop with rollouts one step ahead (`rollout.max_staleness=1`) against the synchronous
+loop (0), side by side in one run: the same config, model, seed and steps, each a `megatron-gspo
+train` run started from the documented keys, alternating which goes first over --reps.
+
+Prints, per mode, the medians over steps 2.. (step 1 pays for first use) of the step time and
+its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, and the
+trained tokens per second; then throughput async / sync. On this 2-core machine the built-in
+server generates on one core while the trainer trains on the other.
+
+Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
+
+    .venv/bin/python bench/bench_async.py --model runs/task_model [--steps 8] [--reps 2]
+        [key=value ...]   # overrides for every run, e.g. rollout.max_new_tokens=64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
+         "time/servers_idle_s", "tokens_per_s")  # fmt: skip
+MODES = {"sync": ["rollout.max_staleness=0"], "async": ["rollout.max_staleness=1"]}
+
+
+def run(flags: list[str], a, extra: list[str]) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", a.config,
+               "--run-dir", str(Path(tmp) / "run"), "--steps", str(a.steps),
+               f"model.path={a.model}", "train.eval_every=0", "train.checkpoint_every=0",
+               *flags, *extra]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        if out.returncode:
+            sys.exit(f"{' '.join(flags)} run failed:\n{out.stderr[-3000:]}")
+        rows = [json.loads(x) for x in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in rows if r["step"] >= 2]
+    return {k: statistics.median(r.get(k, 0.0) for r in steady) for k in PARTS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="an HF task model (make-task-model)")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_moe_gspo.yaml"))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=2)
+    a, extra = ap.parse_known_args()
+    got: dict[str, list[dict]] = {name: [] for name in MODES}
+    order = list(MODES.items())
+    for rep in range(a.reps):
+        for name, flags in order if rep % 2 == 0 else order[::-1]:
+            got[name].append(run(flags, a, extra))
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in PARTS} for n, rs in got.items()}
+    print(f"{'mode':8s} " + " ".join(f"{k.split('/')[-1]:>16s}" for k in PARTS))
+    for name, m in med.items():
+        print(f"{name:8s} " + " ".join(f"{m[k]:16.3f}" for k in PARTS))
+    ratio = med["async"]["tokens_per_s"] / med["sync"]["tokens_per_s"]
+    print(f"trained tokens/s, async (staleness 1) / sync: {ratio:.2f}x "
+          f"(load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
