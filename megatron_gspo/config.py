@@ -109,7 +109,8 @@ class RolloutSection:
     # between rollout and trainer (what R3 and algo.tis address)
     dtype: str | None = None  # float32 | bfloat16 | float16
     # one /generate request per prompt group (a batch, each sample with its own rid and seed)
-    # instead of one per sample: less per-request overhead in the server
+    # instead of one per sample: less per-request overhead (not through router_url: the router
+    # takes one sampling_params per request)
     group_requests: bool = True
     # 1: the servers generate step k+1's batch while the trainer trains on step k's, which is
     # then one weight version old (algo.tis corrects for it); 0: synchronous. train/ahead.py

@@ -291,9 +291,10 @@ class Rollouts:
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
         assert self.generator is not None  # rank 0 made it on entering
         r3 = cfg.algo.routing_replay == ReplayMode.R3
+        grouped = r.group_requests and not r.router_url  # (sglang-router takes no batches)
         groups = self._run(
             self.generator.generate(prompts, n=r.group_size, sampling_params=self._sampling(step),
-                                    return_routed_experts=r3, grouped=r.group_requests)
+                                    return_routed_experts=r3, grouped=grouped)
         )  # fmt: skip
         t_gen = time.perf_counter() - t0
         samples = [s for g in groups for s in g]
