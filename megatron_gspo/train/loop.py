@@ -149,7 +149,7 @@ def collect_current(
     """The step's rollouts, from the trainer's weights: when a server restarted during them
     (onto older weights) gave some samples, it is caught up and the batch generated again (the
     same seeds: the same samples from the other servers), up to `tries` times in all; groups
-    still stale after that are dropped (rollouts.py). Every rank sees the same batch, so
+    still stale after that are dropped (rollouts.py). Every rank sees the same metrics, so
     every rank takes the same turns (catch_up is collective)."""
     regenerated = 0.0
     for attempt in range(tries):

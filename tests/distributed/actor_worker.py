@@ -1,4 +1,6 @@
 """Worker for the actor tests: two optimizer steps on a fixed batch, metrics as JSON on rank 0.
+Rank 0 sends every rank its replica's rows (the RL loop's shard, train/shard.py); the scoring
+after the steps uses the whole batch on every rank (the actor's other way).
 
 torchrun --nproc-per-node N tests/distributed/actor_worker.py CKPT OUT.json KIND MBS [--tp ..]
 torchrun --nproc-per-node N tests/distributed/actor_worker.py --jobs JOBS.json
