@@ -3,12 +3,13 @@
 `generate` sends one /generate request per sample (G per prompt), each with its own rid, so
 samples spread over servers and can be aborted one by one; with `grouped=True` it sends one
 batch request per prompt instead (its G samples as a list, each still with its own rid and
-seed), which saves a server's per-request overhead when responses are short. The samples of one prompt go to the
-same server (the least loaded when the prompt is scheduled), so SGLang's radix cache shares the
-prompt. Each server takes at most `max_concurrency` requests at a time. Connection errors, time-outs
-and 5xx answers are retried on another server with exponential back-off; a 4xx is the caller's
-error and is raised at once (`RolloutError`). `abort()` aborts every outstanding request of this
-client: those come back with their partial output and finish_reason "abort".
+seed), which saves a server's per-request overhead when responses are short. The samples of one
+prompt go to the same server (the least loaded when the prompt is scheduled), so SGLang's radix
+cache shares the prompt. Each server takes at most `max_concurrency` requests at a time.
+Connection errors, time-outs and 5xx answers are retried on another server with exponential
+back-off; a 4xx is the caller's error and is raised at once (`RolloutError`). `abort()` aborts
+every outstanding request of this client: those come back with their partial output and
+finish_reason "abort".
 
 With `sampling_seed` in the sampling params, sample j of prompt i gets seed + i * n + j, so the
 G samples of a prompt differ and a rerun reproduces them.

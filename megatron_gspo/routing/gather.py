@@ -5,10 +5,9 @@ rows, its sequence-parallel / context-parallel positions) for the MoE layers of 
 stage: a [M, L, N, k] tensor. The ranks of one stage hold the same layers. With a whole batch
 on every rank (tests, tools) all of them need every sample (a later minibatch may put any sample
 on any replica), so they all-gather within the stage's tensor x data x context parallel group;
-with the RL loop's shard (train/shard.py) a
-replica keeps its own rows for every update, so only its tensor x context parallel peers, which
-hold other positions of the same rows, gather. The layers of other stages never reach them.
-Equal shapes on every member: a plain all_gather.
+with the RL loop's shard (train/shard.py) a replica keeps its own rows for every update, so only
+its tensor x context parallel peers, which hold other positions of the same rows, gather. The
+layers of other stages never reach them. Equal shapes on every member: a plain all_gather.
 
 Legend: M microbatches, L MoE layers of this stage, N router tokens per microbatch, b rows,
 k top-k, n tokens of a sample.

@@ -38,8 +38,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_gspo.errors import UserError
-
 
 @dataclass
 class Pending:
@@ -55,11 +53,7 @@ class Ahead:
     """The batch of the next step, generated on a thread of rank 0 while this one trains."""
 
     def __init__(self, rl, sampler, staleness: int):
-        if staleness not in (0, 1):
-            raise UserError(
-                f"rollout.max_staleness {staleness}: 0 (synchronous) or 1 (one step ahead) are "
-                "supported; more needs generations that span weight updates (partial rollouts)"
-            )
+        """`staleness`: rollout.max_staleness, 0 or 1 (the config refuses more)."""
         self.rl, self.sampler, self.staleness = rl, sampler, staleness
         self.pending: Pending | None = None
         self._pool = ThreadPoolExecutor(1, "rollouts-ahead") if rl.rank0 and staleness else None

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing.storage import index_dtype
 from megatron_gspo.train.batch import RLBatch
 
@@ -207,22 +208,27 @@ def distribute(
         return batch
     rank = dist.get_rank()
     n = sum(len(p) for p in parts)
-    owner = owners(parts, n, table[0].dp)
     if rank == 0:
         assert batch is not None and len(batch) == n, "rank 0 holds the whole batch"
-        sent, pending = [], []  # (the tensors stay referenced until their sends complete)
-        for dst in range(1, world):
-            mine = [i for i in range(n) if owner[i] == table[dst].dp_rank]
-            sent.append([t.to(device) for t in pack(batch, mine, table[dst])])
-            pending += [dist.isend(t, dst) for t in sent[-1]]
+        owner = owners(parts, n, table[0].dp)
+        rows: dict[int, list[int]] = {}
+        for i, replica in enumerate(owner):
+            rows.setdefault(replica, []).append(i)
+        # ranks with the same needs (tensor- and context-parallel peers) get the same tensors:
+        # packed once, and kept referenced until their sends complete
+        wires: dict[RankNeeds, list[torch.Tensor]] = {}
+        for needs in table:
+            if needs not in wires:
+                wires[needs] = [
+                    t.to(device) for t in pack(batch, rows.get(needs.dp_rank, []), needs)
+                ]
+        pending = [dist.isend(t, dst) for dst in range(1, world) for t in wires[table[dst]]]
         for work in pending:
             if work is not None:
                 work.wait()
-        own = [i for i in range(n) if owner[i] == table[0].dp_rank]
-        wire = pack(batch, own, table[0])
         if stats is not None:
             stats["bytes"] = 0
-        return unpack(wire, n, table[0].layers)
+        return unpack(wires[table[0]], n, table[0].layers)
     wire = _receive(device)
     if stats is not None:
         stats["bytes"] = sum(t.numel() * t.element_size() for t in wire)
@@ -264,7 +270,6 @@ def reduce_sums(pairs: list[list[float]]) -> list[list[float]]:
         and mpu.get_tensor_model_parallel_rank() == 0
         and mpu.get_context_parallel_rank() == 0
     )
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(pairs, dtype=torch.float64, device=device) * float(report)
+    t = torch.tensor(pairs, dtype=torch.float64, device=device_type()) * float(report)
     dist.all_reduce(t)
     return t.cpu().tolist()

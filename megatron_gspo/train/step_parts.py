@@ -73,6 +73,7 @@ def _gather_rows(mine: list, n: int, world: int, local: bool = False) -> list:
 
 
 _IDENTITY = {"sum": 0.0, "min": float("inf"), "max": float("-inf")}
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 def _reduce_stats(outputs: list[dict], world: int, tp: int, device="cpu") -> dict:
@@ -92,8 +93,7 @@ def _reduce_stats(outputs: list[dict], world: int, tp: int, device="cpu") -> dic
                 continue
             t = torch.tensor([mine.get(k, _IDENTITY[op]) for k in mine_op],
                              dtype=torch.float64, device=device)  # fmt: skip
-            red = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-            dist.all_reduce(t, op=red[op])
+            dist.all_reduce(t, op=_OPS[op])
             total.update(zip(mine_op, t.cpu().tolist()))
     # Every TP rank of a replica reports the same numbers: count one TP rank per replica.
     sums = {k: v / tp for k, v in total.items() if stat_reduce_op(k) == "sum"}
