@@ -16,33 +16,13 @@ Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train_runs import ROOT, side_by_side  # (bench/ is on the path: run as a script)
+
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
          "time/servers_idle_s", "tokens_per_s")  # fmt: skip
 MODES = {"sync": ["rollout.max_staleness=0"], "async": ["rollout.max_staleness=1"]}
-
-
-def run(flags: list[str], a, extra: list[str]) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", a.config,
-               "--run-dir", str(Path(tmp) / "run"), "--steps", str(a.steps),
-               f"model.path={a.model}", "train.eval_every=0", "train.checkpoint_every=0",
-               *flags, *extra]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-        if out.returncode:
-            sys.exit(f"{' '.join(flags)} run failed:\n{out.stderr[-3000:]}")
-        rows = [json.loads(x) for x in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in rows if r["step"] >= 2]
-    return {k: statistics.median(r.get(k, 0.0) for r in steady) for k in PARTS}
 
 
 def main() -> None:
@@ -52,12 +32,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     a, extra = ap.parse_known_args()
-    got: dict[str, list[dict]] = {name: [] for name in MODES}
-    order = list(MODES.items())
-    for rep in range(a.reps):
-        for name, flags in order if rep % 2 == 0 else order[::-1]:
-            got[name].append(run(flags, a, extra))
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in PARTS} for n, rs in got.items()}
+    # (no checkpoints: their writes would weigh on both modes alike and hide the difference)
+    order = [(name, [*flags, "train.checkpoint_every=0", *extra]) for name, flags in MODES.items()]
+    med = side_by_side(order, a, PARTS)
     print(f"{'mode':8s} " + " ".join(f"{k.split('/')[-1]:>16s}" for k in PARTS))
     for name, m in med.items():
         print(f"{name:8s} " + " ".join(f"{m[k]:16.3f}" for k in PARTS))

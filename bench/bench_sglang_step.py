@@ -16,30 +16,12 @@ ratio SGLang / built-in.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train_runs import ROOT, side_by_side  # (bench/ is on the path: run as a script)
+
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "response/length_mean")
-
-
-def run(backend: list[str], a, extra: list[str]) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", a.config,
-               "--run-dir", str(Path(tmp) / "run"), "--steps", str(a.steps),
-               f"model.path={a.model}", "train.eval_every=0", *backend, *extra]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-        if out.returncode:
-            sys.exit(f"{' '.join(backend) or 'builtin'} run failed:\n{out.stderr[-3000:]}")
-        rows = [json.loads(x) for x in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in rows if r["step"] >= 2]  # step 1 pays for first use
-    return {k: statistics.median(r[k] for r in steady) for k in PARTS}
 
 
 def main() -> None:
@@ -58,11 +40,7 @@ def main() -> None:
     for v in a.variant:
         name, _, flags = v.partition("=")
         order.append((name, [*sglang, f"rollout.extra_server_args=[{flags}]"]))
-    got: dict[str, list[dict]] = {name: [] for name, _ in order}
-    for rep in range(a.reps):
-        for name, flags in order if rep % 2 == 0 else order[::-1]:
-            got[name].append(run(flags, a, extra))
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in PARTS} for n, rs in got.items()}
+    med = side_by_side([(name, [*flags, *extra]) for name, flags in order], a, PARTS)
     print(f"{'backend':12s} " + " ".join(f"{k.split('/')[1]:>10s}" for k in PARTS))
     for name, m in med.items():
         print(f"{name:12s} " + " ".join(f"{m[k]:10.3f}" for k in PARTS))
