@@ -29,7 +29,7 @@ from megatron_gspo.checks import need as _need
 from megatron_gspo.checks import positive as _positive
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.optim import OptimConfig
-from megatron_gspo.rollout.modes import Backend, Placement
+from megatron_gspo.rollout.config import EnvSection, RolloutSection
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.weight_sync.config import SyncConfig, SyncMethod
 
@@ -71,85 +71,6 @@ class DataSection:
         if "{prompt}" not in self.template:
             raise UserError("data.template must contain {prompt}")
         _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
-
-
-SERVER_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class RolloutSection:
-    backend: Backend = Backend.BUILTIN
-    servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
-    urls: list[str] = field(default_factory=list)  # servers started by someone else
-    # the node (the launcher's node index) each of `urls` runs on; with sync.method=tensor, servers
-    # on several nodes get their buckets through a trainer rank on their own node (a relay).
-    # launch/torchrun.sh sets it, and tells each trainer rank its node (MEGATRON_GSPO_NODE_RANK)
-    url_nodes: list[int] = field(default_factory=list)
-    # sglang-router in front of `urls`: generation goes through it (it balances the requests);
-    # weight syncs, health checks and memory release still address every server in `urls`
-    router_url: str | None = None
-    placement: Placement = Placement.COLOCATED
-    # colocated on GPUs: servers free their memory while the trainer trains (SGLang needs
-    # --enable-memory-saver) and take it back before the weight sync
-    release_memory: bool = False
-    server_tp: int = 1
-    sglang_python: str | None = None  # python of SGLang's own environment
-    extra_server_args: list[str] = field(default_factory=list)
-    group_size: int = 8
-    prompts_per_step: int = 8
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    health_timeout_s: float = 300.0
-    # rollout.urls (and router_url) that refuse every connection this long end the run at once:
-    # nothing listens there. Raise it when the servers start along with the trainer
-    connect_grace_s: float = 15.0
-    # the servers' numerics (null: the checkpoint's dtype). bfloat16 against an fp32 trainer
-    # opens the train-inference gap real engines have: log-probs and MoE routing then differ
-    # between rollout and trainer (what R3 and algo.tis address)
-    dtype: str | None = None  # float32 | bfloat16 | float16
-    # one /generate request per prompt group (a batch, each sample with its own rid and seed)
-    # instead of one per sample: less per-request overhead (not through router_url: the router
-    # takes one sampling_params per request)
-    group_requests: bool = True
-    # 1: the servers generate step k+1's batch while the trainer trains on step k's, which is
-    # then one weight version old (algo.tis corrects for it); 0: synchronous. train/ahead.py
-    max_staleness: int = 0
-
-    def check(self) -> None:
-        if self.dtype is not None:
-            _choice(self.dtype, "rollout.dtype", SERVER_DTYPES)
-        if not self.urls:
-            _positive(self.servers, "rollout.servers")
-        if self.url_nodes and len(self.url_nodes) != len(self.urls):
-            raise UserError(
-                f"rollout.url_nodes has {len(self.url_nodes)} entries for {len(self.urls)} "
-                "rollout.urls; give the node index of each URL's server, in the same order"
-            )
-        for i, node in enumerate(self.url_nodes):
-            _in_range(node, f"rollout.url_nodes[{i}]", 0)
-        if self.router_url and not self.urls:
-            raise UserError(
-                "rollout.router_url needs rollout.urls: the servers behind the router (weight "
-                "syncs go to each of them)"
-            )
-        if self.router_url and not self.router_url.startswith(("http://", "https://")):
-            raise UserError(f"rollout.router_url must be an http(s) URL, got {self.router_url!r}")
-        for name in ("server_tp", "group_size", "prompts_per_step", "max_new_tokens"):
-            _positive(getattr(self, name), f"rollout.{name}")
-        if self.group_size < 2:
-            raise UserError("rollout.group_size must be >= 2 (group advantages need a spread)")
-        _in_range(self.temperature, "rollout.temperature", 0)
-        _in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
-        for name in ("health_timeout_s", "connect_grace_s"):
-            _in_range(getattr(self, name), f"rollout.{name}", 0, lo_open=True)
-        _in_range(self.max_staleness, "rollout.max_staleness", 0, 1)
-        if self.max_staleness and self.release_memory:
-            raise UserError(
-                "rollout.max_staleness 1 generates while the trainer trains, which "
-                "rollout.release_memory (the servers' GPU memory lent to training) rules out; "
-                "set one of them to 0, or place the servers on GPUs of their own"
-            )
 
 
 @dataclass
@@ -252,6 +173,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    env: EnvSection = field(default_factory=EnvSection)
     reward: RewardSection = field(default_factory=RewardSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     optim: OptimConfig = field(default_factory=OptimConfig)

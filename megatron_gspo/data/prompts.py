@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import numbers
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ from megatron_gspo.errors import UserError
 BUILTIN = "builtin:"
 FORMATS = (".jsonl", ".parquet")
 MAX_BROKEN = 0.10  # more broken rows than this: the file is wrong, not a few of its rows
+_FIELDS = ("prompt", "answer")
 ROW_RULE = "each row needs a non-empty string 'prompt' and a non-empty string or number 'answer'"
 
 
@@ -31,6 +32,7 @@ ROW_RULE = "each row needs a non-empty string 'prompt' and a non-empty string or
 class PromptRow:
     prompt: str
     answer: str
+    extra: dict = field(default_factory=dict)  # the dataset row's other fields (environments)
 
 
 @dataclass
@@ -101,7 +103,7 @@ def _row(record: object) -> PromptRow | None:
         return None
     if not prompt.strip() or not answer.strip():
         return None
-    return PromptRow(prompt, answer)
+    return PromptRow(prompt, answer, {k: v for k, v in record.items() if k not in _FIELDS})
 
 
 def _read_jsonl(path: Path) -> tuple[list[PromptRow], int]:
@@ -136,7 +138,7 @@ def _read_parquet(path: Path) -> tuple[list[PromptRow], int]:
             "and 'answer'"
         )
     rows, skipped = [], 0
-    for record in table.select(["prompt", "answer"]).to_pylist():
+    for record in table.to_pylist():
         row = _row(record)
         if row is None:
             skipped += 1

@@ -15,9 +15,9 @@ from pathlib import Path
 from megatron_gspo.errors import UserError
 
 
-def _import_file(spec: str, path: Path):
+def _import_file(spec: str, path: Path, kind: str):
     if not path.is_file():
-        raise UserError(f"reward plugin {spec!r}: file {str(path)!r} does not exist")
+        raise UserError(f"{kind} {spec!r}: file {str(path)!r} does not exist")
     name = f"_megatron_gspo_reward_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -30,10 +30,10 @@ def _import_file(spec: str, path: Path):
     return module
 
 
-def _import(spec: str, module_name: str):
+def _import(spec: str, module_name: str, kind: str):
     try:
         if module_name.endswith(".py"):
-            return _import_file(spec, Path(module_name))
+            return _import_file(spec, Path(module_name), kind)
         return importlib.import_module(module_name)
     except UserError:
         raise
@@ -44,27 +44,27 @@ def _import(spec: str, module_name: str):
             if named
             else f"install {e.name!r}, which it imports"
         )
-        raise UserError(
-            f"reward plugin {spec!r}: cannot import {module_name!r} ({e}); {fix}"
-        ) from e
+        raise UserError(f"{kind} {spec!r}: cannot import {module_name!r} ({e}); {fix}") from e
     except Exception as e:
         raise UserError(
-            f"reward plugin {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
+            f"{kind} {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}"
         ) from e
 
 
-def load_plugin(spec: str) -> Callable[[str, str, str], float]:
-    """The function named by `spec` ("module:function"), checked to be callable."""
+def load_plugin(
+    spec: str, kind: str = "reward plugin", usage: str = "fn(prompt, response, answer) -> float"
+) -> Callable:
+    """The callable named by `spec` ("module:name"); `kind` and `usage` word its errors."""
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        raise UserError(f"reward plugin {spec!r}: write it as module:function or file.py:function")
-    module = _import(spec, module_name)
+        raise UserError(f"{kind} {spec!r}: write it as module:function or file.py:function")
+    module = _import(spec, module_name, kind)
     fn = getattr(module, attr, None)
     if fn is None:
-        raise UserError(f"reward plugin {spec!r}: {module_name!r} has no attribute {attr!r}")
+        raise UserError(f"{kind} {spec!r}: {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise UserError(
-            f"reward plugin {spec!r}: {attr!r} is a {type(fn).__name__}, not a function; it "
-            "must be callable as fn(prompt, response, answer) -> float"
+            f"{kind} {spec!r}: {attr!r} is a {type(fn).__name__}, not callable; it must be "
+            f"callable as {usage}"
         )
     return fn

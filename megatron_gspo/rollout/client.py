@@ -22,38 +22,18 @@ import base64
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
+
+from megatron_gspo.rollout.sample import Sample
 
 log = logging.getLogger(__name__)
 
 
 class RolloutError(RuntimeError):
     """A request that failed for good: refused (4xx) or out of retries."""
-
-
-@dataclass
-class Sample:
-    """One response. routed_experts is int32 [prompt + len(tokens) - 1, layers, topk] over every
-    decoder layer, as SGLang sends it: the rows of dense (non-MoE) layers are zeros."""
-
-    prompt_index: int
-    sample_index: int
-    prompt_ids: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    finish_reason: str = "abort"  # length | stop | abort
-    weight_version: str = ""
-    routed_experts: np.ndarray | None = None
-    rid: str = ""
-    server: str = ""
-    latency_s: float = 0.0
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason == "abort"
 
 
 @dataclass

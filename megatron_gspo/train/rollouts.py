@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from megatron_gspo.rollout.modes import Backend
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.ahead import version_index
 from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.generate import Generation
 from megatron_gspo.train.samples import (
     _check_samples,
     _report_broken_rows,
@@ -68,6 +69,7 @@ class Rollouts:
         self.client: RolloutClient | None = None  # every server: health, memory release/resume
         # generation: the router when there is one, else `client`
         self.generator: RolloutClient | None = None
+        self.gen: Generation | None = None  # rank 0: completions or episodes, and rewards
         self._loop: asyncio.AbstractEventLoop | None = None
         self.urls: list[str] = []
         self.api_key: str | None = None  # the servers' key: the launch script's, or one we made
@@ -83,6 +85,8 @@ class Rollouts:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.gen is not None:
+            self.gen.close()
         if self._loop is not None:
             for c in {id(c): c for c in (self.client, self.generator) if c is not None}.values():
                 self._run(c.close())
@@ -96,17 +100,16 @@ class Rollouts:
         from transformers import AutoTokenizer
 
         from megatron_gspo.data.prompts import load_prompts
-        from megatron_gspo.rewards import load_reward
         from megatron_gspo.rollout.client import RolloutClient
 
         cfg = self.cfg
-        self.reward_fn = load_reward(cfg.reward.fn)
         self.train_rows = load_prompts(cfg.data.train, "train", cfg.seed)
         self.eval_rows = load_prompts(cfg.data.eval or cfg.data.train, "eval", cfg.seed)
         _report_broken_rows(self.train_rows, "data.train")
         if cfg.data.eval and cfg.data.eval != cfg.data.train:
             _report_broken_rows(self.eval_rows, "data.eval")
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        self.gen = Generation(cfg, self.tokenizer, self.run_dir)
         # Servers we start get a random key (a local user or a web page cannot drive them);
         # servers a launch script started use the one it exported.
         self.api_key = api_key() or (None if cfg.rollout.urls else secrets.token_urlsafe(32))
@@ -180,6 +183,11 @@ class Rollouts:
         rows = self.train_rows.rows[:1024]
         longest = max((len(self._encode(encode_prompt, row.prompt)) for row in rows), default=0)
         size_sglang(server, self.cfg, self.hf_dir, longest, torch.cuda.is_available())
+
+    @property
+    def _gen(self) -> Generation:
+        assert self.gen is not None  # rank 0 made it on entering
+        return self.gen
 
     def _run(self, coro):
         assert self._loop is not None  # rank 0 made it on entering
@@ -283,7 +291,7 @@ class Rollouts:
 
     def _collect(self, prompt_index: list[int], step: int, version: str | None) -> Collected:
         from megatron_gspo.data.prompts import encode_prompt
-        from megatron_gspo.rewards import dynamic_sampling_keep, score_each
+        from megatron_gspo.rewards import dynamic_sampling_keep
 
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
@@ -292,22 +300,12 @@ class Rollouts:
         assert self.generator is not None  # rank 0 made it on entering
         r3 = cfg.algo.routing_replay == ReplayMode.R3
         grouped = r.group_requests and not r.router_url  # (sglang-router takes no batches)
-        groups = self._run(
-            self.generator.generate(prompts, n=r.group_size, sampling_params=self._sampling(step),
-                                    return_routed_experts=r3, grouped=grouped)
-        )  # fmt: skip
+        groups = self._run(self._gen.groups(self.generator, rows, prompts, r.group_size,
+                                           self._sampling(step), r3, grouped))  # fmt: skip
         t_gen = time.perf_counter() - t0
         samples = [s for g in groups for s in g]
         _check_samples(samples)
-        # one id list decodes to one string
-        texts = [
-            cast(str, self.tokenizer.decode(s.tokens, skip_special_tokens=True)) for s in samples
-        ]
-        items = [
-            (rows[s.prompt_index].prompt, text, rows[s.prompt_index].answer)
-            for s, text in zip(samples, texts)
-        ]
-        scored = score_each(self.reward_fn, items, cfg.reward.fn)
+        scored = self._gen.score(rows, samples)
         failed = reward_failures(scored, step)
         rewards = [0.0 if v is None else v for v in scored.rewards]
         metrics = _rollout_metrics(samples, scored.rewards, t_gen)
@@ -367,27 +365,17 @@ class Rollouts:
 
     def _evaluate(self) -> float:
         from megatron_gspo.data.prompts import encode_prompt
-        from megatron_gspo.rewards import score_each
 
         rows = self.eval_rows.rows[: self.cfg.train.eval_prompts]
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
         assert self.generator is not None  # rank 0 made it on entering
-        groups = self._run(
-            self.generator.generate(prompts, n=1, sampling_params=self._sampling(0, greedy=True))
-        )
-        items = [
-            (
-                row.prompt,
-                cast(str, self.tokenizer.decode(g[0].tokens, skip_special_tokens=True)),
-                row.answer,
-            )
-            for row, g in zip(rows, groups)
-        ]
-        scored = score_each(self.reward_fn, items, self.cfg.reward.fn)
+        greedy = self._sampling(0, greedy=True)
+        groups = self._run(self._gen.groups(self.generator, rows, prompts, 1, greedy))
+        scored = self._gen.score(rows, [g[0] for g in groups])
         if scored.failures:
             log.warning("eval: the reward failed on %d of %d samples, counted wrong (first: %s)",
-                        len(scored.failures), len(items), scored.failures[0])  # fmt: skip
-        return sum(v or 0.0 for v in scored.rewards) / max(len(items), 1)
+                        len(scored.failures), len(rows), scored.failures[0])  # fmt: skip
+        return sum(v or 0.0 for v in scored.rewards) / max(len(rows), 1)
 
 
 def api_key() -> str | None:

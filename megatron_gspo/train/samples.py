@@ -30,7 +30,8 @@ def _topk(hf_dir: Path) -> int | None:
 
 
 def _check_samples(samples) -> None:
-    bad = [s for s in samples if s.aborted or not s.tokens]
+    # (an episode whose environment failed before the model wrote is a failed reward instead)
+    bad = [s for s in samples if s.aborted or (not s.tokens and s.env_error is None)]
     if bad:
         raise UserError(
             f"{len(bad)} of {len(samples)} rollouts came back aborted or empty "
@@ -49,7 +50,7 @@ def _to_batch(samples, advantages: list[float]) -> RLBatch:
     for s in samples:
         p = len(s.prompt_ids)
         tokens.append(list(s.prompt_ids) + list(s.tokens))
-        mask.append([0] * p + [1] * len(s.tokens))
+        mask.append([0] * p + (s.loss_mask or [1] * len(s.tokens)))
         lp = s.logprobs or [None] * len(s.tokens)
         rollout_lp.append([None] * p + list(lp))
         experts.append(s.routed_experts)
@@ -74,6 +75,19 @@ def _rollout_metrics(samples, rewards: list[float | None], seconds: float) -> di
         "time/rollout_s": seconds,
         "rollout/samples": float(len(samples)),
         "rollout/tokens": float(sum(len(s.prompt_ids) + len(s.tokens) for s in samples)),
+    } | (_episode_metrics(samples) if any(s.turns for s in samples) else {})
+
+
+def _episode_metrics(samples) -> dict:
+    """Multi-turn rollouts: turns, the model's and the environment's tokens, failed episodes."""
+    n = len(samples)
+    model = [sum(s.loss_mask) if s.loss_mask else len(s.tokens) for s in samples]
+    return {
+        "env/turns_mean": sum(s.turns for s in samples) / n,
+        "env/model_tokens_mean": sum(model) / n,
+        "env/env_tokens_mean": sum(len(s.tokens) - m for s, m in zip(samples, model)) / n,
+        "env/errors": float(sum(s.env_error is not None for s in samples)),
+        "env/reward_given": float(sum(s.env_reward is not None for s in samples)),
     }
 
 

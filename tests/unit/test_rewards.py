@@ -97,7 +97,7 @@ def test_plugin_by_module_and_by_file(plugin_dir):
         ),
         ("myrewards.raises:fn", "importing 'myrewards.raises' raised RuntimeError: bad config"),
         ("myrewards.mod:nothing", "has no attribute 'nothing'"),
-        ("myrewards.mod:NOT_A_FUNCTION", "'NOT_A_FUNCTION' is a int, not a function"),
+        ("myrewards.mod:NOT_A_FUNCTION", "'NOT_A_FUNCTION' is a int, not callable"),
         ("myrewards.mod:", "write it as module:function"),
         ("/no/such/file.py:fn", "file '/no/such/file.py' does not exist"),
     ],

@@ -1,0 +1,122 @@
+"""The rollout keys of the run config: where rollouts come from (`rollout:`) and, for multi-turn
+rollouts, the environment that answers the model's turns (`env:`, rollout/episodes.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_gspo.checks import choice as _choice
+from megatron_gspo.checks import in_range as _in_range
+from megatron_gspo.checks import positive as _positive
+from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.modes import Backend, Placement
+
+SERVER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class RolloutSection:
+    backend: Backend = Backend.BUILTIN
+    servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
+    urls: list[str] = field(default_factory=list)  # servers started by someone else
+    # the node (the launcher's node index) each of `urls` runs on; with sync.method=tensor, servers
+    # on several nodes get their buckets through a trainer rank on their own node (a relay).
+    # launch/torchrun.sh sets it, and tells each trainer rank its node (MEGATRON_GSPO_NODE_RANK)
+    url_nodes: list[int] = field(default_factory=list)
+    # sglang-router in front of `urls`: generation goes through it (it balances the requests);
+    # weight syncs, health checks and memory release still address every server in `urls`
+    router_url: str | None = None
+    placement: Placement = Placement.COLOCATED
+    # colocated on GPUs: servers free their memory while the trainer trains (SGLang needs
+    # --enable-memory-saver) and take it back before the weight sync
+    release_memory: bool = False
+    server_tp: int = 1
+    sglang_python: str | None = None  # python of SGLang's own environment
+    extra_server_args: list[str] = field(default_factory=list)
+    group_size: int = 8
+    prompts_per_step: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    health_timeout_s: float = 300.0
+    # rollout.urls (and router_url) that refuse every connection this long end the run at once:
+    # nothing listens there. Raise it when the servers start along with the trainer
+    connect_grace_s: float = 15.0
+    # the servers' numerics (null: the checkpoint's dtype). bfloat16 against an fp32 trainer
+    # opens the train-inference gap real engines have: log-probs and MoE routing then differ
+    # between rollout and trainer (what R3 and algo.tis address)
+    dtype: str | None = None  # float32 | bfloat16 | float16
+    # one /generate request per prompt group (a batch, each sample with its own rid and seed)
+    # instead of one per sample: less per-request overhead (not through router_url: the router
+    # takes one sampling_params per request)
+    group_requests: bool = True
+    # 1: the servers generate step k+1's batch while the trainer trains on step k's, which is
+    # then one weight version old (algo.tis corrects for it); 0: synchronous. train/ahead.py
+    max_staleness: int = 0
+
+    def check(self) -> None:
+        if self.dtype is not None:
+            _choice(self.dtype, "rollout.dtype", SERVER_DTYPES)
+        if not self.urls:
+            _positive(self.servers, "rollout.servers")
+        if self.url_nodes and len(self.url_nodes) != len(self.urls):
+            raise UserError(
+                f"rollout.url_nodes has {len(self.url_nodes)} entries for {len(self.urls)} "
+                "rollout.urls; give the node index of each URL's server, in the same order"
+            )
+        for i, node in enumerate(self.url_nodes):
+            _in_range(node, f"rollout.url_nodes[{i}]", 0)
+        if self.router_url and not self.urls:
+            raise UserError(
+                "rollout.router_url needs rollout.urls: the servers behind the router (weight "
+                "syncs go to each of them)"
+            )
+        if self.router_url and not self.router_url.startswith(("http://", "https://")):
+            raise UserError(f"rollout.router_url must be an http(s) URL, got {self.router_url!r}")
+        for name in ("server_tp", "group_size", "prompts_per_step", "max_new_tokens"):
+            _positive(getattr(self, name), f"rollout.{name}")
+        if self.group_size < 2:
+            raise UserError("rollout.group_size must be >= 2 (group advantages need a spread)")
+        _in_range(self.temperature, "rollout.temperature", 0)
+        _in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
+        for name in ("health_timeout_s", "connect_grace_s"):
+            _in_range(getattr(self, name), f"rollout.{name}", 0, lo_open=True)
+        _in_range(self.max_staleness, "rollout.max_staleness", 0, 1)
+        if self.max_staleness and self.release_memory:
+            raise UserError(
+                "rollout.max_staleness 1 generates while the trainer trains, which "
+                "rollout.release_memory (the servers' GPU memory lent to training) rules out; "
+                "set one of them to 0, or place the servers on GPUs of their own"
+            )
+
+
+@dataclass
+class EnvSection:
+    """Multi-turn rollouts: with `fn` set, a rollout is an episode. The model writes a turn, the
+    environment answers it (tokens the model is not trained on), until the environment says done,
+    `max_turns` model turns or `max_tokens` tokens after the prompt (rollout/episodes.py)."""
+
+    # tools: the built-in tool-calling environment (Qwen3 <tool_call> blocks, `tools` below);
+    # module:function_or_class (or file.py:...): your own, called with each data row
+    fn: str | None = None
+    tools: list[str] = field(default_factory=list)  # names (calc) or module:function
+    max_turns: int = 4
+    max_turn_tokens: int | None = None  # a model turn's limit (null: rollout.max_new_tokens)
+    max_tokens: int = 512  # model and environment tokens of an episode, after the prompt
+    timeout_s: float = 30.0  # a call into the environment's code; past it, the episode ends
+
+    def check(self) -> None:
+        if self.fn is not None and self.fn != "tools" and ":" not in self.fn:
+            raise UserError(
+                f"env.fn {self.fn!r} is neither tools (the built-in tool-calling environment) "
+                "nor module:function_or_class; write it as one of those"
+            )
+        if self.fn == "tools" and not self.tools:
+            raise UserError("env.fn tools needs env.tools: tool names (calc) or module:function")
+        if self.tools and self.fn != "tools":
+            raise UserError("env.tools is used by env.fn=tools only; set env.fn=tools or drop it")
+        for name in ("max_turns", "max_tokens"):
+            _positive(getattr(self, name), f"env.{name}")
+        if self.max_turn_tokens is not None:
+            _positive(self.max_turn_tokens, "env.max_turn_tokens")
+        _in_range(self.timeout_s, "env.timeout_s", 0, lo_open=True)

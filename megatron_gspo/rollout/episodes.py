@@ -1,0 +1,189 @@
+"""Multi-turn rollouts: the model writes a turn, the environment answers, the model writes again.
+
+An episode is one sample. Each model turn is a /generate request that continues from token ids
+(the prompt and every token so far, as they were: no text is tokenized twice, so nothing drifts
+between turns, and SGLang's radix cache shares the prefix). The sample's response is everything
+after the prompt: model tokens (loss mask 1, with their rollout log-probs) and environment tokens
+(loss mask 0, no log-probs). Environment answers become tokens as the chat template continues a
+conversation (`ChatRender.continuation`): the text the template puts after an assistant turn
+that ended with the model's end-of-turn token.
+
+R3: each request returns the routing of every token it processed; the sample keeps, for each
+position, the routing of the request that first computed it (a model token's from the turn that
+wrote it), so the whole sequence is covered and matches what the behavior policy did.
+
+The episode ends when the environment says done, after `max_turns` model turns, when `max_tokens`
+tokens follow the prompt (an environment answer that would cross it is not appended), or when
+the environment's code fails (env.py: EnvError, recorded on the sample).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatron_gspo.rollout.client import RolloutClient
+from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn
+from megatron_gspo.rollout.sample import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Limits:
+    max_turns: int
+    max_turn_tokens: int
+    max_tokens: int
+
+
+class ChatRender:
+    """Prompts and environment answers as token ids, by the tokenizer's chat template."""
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.end_of_turn = tokenizer.eos_token or ""
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _render(self, messages: list[dict], tools=None, generation: bool = False) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise EnvError("the environment gave chat messages, but the tokenizer has no chat "
+                           "template; give text or token ids instead")  # fmt: skip
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False
+        )
+
+    def prompt(self, messages: list[dict], tools=None) -> list[int]:
+        return self.encode(self._render(messages, tools, generation=True))
+
+    def continuation(self, messages: list[dict]) -> list[int]:
+        """What the template writes after an assistant turn for `messages` (tool results, a user
+        message), the next generation prompt included; the turn's own end-of-turn token, which
+        the model wrote, excluded."""
+        before = self._render(self._BASE)
+        after = self._render(self._BASE + messages, generation=True)
+        if not after.startswith(before):
+            raise EnvError("the chat template renders a conversation's start differently once "
+                           "more messages follow; give the observation as text")  # fmt: skip
+        cut = before.rfind(self.end_of_turn) if self.end_of_turn else -1
+        tail = before[cut + len(self.end_of_turn) :] if cut >= 0 else ""
+        return self.encode(tail + after[len(before) :])
+
+
+@dataclass
+class _Episode:
+    """The sample being built, turn by turn."""
+
+    sample: Sample
+    routing: list[np.ndarray]
+    rows: int = 0  # positions whose routing is in `routing`
+    reward: float | None = None
+
+    def add_model(self, turn: Sample) -> None:
+        s = self.sample
+        s.tokens += turn.tokens
+        s.loss_mask = (s.loss_mask or []) + [1] * len(turn.tokens)
+        s.logprobs = (s.logprobs or []) + list(turn.logprobs or [None] * len(turn.tokens))
+        s.versions.append(str(turn.weight_version))
+        s.server, s.latency_s, s.turns = turn.server, s.latency_s + turn.latency_s, s.turns + 1
+        if turn.routed_experts is not None:
+            self.routing.append(turn.routed_experts[self.rows :])
+            self.rows = len(turn.routed_experts)
+
+    def add_env(self, ids: list[int]) -> None:
+        s = self.sample
+        s.tokens += ids
+        s.loss_mask = (s.loss_mask or []) + [0] * len(ids)
+        s.logprobs = (s.logprobs or []) + [None] * len(ids)
+
+    def finish(self, reason: str) -> Sample:
+        s = self.sample
+        s.finish_reason = reason
+        s.env_reward = self.reward
+        if s.versions:  # the oldest weights any turn came from (train/ahead.py)
+            s.weight_version = min(s.versions, key=lambda v: int(v) if v.isdigit() else 0)
+        if self.routing:
+            s.routed_experts = np.concatenate(self.routing)
+        return s
+
+
+class EpisodeRunner:
+    """Runs episodes against the rollout servers and the environment (`calls`)."""
+
+    def __init__(self, calls: EnvCalls, render: ChatRender, limits: Limits,
+                 log_path: Path | None = None):  # fmt: skip
+        self.calls, self.render, self.limits, self.log_path = calls, render, limits, log_path
+
+    async def run(self, client: RolloutClient, row, prompt_ids: list[int], sampling: dict,
+                  routed: bool, where: tuple[int, int], seed_stride: int) -> Sample:  # fmt: skip
+        """One episode for data row `row`, its turns generated by `client`'s servers: sample
+        `where` = (prompt index, sample index); turn t draws with sampling_seed + t *
+        seed_stride (every turn of every episode its own)."""
+        ep = _Episode(Sample(where[0], where[1], list(prompt_ids), rid=f"episode-{where}"), [])
+        try:
+            episode = await self.calls.start(row)
+            first = await self.calls.prompt(episode)
+            if first is not None:
+                ep.sample.prompt_ids = self._prompt(first, getattr(episode, "tools", None))
+            return await self._turns(client, ep, episode, sampling, routed, seed_stride)
+        except EnvError as e:
+            self._failed(ep.sample, e, row)
+            return ep.finish("stop")
+
+    def _prompt(self, first, tools) -> list[int]:
+        if isinstance(first, str):
+            return self.render.encode(first)
+        return self.render.prompt(first, tools)
+
+    async def _turns(self, client: RolloutClient, ep: _Episode, episode, sampling: dict,
+                     routed: bool, seed_stride: int) -> Sample:  # fmt: skip
+        lim, s = self.limits, ep.sample
+        for t in range(lim.max_turns):
+            budget = min(lim.max_turn_tokens, lim.max_tokens - len(s.tokens))
+            sp = dict(sampling, max_new_tokens=budget)
+            if sp.get("sampling_seed") is not None:
+                sp["sampling_seed"] = int(sp["sampling_seed"]) + t * seed_stride
+            ids = s.prompt_ids + s.tokens
+            [[turn]] = await client.generate([ids], 1, sp, return_routed_experts=routed)
+            if turn.aborted:
+                ep.add_model(turn)
+                return ep.finish("abort")
+            ep.add_model(turn)
+            text = self.render.tokenizer.decode(turn.tokens, skip_special_tokens=False)
+            step = await self.calls.step(episode, Turn(text, list(turn.tokens),
+                                                       turn.finish_reason, t))  # fmt: skip
+            ep.reward = ep.reward if step.reward is None else float(step.reward)
+            if step.done:
+                return ep.finish("stop")
+            obs = self._observation(step)
+            if t + 1 == lim.max_turns or len(s.tokens) + len(obs) >= lim.max_tokens:
+                break
+            ep.add_env(obs)
+        return ep.finish("length")
+
+    def _observation(self, step: Step) -> list[int]:
+        obs = step.observation
+        if obs is None:
+            return []
+        if isinstance(obs, str):
+            return self.render.encode(obs)
+        if obs and isinstance(obs[0], dict):
+            return self.render.continuation(obs)  # type: ignore[arg-type]
+        return list(obs)  # type: ignore[arg-type]
+
+    def _failed(self, sample: Sample, error: EnvError, row) -> None:
+        sample.env_error = str(error)
+        log.warning("episode %s: %s", sample.rid, error)
+        if self.log_path is not None:
+            cause = error.__cause__ or error
+            lines = traceback.format_exception(type(cause), cause, cause.__traceback__)
+            with open(self.log_path, "a") as f:
+                f.write(f"episode {sample.rid} (prompt {row.prompt[:80]!r}): {error}\n")
+                f.write("".join(lines) + "\n")

@@ -1,0 +1,35 @@
+"""A rollout sample: one response, or one episode of a multi-turn rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Sample:
+    """One response. routed_experts is int32 [prompt + len(tokens) - 1, layers, topk] over every
+    decoder layer, as SGLang sends it: the rows of dense (non-MoE) layers are zeros. Episodes
+    (rollout/episodes.py) add a loss mask, 0 on the environment's tokens (log-prob None)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float | None] | None = None
+    finish_reason: str = "abort"  # length | stop | abort
+    weight_version: str = ""
+    routed_experts: np.ndarray | None = None
+    rid: str = ""
+    server: str = ""
+    latency_s: float = 0.0
+    loss_mask: list[int] | None = None  # None: every token is the model's
+    versions: list[str] = field(default_factory=list)
+    turns: int = 0
+    env_reward: float | None = None
+    env_error: str | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"

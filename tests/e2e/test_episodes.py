@@ -1,0 +1,195 @@
+"""Multi-turn episodes against the built-in server: what the sample holds (model and environment
+tokens, the loss mask, log-probs and R3 routing against a teacher-forced HF forward of the whole
+episode), the limits, and a training run whose environment fails in every way a user's code can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from megatron_gspo.data.prompts import PromptRow
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+from megatron_gspo.rollout.client import RolloutClient
+from megatron_gspo.rollout.env import EnvCalls, Step
+from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
+from tests.e2e.server_process import running_server
+from tests.e2e.test_rollout_server import hf_teacher_forced
+from tests.e2e.test_train import metrics, train
+
+pytestmark = pytest.mark.e2e
+
+SPEC = TinySpec(tokenizer="chars", layers=3, dense_layers=[0], init_std=0.2, seed=7)
+ROW = PromptRow("what is 12*34 ?", "408")
+# What the chat template writes after an assistant turn for one tool result, written out
+TOOL_CONTINUATION = (
+    "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return make_tiny_model(SPEC, tmp_path_factory.mktemp("chat") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    with running_server(chat_model, "--enable-return-routed-experts") as url:
+        yield url
+
+
+class Scripted:
+    """Answers turn 0 with a tool message, turn 1 with text, turn 2 with token ids, then done."""
+
+    seen: list = []  # the turns every episode got
+
+    def __init__(self, row):
+        self.row = row
+
+    def prompt(self):
+        return [{"role": "user", "content": self.row.prompt}]
+
+    def step(self, turn):
+        Scripted.seen.append(turn)
+        answers = [
+            Step([{"role": "tool", "content": "42"}]),
+            Step("ok?"),
+            Step([5, 6, 7]),
+            Step(done=True, reward=0.75),
+        ]
+        return answers[turn.index]
+
+
+def _episode(url, tok, factory, limits, sampling=None, n=1):
+    calls = EnvCalls(factory, 10.0, len(tok))
+    runner = EpisodeRunner(calls, ChatRender(tok), limits)
+    sp = sampling or {"temperature": 1.0, "sampling_seed": 3}
+
+    async def go():
+        async with RolloutClient([url]) as client:
+            return await asyncio.gather(*(
+                runner.run(client, ROW, [1, 2, 3], sp, True, (0, j), 100) for j in range(n)
+            ))  # fmt: skip
+
+    try:
+        return asyncio.run(go())
+    finally:
+        calls.close()
+
+
+def test_an_episode_holds_model_and_environment_tokens_with_the_model_s_logprobs_and_routing(
+    server, chat_model
+):
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    Scripted.seen = []
+    [s] = _episode(server, tok, Scripted, Limits(max_turns=6, max_turn_tokens=5, max_tokens=200))
+    turns = [t.ids for t in Scripted.seen]
+    assert len(turns) == 4 and all(1 <= len(t) <= 5 for t in turns)
+    assert s.turns == 4 and s.finish_reason == "stop" and s.env_reward == 0.75
+    render = ChatRender(tok)
+    prompt = "<|im_start|>user\nwhat is 12*34 ?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(s.prompt_ids, skip_special_tokens=False) == prompt
+    env = [tok.encode(TOOL_CONTINUATION, add_special_tokens=False),
+           tok.encode("ok?", add_special_tokens=False), [5, 6, 7]]  # fmt: skip
+    assert env[0] == render.continuation([{"role": "tool", "content": "42"}])
+    want = turns[0] + env[0] + turns[1] + env[1] + turns[2] + env[2] + turns[3]
+    assert s.tokens == want
+    model = [1] * len(turns[0])
+    for e, t in zip(env, turns[1:]):
+        model += [0] * len(e) + [1] * len(t)
+    assert s.loss_mask == model
+    # every model token's log-prob is the teacher-forced one given the whole episode before it
+    full = s.prompt_ids + s.tokens
+    logp, topk = hf_teacher_forced(chat_model, full)
+    p = len(s.prompt_ids)
+    ref = logp[p - 1 : -1].gather(1, torch.tensor(s.tokens)[:, None])[:, 0]
+    got = torch.tensor([v if v is not None else float("nan") for v in s.logprobs])
+    on = torch.tensor(model, dtype=torch.bool)
+    assert torch.isnan(got[~on]).all()
+    torch.testing.assert_close(got[on], ref[on], atol=1e-4, rtol=0)
+    # R3: every position of the episode has the routing the server computed for it
+    assert s.routed_experts.shape == (len(full) - 1, 3, 2)
+    routed = torch.from_numpy(s.routed_experts[:, 1:]).sort(-1).values.long()
+    assert torch.equal(routed, topk[:-1])
+
+
+class Endless:
+    """Never done: answers every turn with 4 token ids."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, turn):
+        return Step([10, 11, 12, 13])
+
+
+@pytest.mark.parametrize(
+    "limits, turns, length",
+    [
+        (Limits(max_turns=3, max_turn_tokens=2, max_tokens=100), 3, 3 * 2 + 2 * 4),
+        # 2 + 4 + 2 = 8 tokens; the next answer would make 12 > 11: not appended
+        (Limits(max_turns=9, max_turn_tokens=2, max_tokens=11), 2, 8),
+    ],
+)
+def test_an_episode_ends_at_its_turn_and_token_limits(server, chat_model, limits, turns, length):
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    greedy_no_eos = {"temperature": 0.0, "ignore_eos": True}
+    [s] = _episode(server, tok, Endless, limits, greedy_no_eos)
+    assert (s.turns, len(s.tokens), s.finish_reason) == (turns, length, "length")
+    assert s.loss_mask[-2:] == [1, 1] and s.tokens[2:6] == [10, 11, 12, 13]
+
+
+BAD_ENV = '''
+import time
+from megatron_gspo.rollout.env import Step
+
+class Env:
+    """Fails in a different way on most prompts; answers the rest once, then is done."""
+
+    def __init__(self, row):
+        self.kind = sum(map(ord, row.prompt)) % 5
+        if self.kind == 0:
+            raise RuntimeError("cannot start this one")
+        self.turns = 0
+
+    def step(self, turn):
+        self.turns += 1
+        if self.kind == 1:
+            raise ValueError("bad turn")
+        if self.kind == 2:
+            time.sleep(3)
+        if self.kind == 3:
+            return {"observation": "not a Step"}
+        if self.turns == 2:
+            return Step(done=True, reward=float(len(turn.ids) > 1))
+        return Step("again:")
+'''
+
+
+def test_an_environment_that_raises_hangs_or_returns_garbage_is_counted_and_the_run_finishes(
+    chat_model, tmp_path
+):
+    path = tmp_path / "bad_env.py"
+    path.write_text(BAD_ENV)
+    run_dir = tmp_path / "run"
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "a"}) + "\n"
+                            for i in range(40)))  # fmt: skip
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
+                    "env.timeout_s=0.5", f"data.train={data}", "train.eval_every=0",
+                    "rollout.max_new_tokens=4")  # fmt: skip
+    assert rc == 0, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["env/errors"] > 0 and r["rollout/samples"] == 16.0, r
+        assert r["env/turns_mean"] > 0, r
+    log = (run_dir / "logs" / "env.log").read_text()
+    for what in ("cannot start this one", "bad turn", "ran past env.timeout_s (0.5 s)",
+                 "returned dict", "Traceback (most recent call last)"):  # fmt: skip
+        assert what in log, what

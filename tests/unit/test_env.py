@@ -1,0 +1,252 @@
+"""Environments of multi-turn rollouts: calls into the user's code (timeouts, failures, checked
+results), the built-in tool environment's turns, the reward an episode gets, and the policy loss
+over a loss mask with the environment's tokens masked out, against formulas written out."""
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+
+from megatron_gspo.algo.policy_loss import policy_loss
+from megatron_gspo.config import Config, load_config
+from megatron_gspo.data.prompts import PromptRow
+from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn, load_env
+from megatron_gspo.rollout.sample import Sample
+from megatron_gspo.rollout.tool_env import tool_env
+from megatron_gspo.train.generate import Generation
+from megatron_gspo.train.samples import _to_batch
+
+pytestmark = pytest.mark.unit
+
+ROW = PromptRow("what is 2*3 ?", "6")
+
+
+class Echo:
+    """Answers each turn with its text reversed; done after two turns, reward 0.5."""
+
+    def __init__(self, row):
+        self.row, self.turns = row, 0
+
+    def step(self, turn):
+        self.turns += 1
+        return Step(turn.text[::-1], done=self.turns == 2, reward=0.5 if self.turns == 2 else None)
+
+
+class AsyncEcho(Echo):
+    async def step(self, turn):
+        await asyncio.sleep(0)
+        return super().step(turn)
+
+
+def _turn(text: str, index: int = 0) -> Turn:
+    return Turn(text, [1, 2], "stop", index)
+
+
+def _step(factory, text="abc", timeout_s=5.0):
+    calls = EnvCalls(factory, timeout_s, vocab_size=100)
+
+    async def go():
+        episode = await calls.start(ROW)
+        return await calls.step(episode, _turn(text))
+
+    try:
+        return asyncio.run(go())
+    finally:
+        calls.close()
+
+
+@pytest.mark.parametrize("factory", [Echo, AsyncEcho, lambda row: Echo(row)])
+def test_plain_async_and_function_environments_answer_a_turn(factory):
+    assert _step(factory) == Step("cba", done=False, reward=None)
+
+
+def _raises(row):
+    raise RuntimeError("broken env")
+
+
+class Hangs(Echo):
+    def step(self, turn):
+        time.sleep(2)
+
+
+class AsyncHangs(Echo):
+    async def step(self, turn):
+        await asyncio.sleep(5)
+
+
+def _garbage(value):
+    class Garbage(Echo):
+        def step(self, turn):
+            return value
+
+    return Garbage
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        (_raises, "starting the episode raised RuntimeError: broken env"),
+        (Hangs, "step() ran past env.timeout_s (0.3 s)"),
+        (AsyncHangs, "step() ran past env.timeout_s (0.3 s)"),
+        (_garbage(None), "step() returned NoneType None; return a Step"),
+        (_garbage(("obs", True)), "step() returned tuple"),
+        (_garbage(Step(done=1)), "Step.done is int 1"),  # type: ignore[arg-type]
+        (_garbage(Step(reward=math.nan)), "Step.reward is float nan"),
+        (_garbage(Step(reward="1")), "Step.reward is str '1'"),  # type: ignore[arg-type]
+        (_garbage(Step([1, 100])), "Step.observation is list [1, 100]"),
+        (_garbage(Step([{"role": "tool"}])), "Step.observation is list"),
+        (_garbage(Step(b"bytes")), "Step.observation is bytes"),  # type: ignore[arg-type]
+        (lambda row: object(), "has no step(turn) method"),
+    ],
+)
+def test_what_the_environment_gets_wrong_fails_its_episode(factory, message):
+    t0 = time.perf_counter()
+    with pytest.raises(EnvError) as e:
+        _step(factory, timeout_s=0.3)
+    assert message in str(e.value)
+    assert time.perf_counter() - t0 < 1.5  # a hang ends at the timeout, not when it returns
+
+
+def test_prompt_may_be_text_or_messages_and_nothing_else():
+    class Prompted(Echo):
+        def __init__(self, row, value):
+            super().__init__(row)
+            self.value = value
+
+        def prompt(self):
+            return self.value
+
+    async def go(value):
+        calls = EnvCalls(lambda row: Prompted(row, value), 1.0, 100)
+        try:
+            return await calls.prompt(await calls.start(ROW))
+        finally:
+            calls.close()
+
+    assert asyncio.run(go("hi")) == "hi"
+    assert asyncio.run(go([{"role": "user", "content": "hi"}])) == [
+        {"role": "user", "content": "hi"}
+    ]
+    assert asyncio.run(go(None)) is None
+    with pytest.raises(EnvError, match="prompt\\(\\) returned int 3"):
+        asyncio.run(go(3))
+
+
+def test_load_env_names_the_fix(tmp_path):
+    with pytest.raises(UserError, match="environment 'nosuch_mod:Env': cannot import"):
+        load_env("nosuch_mod:Env")
+    path = tmp_path / "envs.py"
+    path.write_text("X = 3\nclass Env:\n    pass\n")
+    assert load_env(f"{path}:Env").__name__ == "Env"
+    with pytest.raises(UserError, match="'X' is a int, not callable"):
+        load_env(f"{path}:X")
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (["env.fn=nomodule"], "env.fn 'nomodule' is neither tools"),
+        (["env.fn=tools"], "env.fn tools needs env.tools"),
+        (["env.tools=[calc]"], "env.tools is used by env.fn=tools only"),
+        (["env.fn=a:b", "env.max_turns=0"], "env.max_turns"),
+        (["env.fn=a:b", "env.timeout_s=.nan"], "env.timeout_s"),
+    ],
+)
+def test_env_config_errors(keys, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, ["model.path=m", *keys]).check()
+
+
+def test_tool_episode_runs_the_calls_of_a_turn_and_ends_on_an_answer():
+    episode = tool_env(["calc"])(ROW)
+    assert episode.prompt() == [{"role": "user", "content": "what is 2*3 ?"}]
+    assert [t["function"]["name"] for t in episode.tools] == ["calc"]
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "37*48"}}\n</tool_call>'
+    step = episode.step(_turn(call + "\n" + call.replace("37*48", "2+")))
+    assert step.done is False
+    assert step.observation[0] == {"role": "tool", "content": "1776"}
+    assert step.observation[1]["role"] == "tool"
+    assert step.observation[1]["content"].startswith("error:")
+    bad = episode.step(_turn("<tool_call>\n{not json\n</tool_call>"))
+    assert bad.observation[0]["content"].startswith("error:")
+    assert episode.step(_turn("1776<|im_end|>")) == Step(done=True)
+
+
+class _Tok:
+    """Decodes ids as letters (id 0 is the end-of-turn token, skipped as special)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i) for i in ids if i or not skip_special_tokens)
+
+
+def _sample(tokens, mask=None, **kw) -> Sample:
+    return Sample(0, 0, [1, 2], list(tokens), loss_mask=mask, turns=1 if mask else 0, **kw)
+
+
+def test_an_episode_is_scored_by_its_environment_else_reward_fn_on_its_last_turn():
+    gen = Generation(Config(), _Tok(), run_dir=None)  # type: ignore[arg-type]
+    rows = [PromptRow("p", "cd")]
+    samples = [
+        _sample([1, 1, 9, 9, 3, 4, 0], [1, 1, 0, 0, 1, 1, 1]),  # last turn "cd": right
+        _sample([3, 4, 9, 1, 1], [1, 1, 0, 1, 1]),  # last turn "aa": wrong
+        _sample([1], [1], env_reward=0.25),
+        _sample([1], [1], env_reward=0.25, env_error="step() raised"),  # failed: 0
+        _sample([], None, env_error="starting the episode raised"),  # no tokens: failed
+        _sample([3, 4]),  # a single-turn sample: all of it
+    ]
+    assert [gen.text(s) for s in samples] == ["cd", "aa", "a", "a", "", "cd"]
+    scored = gen.score(rows, samples)
+    assert scored.rewards == [1.0, 0.0, 0.25, 0.0, None, 1.0]
+    assert scored.failed == [4]
+    assert "starting the episode raised" in scored.failures[0]
+
+
+def test_an_episode_becomes_a_row_with_the_environment_masked_out():
+    s = _sample([5, 6, 7, 8, 9], [1, 1, 0, 0, 1], logprobs=[-0.1, -0.2, None, None, -0.3])
+    batch = _to_batch([s, _sample([5, 6], logprobs=[-1.0, -2.0])], [1.0, -1.0])
+    assert batch.tokens == [[1, 2, 5, 6, 7, 8, 9], [1, 2, 5, 6]]
+    assert batch.loss_mask == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 1]]
+    assert batch.rollout_logprobs == [
+        [None, None, -0.1, -0.2, None, None, -0.3],
+        [None, None, -1.0, -2.0],
+    ]
+
+
+@pytest.mark.parametrize("kind", ["gspo", "gspo_token", "grpo"])
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
+def test_loss_counts_model_tokens_only(kind, agg):
+    """A multi-turn row (model, environment, model tokens) against the same formula over the
+    model tokens alone: the environment's tokens add nothing, to the GSPO length normalization
+    |y_i| included."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 1], [0, 1, 1, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    logp = (torch.randn(2, 8) * 0.3 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(2, 8) * 0.2
+    adv = torch.tensor([1.0, -0.5])
+    eps_lo, eps_hi = 0.2, 0.27
+    loss, _ = policy_loss(logp, old, adv, mask, kind=kind, clip_low=eps_lo, clip_high=eps_hi,
+                          agg=agg)  # fmt: skip
+    terms, counts = [], []
+    for i in range(2):
+        lp, o = logp[i][mask[i]], old[i][mask[i]]  # the model's tokens only
+        n = len(lp)
+        if kind == "grpo":
+            ratio = torch.exp(lp - o)
+        else:
+            s_i = torch.exp((lp - o).sum() / n)  # |y_i| = n: model tokens
+            ratio = s_i.expand(n) if kind == "gspo" else s_i.detach() * torch.exp(lp - lp.detach())
+        obj = torch.minimum(ratio * adv[i], ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv[i])
+        terms.append(obj)
+        counts.append(n)
+    if agg == "seq-mean-token-mean":
+        want = -sum(t.sum() / n for t, n in zip(terms, counts)) / 2
+    elif agg == "token-mean":
+        want = -sum(t.sum() for t in terms) / sum(counts)
+    else:
+        want = -sum(t.sum() for t in terms) / 2
+    torch.testing.assert_close(loss, want)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[~mask].abs().max() == 0  # no gradient through the environment's tokens
