@@ -193,3 +193,52 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_is_counted_and_the_
     for what in ("cannot start this one", "bad turn", "ran past env.timeout_s (0.5 s)",
                  "returned dict", "Traceback (most recent call last)"):  # fmt: skip
         assert what in log, what
+
+
+GOOD_ENV = '''
+from megatron_gspo.rollout.env import Step
+
+class Env:
+    """Two more turns after the first, each answered with a tool message; reward: the last
+    turn's length is even."""
+
+    def __init__(self, row):
+        self.row = row
+
+    def prompt(self):
+        return [{"role": "user", "content": self.row.prompt}]
+
+    def step(self, turn):
+        if turn.index == 2:
+            return Step(done=True, reward=float(len(turn.ids) % 2 == 0))
+        return Step([{"role": "tool", "content": str(turn.index)}])
+'''
+
+
+def test_episodes_train_with_r3_dynamic_sampling_and_rollouts_one_step_ahead(chat_model,
+                                                                            tmp_path):  # fmt: skip
+    """GRPO+R3 on episodes, generated one step ahead, groups without a spread dropped: the run
+    finishes; on the first step (no staleness yet) the trainer's log-probs of the model's tokens
+    are the servers' (R3 replays the stitched routing of every position, the environment's
+    tokens included)."""
+    path = tmp_path / "good_env.py"
+    path.write_text(GOOD_ENV)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}*{i} ?", "answer": "a"}) + "\n"
+                            for i in range(40)))  # fmt: skip
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_grpo_r3.yaml", run_dir, chat_model, f"env.fn={path}:Env",
+                    f"data.train={data}", "train.eval_every=0", "rollout.max_new_tokens=5",
+                    "rollout.max_staleness=1", "algo.dynamic_sampling=true",
+                    steps=3)  # fmt: skip
+    assert rc == 0, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["env/turns_mean"] == 3.0 and r["env/errors"] == 0.0, r
+        assert r["env/env_tokens_mean"] > 2 * 10, r  # two template turns of > 10 tokens each
+        assert r["env/reward_given"] == r["rollout/samples"], r
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    # step 1's batch comes from the trainer's own weights (later ones from one version behind)
+    assert rows[0]["mismatch/logprob_abs_diff"] < 1e-3, rows[0]
+    assert rows[0]["routing/rollout_train_agreement"] > 0.99, rows[0]

@@ -250,3 +250,30 @@ def test_loss_counts_model_tokens_only(kind, agg):
     torch.testing.assert_close(loss, want)
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad[~mask].abs().max() == 0  # no gradient through the environment's tokens
+
+
+def test_readme_example_environment_plays_its_game():
+    """The example in README.md, as written there: higher/lower hints, reward 1 when found."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    code = readme.split("```python\n")[1].split("```")[0]
+    assert len(code.splitlines()) <= 24
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    calls = EnvCalls(scope["Guess"], 1.0, 100)
+
+    async def play(guesses):
+        episode = await calls.start(PromptRow("?", "42"))
+        prompt = await calls.prompt(episode)
+        steps = [await calls.step(episode, _turn(g, i)) for i, g in enumerate(guesses)]
+        return prompt, steps
+
+    try:
+        prompt, steps = asyncio.run(play(["50", "hm", "7", "42<|im_end|>"]))
+    finally:
+        calls.close()
+    assert prompt == [{"role": "user", "content": "guess my number between 0 and 99"}]
+    hints = [s.observation[0]["content"] for s in steps[:3]]
+    assert hints == ["lower", "say a number", "higher"]
+    assert steps[3] == Step(done=True, reward=1.0)
