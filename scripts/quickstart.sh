@@ -14,7 +14,18 @@ RUN=${RUN_DIR:-runs/$NAME}
 M=".venv/bin/megatron-gspo"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-[ -d runs/task_model ] || $M make-task-model --out runs/task_model
+# the config's starting model, made here when it is not there yet: the task model of its
+# built-in task (the drift preset for sortlong)
+read -r MODEL MAKE < <(.venv/bin/python - "$CONFIG" <<'PY'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+path = cfg["model"]["path"]
+task = str(cfg.get("data", {}).get("train", "builtin:arith")).removeprefix("builtin:")
+print(path, "--preset drift" if task == "sortlong" else f"--task {task}")
+PY
+)
+# shellcheck disable=SC2086
+[ -d "$MODEL" ] || $M make-task-model $MAKE --out "$MODEL"
 RESUME=()
 [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
 $M train --config "$CONFIG" --run-dir "$RUN" "${RESUME[@]}"
