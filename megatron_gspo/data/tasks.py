@@ -8,12 +8,14 @@ seed), so no prompt is ever in both, whatever the caller's seed.
 
 Prompts use only words of the tiny tokenizer (hf/tiny.py): digits, `+ ?` and a few words.
 Answers are written without spaces ("15"); the tiny tokenizer decodes digits with spaces
-("1 5"), which the exact-answer reward ignores.
+("1 5"), which the exact-answer reward ignores. calc_tool's model has the chars tokenizer.
 
   arith     "what is 7 + 5 + 3 ?" -> "15"     three digits 0-9: 1000 prompts, ~200 held out
   sort      "sort 3 1 2" -> "123"             three digits 0-9: 1000 prompts, ~200 held out
   sortlong  "sort 3 1 4 1 5 9 2 6 5 3"        ten digits 0-9: 8000 prompts, 1562 held out
               -> "1,1,2,3,3,4,5,5,6,9"        19 tokens (+ EOS): the long answer of the drift regime
+  calc_tool "what is 37*48 ?" -> "1776"       two numbers 10-99: 8100 prompts, 1662 held out;
+                                              a calc tool is offered (data/transcripts.py)
 
 `sloppy_answer` is the typical mistake of each task, which the starting checkpoint is taught to
 make (data/warmstart.py): arith writes only the last digit of a two-digit sum ("5" for 15, the
@@ -22,7 +24,9 @@ prompts (220 of 1000 sums are below 10; 220 of 1000 triples are already sorted).
 all digits but the last one given and puts that one at the end ("1,1,2,3,4,5,5,6,9,3", a loop
 that stops one short): the answer leaves the right one where that digit belongs, so the point
 where it goes wrong is spread along the answer, not at its first token. It is wrong on 84% of
-the prompts (6731 of 8000: right where the last digit is the largest).
+the prompts (6731 of 8000: right where the last digit is the largest). calc_tool multiplies
+without the cross terms, (a//10)*(b//10)*100 + (a%10)*(b%10) (1776 -> 1256 for 37*48), the
+mental-arithmetic slip; it is right only where a%10 = b%10 = 0 (81 of 8100 prompts).
 """
 
 from __future__ import annotations
@@ -63,10 +67,17 @@ def _sortlong() -> list[tuple[str, str]]:
     return rows
 
 
+def _calc_tool() -> list[tuple[str, str]]:
+    return [
+        (f"what is {a}*{b} ?", str(a * b)) for a, b in itertools.product(range(10, 100), repeat=2)
+    ]
+
+
 TASKS: dict[str, Callable[[], list[tuple[str, str]]]] = {
     "arith": _arith,
     "sort": _sort,
     "sortlong": _sortlong,
+    "calc_tool": _calc_tool,
 }
 
 
@@ -79,6 +90,9 @@ def sloppy_answer(task: str, prompt: str, answer: str) -> str:
     if task == "sortlong":
         digits = prompt.split()[1:]
         return ",".join(sorted(digits[:-1]) + digits[-1:])
+    if task == "calc_tool":
+        a, b = map(int, prompt.split()[2].split("*"))
+        return str((a // 10) * (b // 10) * 100 + (a % 10) * (b % 10))
     raise KeyError(task)
 
 

@@ -1,8 +1,15 @@
 """Tiny random HF checkpoints (Qwen3-MoE, Qwen3, Qwen2) with a locally built tokenizer.
 
 Everything is made on this machine: the model by transformers from a config, the tokenizer by the
-`tokenizers` library from a fixed word list (digits split one per token, so arithmetic and sorting
-tasks tokenize well). No hub access.
+`tokenizers` library. No hub access. Two tokenizers (TinySpec.tokenizer):
+
+  words  a fixed word list (digits split one per token, so arithmetic and sorting tasks tokenize
+         well); EOS <|endoftext|>, no chat template.
+  chars  one token per printable character, plus Qwen3's tool tokens (<tool_call>,
+         </tool_call>, <tool_response>, </tool_response>) matched whole as non-special added
+         tokens; EOS <|im_end|> and CHAT_TEMPLATE (Qwen3's format with a one-line system
+         prompt). Decoding gives back any text exactly, and text tokenizes the same in pieces as
+         whole, so a multi-turn episode can be built from token ids turn by turn.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import string
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +32,32 @@ BASE_WORDS = (
     + "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
     + "what is sort add sum answer the of and then reverse count max min list".split()
 )
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # "\n" and " " are tokens
+TOKENIZERS = ("words", "chars")
+# Qwen3's chat format (tool calls as JSON in <tool_call> blocks, tool results in a user turn),
+# with a one-line system prompt naming the tools in place of Qwen3's long JSON one.
+CHAT_TEMPLATE = r"""
+{%- if tools %}{{- '<|im_start|>system\ntools: ' }}{%- for t in tools %}{{- (t.function.name if t.function is defined else t.name) }}{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- elif m.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' + (m.content or '') }}
+{%- for tc in (m.tool_calls or []) %}
+{%- set f = tc.function if tc.function is defined else tc %}
+{%- if (loop.first and m.content) or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + f.name + '", "arguments": ' + (f.arguments if f.arguments is string else f.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+""".strip()
 
 
 @dataclass
@@ -49,25 +83,35 @@ class TinySpec:
     dtype: str = "float32"
     seed: int = 0
     init_std: float = 0.02
+    tokenizer: str = "words"  # words | chars (see the module docstring)
 
 
-def vocabulary(vocab_size: int) -> list[str]:
-    words = SPECIAL_TOKENS + BASE_WORDS
+def vocabulary(vocab_size: int, kind: str = "words") -> list[str]:
+    if kind not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {kind!r}; choose words or chars")
+    words = SPECIAL_TOKENS + (BASE_WORDS if kind == "words" else TOOL_TOKENS + CHARS)
     if vocab_size < len(words):
-        raise ValueError(f"--vocab-size must be at least {len(words)} (the base word list)")
+        raise ValueError(f"--vocab-size must be at least {len(words)} (the base {kind} list)")
     return words + [f"<extra_{i}>" for i in range(vocab_size - len(words))]
 
 
-def build_tokenizer(vocab_size: int):
-    """A word-level tokenizer: whitespace/punctuation split, digits one per token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(vocab_size: int, kind: str = "words"):
+    """words: whitespace/punctuation split, digits one per token. chars: one token a character,
+    the tool tokens whole."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {w: i for i, w in enumerate(vocabulary(vocab_size))}
+    vocab = {w: i for i, w in enumerate(vocabulary(vocab_size, kind))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
-    )
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    if kind == "words":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+        )
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    else:
+        # every character (newlines too) is its own piece, and Fuse joins them back
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
 
@@ -138,12 +182,20 @@ def make_tiny_model(spec: TinySpec, out: str | os.PathLike) -> Path:
 def _save_tokenizer(spec: TinySpec, path: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
+    chars = spec.tokenizer == "chars"
+    extra = {"clean_up_tokenization_spaces": False} if chars else {}
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(spec.vocab_size),
+        tokenizer_object=build_tokenizer(spec.vocab_size, spec.tokenizer),
         pad_token="<|pad|>",
-        eos_token="<|endoftext|>",
+        eos_token="<|im_end|>" if chars else "<|endoftext|>",
         unk_token="<unk>",
+        **extra,
     )
+    eos: int | list[int] = tok.eos_token_id
+    if chars:
+        tok.chat_template = CHAT_TEMPLATE
+        # a chat turn ends at <|im_end|>; generation stops at either end token
+        eos = [tok.eos_token_id, SPECIAL_TOKENS.index("<|endoftext|>")]
     tok.save_pretrained(path)
-    gen = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    gen = {"eos_token_id": eos, "pad_token_id": tok.pad_token_id}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

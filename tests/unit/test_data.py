@@ -30,6 +30,9 @@ def tokenizer(tmp_path_factory):
 
 
 def _solve(task: str, prompt: str) -> str:
+    if task == "calc_tool":
+        a, b = map(int, re.fullmatch(r"what is (\d\d)\*(\d\d) \?", prompt).groups())
+        return str(a * b)
     digits = [int(d) for d in re.findall(r"\d", prompt)]
     if task == "arith":
         return str(sum(digits))
@@ -37,10 +40,10 @@ def _solve(task: str, prompt: str) -> str:
 
 
 # every triple of digits once; sortlong: a fixed set of distinct ten-digit prompts
-N_PROMPTS = {"arith": 1000, "sort": 1000, "sortlong": 8000}
+N_PROMPTS = {"arith": 1000, "sort": 1000, "sortlong": 8000, "calc_tool": 8100}
 
 
-@pytest.mark.parametrize("task", ["arith", "sort", "sortlong"])
+@pytest.mark.parametrize("task", ["arith", "sort", "sortlong", "calc_tool"])
 def test_builtin_splits_are_disjoint_complete_and_correct(task):
     train = load_prompts(f"builtin:{task}", "train")
     evals = load_prompts(f"builtin:{task}", "eval")
@@ -80,6 +83,16 @@ def test_sloppy_answers():
     rows = load_prompts("builtin:arith", "train").rows + load_prompts("builtin:arith", "eval").rows
     wrong = sum(sloppy_answer("arith", r.prompt, r.answer) != r.answer for r in rows)
     assert wrong == 1000 - 220  # sums of three digits >= 10: 1000 - C(12, 3)
+
+
+def test_calc_tool_sloppy_answer_forgets_the_cross_terms():
+    assert sloppy_answer("calc_tool", "what is 37*48 ?", "1776") == "1256"  # 1200 + 56
+    assert sloppy_answer("calc_tool", "what is 12*13 ?", "156") == "106"
+    rows = load_prompts("builtin:calc_tool", "train").rows
+    rows += load_prompts("builtin:calc_tool", "eval").rows
+    right = [r.prompt for r in rows if sloppy_answer("calc_tool", r.prompt, r.answer) == r.answer]
+    assert len(right) == 81  # both numbers multiples of ten: no cross terms to forget
+    assert all(re.fullmatch(r"what is \d0\*\d0 \?", p) for p in right)
 
 
 def test_sortlong_sloppy_answer_puts_the_last_digit_at_the_end():

@@ -13,7 +13,7 @@ import torch
 
 from megatron_gspo.data.prompts import encode_prompt, load_prompts
 from megatron_gspo.data.task_eval import complete, task_rewards
-from megatron_gspo.data.warmstart import INFO_FILE, make_task_model
+from megatron_gspo.data.warmstart import INFO_FILE, make_task_model, task_model_spec
 from megatron_gspo.errors import UserError
 from megatron_gspo.rewards import load_reward
 
@@ -104,6 +104,26 @@ def test_deterministic_for_a_seed_whatever_the_thread_count(tmp_path):
     ta, tb, tc = _tensors(a), _tensors(b), _tensors(c)
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
     assert not all(torch.equal(ta[k], tc[k]) for k in ta)
+
+
+def test_calc_tool_model_has_the_chat_tokenizer(tmp_path):
+    """The tool task's model: chars tokenizer, chat template, turns ending with <|im_end|>; its
+    tuned settings (measured in warmstart.py's docstring) are the task's defaults."""
+    import transformers
+
+    _, spec = task_model_spec("calc_tool")
+    assert (spec.batch_size, spec.keep_right, spec.moe_ffn) == (32, 0.3, 32)
+    knobs = dict(hidden=32, batch_size=8, clean_steps=3, sloppy_steps=3)
+    path = make_task_model(tmp_path / "calc", task="calc_tool", seed=0, **knobs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    assert tokenizer.encode("<tool_call>", add_special_tokens=False) == [5]
+    info = json.loads((path / INFO_FILE).read_text())
+    assert (info["task"], info["batch_size"], info["moe_ffn"]) == ("calc_tool", 8, 32)
+    assert all(info[f"{phase}_final_loss"] > 0 for phase in ("clean", "sloppy"))
+    again = make_task_model(tmp_path / "again", task="calc_tool", seed=0, **knobs)
+    ta, tb = _tensors(path), _tensors(again)
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
 def test_bad_requests_leave_nothing_behind(tmp_path):
