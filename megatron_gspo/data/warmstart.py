@@ -52,7 +52,7 @@ import torch
 
 from megatron_gspo.data.prompts import PromptRow, encode_prompt, load_prompts
 from megatron_gspo.data.tasks import sloppy_answer
-from megatron_gspo.data.transcripts import TOOL_TASKS, tool_task_batch
+from megatron_gspo.data.transcripts import TOOL_TASKS, segments_batch, tool_task_batch
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
@@ -186,15 +186,8 @@ def _batch(
         target = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(prompt + target)
         n_prompt.append(len(prompt))
-    length = max(map(len, seqs))
-    ids = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    loss_mask = torch.zeros(ids.shape, dtype=torch.float32)
-    for i, (seq, p) in enumerate(zip(seqs, n_prompt)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        attn[i, : len(seq)] = 1
-        loss_mask[i, p : len(seq)] = 1.0
-    return ids, attn, loss_mask
+    masks = [[0.0] * p + [1.0] * (len(seq) - p) for seq, p in zip(seqs, n_prompt)]
+    return segments_batch(tokenizer, list(zip(seqs, masks)))
 
 
 def _task_batch(tokenizer, task: str, rows: list[PromptRow], sloppy: list[bool]):
