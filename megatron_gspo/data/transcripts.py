@@ -25,19 +25,10 @@ import torch
 
 from megatron_gspo.data.prompts import PromptRow
 from megatron_gspo.data.tasks import sloppy_answer
+from megatron_gspo.rollout.tools import REGISTRY, calc
 
-CALC_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "calc",
-        "description": "Evaluate an arithmetic expression",
-        "parameters": {
-            "type": "object",
-            "properties": {"expr": {"type": "string"}},
-            "required": ["expr"],
-        },
-    },
-}
+# the calc tool as the episode runner offers and runs it (env.fn: tools, env.tools: [calc])
+CALC_SCHEMA = REGISTRY["calc"].schema
 TOOL_TASKS = {"calc_tool": [CALC_SCHEMA]}  # the tools each tool task's prompt offers
 
 Segment = tuple[str, bool]  # (text, written by the model)
@@ -48,15 +39,9 @@ def prompt_expr(prompt: str) -> str:
     return prompt.removeprefix("what is ").removesuffix(" ?")
 
 
-def product(expr: str) -> str:
-    """What the calc tool (rollout/tools.py) returns for a calc_tool expression: "37*48" -> "1776"."""
-    a, b = expr.split("*")
-    return str(int(a) * int(b))
-
-
 def calc_messages(prompt: str, answer: str, uses_tool: bool) -> list[dict]:
     """The conversation: user prompt, then (with the tool) a calc call on the prompt's expression,
-    the tool's result (the true product) and the final answer, or (without) the answer alone."""
+    the calc tool's result and the final answer, or (without) the answer alone."""
     user = {"role": "user", "content": prompt}
     if not uses_tool:
         return [user, {"role": "assistant", "content": answer}]
@@ -65,7 +50,7 @@ def calc_messages(prompt: str, answer: str, uses_tool: bool) -> list[dict]:
     return [
         user,
         {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": product(expr)},
+        {"role": "tool", "content": calc(expr)},
         {"role": "assistant", "content": answer},
     ]
 
