@@ -242,3 +242,77 @@ def test_episodes_train_with_r3_dynamic_sampling_and_rollouts_one_step_ahead(cha
     # step 1's batch comes from the trainer's own weights (later ones from one version behind)
     assert rows[0]["mismatch/logprob_abs_diff"] < 1e-3, rows[0]
     assert rows[0]["routing/rollout_train_agreement"] > 0.99, rows[0]
+
+
+KILL_ENV = '''
+import os, time
+from pathlib import Path
+from megatron_gspo.rollout.env import Step
+
+FLAGS = Path({flags!r})
+
+class Env:
+    """Three model turns, tool messages between them. Until the test has killed server 0
+    (`killed`), every episode that reaches its second turn waits there, the first one saying
+    so (`paused`): then all their next turns are sent at once, to both servers."""
+
+    def __init__(self, row):
+        self.row = row
+
+    def prompt(self):
+        return [{{"role": "user", "content": self.row.prompt}}]
+
+    def step(self, turn):
+        if turn.index == 1:
+            (FLAGS / "paused").touch()
+            deadline = time.monotonic() + 240
+            while not (FLAGS / "killed").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if turn.index == 2:
+            return Step(done=True, reward=float(len(turn.ids) % 2 == 0))
+        return Step([{{"role": "tool", "content": str(turn.index)}}])
+'''
+
+
+def test_a_server_killed_in_the_middle_of_episodes_leaves_them_whole(chat_model, tmp_path):
+    """Two servers; server 0 is killed -9 while the first step's episodes are between turns
+    (held there until the kill). Their next turns, sent to both servers, fail on server 0 and
+    are retried on server 1 (or on server 0 once its supervisor has restarted it): every episode
+    still has its three model turns, no environment error, and the run finishes with server 0
+    restarted."""
+    import psutil
+
+    from tests.e2e.test_train import _wait_for
+
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    path = tmp_path / "kill_env.py"
+    path.write_text(KILL_ENV.format(flags=str(flags)))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i} ?", "answer": "a"}) + "\n"
+                            for i in range(40)))  # fmt: skip
+    run_dir = tmp_path / "run"
+    proc = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
+                 f"data.train={data}", "train.eval_every=0", "rollout.max_new_tokens=5",
+                 "rollout.servers=2", "env.timeout_s=300", steps=2, wait=False)  # fmt: skip
+    try:
+        _wait_for(lambda: (flags / "paused").exists(), proc)
+        port = (run_dir / "logs" / "server-0.log").read_text().split("--port ")[1].split()[0]
+        [server0] = [
+            p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "megatron_gspo.server" in " ".join(p.cmdline()) and port in p.cmdline()
+        ]  # fmt: skip
+        server0.kill()
+        server0.wait(timeout=30)
+        (flags / "killed").touch()
+        assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        proc.kill()
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["env/errors"] == 0.0 and r["env/turns_mean"] == 3.0, r
+        assert r["rollout/samples"] == 16.0 and r["env/reward_given"] == 16.0, r
+        assert r.get("rollout/stale_samples", 0.0) == 0.0, r
+    assert "start #1" in (run_dir / "logs" / "server-0.log").read_text()
+    assert f"failed on http://127.0.0.1:{port}" in (tmp_path / "run.log").read_text()
