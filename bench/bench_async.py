@@ -1,16 +1,17 @@
-"""The RL loop with rollouts one step ahead (`rollout.max_staleness=1`) against the synchronous
-loop (0), side by side in one run: the same config, model, seed and steps, each a `megatron-gspo
-train` run started from the documented keys, alternating which goes first over --reps.
+"""The RL loop with rollouts ahead of training (`rollout.max_staleness=1`, then also with
+`rollout.partial=true`, and `--staleness N` more) against the synchronous loop (0), side by side
+in one run: the same config, model, seed and steps, each a `megatron-gspo train` run started
+from the documented keys, reversing their order every other rep.
 
 Prints, per mode, the medians over steps 2.. (step 1 pays for first use) of the step time and
 its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, and the
-trained tokens per second; then throughput async / sync. On this 2-core machine the built-in
+trained tokens per second; then each mode's throughput / sync's. On this 2-core machine the built-in
 server generates on one core while the trainer trains on the other.
 
 Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
 
     .venv/bin/python bench/bench_async.py --model runs/task_model [--steps 8] [--reps 2]
-        [key=value ...]   # overrides for every run, e.g. rollout.max_new_tokens=64
+        [--staleness 2] [key=value ...]   # overrides for every run, e.g. rollout.max_new_tokens=64
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from train_runs import ROOT, side_by_side  # (bench/ is on the path: run as a sc
 
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
          "time/servers_idle_s", "tokens_per_s")  # fmt: skip
-MODES = {"sync": ["rollout.max_staleness=0"], "async": ["rollout.max_staleness=1"]}
+MODES = {
+    "sync": ["rollout.max_staleness=0"],
+    "async": ["rollout.max_staleness=1"],
+    "partial": ["rollout.max_staleness=1", "rollout.partial=true"],
+}
 
 
 def main() -> None:
@@ -31,16 +36,22 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_moe_gspo.yaml"))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--staleness", type=int, default=0, help="also a mode with this staleness")
     a, extra = ap.parse_known_args()
+    modes = dict(MODES)
+    if a.staleness > 1:
+        modes[f"ahead{a.staleness}"] = [f"rollout.max_staleness={a.staleness}"]
     # (no checkpoints: their writes would weigh on both modes alike and hide the difference)
-    order = [(name, [*flags, "train.checkpoint_every=0", *extra]) for name, flags in MODES.items()]
+    order = [(name, [*flags, "train.checkpoint_every=0", *extra]) for name, flags in modes.items()]
     med = side_by_side(order, a, PARTS)
     print(f"{'mode':8s} " + " ".join(f"{k.split('/')[-1]:>16s}" for k in PARTS))
     for name, m in med.items():
         print(f"{name:8s} " + " ".join(f"{m[k]:16.3f}" for k in PARTS))
-    ratio = med["async"]["tokens_per_s"] / med["sync"]["tokens_per_s"]
-    print(f"trained tokens/s, async (staleness 1) / sync: {ratio:.2f}x "
-          f"(load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+    for name in med:
+        if name != "sync":
+            ratio = med[name]["tokens_per_s"] / med["sync"]["tokens_per_s"]
+            print(f"trained tokens/s, {name} / sync: {ratio:.2f}x")
+    print(f"(load average {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
+from megatron_gspo.rollout.partial import Hold
 from megatron_gspo.rollout.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class RolloutClient:
         self._session: aiohttp.ClientSession | None = None
         self._outstanding: dict[str, str] = {}  # rid -> server url
         self._epoch = 0  # bumped by abort(): requests of older epochs are not sent
+        self.held = False  # no request is sent while the hold is on (partial.py)
+        self.hold = Hold(self)
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -217,8 +220,8 @@ class RolloutClient:
     ) -> tuple[list[dict], float] | None:
         """(the results, one per rid; the latency), or None when aborted before it was sent."""
         async with server.sem:
-            if epoch != self._epoch:
-                return None  # aborted while it waited for a slot
+            if epoch != self._epoch or self.held:
+                return None  # aborted (or held) while it waited for a slot
             for rid in rids:
                 self._outstanding[rid] = server.url
             t0 = time.perf_counter()
@@ -270,6 +273,10 @@ class RolloutClient:
         await asyncio.gather(
             *(self._abort_rid(url, rid) for rid, url in list(self._outstanding.items()))
         )
+
+    def outstanding(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._outstanding)
 
     async def _abort_rid(self, url: str, rid: str) -> None:
         try:

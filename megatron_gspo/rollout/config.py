@@ -12,6 +12,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
 
 SERVER_DTYPES = ("float32", "bfloat16", "float16")
+MAX_STALENESS = 8  # batches generated ahead (each holds a batch of samples in memory)
 
 
 @dataclass
@@ -50,9 +51,14 @@ class RolloutSection:
     # instead of one per sample: less per-request overhead (not through router_url: the router
     # takes one sampling_params per request)
     group_requests: bool = True
-    # 1: the servers generate step k+1's batch while the trainer trains on step k's, which is
-    # then one weight version old (algo.tis corrects for it); 0: synchronous. train/ahead.py
+    # N: the servers generate the batches of steps k+1..k+N while the trainer trains on step
+    # k's, which is then N weight versions old (algo.tis corrects for it); 0: synchronous.
+    # train/ahead.py
     max_staleness: int = 0
+    # with max_staleness: a weight sync does not wait for the generation in flight; its
+    # requests are aborted, the weights synced, and each sample goes on from its tokens so far
+    # on the new weights (rollout/partial.py; a sample's tokens then come from several versions)
+    partial: bool = False
 
     def check(self) -> None:
         if self.dtype is not None:
@@ -81,10 +87,15 @@ class RolloutSection:
         _in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
         for name in ("health_timeout_s", "connect_grace_s"):
             _in_range(getattr(self, name), f"rollout.{name}", 0, lo_open=True)
-        _in_range(self.max_staleness, "rollout.max_staleness", 0, 1)
+        _in_range(self.max_staleness, "rollout.max_staleness", 0, MAX_STALENESS)
+        if self.partial and not self.max_staleness:
+            raise UserError(
+                "rollout.partial continues generations across a weight update, which only "
+                "overlap one with rollout.max_staleness >= 1; set it, or drop rollout.partial"
+            )
         if self.max_staleness and self.release_memory:
             raise UserError(
-                "rollout.max_staleness 1 generates while the trainer trains, which "
+                "rollout.max_staleness > 0 generates while the trainer trains, which "
                 "rollout.release_memory (the servers' GPU memory lent to training) rules out; "
                 "set one of them to 0, or place the servers on GPUs of their own"
             )

@@ -28,6 +28,7 @@ import numpy as np
 
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn
+from megatron_gspo.rollout.partial import finish
 from megatron_gspo.rollout.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,10 @@ class _Episode:
         s.tokens += turn.tokens
         s.loss_mask = (s.loss_mask or []) + [1] * len(turn.tokens)
         s.logprobs = (s.logprobs or []) + list(turn.logprobs or [None] * len(turn.tokens))
-        s.versions.append(str(turn.weight_version))
+        s.versions += turn.versions or [str(turn.weight_version)]
+        s.token_versions = (s.token_versions or []) + (
+            turn.token_versions or [str(turn.weight_version)] * len(turn.tokens)
+        )
         s.server, s.latency_s, s.turns = turn.server, s.latency_s + turn.latency_s, s.turns + 1
         if turn.routed_experts is not None:
             self.routing.append(turn.routed_experts[self.rows :])
@@ -102,6 +106,7 @@ class _Episode:
         s.tokens += ids
         s.loss_mask = (s.loss_mask or []) + [0] * len(ids)
         s.logprobs = (s.logprobs or []) + [None] * len(ids)
+        s.token_versions = (s.token_versions or []) + [None] * len(ids)
 
     def finish(self, reason: str) -> Sample:
         s = self.sample
@@ -150,8 +155,9 @@ class EpisodeRunner:
             sp = dict(sampling, max_new_tokens=budget)
             if sp.get("sampling_seed") is not None:
                 sp["sampling_seed"] = int(sp["sampling_seed"]) + t * seed_stride
-            ids = s.prompt_ids + s.tokens
+            ids, holds = s.prompt_ids + s.tokens, client.hold.holds
             [[turn]] = await client.generate([ids], 1, sp, return_routed_experts=routed)
+            await finish(client.hold, turn, sp, routed, holds)  # (a weight update cut it short)
             if turn.aborted:
                 ep.add_model(turn)
                 return ep.finish("abort")

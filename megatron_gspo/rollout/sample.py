@@ -25,7 +25,10 @@ class Sample:
     server: str = ""
     latency_s: float = 0.0
     loss_mask: list[int] | None = None  # None: every token is the model's
-    versions: list[str] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # per turn, or per partial segment
+    # the weights that wrote each token (None: the environment's), where they may differ: a
+    # partial rollout's (rollout/partial.py), an episode's
+    token_versions: list[str | None] | None = None
     turns: int = 0
     env_reward: float | None = None
     env_error: str | None = None

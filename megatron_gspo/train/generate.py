@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, cast
 
 from megatron_gspo.config import Config
 from megatron_gspo.rewards import Scored, load_reward, score_each
+from megatron_gspo.rollout.partial import finish
 from megatron_gspo.rollout.sample import Sample
 
 if TYPE_CHECKING:
@@ -40,8 +41,14 @@ class Generation:
                      ) -> list[list[Sample]]:  # fmt: skip
         """result[i][j]: sample j of prompt i (its completion, or its episode)."""
         if self.runner is None:
-            return await client.generate(prompts, n=n, sampling_params=sampling,
-                                         return_routed_experts=routed, grouped=grouped)  # fmt: skip
+            holds = client.hold.holds
+            out = await client.generate(prompts, n=n, sampling_params=sampling,
+                                        return_routed_experts=routed, grouped=grouped)  # fmt: skip
+            # samples a weight update interrupted go on on the new weights (rollout/partial.py)
+            cut = [(s, _seeded(sampling, i * n + s.sample_index))
+                   for i, group in enumerate(out) for s in group if s.aborted]  # fmt: skip
+            await asyncio.gather(*(finish(client.hold, s, sp, routed, holds) for s, sp in cut))
+            return out
         runner = self.runner
         stride = len(prompts) * n  # turn t of episode k draws seed + k + t * stride
         tasks = [

@@ -48,7 +48,7 @@ def run(
     with setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
         actor, sampler = setup.actor, setup.sampler(rl.n_train_prompts)
         sync = setup.weight_sync(rl.urls, rl.api_key)
-        ahead = Ahead(rl, sampler, cfg.rollout.max_staleness)
+        ahead = Ahead(rl, sampler, cfg.rollout.max_staleness, cfg.rollout.partial)
         try:
             hooks = StepHooks(cfg, run_dir, setup, rl)
             state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
@@ -60,15 +60,15 @@ def run(
                 t0 = time.perf_counter()
                 caught_up = catch_up(sync, rl, current)
                 collected, waited = take_batch(ahead, sync, rl, step, current)
-                if step < last:  # (staleness 1: the next batch generates while this trains)
-                    ahead.start(step + 1, current)
+                ahead.fill(step, last, current)  # (the next batches generate while this trains)
                 metrics = dict(collected.metrics) | caught_up | waited
                 finite = train_phase(actor, rl, collected, cfg, step, guard, metrics)
-                generating = ahead.finish_generation()  # weights change only between batches
+                generating = ahead.before_sync()  # the weights change under no request
                 t1 = time.perf_counter()
                 busy = generating if cfg.rollout.max_staleness else metrics["time/rollout_s"]
                 metrics["time/servers_idle_s"] = max(0.0, t1 - t0 - busy)
                 metrics |= sync_weights(sync, rl, step)
+                ahead.after_sync()
                 current = str(step)
                 metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
                 state = TrainState(step, step, ahead.sampler_state())
@@ -135,12 +135,14 @@ def take_batch(ahead: Ahead, sync: WeightSync, rl: RolloutSource, step: int, cur
         collected, version = collect_current(sync, rl, ahead.next_prompts(), step, current), current
     else:
         collected, version = taken
-    # every trained sample comes from `version` (groups from other weights were dropped); the
-    # samples' own versions say which (rollouts.py: rollout/version_oldest)
-    oldest = collected.metrics.get("rollout/version_oldest", float(version_index(version)))
-    stale = float(version_index(current) - oldest)
+    # every trained sample started on `version` or later (groups from older weights were
+    # dropped); the samples' own versions say which (rollouts.py: rollout/version_*)
+    m, now = collected.metrics, version_index(current)
+    oldest = m.get("rollout/version_oldest", float(version_index(version)))
+    mean = m.get("rollout/version_mean", oldest)
     return collected, {"time/trainer_idle_s": time.perf_counter() - t0,
-                       "rollout/staleness_mean": stale, "rollout/staleness_max": stale}  # fmt: skip
+                       "rollout/staleness_mean": now - mean,
+                       "rollout/staleness_max": now - oldest}  # fmt: skip
 
 
 def collect_current(

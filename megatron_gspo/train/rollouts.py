@@ -41,6 +41,7 @@ from megatron_gspo.train.samples import (
     _to_batch,
     _topk,
     reward_failures,
+    version_metrics,
 )
 
 if TYPE_CHECKING:
@@ -272,9 +273,17 @@ class Rollouts:
         return self._collect(prompt_index, step, version)
 
     def abort_generation(self) -> None:
-        """Rank 0: abort every request in flight (they return what they have so far)."""
-        if self.generator is not None:
+        """Rank 0: abort every request in flight (they return what they have so far), for good."""
+        if self.generator is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.generator.hold.stop)
             self._run(self.generator.abort())
+
+    def hold_generation(self, on: bool) -> None:
+        """Rank 0, rollout.partial: hold the generation in flight before a weight sync (its
+        requests are aborted and none is sent), or let it go on after (rollout/partial.py)."""
+        if self.generator is not None and self._loop is not None:
+            hold = self.generator.hold
+            self._run(hold.pause()) if on else self._loop.call_soon_threadsafe(hold.resume)
 
     def share(self, result: Collected | None) -> Collected:
         """Rank 0's `gather` result -> the batch on rank 0, its metrics and size everywhere."""
@@ -311,14 +320,15 @@ class Rollouts:
         metrics = _rollout_metrics(samples, scored.rewards, t_gen)
         metrics["reward/failed_samples"] = float(len(failed))
         G = r.group_size
-        stale = set()  # groups with a sample from other weights than the trainer's (a restart)
+        stale = set()  # groups with a sample from older weights than its generation's (a restart)
         if version is not None:
-            old = [k for k, s in enumerate(samples) if str(s.weight_version) != version]
+            old = [k for k, s in enumerate(samples)
+                   if version_index(str(s.weight_version)) < version_index(version)]  # fmt: skip
             stale = {k // G for k in old}
             metrics["rollout/stale_samples"] = float(len(old))
             metrics["rollout/stale_groups_dropped"] = float(len(stale))
             if old:
-                log.warning("step %d: %d samples came from weights other than %s; their %d "
+                log.warning("step %d: %d samples came from weights older than %s; their %d "
                             "groups are dropped", step, len(old), version, len(stale))  # fmt: skip
         keep = list(range(len(groups)))
         if cfg.algo.dynamic_sampling:
@@ -333,9 +343,7 @@ class Rollouts:
         if not keep:
             return Collected(None, metrics)
         samples = [samples[g * G + j] for g in keep for j in range(G)]
-        # the oldest weights a trained sample came from, by its server's word (train/ahead.py)
-        oldest = min(version_index(str(s.weight_version)) for s in samples)
-        metrics["rollout/version_oldest"] = float(oldest)
+        metrics |= version_metrics(samples)  # (the weights the trained tokens came from)
         kept_rewards = torch.tensor([rewards[g * G + j] for g in keep for j in range(G)])
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
         return Collected(_to_batch(samples, adv.tolist()), metrics)

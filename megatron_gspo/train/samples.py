@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.train.ahead import version_index
 from megatron_gspo.train.batch import RLBatch
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,20 @@ def _episode_metrics(samples) -> dict:
         "env/env_tokens_mean": sum(len(s.tokens) - m for s, m in zip(samples, model)) / n,
         "env/errors": float(sum(s.env_error is not None for s in samples)),
         "env/reward_given": float(sum(s.env_reward is not None for s in samples)),
+    }
+
+
+def version_metrics(samples) -> dict:
+    """The weight versions the trained samples came from, by their servers' word: the oldest
+    any sample started on, the mean over the model's tokens (a partial rollout's come from
+    several: rollout/partial.py), and the share of samples written by more than one."""
+    tokens = [v for s in samples
+              for v in (s.token_versions or [str(s.weight_version)] * len(s.tokens))
+              if v is not None]  # (the model's tokens: an environment's have None)  # fmt: skip
+    return {
+        "rollout/version_oldest": float(min(version_index(str(s.weight_version)) for s in samples)),
+        "rollout/version_mean": sum(map(version_index, tokens)) / max(len(tokens), 1),
+        "rollout/partial_fraction": sum(len(set(s.versions)) > 1 for s in samples) / len(samples),
     }
 
 

@@ -9,7 +9,8 @@ its own venv: scripts/sglang_env.sh) on the same tiny Qwen3-MoE checkpoint (two 
 - /update_weights_from_disk with weight_version; /update_weights_from_tensor (null and
   flattened_bucket payloads made by `weight_payload`, inside begin/end_weight_update) and
   /update_weights_from_distributed over a gloo group the trainer opens as rank 0;
-- abort returns the partial output with finish_reason abort;
+- abort returns the partial output with finish_reason abort, and a partial rollout held across
+  a weight update goes on from its tokens on the new weights;
 - release/resume of the KV cache while idle.
 
 The real-SGLang half is collected only for `-m contract` or MEGATRON_GSPO_CONTRACT=1 (conftest).
@@ -28,6 +29,7 @@ from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from megatron_gspo.rollout.launcher import ServerGroup
+from megatron_gspo.rollout.partial import finish
 from tests.contract.sglang_venv import server_config
 
 pytestmark = pytest.mark.contract
@@ -226,6 +228,51 @@ def test_abort_returns_partial_output(server):
     group = run(with_client(url, go))
     assert [s.finish_reason for s in group] == ["abort", "abort"]
     assert all(len(s.tokens) < 2000 and len(s.logprobs or []) == len(s.tokens) for s in group)
+
+
+def test_a_partial_rollout_goes_on_from_its_tokens_on_the_new_weights(server, ckpts):
+    """rollout.partial (rollout/partial.py): a hold during a generation aborts it; the weights
+    are updated (checkpoint b, version "1") and the hold lifted; the sample goes on from its
+    tokens so far. Tokens drawn before the hold carry version "default" and checkpoint a's
+    log-probs, the rest version "1" and b's (each against an HF fp32 forward of the whole
+    sequence); the routing (R3) is the last segment's: b's, over every position. The hold
+    comes 0.2 s after the request (halved on each attempt: the built-in server may finish first)."""
+    kind, url = server
+    sp = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 3}
+
+    async def go(c):
+        for attempt in range(10):
+            holds = c.hold.holds
+            task = asyncio.create_task(
+                c.generate([[5, 6, 7, 8]], 1, sp, return_routed_experts=True)
+            )
+            while not c.outstanding() and not task.done():
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.2 / 2**attempt)
+            await c.hold.pause()
+            [[s]] = await task
+            if s.aborted and s.tokens:
+                await c.update_weights_from_disk(str(ckpts[1]), "1")
+                c.hold.resume()
+                return await finish(c.hold, s, sp, True, holds)
+            c.hold.resume()
+        raise AssertionError("every generation ended before the hold")
+
+    s = run(with_client(url, go))
+    k = s.token_versions.count("default")
+    assert s.finish_reason == "length" and len(s.tokens) == len(s.logprobs) == 300
+    assert 0 < k < 300 and s.token_versions == ["default"] * k + ["1"] * (300 - k)
+    assert s.versions == ["default", "1"] and s.weight_version == "default"
+    full = s.prompt_ids + s.tokens
+    drawn = torch.tensor(s.tokens)[:, None]
+    got = torch.tensor(s.logprobs)
+    for path, part in ((ckpts[0], slice(0, k)), (ckpts[1], slice(k, 300))):
+        logp, topk_TLk = hf_reference(path, full)
+        want = logp[len(s.prompt_ids) - 1 : -1].gather(1, drawn)[:, 0]
+        worst = (got[part] - want[part]).abs().max().item()
+        print(f"{kind}: cut after {k} tokens; {path.name}: max |logprob - HF fp32| = {worst:.2e}")
+        assert worst <= ATOL[kind]
+    assert torch.equal(torch.from_numpy(s.routed_experts).sort(-1).values.long(), topk_TLk[:-1])
 
 
 def test_release_and_resume_kv_cache_when_idle(server):

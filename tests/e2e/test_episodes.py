@@ -316,3 +316,64 @@ def test_a_server_killed_in_the_middle_of_episodes_leaves_them_whole(chat_model,
         assert r.get("rollout/stale_samples", 0.0) == 0.0, r
     assert "start #1" in (run_dir / "logs" / "server-0.log").read_text()
     assert f"failed on http://127.0.0.1:{port}" in (tmp_path / "run.log").read_text()
+
+
+SLOW_ENV = '''
+import itertools, time
+from pathlib import Path
+from megatron_gspo.rollout.env import Step
+
+METRICS = Path({metrics!r})
+EPISODES = itertools.count()
+
+class Env:
+    """Three model turns. The episodes of step 2's batch (the 17th to 32nd started: 16 a step)
+    wait before their last turn until step 1 is logged, that is until after the weight sync
+    that ends step 1 (at most 120 s)."""
+
+    def __init__(self, row):
+        self.row, self.k = row, next(EPISODES)
+
+    def prompt(self):
+        return [{{"role": "user", "content": self.row.prompt}}]
+
+    def step(self, turn):
+        if turn.index == 1 and 16 <= self.k < 32:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (
+                METRICS.exists() and '"step": 1,' in METRICS.read_text()
+            ):
+                time.sleep(0.05)
+        if turn.index == 2:
+            return Step(done=True, reward=float(len(turn.ids) % 2 == 0))
+        return Step([{{"role": "tool", "content": str(turn.index)}}])
+'''
+
+
+def test_partial_rollouts_go_on_across_a_weight_sync_on_the_new_weights(chat_model, tmp_path):
+    """rollout.partial with max_staleness 1: step 2's episodes, generated during step 1, are
+    between turns when step 1's weight sync comes (their environment holds them there); the sync
+    does not wait for them, and their last turn is written by the new weights. So every sample of
+    step 2 has tokens from versions 0 and 1 (partial_fraction 1, staleness between 0 and 1 on
+    average over tokens, 1 at most); steps 1 and 3 have none. (The contract tier checks the
+    per-token versions and log-probs of a request cut in the middle.)"""
+    run_dir = tmp_path / "run"
+    path = tmp_path / "slow_env.py"
+    path.write_text(SLOW_ENV.format(metrics=str(run_dir / "metrics.jsonl")))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}-{i} ?", "answer": "a"}) + "\n"
+                            for i in range(40)))  # fmt: skip
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
+                    f"data.train={data}", "train.eval_every=0", "rollout.max_new_tokens=5",
+                    "rollout.max_staleness=1", "rollout.partial=true", "env.timeout_s=300",
+                    steps=3)  # fmt: skip
+    assert rc == 0, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/partial_fraction"] for r in rows] == [0.0, 1.0, 0.0]
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert 0.0 < rows[1]["rollout/staleness_mean"] < 1.0, rows[1]
+    assert rows[2]["rollout/staleness_mean"] == 1.0
+    for r in rows:
+        assert r["env/turns_mean"] == 3.0 and r["env/errors"] == 0.0, r
+        assert r.get("rollout/stale_groups_dropped", 0.0) == 0.0, r

@@ -523,30 +523,31 @@ def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, 
     assert "start #1" in (run / "logs" / "server-0.log").read_text()
 
 
-def test_rollouts_one_step_ahead_train_one_version_behind_and_resume_after_kill(
+def test_rollouts_two_steps_ahead_train_two_versions_behind_and_resume_after_kill(
     task_model, tmp_path
 ):
-    """rollout.max_staleness=1: step k's batch is generated during step k-1, by the weights of
-    version k-2, as every trained sample's own weight_version says (staleness 0 on step 1, 1
-    after). A run killed -9 while step 4's batch is being generated (inside step 3) and
-    resumed finishes every step once: the checkpoint keeps the prompt sampler before the batch
-    in flight, so the resumed run draws the same prompts (its final sampler position is the
-    uninterrupted run's)."""
-    steps, ahead = 4, ("rollout.max_staleness=1", "train.checkpoint_every=1")
+    """rollout.max_staleness=2: step k's batch is queued in step k-2 and generated on the
+    weights of version k-3, as every trained sample's own weight_version says (staleness 0 on
+    step 1, 1 on step 2, 2 after). A run killed -9 while step 5's batch is being generated
+    (inside step 3) and resumed finishes every step once: the checkpoint keeps the prompt
+    sampler before the batches in flight, so the resumed run draws the same prompts (its final
+    sampler position is the uninterrupted run's)."""
+    steps, ahead = 5, ("rollout.max_staleness=2", "train.checkpoint_every=1")
     ref = tmp_path / "ref"
     rc, out = train("tiny_moe_grpo.yaml", ref, task_model, *ahead, steps=steps)
     assert rc == 0, out[-3000:]
     rows = metrics(ref)
     assert [r["step"] for r in rows] == list(range(steps + 1))
     for r in rows[1:]:
-        stale = 0.0 if r["step"] == 1 else 1.0
+        stale = float(min(r["step"] - 1, 2))
         assert r["rollout/staleness_max"] == r["rollout/staleness_mean"] == stale, r
-        assert r["rollout/version_oldest"] == max(0, r["step"] - 2)
+        assert r["rollout/version_oldest"] == max(0, r["step"] - 3)
+        assert r["rollout/partial_fraction"] == 0.0
         assert r["time/trainer_idle_s"] >= 0 and r["time/servers_idle_s"] >= 0
         assert np.isfinite(r["loss/policy"]) and r["weight_version"] == r["step"]
 
     run = tmp_path / "killed"
-    gate = StepGate(tmp_path / "gate", run, after=2)  # holds step 4's generation, in step 3
+    gate = StepGate(tmp_path / "gate", run, after=2)  # holds step 5's generation, in step 3
     proc = train("tiny_moe_grpo.yaml", run, task_model, *ahead, gate.override, steps=steps,
                  wait=False)  # fmt: skip
     _wait_for(lambda: gate.holding, proc)
@@ -560,7 +561,7 @@ def test_rollouts_one_step_ahead_train_one_version_behind_and_resume_after_kill(
     assert rc == 0, out[-3000:]
     got = metrics(run)
     assert [r["step"] for r in got] == list(range(steps + 1))
-    assert [r["rollout/staleness_max"] for r in got[1:]] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["rollout/staleness_max"] for r in got[1:]] == [0.0, 1.0, 0.0, 1.0, 2.0]
 
     def sampler(d):
         return json.loads((d / "checkpoints" / f"step_{steps}" / "trainer_state.json").read_text())

@@ -59,8 +59,13 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
         (
             "model: {path: m}\n",
-            ["rollout.max_staleness=2"],
-            "max_staleness must be an integer in \\[0, 1\\]",
+            ["rollout.max_staleness=9"],
+            "max_staleness must be an integer in \\[0, 8\\]",
+        ),
+        (
+            "model: {path: m}\n",
+            ["rollout.partial=true"],
+            "only overlap one with rollout.max_staleness >= 1",
         ),
         (
             "model: {path: m}\n",
