@@ -130,22 +130,32 @@ class Ahead:
         live = [(p, p.future) for p in self.pending if p.future is not None]
         if not live:
             return 0.0
+        busy = 0.0
         if self.partial:
             for p, f in live:
                 if not f.done():  # (one that failed has its error raised when taken)
                     p.started.wait()
             self.rl.hold_generation(True)
-            return time.perf_counter() - min(p.t_start for p, _ in live)
-        busy = 0.0
+            now = time.perf_counter()
+            for p, f in live:  # (the one in flight: until now)
+                busy += _generated(f) if f.done() else now - p.t_start
+            return busy
         for _, f in live:
-            if f.exception() is None:  # (waits; the error is raised when it is taken)
-                busy += float(f.result().metrics.get("time/rollout_s", 0.0))
+            f.exception()  # (waits; the error is raised when it is taken)
+            busy += _generated(f)
         return busy
 
     def after_sync(self) -> None:
         """The held generation goes on, on the new weights (`partial`)."""
         if self.partial and any(p.future is not None for p in self.pending):
             self.rl.hold_generation(False)
+
+
+def _generated(f: Future) -> float:
+    """How long a finished generation's servers generated (0 if it failed)."""
+    if f.exception() is not None:
+        return 0.0
+    return float(f.result().metrics.get("time/rollout_s", 0.0))
 
 
 def version_index(version: str) -> int:
