@@ -355,7 +355,7 @@ def test_partial_rollouts_go_on_across_a_weight_sync_on_the_new_weights(chat_mod
     between turns when step 1's weight sync comes (their environment holds them there); the sync
     does not wait for them, and their last turn is written by the new weights. So every sample of
     step 2 has tokens from versions 0 and 1 (partial_fraction 1, staleness between 0 and 1 on
-    average over tokens, 1 at most); steps 1 and 3 have none. (The contract tier checks the
+    average over tokens, 1 at most); step 1 (synchronous) has none. (The contract tier checks the
     per-token versions and log-probs of a request cut in the middle.)"""
     run_dir = tmp_path / "run"
     path = tmp_path / "slow_env.py"
@@ -370,10 +370,11 @@ def test_partial_rollouts_go_on_across_a_weight_sync_on_the_new_weights(chat_mod
     assert rc == 0, out[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["rollout/partial_fraction"] for r in rows] == [0.0, 1.0, 0.0]
+    # (step 3's batch is held too if its generation is still going at step 2's sync: a loaded
+    # machine's timing, so only its oldest version is fixed)
+    assert [r["rollout/partial_fraction"] for r in rows[:2]] == [0.0, 1.0]
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
     assert 0.0 < rows[1]["rollout/staleness_mean"] < 1.0, rows[1]
-    assert rows[2]["rollout/staleness_mean"] == 1.0
     for r in rows:
         assert r["env/turns_mean"] == 3.0 and r["env/errors"] == 0.0, r
         assert r.get("rollout/stale_groups_dropped", 0.0) == 0.0, r
