@@ -14,7 +14,7 @@ s-1-N (the sync after it waits for it), so a batch is exactly N versions older t
 that trains on it (fewer for the first N steps), whatever the timing, and a resumed run draws the
 same batches. With `rollout.partial` (rollout/partial.py) the sync does not wait for the
 generation in flight to end: its requests are aborted, the weights synced, and each sample goes
-on from its tokens so far on the new weights, so its tokens come from one or two versions (the
+on from its tokens so far on the new weights, so its tokens may come from several versions (the
 per-token versions are on the sample) and the batch is fresher than N behind.
 
 Samples a restarted server made from older weights than their generation's are dropped with
