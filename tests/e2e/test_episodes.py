@@ -280,9 +280,7 @@ def test_a_server_killed_in_the_middle_of_episodes_leaves_them_whole(chat_model,
     are retried on server 1 (or on server 0 once its supervisor has restarted it): every episode
     still has its three model turns, no environment error, and the run finishes with server 0
     restarted."""
-    import psutil
-
-    from tests.e2e.test_train import _wait_for
+    from tests.e2e.test_train import _wait_for, server_process
 
     flags = tmp_path / "flags"
     flags.mkdir()
@@ -297,11 +295,8 @@ def test_a_server_killed_in_the_middle_of_episodes_leaves_them_whole(chat_model,
                  "rollout.servers=2", "env.timeout_s=300", steps=2, wait=False)  # fmt: skip
     try:
         _wait_for(lambda: (flags / "paused").exists(), proc)
-        port = (run_dir / "logs" / "server-0.log").read_text().split("--port ")[1].split()[0]
-        [server0] = [
-            p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "megatron_gspo.server" in " ".join(p.cmdline()) and port in p.cmdline()
-        ]  # fmt: skip
+        server0 = server_process(proc, run_dir)
+        port = server0.cmdline()[server0.cmdline().index("--port") + 1]
         server0.kill()
         server0.wait(timeout=30)
         (flags / "killed").touch()

@@ -148,6 +148,16 @@ def _wait_for(cond, proc, timeout=300):
         time.sleep(0.2)
 
 
+def server_process(proc, run_dir: Path, k: int = 0) -> psutil.Process:
+    """Rollout server k of the run `proc` (its built-in server process, by the port in its log)."""
+    port = (run_dir / "logs" / f"server-{k}.log").read_text().split("--port ")[1].split()[0]
+    [server] = [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "megatron_gspo.server" in " ".join(p.cmdline()) and port in p.cmdline()
+    ]  # fmt: skip
+    return server
+
+
 def test_run_dir_without_a_checkpoint_starts_again_with_either_command(task_model, tmp_path):
     """An attempt that ended before its first checkpoint (here --steps 0; a kill, a failing
     reward plugin alike) used to leave a directory neither a plain rerun nor --resume would
@@ -498,11 +508,7 @@ def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, 
     proc = train("tiny_moe_gspo.yaml", run, task_model, "rollout.servers=2", steps=4, wait=False)
     logged = run / "metrics.jsonl"
     _wait_for(lambda: logged.exists() and '"step": 1,' in logged.read_text(), proc)
-    port = (run / "logs" / "server-0.log").read_text().split("--port ")[1].split()[0]
-    [server0] = [
-        p for p in psutil.Process(proc.pid).children(recursive=True)
-        if "megatron_gspo.server" in " ".join(p.cmdline()) and port in p.cmdline()
-    ]  # fmt: skip
+    server0 = server_process(proc, run)
     server0.kill()
     assert proc.wait(timeout=600) == 0, (run.parent / "run.log").read_text()[-3000:]
     rows = [r for r in metrics(run) if r["step"] >= 1]
