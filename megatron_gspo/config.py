@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from megatron_gspo.algo.config import Agg, LossConfig, LossKind, Tis
+from megatron_gspo.algo.config import Agg, LossConfig, LossKind, Tis, TisReduce
 from megatron_gspo.checks import choice as _choice
 from megatron_gspo.checks import in_range as _in_range
 from megatron_gspo.checks import need as _need
@@ -100,15 +100,15 @@ class AlgoSection:
     # truncated importance sampling for the train-vs-rollout mismatch (off: none)
     tis: Tis = _LOSS.tis
     tis_cap: float = _LOSS.tis_cap
+    tis_reduce: TisReduce = _LOSS.tis_reduce  # tis sequence: sum (likelihood ratio) | mean
 
     def check(self) -> None:
         self.loss_config().check("algo")
         _positive(self.minibatches, "algo.minibatches")
 
     def loss_config(self) -> LossConfig:
-        return LossConfig(
-            self.loss, self.clip_low, self.clip_high, self.agg, self.tis, self.tis_cap
-        )
+        return LossConfig(self.loss, self.clip_low, self.clip_high, self.agg, self.tis,
+                          self.tis_cap, self.tis_reduce)  # fmt: skip
 
 
 @dataclass

@@ -31,6 +31,13 @@ class Tis(StrEnum):
     SEQUENCE = "sequence"  # each sequence's, with the sequence's ratio
 
 
+class TisReduce(StrEnum):
+    """How sequence-level TIS makes one ratio of a sequence's token ratios."""
+
+    SUM = "sum"  # the likelihood ratio pi_old(y) / pi_rollout(y)
+    MEAN = "mean"  # its geometric mean per token (length-normalized, like GSPO's ratio)
+
+
 @dataclass(frozen=True)
 class LossConfig:
     kind: LossKind = LossKind.GSPO
@@ -39,6 +46,7 @@ class LossConfig:
     agg: Agg | None = None  # None: the kind's published default
     tis: Tis = Tis.NONE
     tis_cap: float = 2.0
+    tis_reduce: TisReduce = TisReduce.SUM
 
     def check(self, section: str = "algo") -> None:
         """Ranges (the modes are checked where the config is read); keys named `section.key`."""

@@ -17,7 +17,7 @@ from megatron_gspo.algo import (
     summarize_stats,
     token_tis_weights,
 )
-from megatron_gspo.algo.config import LossConfig, Tis
+from megatron_gspo.algo.config import LossConfig, Tis, TisReduce
 
 
 def _moved_split(split: list, moved: list) -> list[dict]:
@@ -37,8 +37,12 @@ def _moved_split(split: list, moved: list) -> list[dict]:
 def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
     if loss_cfg.tis == Tis.NONE:
         return None
-    fn = token_tis_weights if loss_cfg.tis == Tis.TOKEN else sequence_tis_weights
-    return fn(mb.old_logprobs, mb.rollout_logprobs, mb.mask, cap=loss_cfg.tis_cap)
+    args = (mb.old_logprobs, mb.rollout_logprobs, mb.mask)
+    if loss_cfg.tis == Tis.TOKEN:
+        return token_tis_weights(*args, cap=loss_cfg.tis_cap)
+    if loss_cfg.tis_reduce == TisReduce.MEAN:
+        return sequence_tis_weights(*args, cap=loss_cfg.tis_cap, reduce="mean")
+    return sequence_tis_weights(*args, cap=loss_cfg.tis_cap, reduce="sum")
 
 
 def _fused_cpu_adam(optimizer) -> None:

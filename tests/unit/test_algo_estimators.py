@@ -99,3 +99,22 @@ def test_mismatch_extremes_and_abs_diff():
     assert torch.allclose(diff, torch.tensor([[0.0, math.log(3), math.log(2)], [0, 0, 0]]))
     with pytest.raises(ValueError):
         token_mismatch_mask(OLD, ROLLOUT, MASK, cap=0.5)
+
+
+def test_the_trainer_takes_the_configured_sequence_tis_reduction():
+    """algo.tis_reduce: the step's sequence TIS weight is min(exp(sum of old - rollout), C) with
+    sum, min(exp(mean of it), C) with mean, over the masked-in tokens (written out here)."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.algo.config import LossConfig, Tis, TisReduce
+    from megatron_gspo.train.step_parts import _tis_weights
+
+    old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -0.1, 0.0]])
+    rollout = torch.tensor([[-1.3, -0.9, -9.0], [-0.1, -0.3, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    mb = SimpleNamespace(old_logprobs=old, rollout_logprobs=rollout, mask=mask)
+    diffs = [[0.3, 0.4], [-0.1, 0.2, 0.0]]  # old - rollout at the masked-in tokens
+    for reduce, want in ((TisReduce.SUM, [min(math.exp(sum(d)), 1.5) for d in diffs]),
+                         (TisReduce.MEAN, [min(math.exp(sum(d) / len(d)), 1.5) for d in diffs])):  # fmt: skip
+        cfg = LossConfig(tis=Tis.SEQUENCE, tis_cap=1.5, tis_reduce=reduce)
+        assert torch.allclose(_tis_weights(mb, cfg), torch.tensor(want)), reduce
