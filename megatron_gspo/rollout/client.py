@@ -75,8 +75,7 @@ class RolloutClient:
         self._session: aiohttp.ClientSession | None = None
         self._outstanding: dict[str, str] = {}  # rid -> server url
         self._epoch = 0  # bumped by abort(): requests of older epochs are not sent
-        self.held = False  # no request is sent while the hold is on (partial.py)
-        self.hold = Hold(self)
+        self.hold = Hold(self)  # while it is on, no request is sent (partial.py)
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -220,7 +219,7 @@ class RolloutClient:
     ) -> tuple[list[dict], float] | None:
         """(the results, one per rid; the latency), or None when aborted before it was sent."""
         async with server.sem:
-            if epoch != self._epoch or self.held:
+            if epoch != self._epoch or self.hold.on:
                 return None  # aborted (or held) while it waited for a slot
             for rid in rids:
                 self._outstanding[rid] = server.url

@@ -29,7 +29,7 @@ import numpy as np
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn
 from megatron_gspo.rollout.partial import finish
-from megatron_gspo.rollout.sample import Sample
+from megatron_gspo.rollout.sample import Sample, oldest_version
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class _Episode:
         s.finish_reason = reason
         s.env_reward = self.reward
         if s.versions:  # the oldest weights any turn came from (train/ahead.py)
-            s.weight_version = min(s.versions, key=lambda v: int(v) if v.isdigit() else 0)
+            s.weight_version = oldest_version(s.versions)
         if self.routing:
             s.routed_experts = np.concatenate(self.routing)
         return s

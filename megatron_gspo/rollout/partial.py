@@ -23,14 +23,12 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from megatron_gspo.rollout.sample import Sample
+from megatron_gspo.rollout.sample import Sample, oldest_version
 
 SEGMENT_SEED_STRIDE = 1_000_003  # segment s of a sample draws with sampling_seed + s * stride
 
 
 class _Client(Protocol):  # rollout/client.py's RolloutClient, which holds a Hold
-    held: bool
-
     async def generate(self, prompts: list[list[int]], n: int = 1,
                        sampling_params: dict | None = None, return_logprob: bool = True,
                        return_routed_experts: bool = False, grouped: bool = False
@@ -61,15 +59,18 @@ class Hold:
         """Abort what is in flight and send nothing new, until `resume`; returns once no
         request of the client is outstanding (the weights can change under none)."""
         self.holds += 1
-        self.client.held = True
         self._event().clear()
-        await self.client.abort()  # (from here on, `held` keeps every request unsent)
+        await self.client.abort()  # (from here on, `on` keeps every request unsent)
         while self.client.outstanding():
             await asyncio.sleep(0.005)
 
     def resume(self) -> None:
-        self.client.held = False
         self._event().set()
+
+    @property
+    def on(self) -> bool:
+        """Between `pause` and `resume`: no request is sent (the client checks it)."""
+        return self._open is not None and not self._open.is_set()
 
     def stop(self) -> None:
         """The run is ending: held samples stay as they are (aborted)."""
@@ -79,7 +80,7 @@ class Hold:
     def cut(self, holds_before: int) -> bool:
         """Whether a request sent when `holds` was `holds_before` may have been cut short (or
         kept unsent) by a hold."""
-        return self.holds > holds_before or self.client.held
+        return self.holds > holds_before or self.on
 
     async def wait(self) -> bool:
         """Until the hold is lifted; False when the run is ending instead."""
@@ -114,7 +115,7 @@ async def finish(hold: Hold, sample: Sample, sampling: dict, routed: bool, holds
         [[seg]] = await hold.client.generate([ids], 1, sp, return_routed_experts=routed)
         _append(sample, seg)
     if sample.versions:  # the oldest weights any of its tokens came from
-        sample.weight_version = min(sample.versions, key=_index)
+        sample.weight_version = oldest_version(sample.versions)
     return sample
 
 
@@ -129,7 +130,3 @@ def _append(sample: Sample, seg: Sample) -> None:
     sample.latency_s += seg.latency_s
     if seg.routed_experts is not None:
         sample.routed_experts = seg.routed_experts
-
-
-def _index(version: str) -> int:
-    return int(version) if version.isdigit() else 0

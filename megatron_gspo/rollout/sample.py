@@ -36,3 +36,13 @@ class Sample:
     @property
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
+
+
+def version_index(version: str) -> int:
+    """Weight versions are step numbers; the base model's ("default": no step yet) is 0."""
+    return int(version) if version.isdigit() else 0
+
+
+def oldest_version(versions: list[str]) -> str:
+    """The oldest of weight versions (a sample's: the one its staleness counts from)."""
+    return min(versions, key=version_index)

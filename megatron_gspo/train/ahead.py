@@ -156,8 +156,3 @@ def _generated(f: Future) -> float:
     if f.exception() is not None:
         return 0.0
     return float(f.result().metrics.get("time/rollout_s", 0.0))
-
-
-def version_index(version: str) -> int:
-    """Weight versions are step numbers; the base model's ("default": no step yet) is 0."""
-    return int(version) if version.isdigit() else 0

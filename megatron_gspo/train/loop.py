@@ -20,9 +20,10 @@ import numpy as np
 from megatron_gspo.comm import bcast
 from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.routing.replay import ReplayMode
-from megatron_gspo.train.ahead import Ahead, version_index
+from megatron_gspo.train.ahead import Ahead
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.protocols import PolicyActor, RolloutSource

@@ -30,8 +30,8 @@ from megatron_gspo.algo import group_advantages
 from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend
+from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.routing.replay import ReplayMode
-from megatron_gspo.train.ahead import version_index
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.generate import Generation
 from megatron_gspo.train.samples import (

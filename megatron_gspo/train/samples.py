@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.train.ahead import version_index
+from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.train.batch import RLBatch
 
 log = logging.getLogger(__name__)
