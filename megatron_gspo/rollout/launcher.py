@@ -34,7 +34,7 @@ from pathlib import Path
 
 from megatron_gspo.comm import free_port
 from megatron_gspo.rollout.failures import ServerFailed, failure_cause
-from megatron_gspo.rollout.server_config import ServerConfig, _redacted
+from megatron_gspo.rollout.server_config import ServerConfig, _redacted, copy_redacted
 
 __all__ = ["ServerConfig", "ServerFailed", "ServerGroup", "failure_cause", "free_port", "stop_all"]
 
@@ -51,6 +51,7 @@ class ManagedServer:
     restarts: int = 0
     ready: bool = False  # healthy, and brought to the current weights, since its last start
     restarting: bool = False  # the monitor is starting it again
+    copier: threading.Thread | None = None  # its output into the log, the API key left out
 
     @property
     def url(self) -> str:
@@ -65,6 +66,8 @@ class ManagedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 30) -> str:
+        if self.copier is not None and not self.alive():
+            self.copier.join(timeout=5)  # (the last lines of a process that exited)
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
@@ -165,15 +168,22 @@ class ServerGroup:
     def _spawn(self, s: ManagedServer) -> None:
         s.ready = False
         cmd = s.config.command(s.port)
+        secret = s.config.api_key  # (its output is piped through a copy that leaves it out)
         with open(s.log_path, "ab") as f:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            f.write(f"\n==== {stamp} start #{s.restarts}: {' '.join(_redacted(cmd))}\n".encode())
+            head = f"\n==== {stamp} start #{s.restarts}: {' '.join(_redacted(cmd))}\n"
+            f.write(head.replace(secret, "***").encode() if secret else head.encode())
             f.flush()
             s.proc = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=s.config.environment(), start_new_session=True,
+                cmd, stdout=subprocess.PIPE if secret else f, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=s.config.environment(), start_new_session=True,
                 preexec_fn=_die_with_parent,
             )  # fmt: skip
+        s.copier = None
+        if secret:
+            copy = (s.proc.stdout, s.log_path, secret)
+            s.copier = threading.Thread(target=copy_redacted, args=copy, daemon=True)
+            s.copier.start()
         log.info("started %s server %d (pid %d) on %s", s.config.kind, s.index, s.pid, s.url)
 
     def _wait_healthy(self, s: ManagedServer) -> None:

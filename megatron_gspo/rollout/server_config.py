@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
 
 from megatron_gspo.rollout.modes import Backend
 
@@ -63,8 +65,10 @@ class ServerConfig:
                 "--api-key": self.api_key,
                 "--base-gpu-id": self.base_gpu_id,
             }
+            if self.disable_cuda_graph:  # (0.5.23 deprecates --disable-cuda-graph for these)
+                flags |= {"--cuda-graph-backend-decode": "disabled"}
+                flags |= {"--cuda-graph-backend-prefill": "disabled"}
             switches |= {
-                "--disable-cuda-graph": self.disable_cuda_graph,
                 "--enable-memory-saver": self.enable_memory_saver,
                 "--skip-server-warmup": self.skip_server_warmup,
             }
@@ -88,6 +92,16 @@ def _redacted(cmd: list[str]) -> list[str]:
     return ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
 
 
+def copy_redacted(output: IO[bytes], log_path: Path, secret: str) -> None:
+    """Append a server's output to its log, line by line, with `secret` shown as ***. SGLang
+    logs its whole server_args at start, the API key's value included."""
+    key = secret.encode()
+    with output, open(log_path, "ab") as f:
+        for line in iter(output.readline, b""):
+            f.write(line.replace(key, b"***"))
+            f.flush()
+
+
 def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: bool) -> None:
     """What SGLang needs from the machine and the run, unless rollout.extra_server_args says
     it: on a host without a GPU the cpu device (SGLang looks for one otherwise and exits) and no
@@ -101,6 +115,8 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
     given = {a.split("=", 1)[0] for a in r.extra_server_args if a.startswith("--")}
     if not gpu and "--device" not in given:
         server.device = "cpu"
+    graphs = {"--disable-cuda-graph", "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"}
+    if not gpu and not graphs & given:
         server.disable_cuda_graph = True
     if "--dtype" not in given:
         hf = load_hf_config(hf_dir)

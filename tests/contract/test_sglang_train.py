@@ -59,11 +59,15 @@ def train(
 def test_sglang_trains_gspo_from_the_documented_keys(task_model, tmp_path):
     rows, header = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model)
     assert "-m sglang.launch_server" in header
-    for flag in ("--device cpu", "--dtype float32", "--disable-cuda-graph"):
+    flags = ("--device cpu", "--dtype float32", "--cuda-graph-backend-decode disabled")
+    for flag in flags:
         assert flag in header, header
     # 8 prompts x 8 samples x (prompt + 8 new tokens) x 1.5, at least 4096
     assert "--max-total-tokens 4096" in header and "--max-running-requests 64" in header
     assert "--api-key ***" in header  # a random key, kept out of the log
+    log = (tmp_path / "run" / "logs" / "server-0.log").read_text()
+    assert "'api_key': '***'" in log  # SGLang's own server_args line, its value left out
+    assert "deprecated" not in log.split("server_args=")[0]  # (no deprecated flag of ours)
     for r in rows[1:]:
         assert r["mismatch/logprob_abs_diff"] < 1e-3  # an fp32 server: the trainer's numbers
         assert r["rollout/stale_samples"] == 0

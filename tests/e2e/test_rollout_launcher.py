@@ -167,6 +167,19 @@ def test_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     assert all(gone(s.pid) for s in group.servers)
 
 
+def test_api_key_is_left_out_of_the_server_log(tmp_path):
+    """A server's output goes to its log with the API key's value shown as *** (SGLang logs its
+    server_args, key included; here the key is in the path a failing start prints)."""
+    key = "k3y-" + os.urandom(8).hex()
+    model = tmp_path / f"nope-{key}"
+    group = ServerGroup([ServerConfig(model_path=str(model), api_key=key)], tmp_path / "logs")
+    with pytest.raises(ServerFailed, match="exited with code") as failed:
+        group.start()
+    text = (tmp_path / "logs" / "server-0.log").read_text()
+    assert "nope-***" in text and "nope-***" in str(failed.value)  # its output, redacted
+    assert key not in text and key not in str(failed.value)
+
+
 SCRIPT = """
 import json, sys, time
 from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
@@ -208,7 +221,9 @@ def test_sglang_command_from_config():
     assert cmd[:4] == ["/venv/bin/python", "-m", "sglang.launch_server", "--model-path"]
     for flag in ("--device cpu", "--max-total-tokens 4096", "--port 30001", "--api-key k"):
         assert flag in " ".join(cmd)
-    assert "--disable-cuda-graph" in cmd and "--enable-return-routed-experts" in cmd
+    joined = " ".join(cmd)  # SGLang 0.5.23's spelling; it deprecates --disable-cuda-graph
+    assert "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled" in joined
+    assert "--disable-cuda-graph" not in cmd and "--enable-return-routed-experts" in cmd
     assert cmd[-2:] == ["--log-level", "warning"] and "--threads" not in cmd
     with pytest.raises(ValueError):
         ServerConfig(model_path="/m", kind="vllm")
