@@ -244,7 +244,7 @@ def naive_sync(chunks, url: str, version: str) -> None:
     from megatron_gspo.weight_sync.servers import Servers
 
     servers = Servers([url])
-    servers.post(0, "/begin_weight_update", {"selector": "target"})
+    servers.post(0, "/begin_weight_update", wp.begin_body())
     for name, tensor in iter_stage(chunks):
         with wp.TensorSharing():
             body = wp.tensor_update_body([(name, tensor)], flush_cache=False)

@@ -3,7 +3,7 @@ the request bodies of /update_weights_from_distributed, and the process group bo
 
     with TensorSharing():                                    # file_system strategy on CPU
         body = tensor_update_body(named, load_format="flattened_bucket", weight_version="v3")
-        POST /begin_weight_update {} ; POST /update_weights_from_tensor body ; /end_weight_update
+        POST /begin_weight_update begin_body() ; /update_weights_from_tensor body ; /end_weight_update
 
     # distributed: the trainer is rank 0 of a group with the servers' TP ranks after it
     POST /init_weights_update_group {...} (in flight) ; group = open_update_group(..., rank=0)
@@ -23,7 +23,8 @@ unknown name there kills SGLang's scheduler — send HF names with null or "flat
 
 CPU tensors travel as shared-memory file names: the sender must use torch's "file_system" sharing
 strategy (the default "fd" strategy passes file descriptors that the server cannot receive over
-HTTP). On GPU they travel as CUDA IPC handles (same node only) naming their device by UUID, as
+HTTP), and the built-in server opens only the objects of the processes named at
+/begin_weight_update (`begin_body`). On GPU they travel as CUDA IPC handles (same node only) naming their device by UUID, as
 SGLang's senders do: a server must see the sender's GPU (colocated servers see the node's GPUs
 and start at --base-gpu-id, launch/serve_node.py).
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
 import threading
 import types
 from collections.abc import Iterable, Sequence
@@ -48,6 +50,16 @@ NamedTensors = Sequence[tuple[str, torch.Tensor]]
 # payload's shared memory read-only and did not give back the references the sender's pickles
 # took on it (torch's receiver, SGLang's, does, and leaves the field out); the sender does.
 RELEASED = "released_shared_memory"
+# A field of /begin_weight_update (SGLang ignores it): the process ids that will send CPU
+# tensors in shared memory during this session; the built-in server opens no shared-memory
+# object that another process made (torch names them /torch_<pid>_...).
+SENDERS = "shared_memory_senders"
+
+
+def begin_body(senders: Sequence[int] | None = None) -> dict:
+    """The JSON body of /begin_weight_update; `senders`: the processes that will send shared
+    memory (this one when None)."""
+    return {"selector": "target", SENDERS: sorted(set(senders or [os.getpid()]))}
 
 
 class TensorSharing:

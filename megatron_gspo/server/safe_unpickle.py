@@ -12,9 +12,11 @@ Shared memory: a CPU tensor arrives as the name of a shared-memory object that t
 created. torch's own rebuild would open any name the payload gives read-write, connect to a
 manager socket at any path it gives, and take part in the object's reference count (so the
 server could grow, overwrite or, at exit, delete any /dev/shm object of its user). Here the name
-must have torch's form (`/torch_<pid>_<n>_<n>`, nothing else in /dev/shm, no path), the object
-must be a regular file of the server's own user whose size is exactly torch's header plus the
-claimed size, and it is mapped read-only: the server never writes, grows, counts or unlinks it
+must have torch's form (`/torch_<pid>_<n>_<n>`, nothing else in /dev/shm, no path), its <pid>
+must be one of the senders that the client named when it opened the weight-update session
+(`shared_memory_senders` of /begin_weight_update: the trainer's ranks), the object must be a
+regular file of the server's own user whose size is exactly torch's header plus the claimed size,
+and it is mapped read-only: the server never writes, grows, counts or unlinks it
 (the sender frees it). The manager socket is ignored. A client on another machine cannot have
 created a shared-memory object here, so a payload from one that names any is refused
 (`allow_shared=False`; a peer is on this machine when its address is one of this machine's).
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from megatron_gspo.rollout.weight_payload import SENDERS
 from megatron_gspo.server.sampling import BadRequest
 
 
@@ -60,36 +63,42 @@ class FlattenedTensorMetadata:
 
 SHM_DIR = "/dev/shm"
 # torch's shared-memory names (libshm: "/torch_" pid "_" random "_" counter)
-_TORCH_SHM_NAME = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
+_TORCH_SHM_NAME = re.compile(rb"/torch_([0-9]{1,10})_[0-9]{1,20}_[0-9]{1,20}")
+MAX_PID = 1 << 22  # Linux's largest pid_max
 # torch's refcounted shared memory keeps its count in a header before the data
 _SHM_HEADER = 64
 _MAX_SHARED_BYTES = 1 << 40
 
 
-def _shared_storage(handle: object, nbytes: object) -> torch.UntypedStorage:
+def _shared_storage(
+    handle: object, nbytes: object, senders: frozenset[int]
+) -> torch.UntypedStorage:
     """The bytes of torch shared-memory object `handle`, mapped read-only (see the module doc)."""
-    if not isinstance(handle, bytes) or not _TORCH_SHM_NAME.fullmatch(handle):
+    named = _TORCH_SHM_NAME.fullmatch(handle) if isinstance(handle, bytes) else None
+    if named is None:
         raise BadPayload(f"shared-memory name {str(handle)[:80]!r} is not torch's: refused")
+    name = named.group(0).decode()
+    if int(named.group(1)) not in senders:
+        raise BadPayload(
+            f"shared-memory object {name} was not made by a sender named at "
+            f"/begin_weight_update ({SENDERS}: {sorted(senders)[:8]}): refused"
+        )
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise BadPayload("shared-memory size must be an integer")
     if not 0 <= nbytes <= _MAX_SHARED_BYTES:
         raise BadPayload(f"shared-memory size {nbytes} is out of range")
-    path = SHM_DIR + handle.decode()
+    path = SHM_DIR + name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         why = e.strerror
-        raise BadPayload(
-            f"shared-memory object {handle.decode()} cannot be opened: {why}"
-        ) from None
+        raise BadPayload(f"shared-memory object {name} cannot be opened: {why}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise BadPayload(f"{handle.decode()} is not a shared-memory object of this user")
+            raise BadPayload(f"{name} is not a shared-memory object of this user")
         if info.st_size != _SHM_HEADER + nbytes:
-            raise BadPayload(
-                f"{handle.decode()} holds {info.st_size} bytes, not torch's header + {nbytes}"
-            )
+            raise BadPayload(f"{name} holds {info.st_size} bytes, not torch's header + {nbytes}")
         if nbytes == 0:
             return torch.UntypedStorage(0)
         return _MAPPINGS.storage(fd, info, nbytes)
@@ -147,19 +156,22 @@ _MAPPINGS = _Mappings()
 forget_mappings = _MAPPINGS.forget
 
 
-def _rebuild_storage_filename(cls, manager, handle, size, dtype=None):
+def _rebuild_storage_filename(senders: frozenset[int]):
     """torch's `rebuild_storage_filename`, minus what a peer must not choose (module doc)."""
-    if dtype is None:
-        return _shared_storage(handle, size)
-    if not isinstance(dtype, torch.dtype) or isinstance(size, bool) or not isinstance(size, int):
-        raise BadPayload("a typed shared storage needs a dtype and an integer size")
-    untyped = _shared_storage(handle, size * torch._utils._element_size(dtype))
-    return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    def rebuild(cls, manager, handle, size, dtype=None):
+        if dtype is None:
+            return _shared_storage(handle, size, senders)
+        if not isinstance(dtype, torch.dtype) or type(size) is not int:
+            raise BadPayload("a typed shared storage needs a dtype and an integer size")
+        untyped = _shared_storage(handle, size * torch._utils._element_size(dtype), senders)
+        return torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    return rebuild
 
 
 _ALLOWED: dict[tuple[str, str], object] = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_storage_filename,
     ("torch.multiprocessing.reductions", "rebuild_storage_empty"): reductions.rebuild_storage_empty,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
     ("torch", "Tensor"): torch.Tensor,
@@ -183,17 +195,19 @@ _SHARED = ("torch.multiprocessing.reductions", "rebuild_storage_filename")
 
 
 class _TensorUnpickler(pickle.Unpickler):
-    def __init__(self, file, allow_shared: bool):
+    def __init__(self, file, senders: frozenset[int] | None):
         super().__init__(file)
-        self.allow_shared = allow_shared
+        self.senders = senders
 
     def find_class(self, module: str, name: str):
-        if (module, name) == _SHARED and not self.allow_shared:
-            raise BadPayload(
-                "weight payload refers to shared memory, which only a process on this machine "
-                "can pass: refused from a client on another machine (from there, sync weights "
-                "with sync.method distributed or disk)"
-            )
+        if (module, name) == _SHARED:
+            if self.senders is None:
+                raise BadPayload(
+                    "weight payload refers to shared memory, which only a process on this "
+                    "machine can pass: refused from a client on another machine (from there, "
+                    "sync weights with sync.method distributed or disk)"
+                )
+            return _rebuild_storage_filename(self.senders)
         found = _ALLOWED.get((module, name))
         if found is not None:
             return found
@@ -206,15 +220,15 @@ class _TensorUnpickler(pickle.Unpickler):
         raise BadPayload("weight payload uses persistent ids: refused")
 
 
-def loads(b64: str | bytes, allow_shared: bool = True) -> object:
-    """Decode one base64 payload with the restricted unpickler; `allow_shared` False (a client
-    on another machine) refuses shared-memory tensors."""
+def loads(b64: str | bytes, senders: frozenset[int] | None = frozenset()) -> object:
+    """Decode one base64 payload with the restricted unpickler. Shared-memory tensors: only
+    those made by the processes `senders`; None (a client on another machine) refuses them."""
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError, TypeError) as e:
         raise BadPayload(f"serialized_named_tensors is not base64: {e}") from None
     try:
-        return _TensorUnpickler(io.BytesIO(raw), allow_shared).load()
+        return _TensorUnpickler(io.BytesIO(raw), senders).load()
     except BadPayload:
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the client's error
@@ -222,11 +236,11 @@ def loads(b64: str | bytes, allow_shared: bool = True) -> object:
 
 
 def decode_named_tensors(
-    b64: str | bytes, load_format: str | None, allow_shared: bool = True
+    b64: str | bytes, load_format: str | None, senders: frozenset[int] | None = frozenset()
 ) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) list of one payload; load_format None/"direct" or "flattened_bucket".
-    `allow_shared`: whether shared-memory tensors are accepted (a client on this machine)."""
-    obj = loads(b64, allow_shared)
+    `senders`: the processes whose shared-memory tensors are accepted (`loads`)."""
+    obj = loads(b64, senders)
     if load_format == "flattened_bucket":
         return _from_bucket(obj)
     if not isinstance(obj, (list, tuple)):

@@ -27,6 +27,7 @@ class WeightUpdates:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one transfer at a time
     released: set[str] = field(default_factory=set)
     session: str | None = None  # the selector of the open begin/end_weight_update session
+    senders: frozenset[int] = frozenset()  # the session's shared-memory senders (their pids)
     group_timeout_s: float = 300.0
     recv_free: list[torch.Tensor] = field(default_factory=list)  # distributed receive buffers
 
@@ -44,7 +45,7 @@ class WeightUpdates:
         self.recv_free = sorted([*self.recv_free, buf], key=torch.Tensor.numel)[-2:]
 
     def end_session(self) -> None:
-        self.session = None
+        self.session, self.senders = None, frozenset()
 
     def drop_buffers(self) -> None:
         self.recv_free = []

@@ -58,10 +58,26 @@ async def begin_weight_update(request: web.Request) -> web.Response:
     selector = body.get("selector", "all")
     if selector not in ("target", "draft", "all"):
         raise BadRequest(f"selector must be target, draft or all, not {selector!r}")
+    senders = _senders(body.get(weight_payload.SENDERS, []))
     if updates.session is not None:
         raise BadRequest("a weight-update session is already open; call end_weight_update() first")
-    updates.session = selector
+    updates.session, updates.senders = selector, senders
     return _ok("Success")
+
+
+def _senders(value: object) -> frozenset[int]:
+    """The process ids whose shared memory this session may load (torch names each object
+    /torch_<pid>_...; weight_payload.begin_body)."""
+    top = safe_unpickle.MAX_PID
+    if not (
+        isinstance(value, list)
+        and len(value) <= 4096
+        and all(type(p) is int and 0 < p <= top for p in value)
+    ):
+        raise BadRequest(
+            f"{weight_payload.SENDERS} must be a list of at most 4096 process ids (1..{top})"
+        )
+    return frozenset(value)
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
@@ -129,9 +145,10 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise BadRequest(f"load_format must be null, direct or flattened_bucket: {load_format!r}")
     version, abort_all = _options(body)
     _require_session(st.weights, "update_weights_from_tensor")
-    local = is_local_address(request.remote)  # (only a process here made shared memory)
+    # shared memory: only from a peer on this machine, made by a sender the session named
+    senders = st.weights.senders if is_local_address(request.remote) else None
     named = await asyncio.to_thread(
-        safe_unpickle.decode_named_tensors, payloads[0], load_format, local
+        safe_unpickle.decode_named_tensors, payloads[0], load_format, senders
     )
     if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_tensor")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.weight_sync.disk import RestorePoint
 from megatron_gspo.weight_sync.transports.base import PARTIAL
 
@@ -82,7 +83,8 @@ class Coordinator:
             _, errors = self.servers.post_many(live, "/pause_generation", {"mode": "in_place"})
         if self.transport.needs_session:
             live = [i for i in live if i not in errors]
-            _, more = self.servers.post_many(live, "/begin_weight_update", {"selector": "target"})
+            begin = wp.begin_body(self.senders)
+            _, more = self.servers.post_many(live, "/begin_weight_update", begin)
             errors.update(more)
         if write:
             self.dirs.start(version)

@@ -10,6 +10,7 @@ had, or is reported lost; docs/architecture.md ("A weight sync") tells the whole
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import threading
@@ -86,6 +87,9 @@ class WeightSync(Coordinator):
         self.count = 0  # syncs of new versions (snapshot_every, verify_every count these)
         self.serial = 0  # every sync, catch-ups included (the stage turns' keys)
         self.coordinator = rank() == 0
+        # every rank's pid: a server loads shared memory only from the processes named at
+        # /begin_weight_update (torch names each object after the process that made it)
+        self.senders = gather.all_gather_objects(os.getpid())
         self.relay = None
         if self.transport.relays:
             self.relay = make_plan(self.servers, node, self.device, config.timeout_s)

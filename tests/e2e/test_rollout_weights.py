@@ -77,7 +77,7 @@ def reference(server, ckpts):
 def load_by_tensor(url, named, load_format, version):
     with wp.TensorSharing():
         body = wp.tensor_update_body(named, load_format=load_format, weight_version=version)
-    assert call(url, "/begin_weight_update", {"selector": "target"})[0] == 200
+    assert call(url, "/begin_weight_update", wp.begin_body())[0] == 200
     status, out = call(url, "/update_weights_from_tensor", body)
     assert call(url, "/end_weight_update", {})[0] == 200
     assert status == 200 and out["success"], out
@@ -160,7 +160,7 @@ def test_server_refusing_a_bucket_mid_broadcast_stops_the_stage_without_waiting(
 
 @pytest.fixture
 def session(server):
-    assert call(server, "/begin_weight_update", {})[0] == 200
+    assert call(server, "/begin_weight_update", wp.begin_body())[0] == 200
     yield
     assert call(server, "/end_weight_update", {})[0] == 200
 
@@ -232,7 +232,8 @@ def _storage_payload(handle: bytes, nbytes: int, manager: bytes = b"/tmp/any.soc
 
 def test_shared_memory_names_a_peer_chooses_are_confined(server, session, ckpts, tmp_path):
     """Names outside torch's form, objects of the wrong size, links: refused; an object of
-    torch's form is mapped read-only, never written, grown or unlinked by the server."""
+    torch's form is mapped read-only, never written, grown or unlinked by the server, and only
+    when the process its name gives is one the session's begin_weight_update named."""
     victim = Path("/dev/shm") / f"victim_{os.getpid()}"
     victim.write_bytes(b"precious" * 64)
     fake = Path("/dev/shm") / f"torch_{os.getpid()}_4242_0"  # torch's form, made by us
@@ -258,6 +259,14 @@ def test_shared_memory_names_a_peer_chooses_are_confined(server, session, ckpts,
                                                               4 * SPEC.hidden)]}  # fmt: skip
         status, out = call(server, "/update_weights_from_tensor", body)
         assert status == 200, out  # read as the weight it claims to be (as any payload could)
+        # the same object in a session that named other senders, or none: refused unopened
+        for begin in ({wp.SENDERS: [os.getpid() + 1]}, {}):
+            assert call(server, "/end_weight_update", {})[0] == 200
+            assert call(server, "/begin_weight_update", begin)[0] == 200
+            status, out = call(server, "/update_weights_from_tensor", body)
+            assert status == 400 and "not made by a sender named" in out["message"], out
+        assert call(server, "/end_weight_update", {})[0] == 200
+        assert call(server, "/begin_weight_update", wp.begin_body())[0] == 200
         assert fake.read_bytes() == fake_bytes  # header (torch's refcount) and data untouched
         assert victim.read_bytes() == b"precious" * 64
     finally:
@@ -335,7 +344,7 @@ def test_shared_memory_comes_only_from_this_machine(ckpts, tmp_path):
         assert " on http://" in proc.stdout.readline()
         payload = _storage_payload(f"/{fake.name}".encode(), 4 * SPEC.hidden)
         for host in (address, "127.0.0.1"):
-            assert post_json(host, "/begin_weight_update", {}) == 200
+            assert post_json(host, "/begin_weight_update", wp.begin_body()) == 200
             body = {"serialized_named_tensors": [payload]}
             assert post_json(host, "/update_weights_from_tensor", body) == 200
             assert post_json(host, "/end_weight_update", {}) == 200
@@ -372,7 +381,7 @@ def test_tensor_transport_gives_back_the_shared_memory_references(server, ckpts,
             for name, t in named:
                 bucket.add(name, t)
             ctx = StageContext(servers, SyncConfig(), version, 0, [0])
-            servers.post(0, "/begin_weight_update", {})
+            servers.post(0, "/begin_weight_update", wp.begin_body())
             assert transport.send(bucket, ctx) == {}
             servers.post(0, "/end_weight_update", {})
             assert references() == 1  # the buffer's own, whatever the number of syncs
@@ -431,6 +440,14 @@ BAD_REQUESTS = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("senders", ["12", [0], [1 << 40], [True], [1.5], list(range(1, 5000))])
+def test_begin_weight_update_checks_the_senders_it_is_given(server, senders):
+    status, out = call(server, "/begin_weight_update", {wp.SENDERS: senders})
+    assert status == 400 and f"{wp.SENDERS} must be a list" in out["message"], out
+    assert call(server, "/begin_weight_update", wp.begin_body())[0] == 200  # none was opened
+    assert call(server, "/end_weight_update", {})[0] == 200
+
+
 @pytest.mark.parametrize("path,body", BAD_REQUESTS)
 def test_bad_requests_get_sglang_error_shape(server, session, path, body):
     status, out = call(server, path, body)
@@ -443,7 +460,7 @@ def test_tensor_payload_with_wrong_names_or_shapes(server, ckpts, reference):
         for fmt in (None, "flattened_bucket"):
             with wp.TensorSharing():
                 body = wp.tensor_update_body(named, load_format=fmt)
-            assert call(server, "/begin_weight_update", {})[0] == 200
+            assert call(server, "/begin_weight_update", wp.begin_body())[0] == 200
             status, out = call(server, "/update_weights_from_tensor", body)
             assert call(server, "/end_weight_update", {})[0] == 200
             assert status == 400 and out["success"] is False, out

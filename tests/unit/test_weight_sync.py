@@ -34,6 +34,8 @@ from megatron_gspo.weight_sync.disk import (
 from megatron_gspo.weight_sync.servers import ServerError, Servers
 from megatron_gspo.weight_sync.transports import TensorTransport
 
+MINE = frozenset({os.getpid()})  # shared memory this process makes (begin_weight_update's senders)
+
 pytestmark = pytest.mark.unit
 
 
@@ -148,7 +150,7 @@ def test_tensor_payload_decodes_as_flattened_bucket_repeatedly():
         for _ in range(2):  # one payload per receiver
             with wp.TensorSharing():
                 payload = wp.serialize(b.payload())
-            got = safe_unpickle.decode_named_tensors(payload, "flattened_bucket")
+            got = safe_unpickle.decode_named_tensors(payload, "flattened_bucket", MINE)
             flat = got[0][1].untyped_storage()
             assert len(got) == len(b.metadata) and flat.nbytes() >= b.nbytes
         seen += [(n, t.clone()) for n, t in got]
@@ -193,7 +195,7 @@ def test_shared_parameters_are_lent_not_copied():
             assert b.flat.untyped_storage().data_ptr() == m.p.untyped_storage().data_ptr()
         with wp.TensorSharing():
             payload = wp.serialize(b.payload())
-        got = safe_unpickle.decode_named_tensors(payload, "flattened_bucket")
+        got = safe_unpickle.decode_named_tensors(payload, "flattened_bucket", MINE)
         seen.update((n, t.clone()) for n, t in got)
         b.sum()
         release(b, pool)
@@ -589,9 +591,9 @@ def test_shared_memory_payload_from_another_machine_is_refused_before_any_name_i
     with wp.TensorSharing():
         t = torch.arange(6, dtype=torch.float32).share_memory_()
         payload = wp.serialize([("w", t)])
-    assert safe_unpickle.decode_named_tensors(payload, None)[0][1].tolist() == t.tolist()
+    assert safe_unpickle.decode_named_tensors(payload, None, MINE)[0][1].tolist() == t.tolist()
     with pytest.raises(safe_unpickle.BadPayload, match="from a client on another machine"):
-        safe_unpickle.decode_named_tensors(payload, None, allow_shared=False)
+        safe_unpickle.decode_named_tensors(payload, None, None)
     assert is_local_address("127.0.0.1")
     for remote in ("203.0.113.7", "2001:db8::7", "not an address", "", None):
         assert not is_local_address(remote), remote
