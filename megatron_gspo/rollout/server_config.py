@@ -34,6 +34,7 @@ class ServerConfig:
     mem_fraction_static: float | None = None
     enable_memory_saver: bool = False
     skip_server_warmup: bool = False
+    sleep_on_idle: bool = False  # else an idle scheduler spins a core (on CPU: the trainer's)
     base_gpu_id: int | None = None  # its first GPU among those visible (colocated: the node's)
     # built-in only
     threads: int = 0
@@ -71,6 +72,7 @@ class ServerConfig:
             switches |= {
                 "--enable-memory-saver": self.enable_memory_saver,
                 "--skip-server-warmup": self.skip_server_warmup,
+                "--sleep-on-idle": self.sleep_on_idle,
             }
         else:
             flags["--threads"] = self.threads or None
@@ -104,8 +106,9 @@ def copy_redacted(output: IO[bytes], log_path: Path, secret: str) -> None:
 
 def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: bool) -> None:
     """What SGLang needs from the machine and the run, unless rollout.extra_server_args says
-    it: on a host without a GPU the cpu device (SGLang looks for one otherwise and exits) and no
-    CUDA graphs; the checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16 on CPU)
+    it: on a host without a GPU the cpu device (SGLang looks for one otherwise and exits), no
+    CUDA graphs and --sleep-on-idle (an idle scheduler spins a whole core, which the trainer
+    needs: 1.0 CPU-s/s idle without it, 0.03 with it); the checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16 on CPU)
     unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens
     a step or an eval keeps in flight, with headroom (its default takes a fraction of the
     machine's memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower)."""
@@ -118,6 +121,8 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
     graphs = {"--disable-cuda-graph", "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"}
     if not gpu and not graphs & given:
         server.disable_cuda_graph = True
+    if not gpu:  # an idle SGLang scheduler polls without pause: one core, the trainer's here
+        server.sleep_on_idle = True
     if "--dtype" not in given:
         hf = load_hf_config(hf_dir)
         server.dtype = r.dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "float32")

@@ -36,5 +36,6 @@ def server_config(kind: str, model) -> ServerConfig:
         return ServerConfig(threads=1, env={"OMP_NUM_THREADS": "1"}, **common)
     return ServerConfig(
         kind="sglang", python=str(sglang_python()), device="cpu", disable_cuda_graph=True,
-        max_total_tokens=4096, max_running_requests=16, dtype="float32", **common,
+        max_total_tokens=4096, max_running_requests=16, dtype="float32", sleep_on_idle=True,
+        **common,
     )  # fmt: skip

@@ -7,8 +7,11 @@ tolerance."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -59,7 +62,8 @@ def train(
 def test_sglang_trains_gspo_from_the_documented_keys(task_model, tmp_path):
     rows, header = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model)
     assert "-m sglang.launch_server" in header
-    flags = ("--device cpu", "--dtype float32", "--cuda-graph-backend-decode disabled")
+    flags = ("--device cpu", "--dtype float32", "--cuda-graph-backend-decode disabled",
+             "--sleep-on-idle")  # fmt: skip
     for flag in flags:
         assert flag in header, header
     # 8 prompts x 8 samples x (prompt + 8 new tokens) x 1.5, at least 4096
@@ -71,6 +75,43 @@ def test_sglang_trains_gspo_from_the_documented_keys(task_model, tmp_path):
     for r in rows[1:]:
         assert r["mismatch/logprob_abs_diff"] < 1e-3  # an fp32 server: the trainer's numbers
         assert r["rollout/stale_samples"] == 0
+
+
+def _group_cpu_seconds(pgid: int) -> float:
+    """utime + stime of every live process in process group `pgid` (a server and its children)."""
+    total = 0.0
+    for d in Path("/proc").iterdir():
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split() if d.name.isdigit() else []
+        except OSError:
+            continue
+        if fields and int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+@pytest.mark.real_sglang
+def test_an_idle_sglang_server_leaves_the_cpu_to_the_trainer(task_model, tmp_path):
+    """The launcher's SGLang on a CPU host (rollout/server_config.size_sglang) sleeps while it
+    has nothing to do, that is while the trainer trains: SGLang's default scheduler polls
+    without pause and takes a whole core (1.0 CPU-s/s here) from the trainer beside it."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
+    from megatron_gspo.rollout.server_config import size_sglang
+
+    cfg = load_config(ROOT / "configs" / "tiny_moe_gspo.yaml", [f"model.path={task_model}"])
+    server = ServerConfig(model_path=str(task_model), kind="sglang", python=str(sglang_python()))
+    size_sglang(server, cfg, task_model, longest_prompt=16, gpu=False)
+    with ServerGroup([server], tmp_path / "logs") as group:  # (its monitor polls /health too)
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "n": 8}}
+        req = urllib.request.Request(group.urls[0] + "/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        assert len(json.loads(urllib.request.urlopen(req, timeout=120).read())) == 8
+        time.sleep(2)  # served, and idle again
+        before = _group_cpu_seconds(group.servers[0].pid)
+        time.sleep(5)
+        idle = (_group_cpu_seconds(group.servers[0].pid) - before) / 5
+    assert idle < 0.3, f"an idle SGLang server took {idle:.2f} CPU-s/s"
 
 
 @pytest.mark.real_sglang
