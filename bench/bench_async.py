@@ -12,14 +12,23 @@ Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
 
     .venv/bin/python bench/bench_async.py --model runs/task_model [--steps 8] [--reps 2]
         [--staleness 2] [key=value ...]   # overrides for every run, e.g. rollout.max_new_tokens=64
+    .venv/bin/python bench/bench_async.py --cycle small [--steps 4] [--reps 1]
+
+`--cycle tiny|small` runs the cycle of the TRL comparison (bench_rl_step.py) instead of a task
+model and config: its model of that size (made here, random weights), its prompts, reward and
+GSPO update (8 prompts x 8 completions of <= 16 / 128 tokens, 4 updates per batch). At `small`
+generation and training take about the same time, the setting where overlapping them pays most.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
+from pathlib import Path
 
-from train_runs import ROOT, side_by_side  # (bench/ is on the path: run as a script)
+import bench_rl_step as rl_step  # (bench/ is on the path: run as a script)
+from train_runs import ROOT, side_by_side
 
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
          "time/servers_idle_s", "tokens_per_s")  # fmt: skip
@@ -32,12 +41,27 @@ MODES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="an HF task model (make-task-model)")
+    ap.add_argument("--model", help="an HF task model (make-task-model)")
+    ap.add_argument("--cycle", choices=("tiny", "small"), help="bench_rl_step.py's cycle instead")
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_moe_gspo.yaml"))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--staleness", type=int, default=0, help="also a mode with this staleness")
     a, extra = ap.parse_known_args()
+    if (a.model is None) == (a.cycle is None):
+        ap.error("give --model (a task model) or --cycle (bench_rl_step.py's), not both")
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as work:
+        if a.cycle:  # (its model, prompts and the reward plugin on PYTHONPATH)
+            size = rl_step.SIZES[a.cycle]
+            a.model, data, mparams = rl_step.make_inputs(a.cycle, size, Path(work))
+            a.config = rl_step.CONFIG
+            extra = [*rl_step.cycle_overrides(data, size), *extra]
+            os.environ["PYTHONPATH"] = rl_step.bench_path()
+            print(f"cycle {a.cycle}: Qwen3-MoE {mparams:.1f}M params, <= {size.new_tokens} tokens")
+        run(a, extra)
+
+
+def run(a, extra: list[str]) -> None:
     modes = dict(MODES)
     if a.staleness > 1:
         modes[f"ahead{a.staleness}"] = [f"rollout.max_staleness={a.staleness}"]

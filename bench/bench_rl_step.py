@@ -145,26 +145,39 @@ def run_ours(
     """`megatron-gspo train` for `cycles` steps (under torchrun when nproc > 1); per-step times."""
     run_dir = Path(tempfile.mkdtemp(prefix="ours-", dir=work))
     run_dir.rmdir()
-    overrides = [
-        f"model.path={model}", "model.dtype=float32", f"data.train={data}", f"data.eval={data}",
-        "reward.fn=bench_rl_step:score", f"rollout.group_size={GROUP}",
-        f"rollout.prompts_per_step={PROMPTS}", f"rollout.max_new_tokens={size.new_tokens}",
-        "rollout.temperature=1.0", "rollout.top_p=1.0", "algo.loss=gspo",
-        f"algo.clip_low={CLIP_LOW}", f"algo.clip_high={CLIP_HIGH}", f"algo.minibatches={MINIBATCHES}",
-        "algo.routing_replay=none", f"optim.lr={LR}", "optim.clip_grad=1.0",
-        f"train.steps={cycles}", f"train.micro_batch_size={PROMPTS * GROUP // MINIBATCHES}",
-        "train.eval_every=0", "train.checkpoint_every=0", "logging.tensorboard=false",
-        "logging.console=false", "sync.method=tensor", *extra,
-    ]  # fmt: skip
-    config = str(ROOT / "configs" / "tiny_moe_gspo.yaml")
-    cmd = [*_launcher(nproc), "train", "--config", config, "--run-dir", str(run_dir), *overrides]
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=pythonpath)
+    overrides = [f"model.path={model}", *cycle_overrides(data, size), f"train.steps={cycles}",
+                 *extra]  # fmt: skip
+    cmd = [*_launcher(nproc), "train", "--config", CONFIG, "--run-dir", str(run_dir), *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=bench_path())
     _check(subprocess.run(cmd, env=env, capture_output=True, text=True), "megatron-gspo")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [Cycle(r["time/rollout_s"], r["time/train_s"], r["time/sync_s"], r["time/step_s"],
                   r["response/length_mean"], r["tokens_per_s"])
             for r in rows if r["step"] >= 1]  # fmt: skip
+
+
+CONFIG = str(ROOT / "configs" / "tiny_moe_gspo.yaml")  # (every field it sets is overridden)
+
+
+def cycle_overrides(data: Path, size: Size) -> list[str]:
+    """Our side of the cycle (on CONFIG): the task, the batch and the GSPO update as TRL's; the
+    reward plugin needs bench/ on PYTHONPATH (`bench_path`)."""
+    return [
+        "model.dtype=float32", f"data.train={data}", f"data.eval={data}",
+        "reward.fn=bench_rl_step:score", f"rollout.group_size={GROUP}",
+        f"rollout.prompts_per_step={PROMPTS}", f"rollout.max_new_tokens={size.new_tokens}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "algo.loss=gspo",
+        f"algo.clip_low={CLIP_LOW}", f"algo.clip_high={CLIP_HIGH}", f"algo.minibatches={MINIBATCHES}",
+        "algo.routing_replay=none", f"optim.lr={LR}", "optim.clip_grad=1.0",
+        f"train.micro_batch_size={PROMPTS * GROUP // MINIBATCHES}",
+        "train.eval_every=0", "train.checkpoint_every=0", "logging.tensorboard=false",
+        "logging.console=false", "sync.method=tensor",
+    ]  # fmt: skip
+
+
+def bench_path() -> str:
+    """PYTHONPATH with bench/ in front (the reward plugin `bench_rl_step:score`)."""
+    return os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
 
 
 def _launcher(nproc: int) -> list[str]:
