@@ -299,6 +299,21 @@ class RolloutClient:
                 raise RolloutError(f"POST {url}{path}: HTTP {resp.status}: {_message(data)}")
             return data
 
+    async def busy_seconds(self) -> float | None:
+        """The seconds the servers' engines have worked so far, summed (the built-in server's
+        `engine_busy_s`); None when a server does not say (SGLang) or does not answer in 5 s."""
+        session, _ = self._state()
+
+        async def one(url: str) -> float:
+            quick = aiohttp.ClientTimeout(total=5)
+            async with session.get(url + "/get_server_info", timeout=quick) as resp:
+                return float((await resp.json())["internal_states"][0]["engine_busy_s"])
+
+        try:
+            return sum(await asyncio.gather(*(one(u) for u in self.urls)))
+        except (TimeoutError, aiohttp.ClientError, LookupError, TypeError, ValueError):
+            return None
+
     async def broadcast(self, path: str, body: dict | None = None) -> list[dict]:
         """POST the same body to every server; raises if any refuses."""
         return list(await asyncio.gather(*(self.post(u, path, body) for u in self.urls)))

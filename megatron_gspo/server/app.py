@@ -156,7 +156,11 @@ async def server_info(request: web.Request) -> web.Response:
             "random_seed": a.random_seed,
             "weight_version": e.weight_version,
             "internal_states": [
-                {"num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting)}
+                {
+                    "num_running_reqs": len(e.running),
+                    "num_waiting_reqs": len(e.waiting),
+                    "engine_busy_s": e.busy_s,  # (not SGLang's: its servers' idle time)
+                }
             ],
         }
     )

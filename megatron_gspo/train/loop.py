@@ -58,7 +58,7 @@ def run(
             current = str(state.weight_version) if state.step else sync.base_version
             guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
             for step in range(state.step + 1, last + 1):
-                t0 = time.perf_counter()
+                t0, busy0 = time.perf_counter(), rl.servers_busy_s()
                 caught_up = catch_up(sync, rl, current)
                 collected, waited = take_batch(ahead, sync, rl, step, current)
                 ahead.fill(step, last, current)  # (the next batches generate while this trains)
@@ -67,7 +67,7 @@ def run(
                 generating = ahead.before_sync()  # the weights change under no request
                 t1 = time.perf_counter()
                 busy = generating if cfg.rollout.max_staleness else metrics["time/rollout_s"]
-                metrics["time/servers_idle_s"] = max(0.0, t1 - t0 - busy)
+                metrics["time/servers_idle_s"] = servers_idle(rl, busy0, t1 - t0, busy)
                 metrics |= sync_weights(sync, rl, step)
                 ahead.after_sync()
                 current = str(step)
@@ -79,6 +79,16 @@ def run(
         finally:  # also after a failure: e.g. the update groups kept with the servers
             ahead.close()
             sync.close()
+
+
+def servers_idle(rl: RolloutSource, busy0: float | None, wall: float, generating: float) -> float:
+    """A server's mean idle seconds in the `wall` seconds of this step before its sync: from the
+    servers' own working time where they report it (the built-in server; `busy0` at the step's
+    start), else the trainer's view (`wall` minus the time it had generation in flight)."""
+    busy1 = rl.servers_busy_s() if busy0 is not None else None
+    if busy0 is None or busy1 is None:
+        return max(0.0, wall - generating)
+    return max(0.0, wall - (busy1 - busy0) / max(len(rl.urls), 1))
 
 
 def train_phase(actor, rl: RolloutSource, collected, cfg: Config, step: int,

@@ -243,6 +243,11 @@ class Rollouts:
             return False
         return self.group.recovering([self.group.urls.index(u) for u in urls], since)
 
+    def servers_busy_s(self) -> float | None:
+        """The servers' own working seconds so far, summed (rank 0; None elsewhere, or where a
+        server does not report them: SGLang)."""
+        return self._run(self.client.busy_seconds()) if self.rank0 and self.client else None
+
     def release_memory(self) -> None:
         """Colocated servers give their GPU memory to the trainer while it trains."""
         self._memory("/release_memory_occupation")

@@ -171,6 +171,30 @@ def test_info_endpoints_and_api_key(server, ckpts):
     assert status == 404 and out["success"] is False
 
 
+def test_engine_busy_time_counts_generation_and_not_idle_time(server):
+    """/get_server_info's engine_busy_s (the trainer's time/servers_idle_s comes from it) grows
+    by at most a request's wall time while it generates, and not at all while idle."""
+
+    def busy() -> float:
+        return run(raw(server, "GET", "/get_server_info"))[1]["internal_states"][0]["engine_busy_s"]
+
+    before = busy()
+    time.sleep(1.0)
+    idle = busy()
+    assert idle - before < 0.01
+    t = time.perf_counter()
+    sp = {"max_new_tokens": 200, "ignore_eos": True}
+    status, _ = run(raw(server, "POST", "/generate", {"input_ids": [5, 6], "sampling_params": sp}))
+    wall = time.perf_counter() - t
+    worked = busy() - idle
+    assert status == 200 and 0.3 * wall < worked <= wall, (worked, wall)
+
+    async def go(client):
+        return await client.busy_seconds()
+
+    assert run(with_client(server, go)) == pytest.approx(busy(), abs=1e-9)
+
+
 def test_abort_returns_partial_output_and_flush_refuses_while_busy(server):
     sp = {"max_new_tokens": 1500, "ignore_eos": True}
 

@@ -77,6 +77,9 @@ def test_tiny_config_runs(config, task_model, tmp_path):
             assert key in r, (key, sorted(r))
         assert r["weight_version"] == r["step"]
         assert 0.0 <= r["reward/mean"] <= 1.0
+        # synchronous: the server (by its own busy time) idles while the trainer trains (its
+        # last iteration may end after its answer: a loaded machine preempts its thread)
+        assert 0.5 * r["time/train_s"] <= r["time/servers_idle_s"] <= r["time/step_s"], r
     assert "eval/reward" in rows[2]
     # The rollout servers hold the trainer's weights: the first update's ratio is exactly 1
     # only if the old log-probs are the trainer's; the train-vs-rollout gap is small but real.
@@ -497,15 +500,18 @@ def test_tis_and_lr_warmup_reach_the_step(task_model, tmp_path):
         assert 0.9 < r["tis/weight_mean"] <= 1.5, r["tis/weight_mean"]
 
 
-def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, tmp_path):
+@pytest.mark.parametrize("ahead", [(), ("rollout.max_staleness=1", "rollout.partial=true")])
+def test_a_rollout_server_killed_mid_run_is_restarted_and_caught_up(task_model, tmp_path, ahead):
     """Two servers; server 0 is killed once step 1 is logged. The syncs leave it out while it
     is down, or fail for it alone if it dies during one, and the run goes on (its supervisor
     restarts it on the base weights); the step after it is back waits for the restart and
     catch_up brings it to the trainer's weights before the rollouts, so all of that step's
     samples come from them. (Back before the next sync, that sync reaches it.) Every sync was
-    verified (sync.verify_every=1) on the servers it reached."""
+    verified (sync.verify_every=1) on the servers it reached. Also with partial rollouts one
+    step ahead: the kill then lands in a generation that overlaps training."""
     run = tmp_path / "run"
-    proc = train("tiny_moe_gspo.yaml", run, task_model, "rollout.servers=2", steps=4, wait=False)
+    proc = train("tiny_moe_gspo.yaml", run, task_model, "rollout.servers=2", *ahead, steps=4,
+                 wait=False)  # fmt: skip
     logged = run / "metrics.jsonl"
     _wait_for(lambda: logged.exists() and '"step": 1,' in logged.read_text(), proc)
     server0 = server_process(proc, run)
