@@ -31,7 +31,7 @@ import bench_rl_step as rl_step  # (bench/ is on the path: run as a script)
 from train_runs import ROOT, side_by_side
 
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
-         "time/servers_idle_s", "tokens_per_s")  # fmt: skip
+         "time/servers_idle_s", "tokens_per_s", "response/length_mean")  # fmt: skip
 MODES = {
     "sync": ["rollout.max_staleness=0"],
     "async": ["rollout.max_staleness=1"],
