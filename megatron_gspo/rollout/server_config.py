@@ -108,8 +108,8 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
     """What SGLang needs from the machine and the run, unless rollout.extra_server_args says
     it: on a host without a GPU the cpu device (SGLang looks for one otherwise and exits), no
     CUDA graphs and --sleep-on-idle (an idle scheduler spins a whole core, which the trainer
-    needs: 1.0 CPU-s/s idle without it, 0.03 with it); the checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16 on CPU)
-    unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens
+    needs: 1.0 CPU-s/s idle without it, 0.03 with it); the checkpoint's dtype (SGLang's "auto"
+    serves fp32 checkpoints in fp16 on CPU) unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens
     a step or an eval keeps in flight, with headroom (its default takes a fraction of the
     machine's memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower)."""
     from megatron_gspo.hf.config import load_hf_config

@@ -24,8 +24,8 @@ unknown name there kills SGLang's scheduler — send HF names with null or "flat
 CPU tensors travel as shared-memory file names: the sender must use torch's "file_system" sharing
 strategy (the default "fd" strategy passes file descriptors that the server cannot receive over
 HTTP), and the built-in server opens only the objects of the processes named at
-/begin_weight_update (`begin_body`). On GPU they travel as CUDA IPC handles (same node only) naming their device by UUID, as
-SGLang's senders do: a server must see the sender's GPU (colocated servers see the node's GPUs
+/begin_weight_update (`begin_body`). On GPU they travel as CUDA IPC handles (same node only)
+naming their device by UUID, as SGLang's senders do: a server must see the sender's GPU (colocated servers see the node's GPUs
 and start at --base-gpu-id, launch/serve_node.py).
 """
 

@@ -19,7 +19,7 @@ regular file of the server's own user whose size is exactly torch's header plus 
 and it is mapped read-only: the server never writes, grows, counts or unlinks it
 (the sender frees it). The manager socket is ignored. A client on another machine cannot have
 created a shared-memory object here, so a payload from one that names any is refused
-(`allow_shared=False`; a peer is on this machine when its address is one of this machine's).
+(`senders=None`; a peer is on this machine when its address is one of this machine's).
 """
 
 from __future__ import annotations
