@@ -10,6 +10,7 @@ finds the servers a sync must reach (`recover`, catch-up). Also the report every
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,7 +180,24 @@ class Coordinator:
             self.servers.post_many(reachable, "/end_weight_update", {})
         if self.config.pause_generation:
             self.servers.post_many(reachable, "/continue_generation", {})
-        self.servers.post_many(reachable, "/flush_cache", {})  # may refuse while busy: fine
+        self._flush(reachable)
+
+    def _flush(self, indices: list[int], wait_s: float = 10.0) -> list[int]:
+        """Empty the servers' prefix caches: KV computed with the old weights must not serve the
+        next prompts. A server refuses while it has a request (SGLang: also the one-token
+        generation of its own /health probe), so a refusal is asked again until `wait_s`; a
+        server that does not answer is left to its supervisor. Returns those still refusing."""
+        deadline = time.monotonic() + wait_s
+        while indices:
+            _, errors = self.servers.post_many(indices, "/flush_cache", {})
+            indices = [i for i, msg in errors.items() if "answered HTTP" in msg]
+            if indices and time.monotonic() > deadline:
+                for i in indices:
+                    log.warning("weight sync: %s kept its prefix cache: %s", self.servers.url(i),
+                                errors[i])  # fmt: skip
+                return indices
+            time.sleep(0.05 if indices else 0)
+        return []
 
     def _versions(self, indices, timeout_s: float | None = None) -> dict[int, str]:
         """{index: the weight_version it answers with} of `indices`; one that does not answer

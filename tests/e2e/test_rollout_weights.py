@@ -417,6 +417,34 @@ def test_release_and_resume_memory(server, reference):
     assert status == 400 and out["success"] is False
 
 
+def test_the_sync_flushes_a_server_busy_at_its_end_once_it_is_idle(server):
+    """The sync's last request, /flush_cache (the prefix cache holds KV of the old weights), is
+    refused while a request runs (on SGLang also its /health probe's generation): it is asked
+    again until the server is idle, or for at most wait_s."""
+    from megatron_gspo.weight_sync.servers import Servers
+    from megatron_gspo.weight_sync.session import Coordinator
+
+    coordinator = Coordinator()
+    coordinator.servers = Servers([server], timeout_s=60)  # type: ignore[attr-defined]
+
+    async def busy():
+        async with RolloutClient([server]) as c:
+            sp = {"max_new_tokens": 1500, "ignore_eos": True}
+            task = await hold_running(c, server, lambda: c.generate([[5]], sampling_params=sp))
+            kept = await asyncio.to_thread(coordinator._flush, [0], 0.3)  # busy throughout
+            flushing = asyncio.create_task(asyncio.to_thread(coordinator._flush, [0], 60))
+            await asyncio.sleep(0.5)
+            waited = not flushing.done()
+            await c.abort()
+            await c.resume()
+            await task
+            return kept, waited, await flushing
+
+    kept, waited, after = asyncio.run(busy())
+    coordinator.servers.close()  # type: ignore[attr-defined]
+    assert kept == [0] and waited and after == []
+
+
 def _garbage_b64() -> str:
     return "bm90IGEgcGlja2xl"  # "not a pickle"
 
