@@ -141,7 +141,8 @@ class SyncSection:
     bucket_mb: float = _SYNC.bucket_mb
     verify_every: int = _SYNC.verify_every
     # the mean |server - trainer| probe log-prob a verification accepts (null: by the server's
-    # dtype: 1e-4 for float32, 0.049 for float16, 0.39 for bfloat16; weight_sync/verify.py)
+    # dtype: 1e-4 for float32, 0.049 for float16, 0.39 for bfloat16, 1.5 for fp8 weights;
+    # weight_sync/verify.py)
     verify_tolerance: float | None = _SYNC.tolerance
     keep_groups: bool = _SYNC.keep_groups  # distributed: keep each stage's group between syncs
 

@@ -14,6 +14,8 @@ Answers are written without spaces ("15"); the tiny tokenizer decodes digits wit
   sort      "sort 3 1 2" -> "123"             three digits 0-9: 1000 prompts, ~200 held out
   sortlong  "sort 3 1 4 1 5 9 2 6 5 3"        ten digits 0-9: 8000 prompts, 1562 held out
               -> "1,1,2,3,3,4,5,5,6,9"        19 tokens (+ EOS): the long answer of the drift regime
+  sortlong20  the same with twenty digits     8000 prompts; 39 tokens (+ EOS): the answer-length
+                                              lever of the drift regime
   calc_tool "what is 37*48 ?" -> "1776"       two numbers 10-99: 8100 prompts, 1662 held out;
                                               a calc tool is offered (data/transcripts.py)
 
@@ -38,7 +40,8 @@ from collections.abc import Callable
 
 EVAL_EVERY = 5
 SPLITS = ("train", "eval")
-SORTLONG_DIGITS, SORTLONG_PROMPTS, SORTLONG_SEED = 10, 8000, 22
+SORTLONG_PROMPTS, SORTLONG_SEED = 8000, 22
+SORTLONG_DIGITS = {"sortlong": 10, "sortlong20": 20}  # digits to sort, per task
 
 
 def _arith() -> list[tuple[str, str]]:
@@ -55,12 +58,12 @@ def _sort() -> list[tuple[str, str]]:
     ]
 
 
-def _sortlong() -> list[tuple[str, str]]:
+def _sortlong(n_digits: int) -> list[tuple[str, str]]:
     rng = random.Random(SORTLONG_SEED)  # a fixed prompt set, whatever the caller's seed
     seen: set[tuple[int, ...]] = set()
     rows = []
     while len(rows) < SORTLONG_PROMPTS:
-        digits = tuple(rng.randrange(10) for _ in range(SORTLONG_DIGITS))
+        digits = tuple(rng.randrange(10) for _ in range(n_digits))
         if digits not in seen:
             seen.add(digits)
             rows.append(("sort " + " ".join(map(str, digits)), ",".join(map(str, sorted(digits)))))
@@ -76,7 +79,8 @@ def _calc_tool() -> list[tuple[str, str]]:
 TASKS: dict[str, Callable[[], list[tuple[str, str]]]] = {
     "arith": _arith,
     "sort": _sort,
-    "sortlong": _sortlong,
+    "sortlong": lambda: _sortlong(SORTLONG_DIGITS["sortlong"]),
+    "sortlong20": lambda: _sortlong(SORTLONG_DIGITS["sortlong20"]),
     "calc_tool": _calc_tool,
 }
 
@@ -87,7 +91,7 @@ def sloppy_answer(task: str, prompt: str, answer: str) -> str:
         return answer[-1]
     if task == "sort":
         return "".join(prompt.split()[1:])
-    if task == "sortlong":
+    if task in SORTLONG_DIGITS:
         digits = prompt.split()[1:]
         return ",".join(sorted(digits[:-1]) + digits[-1:])
     if task == "calc_tool":

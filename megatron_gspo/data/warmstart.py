@@ -78,6 +78,17 @@ TASK_DEFAULTS: dict[str, dict] = {
         "cooldown_steps": 150,
         "keep_right": 0.3,
     },
+    # sortlong20 (twice the digits): sortlong's schedule, with a longer clean phase for the longer
+    # sort.
+    "sortlong20": {
+        "clean_steps": 500,
+        "clean_lr": 5e-3,
+        "warmup_steps": 30,
+        "sloppy_steps": 450,
+        "sloppy_lr": 2e-3,
+        "cooldown_steps": 150,
+        "keep_right": 0.3,
+    },
     "calc_tool": {
         "moe_ffn": 32,
         "batch_size": 32,
@@ -94,6 +105,15 @@ TASK_DEFAULTS: dict[str, dict] = {
 PRESETS: dict[str, dict] = {
     "drift": {
         "task": "sortlong",
+        "layers": 6,
+        "hidden": 64,
+        "experts": 32,
+        "topk": 4,
+        "moe_ffn": 32,
+    },
+    # the answer-length lever: the drift shape on sortlong20's 40-token answers
+    "drift_long": {
+        "task": "sortlong20",
         "layers": 6,
         "hidden": 64,
         "experts": 32,

@@ -47,6 +47,10 @@ class RolloutSection:
     # opens the train-inference gap real engines have: log-probs and MoE routing then differ
     # between rollout and trainer (what R3 and algo.tis address)
     dtype: str | None = None  # float32 | bfloat16 | float16
+    # fp8: the servers round their linear weights to float8 e4m3 (SGLang's --quantization fp8;
+    # the built-in server's is weight-only, computed in rollout.dtype: server/quantize.py), a
+    # larger train-inference gap, as FP8 rollouts against a BF16 trainer have
+    quantization: str | None = None
     # one /generate request per prompt group (a batch, each sample with its own rid and seed)
     # instead of one per sample: less per-request overhead (not through router_url: the router
     # takes one sampling_params per request)
@@ -63,6 +67,8 @@ class RolloutSection:
     def check(self) -> None:
         if self.dtype is not None:
             _choice(self.dtype, "rollout.dtype", SERVER_DTYPES)
+        if self.quantization is not None:
+            _choice(self.quantization, "rollout.quantization", ("fp8",))
         if not self.urls:
             _positive(self.servers, "rollout.servers")
         if self.url_nodes and len(self.url_nodes) != len(self.urls):

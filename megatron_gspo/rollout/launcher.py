@@ -119,7 +119,10 @@ class ServerGroup:
         self.stop()
 
     def start(self) -> ServerGroup:
-        """Start every server, wait until all answer /health, then start the monitor."""
+        """Start every server, wait until all answer /health, then start the monitor. Once:
+        a second start would leave the first servers running unsupervised."""
+        if any(s.proc is not None for s in self.servers):
+            raise RuntimeError("this ServerGroup was started already (`with` starts it)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         _LIVE.add(self)
         _install_exit_handlers()
@@ -171,8 +174,9 @@ class ServerGroup:
         secret = s.config.api_key  # (its output is piped through a copy that leaves it out)
         with open(s.log_path, "ab") as f:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            head = f"\n==== {stamp} start #{s.restarts}: {' '.join(_redacted(cmd))}\n"
-            f.write(head.replace(secret, "***").encode() if secret else head.encode())
+            f.write(
+                f"\n==== {stamp} start #{s.restarts}: {' '.join(_redacted(cmd, secret))}\n".encode()
+            )
             f.flush()
             s.proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE if secret else f, stderr=subprocess.STDOUT,

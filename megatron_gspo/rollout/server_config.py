@@ -24,6 +24,7 @@ class ServerConfig:
     api_key: str | None = None
     enable_return_routed_experts: bool = False
     dtype: str | None = None
+    quantization: str | None = None
     random_seed: int | None = None
     max_running_requests: int | None = None
     # SGLang only
@@ -53,6 +54,7 @@ class ServerConfig:
         cmd += ["--host", self.host, "--port", str(port)]
         flags: dict[str, object] = {
             "--dtype": self.dtype,
+            "--quantization": self.quantization,
             "--random-seed": self.random_seed,
             "--max-running-requests": self.max_running_requests,
         }
@@ -89,9 +91,17 @@ class ServerConfig:
         return env
 
 
-def _redacted(cmd: list[str]) -> list[str]:
-    """The command as the log shows it: an API key's value left out."""
-    return ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
+def _redacted(cmd: list[str], secret: str | None) -> list[str]:
+    """The command as the log shows it: the API key's value left out, wherever it appears, and
+    that of any `--api-key K` or `--api-key=K` (e.g. from rollout.extra_server_args)."""
+    out = []
+    for i, a in enumerate(cmd):
+        if i and cmd[i - 1] == "--api-key":
+            a = "***"
+        elif a.startswith("--api-key="):
+            a = "--api-key=***"
+        out.append(a.replace(secret, "***") if secret else a)
+    return out
 
 
 def copy_redacted(output: IO[bytes], log_path: Path, secret: str) -> None:
@@ -112,10 +122,16 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
     serves fp32 checkpoints in fp16 on CPU) unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens
     a step or an eval keeps in flight, with headroom (its default takes a fraction of the
     machine's memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower)."""
+    from megatron_gspo.errors import UserError
     from megatron_gspo.hf.config import load_hf_config
 
     r = cfg.rollout
     given = {a.split("=", 1)[0] for a in r.extra_server_args if a.startswith("--")}
+    if r.quantization and not gpu:  # (0.5.23 on a CPU: "sgl_per_tensor_quant_fp8 not defined")
+        raise UserError(
+            f"rollout.quantization={r.quantization} with SGLang needs a GPU: its CPU build has "
+            "no fp8 kernels; on a CPU use rollout.backend=builtin, whose fp8 is weight-only"
+        )
     if not gpu and "--device" not in given:
         server.device = "cpu"
     graphs = {"--disable-cuda-graph", "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"}

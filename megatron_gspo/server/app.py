@@ -42,6 +42,7 @@ from megatron_gspo.server import control, kernels, weight_endpoints
 from megatron_gspo.server.api import format_result, parse_generate
 from megatron_gspo.server.engine import Engine, Request
 from megatron_gspo.server.http_common import BODY_TIMEOUT, STATE, BodyTimeout, bad, read_json
+from megatron_gspo.server.quantize import QUANTIZATIONS
 from megatron_gspo.server.sampling import SamplingParams
 from megatron_gspo.server.state import ServerState
 from megatron_gspo.server.validate import BadRequest, is_loopback
@@ -149,6 +150,7 @@ async def server_info(request: web.Request) -> web.Response:
             "port": a.port,
             "device": "cpu",  # as SGLang's server args say it; the weight sync reads it
             "dtype": str(e.model.dtype).removeprefix("torch."),
+            "quantization": e.model.quantization,
             "enable_return_routed_experts": e.record_routing,
             "decode_kernel": "torch" if e.model.decode_kernel is None else "c",
             "max_running_requests": e.max_running,
@@ -266,6 +268,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8: the linear weights rounded to float8 e4m3 on every load, computed in --dtype",
     )
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--weight-version", default="default")

@@ -79,8 +79,10 @@ class StepOutput:
 class RolloutModel(ModelWeights):
     """Inference-only causal LM over HF-named weights. Not an nn.Module: no autograd, no hooks."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
-        super().__init__(spec, dtype)
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype | None = None, quantization: str | None = None
+    ):
+        super().__init__(spec, dtype, quantization)
         self.moe_layer_ids = spec.moe_layer_ids
         hd = spec.head_dim
         self.inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
@@ -94,8 +96,10 @@ class RolloutModel(ModelWeights):
         self.grouped_mm = all(w * item % 16 == 0 for w in widths)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> RolloutModel:
-        model = cls(model_spec(load_hf_config(path)), dtype)
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype | None = None, quantization: str | None = None
+    ) -> RolloutModel:
+        model = cls(model_spec(load_hf_config(path)), dtype, quantization)
         model.load_checkpoint(path)
         return model
 

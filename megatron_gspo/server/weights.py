@@ -12,6 +12,7 @@ import torch
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.hf.io import HFReader
+from megatron_gspo.server.quantize import QUANTIZATIONS, fp8_round_, is_quantized_param
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
@@ -20,9 +21,14 @@ _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pro
 class ModelWeights:
     """The weights of a `RolloutModel` (its base class)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype | None = None):
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype | None = None, quantization: str | None = None
+    ):
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise UserError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
         self.spec = spec
         self.dtype = dtype or spec.dtype
+        self.quantization = quantization  # fp8: linear weights rounded on load (quantize.py)
         self.params: dict[str, torch.Tensor] = {}
         # Fused weights (q|k|v rows, dense gate|up rows): the HF-named params are row views of
         # them, so loading a name fills the fused tensor and one matmul serves all parts.
@@ -116,6 +122,7 @@ class ModelWeights:
         with torch.no_grad():
             for name, t in items:
                 self._target(name).copy_(t)
+        self._quantize([name for name, _ in items])
         self._derived.clear()
         return len(items)
 
@@ -127,7 +134,24 @@ class ModelWeights:
         # Straight from the files into the weights: one copy, every header checked first.
         targets = [(n, self._target(n)) for n in self.hf_names()]
         HFReader(path).read_into(targets, threads=torch.get_num_threads())
+        self._quantize(self.hf_names())
         self._derived.clear()
+
+    def _quantize(self, names: list[str]) -> None:
+        """Round what `names` loaded to fp8 (with quantization), each tensor or expert slice
+        on its own scale, so the result does not depend on how the weights were sent."""
+        if self.quantization is None:
+            return
+        for name in names:
+            if is_quantized_param(name):
+                fp8_round_(self.params[name])
+            elif m := _EXPERT.fullmatch(name):
+                fp8_round_(self.experts[int(m[1])][m[3]][int(m[2])])
+            elif m := _FUSED.fullmatch(name):
+                ex = self.experts[int(m[1])]
+                for w in ("gate", "up") if m[2] == "gate_up_proj" else ("down",):
+                    for j in range(ex[w].shape[0]):
+                        fp8_round_(ex[w][j])
 
 
 def _shape_key(spec: ModelSpec) -> tuple:

@@ -158,6 +158,7 @@ class Rollouts:
             enable_return_routed_experts=self.cfg.algo.routing_replay == ReplayMode.R3,
             tp_size=r.server_tp,
             dtype=r.dtype,
+            quantization=r.quantization,
             extra_args=list(r.extra_server_args),
             threads=1 if r.backend == Backend.BUILTIN else 0,
             api_key=self.api_key,

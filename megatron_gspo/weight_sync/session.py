@@ -196,7 +196,8 @@ class Coordinator:
                     log.warning("weight sync: %s kept its prefix cache: %s", self.servers.url(i),
                                 errors[i])  # fmt: skip
                 return indices
-            time.sleep(0.05 if indices else 0)
+            if indices:
+                time.sleep(0.05)
         return []
 
     def _versions(self, indices, timeout_s: float | None = None) -> dict[int, str]:

@@ -12,7 +12,10 @@ by rounding alone, most on the rare tokens a random probe is full of. Measured o
 models here (2 and 6 MoE layers, built-in server): bf16 mean 0.09-0.10 (max 1.3-2.7), fp16 mean
 0.005-0.013 (max 0.05-0.64); the default tolerance is 100 x the dtype's unit roundoff (bf16
 0.39, fp16 0.049), a few times those means, while wrong weights move the mean by far more. The
-max is reported, not tested: for 16-bit servers it is a rounding outlier.
+max is reported, not tested: for 16-bit servers it is a rounding outlier. A server that reports
+`quantization: fp8` (rollout.quantization; SGLang's server args say it the same way) is held to
+1.5 whatever its dtype: its probe means were 0.30-0.40 on the same models (bf16, fp16 and fp32
+compute).
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ def probe_batch(vocab_size: int, config: SyncConfig) -> list[list[int]]:
 
 
 # unit roundoff: 2^-(mantissa bits + 1)
-DTYPE_TOLERANCE = {"float32": 1e-4, "float16": 100 * 2.0**-11, "bfloat16": 100 * 2.0**-8}
+DTYPE_TOLERANCE = {
+    "float32": 1e-4,
+    "float16": 100 * 2.0**-11,
+    "bfloat16": 100 * 2.0**-8,
+    "fp8": 1.5,  # fp8 weights (quantization), any compute dtype
+}
 _DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
@@ -78,11 +86,14 @@ def abs_diffs(a: list[list[float | None]], b: list[list[float | None]]) -> tuple
 
 
 def server_dtype(servers: Servers, i: int) -> str | None:
-    """The dtype server i computes in, by its /get_server_info (None: "auto" or not said)."""
+    """The dtype server i computes in, by its /get_server_info (None: "auto" or not said), or
+    fp8 when it quantizes its weights so."""
     try:
         info = servers.get(i, "/get_server_info")
     except Exception:  # noqa: BLE001 - an older server: the tolerance falls back
         return None
+    if str(info.get("quantization") or "").lower() == "fp8":
+        return "fp8"
     name = str(info.get("dtype") or "").removeprefix("torch.").lower()
     name = _DTYPE_NAMES.get(name, name)
     return name if name in DTYPE_TOLERANCE else None

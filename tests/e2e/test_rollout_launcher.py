@@ -16,6 +16,7 @@ import pytest
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
+from megatron_gspo.rollout.server_config import _redacted
 
 pytestmark = pytest.mark.e2e
 
@@ -97,6 +98,9 @@ def test_requests_wait_for_the_restart_of_the_only_server(ckpt, tmp_path):
     with ServerGroup([builtin(ckpt)], tmp_path / "logs", poll_s=0.1) as group:
         victim = group.servers[0]
         first_pid = victim.pid
+        with pytest.raises(RuntimeError, match="started already"):
+            group.start()  # (a second server would run unsupervised)
+        assert victim.pid == first_pid and len(group.servers) == 1
 
         async def go(outage_s):
             async with RolloutClient(group.urls, backoff_s=0.05, retries=1,
@@ -228,3 +232,7 @@ def test_sglang_command_from_config():
     with pytest.raises(ValueError):
         ServerConfig(model_path="/m", kind="vllm")
     assert "--api-key" not in builtin("/m", api_key="k").command(1)
+    # the log's copy of a command: no key value, however it is given
+    shown = _redacted(["--api-key", "s3c", "--api-key=k2", "--tag", "x-s3c-y"], "s3c")
+    assert shown == ["--api-key", "***", "--api-key=***", "--tag", "x-***-y"]
+    assert _redacted(["--api-key", "k3"], None) == ["--api-key", "***"]

@@ -389,22 +389,25 @@ main()
 """
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "bfloat16+fp8"])
 def test_verification_passes_16_bit_servers_and_catches_a_corrupt_bucket(task_model, tmp_path,
                                                                           dtype):  # fmt: skip
-    """Against a 16-bit server the probe differs by rounding alone and passes (step 1); a
-    bucket of noise (step 2) fails the run with one line that says what differed, by how
-    much, against which tolerance."""
+    """Against a 16-bit server (or one with fp8 weights) the probe differs by rounding alone
+    and passes (step 1); a bucket of noise (step 2) fails the run with one line that says what
+    differed, by how much, against which tolerance."""
+    dtype, _, quantization = dtype.partition("+")
     run_dir, script = tmp_path / "run", tmp_path / "corrupt.py"
     script.write_text(CORRUPT)
     cmd = [sys.executable, str(script), "train",
            "--config", str(ROOT / "configs" / "tiny_moe_gspo.yaml"), "--run-dir", str(run_dir),
            "--steps", "3", f"model.path={task_model}", *QUICK, f"rollout.dtype={dtype}",
            "sync.bucket_mb=0.02"]  # fmt: skip
+    cmd += [f"rollout.quantization={quantization}"] if quantization else []
     out = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=600)
     errors = _errors(out.stdout + out.stderr)
     assert out.returncode == 2 and len(errors) == 1, (out.stdout + out.stderr)[-3000:]
     tol = {"bfloat16": "0.391 (bfloat16's)", "float16": "0.0488 (float16's)"}[dtype]
+    tol = "1.5 (fp8's)" if quantization else tol
     assert errors[0].startswith("error: weight sync verification failed: http://127.0.0.1:")
     assert "on average (max " in errors[0] and f"above the tolerance {tol}" in errors[0]
     assert [r["step"] for r in metrics(run_dir)] == [0, 1]  # step 1 synced and verified

@@ -36,14 +36,14 @@ def _solve(task: str, prompt: str) -> str:
     digits = [int(d) for d in re.findall(r"\d", prompt)]
     if task == "arith":
         return str(sum(digits))
-    return ("," if task == "sortlong" else "").join(map(str, sorted(digits)))
+    return ("," if task.startswith("sortlong") else "").join(map(str, sorted(digits)))
 
 
 # every triple of digits once; sortlong: a fixed set of distinct ten-digit prompts
-N_PROMPTS = {"arith": 1000, "sort": 1000, "sortlong": 8000, "calc_tool": 8100}
+N_PROMPTS = {"arith": 1000, "sort": 1000, "sortlong": 8000, "sortlong20": 8000, "calc_tool": 8100}
 
 
-@pytest.mark.parametrize("task", ["arith", "sort", "sortlong", "calc_tool"])
+@pytest.mark.parametrize("task", list(N_PROMPTS))
 def test_builtin_splits_are_disjoint_complete_and_correct(task):
     train = load_prompts(f"builtin:{task}", "train")
     evals = load_prompts(f"builtin:{task}", "eval")
@@ -58,12 +58,14 @@ def test_builtin_splits_are_disjoint_complete_and_correct(task):
     assert (train.skipped, train.source) == (0, f"builtin:{task}")
 
 
-def test_sortlong_prompts_are_fixed_ten_digit_lists():
-    rows = load_prompts("builtin:sortlong", "eval", seed=3).rows
-    assert all(re.fullmatch(r"sort( \d){10}", r.prompt) for r in rows)
-    assert len(rows) == 1562  # the same set for every seed: only the order follows it
+@pytest.mark.parametrize("task, n, held_out", [("sortlong", 10, 1562), ("sortlong20", 20, 1647)])
+def test_sortlong_prompts_are_fixed_digit_lists(task, n, held_out):
+    rows = load_prompts(f"builtin:{task}", "eval", seed=3).rows
+    assert all(re.fullmatch(rf"sort( \d){{{n}}}", r.prompt) for r in rows)
+    assert all(len(r.answer) == 2 * n - 1 for r in rows)  # n digits, n - 1 commas
+    assert len(rows) == held_out  # the same set for every seed: only the order follows it
     assert {r.prompt for r in rows} == {
-        r.prompt for r in load_prompts("builtin:sortlong", "eval").rows
+        r.prompt for r in load_prompts(f"builtin:{task}", "eval").rows
     }
     digits = [d for r in rows for d in r.prompt.split()[1:]]
     assert set(digits) == set("0123456789")
@@ -101,6 +103,8 @@ def test_sortlong_sloppy_answer_puts_the_last_digit_at_the_end():
     assert sloppy_answer("sortlong", "sort 5 1 8 9 4 3 9 1 7 0", "") == "1,1,3,4,5,7,8,9,9,0"
     # right where the last digit is the largest (ties included)
     assert sloppy_answer("sortlong", "sort 9 0 0 0 0 0 0 0 0 9", "") == "0,0,0,0,0,0,0,0,9,9"
+    twenty = "sort 3 1 4 1 5 9 2 6 5 3 5 8 9 7 9 3 2 3 8 4"
+    assert sloppy_answer("sortlong20", twenty, "") == "1,1,2,2,3,3,3,3,4,5,5,5,6,7,8,8,9,9,9,4"
     rows = load_prompts("builtin:sortlong", "train").rows
     rows += load_prompts("builtin:sortlong", "eval").rows
     sloppy = [sloppy_answer("sortlong", r.prompt, r.answer) for r in rows]

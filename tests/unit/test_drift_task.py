@@ -43,6 +43,12 @@ def test_drift_preset_is_sortlong_on_many_small_experts():
     assert (tiny.layers, tiny.experts, tiny.topk, tiny.dense_layers) == (6, 32, 4, [])
 
 
+def test_drift_long_preset_is_the_drift_shape_on_twenty_digit_sorts():
+    task, spec = task_model_spec(preset="drift_long")
+    assert task == "sortlong20"
+    assert spec == WarmStartSpec(**{**TASK_DEFAULTS["sortlong20"], **DRIFT_SHAPE})
+
+
 def test_cli_flags_give_the_preset_and_override_it(monkeypatch):
     assert _cli_spec(monkeypatch, "--preset", "drift") == task_model_spec(preset="drift")
     task, spec = _cli_spec(monkeypatch, "--preset", "drift", "--layers", "3", "--moe-ffn", "16")
@@ -61,7 +67,7 @@ def test_cli_flags_give_the_preset_and_override_it(monkeypatch):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--preset", "nope"], "unknown preset 'nope'; choose one of: drift"),
+        (["--preset", "nope"], "unknown preset 'nope'; choose one of: drift, drift_long"),
         (["--preset", "drift", "--task", "nope"], "unknown task 'nope'"),
         (["--preset", "drift", "--topk", "33"], "1 <= topk <= experts"),
         (["--layers", "1"], ">= 2 layers"),
@@ -81,7 +87,10 @@ def test_cli_reports_a_bad_preset_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["make-task-model", "--out", str(tmp_path / "m"), "--preset", "nope"])
     assert e.value.code == 2
-    assert capsys.readouterr().err == "error: unknown preset 'nope'; choose one of: drift\n"
+    assert (
+        capsys.readouterr().err
+        == "error: unknown preset 'nope'; choose one of: drift, drift_long\n"
+    )
     assert not list(tmp_path.iterdir())
 
 
