@@ -167,7 +167,7 @@ def _add_make_task_model(sub) -> None:
         "--preset",
         default=None,
         help="a named model shape with its task: drift (6 MoE layers of 32 small experts, top-4, "
-        "on sortlong)",
+        "on sortlong), drift_long (the same on sortlong20's 40-token answers)",
     )
     g = p.add_argument_group("model shape (default: the preset's, else the task's)")
     for name in TASK_MODEL_SHAPE:

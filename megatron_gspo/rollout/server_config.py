@@ -36,6 +36,7 @@ class ServerConfig:
     enable_memory_saver: bool = False
     skip_server_warmup: bool = False
     sleep_on_idle: bool = False  # else an idle scheduler spins a core (on CPU: the trainer's)
+    disable_overlap_schedule: bool = False  # on CPU its overlap thread competes for the cores
     base_gpu_id: int | None = None  # its first GPU among those visible (colocated: the node's)
     # built-in only
     threads: int = 0
@@ -75,6 +76,7 @@ class ServerConfig:
                 "--enable-memory-saver": self.enable_memory_saver,
                 "--skip-server-warmup": self.skip_server_warmup,
                 "--sleep-on-idle": self.sleep_on_idle,
+                "--disable-overlap-schedule": self.disable_overlap_schedule,
             }
         else:
             flags["--threads"] = self.threads or None
@@ -117,11 +119,15 @@ def copy_redacted(output: IO[bytes], log_path: Path, secret: str) -> None:
 def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: bool) -> None:
     """What SGLang needs from the machine and the run, unless rollout.extra_server_args says
     it: on a host without a GPU the cpu device (SGLang looks for one otherwise and exits), no
-    CUDA graphs and --sleep-on-idle (an idle scheduler spins a whole core, which the trainer
-    needs: 1.0 CPU-s/s idle without it, 0.03 with it); the checkpoint's dtype (SGLang's "auto"
-    serves fp32 checkpoints in fp16 on CPU) unless rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens
-    a step or an eval keeps in flight, with headroom (its default takes a fraction of the
-    machine's memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower)."""
+    CUDA graphs, --sleep-on-idle (an idle scheduler spins a whole core, which the trainer needs:
+    1.0 CPU-s/s idle without it, 0.03 with it) and --disable-overlap-schedule (its overlap
+    thread hides GPU launches; on a CPU it competes with the forward and the trainer: steps
+    1.09-1.27x faster without it in 3 of 3 runs of bench/bench_sglang_step.py); the
+    checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16 on CPU) unless
+    rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens a step
+    or an eval keeps in flight, with headroom (its default takes a fraction of the machine's
+    memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower). fp8 quantization is
+    refused on a CPU: SGLang has no CPU kernels for it."""
     from megatron_gspo.errors import UserError
     from megatron_gspo.hf.config import load_hf_config
 
@@ -139,6 +145,8 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
         server.disable_cuda_graph = True
     if not gpu:  # an idle SGLang scheduler polls without pause: one core, the trainer's here
         server.sleep_on_idle = True
+    if not gpu:  # its overlap thread only competes with the forward for the cores (bench below)
+        server.disable_overlap_schedule = True
     if "--dtype" not in given:
         hf = load_hf_config(hf_dir)
         server.dtype = r.dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
