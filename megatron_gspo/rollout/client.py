@@ -1,18 +1,15 @@
 """Async client for a set of SGLang-compatible rollout servers (SGLang or the built-in server).
 
 `generate` sends one /generate request per sample (G per prompt), each with its own rid, so
-samples spread over servers and can be aborted one by one; with `grouped=True` it sends one
-batch request per prompt instead (its G samples as a list, each still with its own rid and
-seed), which saves a server's per-request overhead when responses are short. The samples of one
-prompt go to the same server (the least loaded when the prompt is scheduled), so SGLang's radix
-cache shares the prompt. Each server takes at most `max_concurrency` requests at a time.
-Connection errors, time-outs and 5xx answers are retried on another server with exponential
-back-off; a 4xx is the caller's error and is raised at once (`RolloutError`). `abort()` aborts
-every outstanding request of this client: those come back with their partial output and
-finish_reason "abort".
-
-With `sampling_seed` in the sampling params, sample j of prompt i gets seed + i * n + j, so the
-G samples of a prompt differ and a rerun reproduces them.
+samples spread over servers and can be aborted one by one; `grouped=True` sends one batch
+request per prompt (its G samples, each with its own rid and seed), which saves a server's
+per-request overhead when answers are short. A prompt's samples go to one server (the least
+loaded when the prompt is scheduled), so SGLang's radix cache shares the prompt. Each server
+takes at most `max_concurrency` requests at a time. Connection errors, time-outs and 5xx answers
+are retried on another server with exponential back-off; a 4xx is the caller's error, raised at
+once (`RolloutError`). `abort()` aborts every outstanding request of this client: those come
+back with their partial output and finish_reason "abort". With `sampling_seed`, sample j of
+prompt i gets seed + i * n + j: the G samples of a prompt differ and a rerun reproduces them.
 """
 
 from __future__ import annotations
@@ -75,6 +72,7 @@ class RolloutClient:
         self._session: aiohttp.ClientSession | None = None
         self._outstanding: dict[str, str] = {}  # rid -> server url
         self._epoch = 0  # bumped by abort(): requests of older epochs are not sent
+        self._busy_unsaid = False  # no engine_busy_s in /get_server_info (SGLang's: ~20 ms a call)
         self.hold = Hold(self)  # while it is on, no request is sent (partial.py)
 
     async def __aenter__(self) -> RolloutClient:
@@ -300,9 +298,11 @@ class RolloutClient:
             return data
 
     async def busy_seconds(self) -> float | None:
-        """The seconds the servers' engines have worked so far, summed (the built-in server's
-        `engine_busy_s`); None when a server does not say (SGLang) or does not answer in 5 s."""
+        """The seconds the servers' engines have worked, summed (the built-in's `engine_busy_s`);
+        None when one does not answer in 5 s, or does not say (SGLang: then never asked again)."""
         session, _ = self._state()
+        if self._busy_unsaid:
+            return None
 
         async def one(url: str) -> float:
             quick = aiohttp.ClientTimeout(total=5)
@@ -311,8 +311,11 @@ class RolloutClient:
 
         try:
             return sum(await asyncio.gather(*(one(u) for u in self.urls)))
-        except (TimeoutError, aiohttp.ClientError, LookupError, TypeError, ValueError):
-            return None
+        except (LookupError, TypeError, ValueError):
+            self._busy_unsaid = True
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        return None
 
     async def broadcast(self, path: str, body: dict | None = None) -> list[dict]:
         """POST the same body to every server; raises if any refuses."""
@@ -367,7 +370,7 @@ class RolloutClient:
 
 
 class _Retryable(Exception):
-    pass
+    """A failure another try (on another server) may get past."""
 
 
 def decode_routed_experts(b64: str, num_tokens: int, topk: int | None) -> np.ndarray:

@@ -127,3 +127,33 @@ def test_a_request_that_fails_on_a_healthy_server_gives_up(outage_s):
         asyncio.run(asyncio.wait_for(go(), 60))
     assert time.monotonic() - t0 < outage_s + 10
     assert len(posts) >= 3  # the first try and the two quick retries at least
+
+
+def test_busy_seconds_stops_asking_a_server_that_does_not_report_them():
+    """SGLang's /get_server_info has no engine_busy_s and takes ~20 ms: asked once, then the
+    step's idle time comes from the trainer's view without another call. A server that reports
+    them is asked every time, and one that does not answer is asked again next time."""
+    from aiohttp import web
+
+    calls = {"sglang": 0, "builtin": 0}
+
+    def info(kind, body):
+        async def handler(request):
+            calls[kind] += 1
+            return web.json_response(body)
+
+        return handler
+
+    async def go():
+        sglang = {"/get_server_info": info("sglang", {"internal_states": [{"last_gen": 1.0}]})}
+        builtin = {"/get_server_info": info("builtin", {"internal_states": [{"engine_busy_s": 2}]})}
+        async with fake_server(sglang) as a, fake_server(builtin) as b:
+            async with RolloutClient(a) as c:
+                assert [await c.busy_seconds() for _ in range(3)] == [None] * 3
+            async with RolloutClient([b, b]) as c:
+                assert [await c.busy_seconds() for _ in range(3)] == [4.0] * 3
+        async with RolloutClient(b) as c:  # nothing listens there now
+            assert await c.busy_seconds() is None and not c._busy_unsaid
+
+    asyncio.run(go())
+    assert calls == {"sglang": 1, "builtin": 6}
