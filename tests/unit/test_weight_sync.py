@@ -452,16 +452,21 @@ def test_probe_tolerance_follows_the_servers_dtype():
         verify.ProbeResult("http://fp32", "7", max_diff=0.01, mean_diff=2e-4, dtype="float32"),
         verify.ProbeResult("http://auto", "7", max_diff=3.0, mean_diff=0.3, dtype=None),
         verify.ProbeResult("http://wrong", "7", max_diff=9.0, mean_diff=1.5, dtype="bfloat16"),
+        # fp8 weights: rounding alone measured 0.30-0.40, a bucket of noise 5.07
+        verify.ProbeResult("http://fp8", "7", max_diff=4.8, mean_diff=0.4, dtype="fp8"),
+        verify.ProbeResult("http://fp8-wrong", "7", max_diff=15.5, mean_diff=5.07, dtype="fp8"),
     ]
     bad = verify.problems(results, "7")
-    assert [m.split(": ")[0] for m in bad] == ["http://fp16", "http://fp32", "http://wrong"]
+    assert [m.split(": ")[0] for m in bad] == ["http://fp16", "http://fp32", "http://wrong",
+                                               "http://fp8-wrong"]  # fmt: skip
     assert verify.DTYPE_TOLERANCE == {"float32": 1e-4, "float16": 100 / 2**11,
-                                      "bfloat16": 100 / 2**8}  # fmt: skip
+                                      "bfloat16": 100 / 2**8, "fp8": 1.5}  # fmt: skip
+    assert "above the tolerance 1.5 (fp8's)" in bad[3]
     assert "by 1.5 on average (max 9), above the tolerance 0.391 (bfloat16's)" in bad[2]
     assert "raise sync.verify_tolerance" in bad[2] and "\n" not in bad[2]
     assert "0.0488 (float16's)" in bad[0] and "0.0001 (float32's)" in bad[1]
     # set by the user, it holds for every server
-    assert [m.split(": ")[0] for m in verify.problems(results, "7", 2.0)] == []
+    assert [m.split(": ")[0] for m in verify.problems(results, "7", 2.0)] == ["http://fp8-wrong"]
     assert "(sync.verify_tolerance)" in verify.problems(results, "7", 0.05)[0]
 
 
