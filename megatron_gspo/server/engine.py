@@ -78,7 +78,7 @@ class Engine(SamplingSteps):
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Condition()
         self._dead: str | None = None  # why the engine thread ended, once it has
-        self.busy_s = 0.0  # seconds the engine thread has worked (it sleeps while idle)
+        self.busy_s = 0.0  # CPU seconds the engine thread has worked (it sleeps while idle)
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
 
     # ---- API for other threads -----------------------------------------------------------
@@ -169,7 +169,7 @@ class Engine(SamplingSteps):
                 while not self._inbox and not self._has_work():
                     self._wake.wait()
                 inbox, self._inbox = self._inbox, deque()
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # (CPU time: a pass the OS preempts does not work meanwhile)
             try:
                 if self._iterate(inbox):
                     return
@@ -180,7 +180,7 @@ class Engine(SamplingSteps):
                 for req in list(self.running):
                     self._fail(req, f"engine step failed: {type(e).__name__}: {e}")
             finally:
-                self.busy_s += time.perf_counter() - t0
+                self.busy_s += time.thread_time() - t0
 
     def _iterate(self, inbox: deque) -> bool:
         """One pass of the loop; True when told to stop."""

@@ -172,8 +172,9 @@ def test_info_endpoints_and_api_key(server, ckpts):
 
 
 def test_engine_busy_time_counts_generation_and_not_idle_time(server):
-    """/get_server_info's engine_busy_s (the trainer's time/servers_idle_s comes from it) grows
-    by at most a 1000-token request's wall time while it generates, and not while idle."""
+    """/get_server_info's engine_busy_s (the trainer's time/servers_idle_s comes from it), the
+    engine thread's CPU seconds, grows by at most a 1000-token request's wall time while it
+    generates (less where the OS gives the thread less than a core), and not while idle."""
 
     def busy() -> float:
         return run(raw(server, "GET", "/get_server_info"))[1]["internal_states"][0]["engine_busy_s"]
@@ -187,7 +188,7 @@ def test_engine_busy_time_counts_generation_and_not_idle_time(server):
     status, _ = run(raw(server, "POST", "/generate", {"input_ids": [5, 6], "sampling_params": sp}))
     wall = time.perf_counter() - t
     worked = busy() - idle
-    assert status == 200 and 0.3 * wall < worked <= wall, (worked, wall)
+    assert status == 200 and 0.2 * wall < worked <= wall, (worked, wall)
 
     async def go(client):
         return await client.busy_seconds()

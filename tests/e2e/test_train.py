@@ -77,8 +77,8 @@ def test_tiny_config_runs(config, task_model, tmp_path):
             assert key in r, (key, sorted(r))
         assert r["weight_version"] == r["step"]
         assert 0.0 <= r["reward/mean"] <= 1.0
-        # synchronous: the server (by its own busy time) idles while the trainer trains (its
-        # last iteration may end after its answer: a loaded machine preempts its thread)
+        # synchronous: the server (by its own busy time, its engine thread's CPU seconds)
+        # idles while the trainer trains (the 0.5: its last pass may end after its answer)
         assert 0.5 * r["time/train_s"] <= r["time/servers_idle_s"] <= r["time/step_s"], r
     assert "eval/reward" in rows[2]
     # The rollout servers hold the trainer's weights: the first update's ratio is exactly 1
