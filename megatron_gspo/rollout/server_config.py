@@ -143,10 +143,9 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
     graphs = {"--disable-cuda-graph", "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"}
     if not gpu and not graphs & given:
         server.disable_cuda_graph = True
-    if not gpu:  # an idle SGLang scheduler polls without pause: one core, the trainer's here
-        server.sleep_on_idle = True
-    if not gpu:  # its overlap thread only competes with the forward for the cores (bench below)
-        server.disable_overlap_schedule = True
+    if not gpu:  # an idle scheduler polls without pause (one core, the trainer's here), and the
+        # overlap thread only competes with the forward for the cores
+        server.sleep_on_idle = server.disable_overlap_schedule = True
     if "--dtype" not in given:
         hf = load_hf_config(hf_dir)
         server.dtype = r.dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "float32")

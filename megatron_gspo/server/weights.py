@@ -132,9 +132,10 @@ class ModelWeights:
         if _shape_key(spec) != _shape_key(self.spec):
             raise UserError(f"{path} holds a different model ({spec.architecture}); cannot load it")
         # Straight from the files into the weights: one copy, every header checked first.
-        targets = [(n, self._target(n)) for n in self.hf_names()]
+        names = self.hf_names()
+        targets = [(n, self._target(n)) for n in names]
         HFReader(path).read_into(targets, threads=torch.get_num_threads())
-        self._quantize(self.hf_names())
+        self._quantize(names)
         self._derived.clear()
 
     def _quantize(self, names: list[str]) -> None:
@@ -143,10 +144,8 @@ class ModelWeights:
         if self.quantization is None:
             return
         for name in names:
-            if is_quantized_param(name):
-                fp8_round_(self.params[name])
-            elif m := _EXPERT.fullmatch(name):
-                fp8_round_(self.experts[int(m[1])][m[3]][int(m[2])])
+            if is_quantized_param(name) or _EXPERT.fullmatch(name):
+                fp8_round_(self._target(name))  # the tensor, or one expert's slice
             elif m := _FUSED.fullmatch(name):
                 ex = self.experts[int(m[1])]
                 for w in ("gate", "up") if m[2] == "gate_up_proj" else ("down",):
