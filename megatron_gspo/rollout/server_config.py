@@ -66,7 +66,7 @@ class ServerConfig:
                 "--device": self.device,
                 "--max-total-tokens": self.max_total_tokens,
                 "--mem-fraction-static": self.mem_fraction_static,
-                "--api-key": self.api_key,
+                "--api-key": self.api_key,  # (hex: a value that starts with - is read as a flag)
                 "--base-gpu-id": self.base_gpu_id,
             }
             if self.disable_cuda_graph:  # (0.5.23 deprecates --disable-cuda-graph for these)

@@ -113,7 +113,7 @@ class Rollouts:
         self.gen = Generation(cfg, self.tokenizer, self.run_dir)
         # Servers we start get a random key (a local user or a web page cannot drive them);
         # servers a launch script started use the one it exported.
-        self.api_key = api_key() or (None if cfg.rollout.urls else secrets.token_urlsafe(32))
+        self.api_key = api_key() or (None if cfg.rollout.urls else secrets.token_hex(32))
         self.urls = list(cfg.rollout.urls) or self._launch()
         # the clients' event loop runs on a thread of its own: rollouts generated ahead of
         # training (train/ahead.py) and the main thread's requests share it
