@@ -19,9 +19,10 @@ import argparse
 import os
 from pathlib import Path
 
-from train_runs import ROOT, side_by_side  # (bench/ is on the path: run as a script)
+from train_runs import CPU, ROOT, side_by_side  # (bench/ is on the path: run as a script)
 
-PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "response/length_mean")
+PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "response/length_mean",
+         *CPU)  # fmt: skip
 
 
 def main() -> None:
@@ -41,9 +42,9 @@ def main() -> None:
         name, _, flags = v.partition("=")
         order.append((name, [*sglang, f"rollout.extra_server_args=[{flags}]"]))
     med = side_by_side([(name, [*flags, *extra]) for name, flags in order], a, PARTS)
-    print(f"{'backend':12s} " + " ".join(f"{k.split('/')[1]:>10s}" for k in PARTS))
+    print(f"{'backend':12s} " + " ".join(f"{k.split('/')[1]:>12s}" for k in PARTS))
     for name, m in med.items():
-        print(f"{name:12s} " + " ".join(f"{m[k]:10.3f}" for k in PARTS))
+        print(f"{name:12s} " + " ".join(f"{m[k]:12.3f}" for k in PARTS))
     for name in med:
         if name != "builtin":
             ratio = med[name]["time/step_s"] / med["builtin"]["time/step_s"]

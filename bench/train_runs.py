@@ -10,25 +10,82 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+CPU = ("cpu/trainer_s", "cpu/servers_s")  # CPU seconds per step, steps 2.. (see train_medians)
+
+
 def train_medians(name: str, flags: list[str], a, parts: tuple[str, ...]) -> dict[str, float]:
     """`megatron-gspo train` with `flags` (a.config, a.model, a.steps; no eval): the median over
-    steps 2.. (step 1 pays for first use) of each of `parts` (0 where a step lacks one)."""
+    steps 2.. (step 1 pays for first use) of each of `parts` (0 where a step lacks one), and the
+    CPU seconds per step over steps 2.. of the trainer process and of the rollout servers it
+    started (all their processes and threads, from /proc: what each side costs, whatever the
+    other's load)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "megatron_gspo", "train", "--config", a.config,
                "--run-dir", str(Path(tmp) / "run"), "--steps", str(a.steps),
                f"model.path={a.model}", "train.eval_every=0", *flags]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-        if out.returncode:
-            sys.exit(f"{name} run ({' '.join(flags)}) failed:\n{out.stderr[-3000:]}")
-        rows = [json.loads(x) for x in (Path(tmp) / "run/metrics.jsonl").read_text().splitlines()]
+        metrics, log = Path(tmp) / "run/metrics.jsonl", Path(tmp) / "stderr.log"
+        with open(log, "w") as err, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                                     cwd=ROOT, env=env) as proc:  # fmt: skip
+            cpu = _cpu_per_step(proc, metrics, a.steps)
+        if proc.returncode:
+            sys.exit(f"{name} run ({' '.join(flags)}) failed:\n{log.read_text()[-3000:]}")
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     steady = [r for r in rows if r["step"] >= 2]
-    return {k: statistics.median(r.get(k, 0.0) for r in steady) for k in parts}
+    out = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in parts if k not in CPU}
+    return {**out, **{k: v for k, v in cpu.items() if k in parts}}
+
+
+def _cpu_per_step(proc: subprocess.Popen, metrics: Path, steps: int) -> dict[str, float]:
+    """CPU seconds per step of the trainer and of its child processes (the servers), between
+    step 1's metrics line and the last step's, read while the run goes on (the servers are gone
+    once it ends). Zeros when the run ends before (or /proc has no schedstat)."""
+    marks: list[tuple[float, float]] = []
+    while proc.poll() is None and len(marks) < 2:
+        try:
+            done = metrics.read_bytes().count(b"\n")
+        except OSError:
+            done = 0
+        if (not marks and done >= 1) or (marks and done >= steps):
+            marks.append(_tree_cpu(proc.pid))
+        time.sleep(0.005)
+    proc.wait()
+    if len(marks) < 2 or steps < 2:
+        return dict.fromkeys(CPU, 0.0)
+    (t0, s0), (t1, s1) = marks
+    return {"cpu/trainer_s": (t1 - t0) / (steps - 1), "cpu/servers_s": (s1 - s0) / (steps - 1)}
+
+
+def _tree_cpu(root: int) -> tuple[float, float]:
+    """(CPU seconds of process `root`, of all its descendants), every thread, from schedstat."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    below, frontier = set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - below
+        below |= frontier
+    return _proc_cpu(root), sum(_proc_cpu(p) for p in below)
+
+
+def _proc_cpu(pid: int) -> float:
+    total = 0
+    for f in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(f.read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
 
 
 def side_by_side(order: list[tuple[str, list[str]]], a, parts: tuple[str, ...]) -> dict:
