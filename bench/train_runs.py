@@ -43,7 +43,7 @@ def train_medians(name: str, flags: list[str], a, parts: tuple[str, ...]) -> dic
 
 
 def _cpu_per_step(proc: subprocess.Popen, metrics: Path, steps: int) -> dict[str, float]:
-    """CPU seconds per step of the trainer and of its child processes (the servers), between
+    """CPU seconds per step of the trainer and of the servers it started, between
     step 1's metrics line and the last step's, read while the run goes on (the servers are gone
     once it ends). Zeros when the run ends before (or /proc has no schedstat)."""
     marks: list[tuple[float, float]] = []
@@ -63,7 +63,8 @@ def _cpu_per_step(proc: subprocess.Popen, metrics: Path, steps: int) -> dict[str
 
 
 def _tree_cpu(root: int) -> tuple[float, float]:
-    """(CPU seconds of process `root`, of all its descendants), every thread, from schedstat."""
+    """(CPU seconds of the trainer: process `root` and its other descendants, e.g. more ranks;
+    of the servers: each descendant that runs one, and everything below it), every thread."""
     parent: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -71,11 +72,26 @@ def _tree_cpu(root: int) -> tuple[float, float]:
             parent[int(stat.parent.name)] = int(fields[1])
         except (OSError, IndexError, ValueError):
             continue
-    below, frontier = set(), {root}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier} - below
-        below |= frontier
-    return _proc_cpu(root), sum(_proc_cpu(p) for p in below)
+
+    def below(tops: set[int]) -> set[int]:
+        out, frontier = set(tops), set(tops)
+        while frontier:
+            frontier = {p for p, pp in parent.items() if pp in frontier} - out
+            out |= frontier
+        return out
+
+    tree = below({root})
+    servers = below({p for p in tree if _is_server(p)})
+    trainer = sum(_proc_cpu(p) for p in tree - servers)
+    return trainer, sum(_proc_cpu(p) for p in servers)
+
+
+def _is_server(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"megatron_gspo.server" in argv or b"sglang.launch_server" in argv
 
 
 def _proc_cpu(pid: int) -> float:
