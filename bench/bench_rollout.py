@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from transfer_floors import cpu_seconds  # (bench/ is on the path: run as a script)
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
@@ -40,12 +40,6 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(8, 25, (n,), generator=g).tolist()
     return [torch.randint(10, vocab, (k,), generator=g).tolist() for k in lens]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_server(

@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from transfer_floors import cpu_seconds  # (bench/ is on the path: run as a script)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,8 +84,7 @@ def _tree_cpu(root: int) -> tuple[float, float]:
 
     tree = below({root})
     servers = below({p for p in tree if _is_server(p)})
-    trainer = sum(_proc_cpu(p) for p in tree - servers)
-    return trainer, sum(_proc_cpu(p) for p in servers)
+    return sum(_cpu(p) for p in tree - servers), sum(_cpu(p) for p in servers)
 
 
 def _is_server(pid: int) -> bool:
@@ -94,14 +95,11 @@ def _is_server(pid: int) -> bool:
     return b"megatron_gspo.server" in argv or b"sglang.launch_server" in argv
 
 
-def _proc_cpu(pid: int) -> float:
-    total = 0
-    for f in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        try:
-            total += int(f.read_text().split()[0])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total / 1e9
+def _cpu(pid: int) -> float:
+    try:
+        return cpu_seconds(pid)
+    except (OSError, IndexError, ValueError):  # (ended meanwhile)
+        return 0.0
 
 
 def side_by_side(order: list[tuple[str, list[str]]], a, parts: tuple[str, ...]) -> dict:
