@@ -9,7 +9,7 @@ tensor transport relays to the servers of the nodes other than a stage sender's.
 policy perturbed once, synced with verify_every=1 (each server's probe log-probs against the
 trainer's). With --kill, version "2" is synced and the server at URL is killed just before the
 second bucket meant for it. With --fail-relay-buffer, version "2" is synced while the relays'
-second buffer allocation fails (as an out-of-memory would), then version "3" with nothing injected.
+second buffer request fails (as an out-of-memory would), then version "3" with nothing injected.
 Rank 0 writes the reports and what each server serves afterwards.
 """
 
@@ -46,22 +46,34 @@ class KillMidSync(TensorTransport):
         return super().send(bucket, ctx)
 
 
+class FailSecondTake(BufferPool):
+    """A relay's pool whose second request for a buffer fails (as an out of memory would),
+    once. Counted per request, not per allocation: whether the second bucket needs a second
+    buffer depends on when the first one comes back, and a fault that moves to the next sync
+    with the timing tests nothing."""
+
+    def __init__(self, pool: BufferPool):
+        super().__init__(pool.capacity, pool.size, pool.alloc)
+        self.requests = 0
+
+    def _count(self) -> None:
+        self.requests += 1
+        if self.requests == 2:
+            raise torch.OutOfMemoryError("injected: out of memory")
+
+    def take(self, timeout_s=None):
+        self._count()
+        return super().take(timeout_s)
+
+    def take_big(self, nbytes):
+        self._count()
+        return super().take_big(nbytes)
+
+
 def fail_relay_buffer(ws: WeightSync) -> None:
-    """On a relay: its pools start afresh, and their second allocation fails (as an out of
-    memory would), once."""
-    made = [0]
-
-    def failing(alloc):
-        def allocate(nbytes):
-            made[0] += 1
-            if made[0] == 2:
-                raise torch.OutOfMemoryError("injected: out of memory")
-            return alloc(nbytes)
-
-        return allocate
-
+    """On a relay: its pools start afresh, and their second buffer request fails, once."""
     for stage, pool in ws._relay_pools.items():
-        ws._relay_pools[stage] = BufferPool(pool.capacity, pool.size, failing(pool.alloc))
+        ws._relay_pools[stage] = FailSecondTake(pool)
 
 
 def main() -> None:
