@@ -4,8 +4,10 @@ in one run: the same config, model, seed and steps, each a `megatron-gspo train`
 from the documented keys, reversing their order every other rep.
 
 Prints, per mode, the medians over steps 2.. (step 1 pays for first use) of the step time and
-its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, and the
-trained tokens per second; then each mode's throughput / sync's. On this 2-core machine the built-in
+its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, the trained
+tokens per second, the fraction of samples that a weight update cut (partial: written by more
+than one version) and the CPU seconds per step of the trainer and of the servers (from /proc);
+then each mode's throughput / sync's. On this 2-core machine the built-in
 server generates on one core while the trainer trains on the other.
 
 Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
@@ -28,10 +30,11 @@ import tempfile
 from pathlib import Path
 
 import bench_rl_step as rl_step  # (bench/ is on the path: run as a script)
-from train_runs import ROOT, side_by_side
+from train_runs import CPU, ROOT, side_by_side
 
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
-         "time/servers_idle_s", "tokens_per_s", "response/length_mean")  # fmt: skip
+         "time/servers_idle_s", "tokens_per_s", "response/length_mean",
+         "rollout/partial_fraction", *CPU)  # fmt: skip
 MODES = {
     "sync": ["rollout.max_staleness=0"],
     "async": ["rollout.max_staleness=1"],
@@ -68,7 +71,8 @@ def run(a, extra: list[str]) -> None:
     # (no checkpoints: their writes would weigh on both modes alike and hide the difference)
     order = [(name, [*flags, "train.checkpoint_every=0", *extra]) for name, flags in modes.items()]
     med = side_by_side(order, a, PARTS)
-    print(f"{'mode':8s} " + " ".join(f"{k.split('/')[-1]:>16s}" for k in PARTS))
+    heads = [k.replace("/", "_") if k in CPU else k.split("/")[-1] for k in PARTS]
+    print(f"{'mode':8s} " + " ".join(f"{h:>16s}" for h in heads))
     for name, m in med.items():
         print(f"{name:8s} " + " ".join(f"{m[k]:16.3f}" for k in PARTS))
     for name in med:
