@@ -6,8 +6,8 @@ from the documented keys, reversing their order every other rep.
 Prints, per mode, the medians over steps 2.. (step 1 pays for first use) of the step time and
 its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, the trained
 tokens per second, the fraction of samples that a weight update cut (partial: written by more
-than one version) and the CPU seconds per step of the trainer and of the servers (from /proc);
-then each mode's throughput / sync's. On this 2-core machine the built-in
+than one version), the CPU seconds per step of the trainer and the servers' CPU seconds per batch
+they generated (from /proc); then each mode's throughput / sync's. On this 2-core machine the built-in
 server generates on one core while the trainer trains on the other.
 
 Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
@@ -15,6 +15,12 @@ Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
     .venv/bin/python bench/bench_async.py --model runs/task_model [--steps 8] [--reps 2]
         [--staleness 2] [key=value ...]   # overrides for every run, e.g. rollout.max_new_tokens=64
     .venv/bin/python bench/bench_async.py --cycle small [--steps 4] [--reps 1]
+    .venv/bin/python bench/bench_async.py --cycle small --contend [--steps 4] [--reps 1]
+
+`--contend` measures instead how much the synchronous loop's training step slows while a process
+keeps the other core busy (matmuls in cache, or an array streamed through memory): on a machine
+whose cores share the host's resources, an overlapped step pays that for as long as the servers
+generate.
 
 `--cycle tiny|small` runs the cycle of the TRL comparison (bench_rl_step.py) instead of a task
 model and config: its model of that size (made here, random weights), its prompts, reward and
@@ -26,11 +32,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import bench_rl_step as rl_step  # (bench/ is on the path: run as a script)
-from train_runs import CPU, ROOT, side_by_side
+from train_runs import CPU, ROOT, side_by_side, train_medians
 
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
          "time/servers_idle_s", "tokens_per_s", "response/length_mean",
@@ -39,6 +48,11 @@ MODES = {
     "sync": ["rollout.max_staleness=0"],
     "async": ["rollout.max_staleness=1"],
     "partial": ["rollout.max_staleness=1", "rollout.partial=true"],
+}
+BURNERS = {  # (--contend) one thread that keeps the other core busy: in cache, or streaming memory
+    "idle": None,
+    "matmul": "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True: a @ a",
+    "stream": "import torch\ntorch.set_num_threads(1)\nx = torch.randn(10**8)\nwhile True: x.mul_(1.0)",
 }
 
 
@@ -50,6 +64,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--staleness", type=int, default=0, help="also a mode with this staleness")
+    ap.add_argument("--contend", action="store_true",
+                    help="instead: the synchronous loop's training step with the other core idle "
+                    "and busy")  # fmt: skip
     a, extra = ap.parse_known_args()
     if (a.model is None) == (a.cycle is None):
         ap.error("give --model (a task model) or --cycle (bench_rl_step.py's), not both")
@@ -61,7 +78,35 @@ def main() -> None:
             extra = [*rl_step.cycle_overrides(data, size), *extra]
             os.environ["PYTHONPATH"] = rl_step.bench_path()
             print(f"cycle {a.cycle}: Qwen3-MoE {mparams:.1f}M params, <= {size.new_tokens} tokens")
-        run(a, extra)
+        if a.contend:
+            contend(a, extra)
+        else:
+            run(a, extra)
+
+
+def contend(a, extra: list[str]) -> None:
+    """The synchronous loop alone, then beside a process that keeps the other core busy (in
+    alternating order over reps): how much a training step slows while the other core works,
+    which an overlapped step pays for the part of it that the servers generate."""
+    flags = ["rollout.max_staleness=0", "train.checkpoint_every=0", *extra]
+    parts = ("time/train_s", CPU[0])
+    got: dict[str, list[dict]] = {name: [] for name in BURNERS}
+    for rep in range(a.reps):
+        for name in list(BURNERS) if rep % 2 == 0 else list(BURNERS)[::-1]:
+            code = BURNERS[name]
+            burner = subprocess.Popen([sys.executable, "-c", code]) if code else None
+            try:
+                got[name].append(train_medians(name, flags, a, parts))
+            finally:
+                if burner is not None:
+                    burner.kill()
+                    burner.wait()
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in parts} for n, rs in got.items()}
+    print(f"{'other core':12s} {'train_s':>10s} {'cpu_trainer_s':>14s} {'/ idle':>8s}")
+    for name, m in med.items():
+        slow = m["time/train_s"] / med["idle"]["time/train_s"]
+        print(f"{name:12s} {m['time/train_s']:10.3f} {m[CPU[0]]:14.3f} {slow:7.2f}x")
+    print(f"(load average {os.getloadavg()[0]:.1f})")
 
 
 def run(a, extra: list[str]) -> None:
@@ -71,6 +116,8 @@ def run(a, extra: list[str]) -> None:
     # (no checkpoints: their writes would weigh on both modes alike and hide the difference)
     order = [(name, [*flags, "train.checkpoint_every=0", *extra]) for name, flags in modes.items()]
     med = side_by_side(order, a, PARTS)
+    for name, flags in modes.items():  # the servers' CPU per batch, not per step
+        med[name]["cpu/servers_s"] *= (a.steps - 1) / max(batches_in_window(flags, a.steps), 1)
     heads = [k.replace("/", "_") if k in CPU else k.split("/")[-1] for k in PARTS]
     print(f"{'mode':8s} " + " ".join(f"{h:>16s}" for h in heads))
     for name, m in med.items():
@@ -80,6 +127,14 @@ def run(a, extra: list[str]) -> None:
             ratio = med[name]["tokens_per_s"] / med["sync"]["tokens_per_s"]
             print(f"trained tokens/s, {name} / sync: {ratio:.2f}x")
     print(f"(load average {os.getloadavg()[0]:.1f})")
+
+
+def batches_in_window(flags: list[str], steps: int) -> int:
+    """How many batches the servers generate between step 1's metrics line and the last step's,
+    where train_runs reads the CPU: those of steps 2 + N .. `steps` at staleness N (nothing is
+    generated past the last step, and step 2's batch was made during step 1)."""
+    ahead = [int(f.split("=")[1]) for f in flags if f.startswith("rollout.max_staleness=")]
+    return steps - 1 - (ahead[-1] if ahead else 0)
 
 
 if __name__ == "__main__":
