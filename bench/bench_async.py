@@ -6,9 +6,9 @@ from the documented keys, reversing their order every other rep.
 Prints, per mode, the medians over steps 2.. (step 1 pays for first use) of the step time and
 its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, the trained
 tokens per second, the fraction of samples that a weight update cut (partial: written by more
-than one version), the CPU seconds per step of the trainer and the servers' CPU seconds per batch
-they generated (from /proc); then each mode's throughput / sync's. On this 2-core machine the built-in
-server generates on one core while the trainer trains on the other.
+than one version), the CPU seconds per step of the trainer and the servers' CPU seconds per
+batch they generated (from /proc); then each mode's throughput / sync's. On this 2-core machine
+the built-in server generates on one core while the trainer trains on the other.
 
 Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
 
@@ -49,10 +49,11 @@ MODES = {
     "async": ["rollout.max_staleness=1"],
     "partial": ["rollout.max_staleness=1", "rollout.partial=true"],
 }
+_ONE_THREAD = "import torch\ntorch.set_num_threads(1)\n"
 BURNERS = {  # (--contend) one thread that keeps the other core busy: in cache, or streaming memory
     "idle": None,
-    "matmul": "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True: a @ a",
-    "stream": "import torch\ntorch.set_num_threads(1)\nx = torch.randn(10**8)\nwhile True: x.mul_(1.0)",
+    "matmul": _ONE_THREAD + "a = torch.randn(512, 512)\nwhile True: a @ a",
+    "stream": _ONE_THREAD + "x = torch.randn(10**8)\nwhile True: x.mul_(1.0)",
 }
 
 
