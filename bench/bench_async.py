@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,23 +90,24 @@ def contend(a, extra: list[str]) -> None:
     which an overlapped step pays for the part of it that the servers generate."""
     flags = ["rollout.max_staleness=0", "train.checkpoint_every=0", *extra]
     parts = ("time/train_s", CPU[0])
-    got: dict[str, list[dict]] = {name: [] for name in BURNERS}
-    for rep in range(a.reps):
-        for name in list(BURNERS) if rep % 2 == 0 else list(BURNERS)[::-1]:
-            code = BURNERS[name]
-            burner = subprocess.Popen([sys.executable, "-c", code]) if code else None
-            try:
-                got[name].append(train_medians(name, flags, a, parts))
-            finally:
-                if burner is not None:
-                    burner.kill()
-                    burner.wait()
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in parts} for n, rs in got.items()}
+    med = side_by_side([(name, flags) for name in BURNERS], a, parts, run=beside_burner)
     print(f"{'other core':12s} {'train_s':>10s} {'cpu_trainer_s':>14s} {'/ idle':>8s}")
     for name, m in med.items():
         slow = m["time/train_s"] / med["idle"]["time/train_s"]
         print(f"{name:12s} {m['time/train_s']:10.3f} {m[CPU[0]]:14.3f} {slow:7.2f}x")
     print(f"(load average {os.getloadavg()[0]:.1f})")
+
+
+def beside_burner(name: str, flags: list[str], a, parts: tuple[str, ...]) -> dict[str, float]:
+    """train_medians, with BURNERS[name] running in a process of its own meanwhile."""
+    code = BURNERS[name]
+    burner = subprocess.Popen([sys.executable, "-c", code]) if code else None
+    try:
+        return train_medians(name, flags, a, parts)
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
 
 
 def run(a, extra: list[str]) -> None:

@@ -47,7 +47,7 @@ def train_medians(name: str, flags: list[str], a, parts: tuple[str, ...]) -> dic
 def _cpu_per_step(proc: subprocess.Popen, metrics: Path, steps: int) -> dict[str, float]:
     """CPU seconds per step of the trainer and of the servers it started, between
     step 1's metrics line and the last step's, read while the run goes on (the servers are gone
-    once it ends). Zeros when the run ends before (or /proc has no schedstat)."""
+    once it ends). Zeros when the run ends before."""
     marks: list[tuple[float, float]] = []
     while proc.poll() is None and len(marks) < 2:
         try:
@@ -102,11 +102,14 @@ def _cpu(pid: int) -> float:
         return 0.0
 
 
-def side_by_side(order: list[tuple[str, list[str]]], a, parts: tuple[str, ...]) -> dict:
+def side_by_side(
+    order: list[tuple[str, list[str]]], a, parts: tuple[str, ...], run=train_medians
+) -> dict:
     """{variant: median over a.reps of each part}: the variants (name, flags) run in turn,
-    reversing the order every other rep, so that drift in the machine's load hits all alike."""
+    reversing the order every other rep, so that drift in the machine's load hits all alike.
+    `run(name, flags, a, parts)` is one run's medians (train_medians, or a wrapper of it)."""
     got: dict[str, list[dict]] = {name: [] for name, _ in order}
     for rep in range(a.reps):
         for name, flags in order if rep % 2 == 0 else order[::-1]:
-            got[name].append(train_medians(name, flags, a, parts))
+            got[name].append(run(name, flags, a, parts))
     return {n: {k: statistics.median(r[k] for r in rs) for k in parts} for n, rs in got.items()}
