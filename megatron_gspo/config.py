@@ -76,9 +76,15 @@ class DataSection:
 @dataclass
 class RewardSection:
     fn: str = "exact"  # exact | math | module:function
+    # worker processes that score (rewards/scoring.py; null: 8, or one per core where more)
+    workers: int | None = None
+    timeout_s: float = 60.0  # one call's limit; past it the sample fails, its worker is replaced
 
     def check(self) -> None:
         _need(self.fn, "reward.fn", "exact, math or module:function")
+        if self.workers is not None:
+            _in_range(self.workers, "reward.workers", 1, 1024)
+        _in_range(self.timeout_s, "reward.timeout_s", 0, lo_open=True)
 
 
 _LOSS = LossConfig()  # the loss keys' defaults, defined once (algo/config.py)

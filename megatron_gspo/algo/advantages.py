@@ -2,8 +2,16 @@
 
 For a prompt with G sampled responses and rewards r_1..r_G:
 
-    A_i = (r_i - mean(r)) / (std(r) + eps)      (GRPO / GSPO, scale_by_std=True)
-    A_i =  r_i - mean(r)                        (Dr. GRPO, scale_by_std=False)
+    s_i = r_i / m,  m = max_j |r_j|  (m = 1 when every r_j is 0)
+    A_i = (s_i - mean(s)) / (std(s) + eps)      (GRPO / GSPO, scale_by_std=True)
+    A_i = (s_i - mean(s)) * m  = r_i - mean(r)  (Dr. GRPO, scale_by_std=False)
+
+Dividing by the group's largest |reward| first changes nothing but eps's scale (std(s) = std(r) /
+m; rewards in [-1, 1] with one of them +-1: exactly the unscaled formula), and keeps every
+intermediate within [-2, 2]: the sum for the mean and the squares for the std cannot overflow,
+so the advantages are finite for any finite rewards (1e308 included; in fp64 rewards, which
+the trainer passes). Dr. GRPO's advantages keep the rewards' scale, so they can only be as finite
+as r_i - mean(r) is.
 
 std is the UNBIASED sample std (Bessel's correction, divides by G - 1), as torch.std does by
 default and as TRL's and verl's GRPO do. A group of one response has no spread: its std is taken
@@ -32,12 +40,15 @@ def group_advantages(
     dtype = torch.promote_types(rewards_NG.dtype, torch.float32)
     rewards_NG = rewards_NG.to(dtype)
     G = rewards_NG.shape[1]
-    centered_NG = rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
-    if scale_by_std:
-        # Unbiased std (divide by G - 1); a group of one has no spread, so use 0 there.
-        std_N1 = rewards_NG.std(dim=1, keepdim=True, correction=1 if G > 1 else 0)
-        centered_NG = centered_NG / (std_N1 + eps)
-    return centered_NG.reshape(rewards.shape)
+    m_N1 = rewards_NG.abs().amax(dim=1, keepdim=True)
+    m_N1 = torch.where(m_N1 > 0, m_N1, torch.ones_like(m_N1))
+    scaled_NG = rewards_NG / m_N1  # in [-1, 1]
+    centered_NG = scaled_NG - scaled_NG.mean(dim=1, keepdim=True)
+    if not scale_by_std:
+        return (centered_NG * m_N1).reshape(rewards.shape)
+    # Unbiased std (divide by G - 1); a group of one has no spread, so use 0 there.
+    std_N1 = scaled_NG.std(dim=1, keepdim=True, correction=1 if G > 1 else 0)
+    return (centered_NG / (std_N1 + eps)).reshape(rewards.shape)
 
 
 def _as_groups(rewards: Tensor, group_size: int | None) -> Tensor:

@@ -20,6 +20,8 @@ def _import_file(spec: str, path: Path, kind: str):
         raise UserError(f"{kind} {spec!r}: file {str(path)!r} does not exist")
     name = f"_megatron_gspo_reward_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"{kind} {spec!r}: {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:

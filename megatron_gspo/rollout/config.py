@@ -121,6 +121,8 @@ class EnvSection:
     max_turn_tokens: int | None = None  # a model turn's limit (null: rollout.max_new_tokens)
     max_tokens: int = 512  # model and environment tokens of an episode, after the prompt
     timeout_s: float = 30.0  # a call into the environment's code; past it, the episode ends
+    # worker processes the episodes live in (rollout/env.py; null: 8, or one per core where more)
+    workers: int | None = None
 
     def check(self) -> None:
         if self.fn is not None and self.fn != "tools" and ":" not in self.fn:
@@ -137,3 +139,5 @@ class EnvSection:
         if self.max_turn_tokens is not None:
             _positive(self.max_turn_tokens, "env.max_turn_tokens")
         _in_range(self.timeout_s, "env.timeout_s", 0, lo_open=True)
+        if self.workers is not None:
+            _in_range(self.workers, "env.workers", 1, 1024)

@@ -12,30 +12,42 @@ object with
                                           (rendered with the tokenizer's chat template); None or
                                           absent: the row's prompt, as single-turn rollouts use it
 
-Either method may be `async def`: many episodes are in flight at once, and an awaitable is
-awaited on the rollouts' event loop. A plain method runs on a worker thread, so a slow one does
-not hold the others up. `Step.observation` is what the environment says next: text (tokenized
-as it is), chat messages (`[{"role": "tool", "content": "42"}]`: rendered as the chat template
-continues a conversation, the generation prompt included), or token ids. `done` ends the episode;
-`reward` (at any step, the last one given counts) replaces `reward.fn` for it.
+Either method may be `async def`. `Step.observation` is what the environment says next: text
+(tokenized as it is), chat messages (`[{"role": "tool", "content": "42"}]`: rendered as the chat
+template continues a conversation, the generation prompt included), or token ids. `done` ends
+the episode; `reward` (at any step, the last one given counts) replaces `reward.fn` for it.
 
-A call that raises, runs past `env.timeout_s` or returns something else than the above fails its
-episode: EnvError, which the runner counts and logs (with the traceback) in RUN_DIR/logs/env.log;
-the episode's reward is 0. Nothing the environment does ends the run. A plain method that hangs
-keeps its worker thread (Python cannot stop it): the pool has ENV_THREADS of them.
+Where the code runs: episodes live in worker processes (megatron_gspo/bounded), `env.workers`
+of them (default 8, or one per core where there are more), never in the trainer. An episode is
+started in the worker holding the fewest and stays there: its object keeps its state between
+turns. A worker runs one call at a time (an `async def` method is run to its end there), so
+`env.workers` calls run at once; the tools of `env.fn: tools` run inside their episode's step.
+Threads were not enough: a call that hangs or spins cannot be stopped on a thread, and kept the
+trainer alive after its run and the thread pool used up.
+
+A call that raises (anything: SystemExit and KeyboardInterrupt raised by the code included),
+runs past `env.timeout_s`, kills its process or returns something else than the above fails its
+episode: EnvError, counted, one summary line per step on the console and each episode's line
+(with the traceback) in RUN_DIR/logs/env.log; the episode's reward is 0. A call past its time
+limit, or whose process dies, takes its worker down, and with it the episodes living there
+(they end as well, within env.timeout_s plus a worker's start); a new worker takes the next
+episodes. Nothing the environment does ends the run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import itertools
 import math
 import numbers
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-ENV_THREADS = 64
+from megatron_gspo.bounded import Kind, Outcome, Pool, default_workers
+
+TOOLS = "tools"  # env.fn of the built-in tool-calling environment (rollout/tool_env.py)
+_HOST = "megatron_gspo.rollout.env_host:episode_host"
 
 
 @dataclass
@@ -56,8 +68,22 @@ class Step:
     reward: float | None = None
 
 
+@dataclass
+class EnvRow:
+    """The data row an episode starts from, as the worker gets it."""
+
+    prompt: str
+    answer: str
+    extra: dict
+
+
 class EnvError(Exception):
-    """The environment's code failed on an episode (which then ends, with reward 0)."""
+    """The environment's code failed on an episode (which then ends, with reward 0); `detail`:
+    the traceback, where its code raised."""
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
 
 
 def load_env(spec: str):
@@ -67,73 +93,129 @@ def load_env(spec: str):
     return load_plugin(spec, kind="environment", usage="fn(row) -> an episode with step(turn)")
 
 
-class EnvCalls:
-    """Calls into the environment's code: each bounded by `timeout_s`, plain ones on a thread of
-    a pool of their own, results checked."""
+@dataclass
+class Episode:
+    """An episode living in worker `worker` (as it was started: `incarnation`), by its key;
+    `tools`: the function schemas the chat template lists (the tool environment's)."""
 
-    def __init__(self, factory, timeout_s: float, vocab_size: int):
-        self.factory, self.timeout_s, self.vocab_size = factory, timeout_s, vocab_size
-        self._pool = ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="env")
+    worker: int
+    incarnation: int
+    key: int
+    tools: list[dict] | None = None
+
+
+class EnvCalls:
+    """The trainer's side of the environment: its episodes' calls, each run in the episode's
+    worker process within `timeout_s`, results checked again here."""
+
+    def __init__(self, fn: str, tools: Sequence[str] = (), *, timeout_s: float, vocab_size: int,
+                 workers: int | None = None):  # fmt: skip
+        """`fn`: env.fn (`tools`, or module:name / file.py:name); `tools`: env.tools."""
+        self.timeout_s, self.vocab_size = timeout_s, vocab_size
+        spec = {"fn": fn, "tools": list(tools), "vocab_size": vocab_size}
+        self.pool = Pool(_HOST, spec, workers=workers or default_workers(), timeout_s=timeout_s,
+                         limit="env.timeout_s", name="env")  # fmt: skip
+        self._keys = itertools.count()
+        self._live = [0] * self.pool.workers  # episodes living in each worker
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
-    async def _call(self, what: str, fn, *args) -> Any:
-        loop = asyncio.get_running_loop()
+    async def start(self, row) -> Episode:
+        worker = min(range(len(self._live)), key=self._live.__getitem__)
+        key = next(self._keys)
+        self._live[worker] += 1
+        env_row = EnvRow(row.prompt, row.answer, dict(getattr(row, "extra", None) or {}))
         try:
-            result = await asyncio.wait_for(
-                loop.run_in_executor(self._pool, fn, *args), self.timeout_s
-            )
-            if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, self.timeout_s)
-        except TimeoutError:
-            raise EnvError(f"{what} ran past env.timeout_s ({self.timeout_s:g} s)") from None
-        except Exception as e:
-            raise EnvError(f"{what} raised {type(e).__name__}: {e}") from e
-        return result
+            o = await self._call("starting the episode", "start", key, env_row, worker=worker)
+        except EnvError:
+            self._live[worker] -= 1
+            raise
+        tools = o.value.get("tools") if isinstance(o.value, dict) else None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
+                                                                      for t in tools)):  # fmt: skip
+            self._live[worker] -= 1
+            raise EnvError("the episode's `tools` could not be read; give function schemas")
+        return Episode(o.worker, o.incarnation, key, tools)
 
-    async def start(self, row) -> Any:
-        return await self._call("starting the episode", self.factory, row)
+    def end(self, episode: Episode) -> None:
+        """Drop the episode's object in its worker (not waited for)."""
+        self._live[episode.worker] -= 1
+        self.pool.submit("end", episode.key, None, worker=episode.worker,
+                         incarnation=episode.incarnation)  # fmt: skip
 
-    async def prompt(self, episode) -> str | list[dict] | None:
-        fn = getattr(episode, "prompt", None)
-        if fn is None:
-            return None
-        value = await self._call("prompt()", fn)
-        if value is None or isinstance(value, str) or _messages(value):
-            return value
-        raise EnvError(f"prompt() returned {_short(value)}; return text, chat messages or None")
+    async def prompt(self, episode: Episode) -> str | list[dict] | None:
+        o = await self._call("prompt()", "prompt", episode.key, None, worker=episode.worker,
+                             incarnation=episode.incarnation)  # fmt: skip
+        return checked_prompt(o.value)
 
-    async def step(self, episode, turn: Turn) -> Step:
-        fn = getattr(episode, "step", None)
-        if not callable(fn):
-            raise EnvError(f"the episode ({type(episode).__name__}) has no step(turn) method")
-        return self.checked(await self._call("step()", fn, turn))
+    async def step(self, episode: Episode, turn: Turn) -> Step:
+        o = await self._call("step()", "step", episode.key, turn, worker=episode.worker,
+                             incarnation=episode.incarnation)  # fmt: skip
+        value = o.value if isinstance(o.value, dict) else {}
+        step = Step(value.get("observation"), value.get("done"), value.get("reward"))  # type: ignore[arg-type]
+        return checked_step(step, self.vocab_size)
 
-    def checked(self, value) -> Step:
-        """`value` as a Step, or EnvError saying what is wrong with it."""
-        if not isinstance(value, Step):
-            raise EnvError(f"step() returned {_short(value)}; return a Step")
-        obs, reward = value.observation, value.reward
-        if not isinstance(value.done, bool):
-            raise EnvError(f"Step.done is {_short(value.done)}; it must be True or False")
-        if reward is not None and not (
-            isinstance(reward, numbers.Real) and not isinstance(reward, bool)
-            and math.isfinite(reward)
-        ):  # fmt: skip
-            raise EnvError(f"Step.reward is {_short(reward)}; give a finite number or None")
-        if obs is None or isinstance(obs, str) or _messages(obs) or self._ids(obs):
-            return value
-        raise EnvError(
-            f"Step.observation is {_short(obs)}; give text, chat messages or token ids in "
-            f"[0, {self.vocab_size})"
-        )
+    async def _call(self, what: str, *args: Any, worker: int,
+                    incarnation: int | None = None) -> Outcome:  # fmt: skip
+        future = self.pool.submit(*args, worker=worker, incarnation=incarnation)
+        o: Outcome = await asyncio.wrap_future(future)
+        if o.ok:
+            return o
+        raise EnvError(self._phrase(what, o), o.detail)
 
-    def _ids(self, value) -> bool:
-        return isinstance(value, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
-            for t in value
-        )
+    def _phrase(self, what: str, o: Outcome) -> str:
+        if o.kind is Kind.RAISED:
+            return f"{what} raised {o.message}"
+        if o.kind is Kind.REFUSED:
+            return f"{what} {o.message}" if o.message.startswith("returned") else o.message
+        if o.kind is Kind.TIMEOUT:
+            return f"{what} {o.message}; its worker was killed, and the episodes it held ended"
+        if o.kind is Kind.DIED:
+            return f"the worker process died during {what} ({o.message})"
+        if o.kind is Kind.LOST:
+            return f"the episode's worker was replaced before {what} (another episode's call " \
+                   "in it failed)"  # fmt: skip
+        return f"{what}: {o.message}"
+
+
+def checked_prompt(value):
+    """`value` if it is a first prompt (text, chat messages or None), else EnvError."""
+    if value is None or isinstance(value, str) or _messages(value):
+        return value
+    raise EnvError(f"prompt() returned {_short(value)}; return text, chat messages or None")
+
+
+def checked_step(value, vocab_size: int) -> Step:
+    """`value` as a Step, or EnvError saying what is wrong with it."""
+    if not isinstance(value, Step):
+        raise EnvError(f"step() returned {_short(value)}; return a Step")
+    obs, reward = value.observation, value.reward
+    if not isinstance(value.done, bool):
+        raise EnvError(f"Step.done is {_short(value.done)}; it must be True or False")
+    if reward is not None and not (
+        isinstance(reward, numbers.Real) and not isinstance(reward, bool) and _finite(reward)
+    ):
+        raise EnvError(f"Step.reward is {_short(reward)}; give a finite number or None")
+    if obs is None or isinstance(obs, str) or _messages(obs) or _ids(obs, vocab_size):
+        return value
+    raise EnvError(
+        f"Step.observation is {_short(obs)}; give text, chat messages or token ids in "
+        f"[0, {vocab_size})"
+    )
+
+
+def _finite(x: numbers.Real) -> bool:
+    try:
+        return math.isfinite(x)
+    except (OverflowError, ValueError, TypeError):  # (an int too large for a float)
+        return False
+
+
+def _ids(value, vocab_size: int) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in value
+    )
 
 
 def _messages(value) -> bool:
@@ -150,5 +232,8 @@ def _messages(value) -> bool:
 
 
 def _short(value, limit: int = 80) -> str:
-    text = f"{type(value).__name__} {value!r}"
+    try:
+        text = f"{type(value).__name__} {value!r}"
+    except RecursionError:
+        text = f"{type(value).__name__} nested too deeply to show"
     return text if len(text) <= limit else text[: limit - 3] + "..."

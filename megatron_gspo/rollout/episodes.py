@@ -19,7 +19,6 @@ the environment's code fails (env.py: EnvError, recorded on the sample).
 
 from __future__ import annotations
 
-import logging
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from megatron_gspo.rollout.client import RolloutClient
-from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn
+from megatron_gspo.rollout.env import EnvCalls, EnvError, Episode, Step, Turn
 from megatron_gspo.rollout.partial import finish
 from megatron_gspo.rollout.sample import Sample, oldest_version
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -132,22 +129,26 @@ class EpisodeRunner:
         `where` = (prompt index, sample index); turn t draws with sampling_seed + t *
         seed_stride (every turn of every episode its own)."""
         ep = _Episode(Sample(where[0], where[1], list(prompt_ids), rid=f"episode-{where}"), [])
+        episode = None
         try:
             episode = await self.calls.start(row)
             first = await self.calls.prompt(episode)
             if first is not None:
-                ep.sample.prompt_ids = self._prompt(first, getattr(episode, "tools", None))
+                ep.sample.prompt_ids = self._prompt(first, episode.tools)
             return await self._turns(client, ep, episode, sampling, routed, seed_stride)
         except EnvError as e:
             self._failed(ep.sample, e, row)
             return ep.finish("stop")
+        finally:
+            if episode is not None:
+                self.calls.end(episode)
 
     def _prompt(self, first, tools) -> list[int]:
         if isinstance(first, str):
             return self.render.encode(first)
         return self.render.prompt(first, tools)
 
-    async def _turns(self, client: RolloutClient, ep: _Episode, episode, sampling: dict,
+    async def _turns(self, client: RolloutClient, ep: _Episode, episode: Episode, sampling: dict,
                      routed: bool, seed_stride: int) -> Sample:  # fmt: skip
         lim, s = self.limits, ep.sample
         for t in range(lim.max_turns):
@@ -185,11 +186,11 @@ class EpisodeRunner:
         return list(obs)  # type: ignore[arg-type]
 
     def _failed(self, sample: Sample, error: EnvError, row) -> None:
+        """The episode's line (and traceback) in the log; the console gets one line a step
+        (train/generate.py)."""
         sample.env_error = str(error)
-        log.warning("episode %s: %s", sample.rid, error)
         if self.log_path is not None:
-            cause = error.__cause__ or error
-            lines = traceback.format_exception(type(cause), cause, cause.__traceback__)
+            detail = error.detail or "".join(traceback.format_exception(error))
             with open(self.log_path, "a") as f:
                 f.write(f"episode {sample.rid} (prompt {row.prompt[:80]!r}): {error}\n")
-                f.write("".join(lines) + "\n")
+                f.write(detail.rstrip() + "\n\n")

@@ -293,6 +293,8 @@ def _parse_block(body: str) -> ToolCall | str:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except RecursionError:  # (the parser recurses per level: 10,000 nested brackets)
+        return "invalid JSON (nested too deeply)"
     if not isinstance(obj, dict):
         return f"not a JSON object but a {type(obj).__name__}"
     name = obj.get("name")
@@ -302,7 +304,7 @@ def _parse_block(body: str) -> ToolCall | str:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return '"arguments" is a string but not JSON'
     if not isinstance(arguments, dict):
         return f'"arguments" is not a JSON object but a {type(arguments).__name__}'

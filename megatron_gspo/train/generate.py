@@ -5,80 +5,130 @@ A completion's reward is `reward.fn(prompt, response, answer)`. An episode's is 
 its environment gave, else `reward.fn` on its last model turn (the answer, for a tool-calling
 episode); an episode whose environment failed gets 0 (RUN_DIR/logs/env.log says why), or, when it
 failed before the model wrote anything, counts as a failed reward (its group is dropped).
+
+Each prompt's group is generated on its own, and its samples go to the reward's worker processes
+(rewards/scoring.py) as soon as the group is done (an episode: as soon as it ends), so scoring
+overlaps the generation of the other groups and the calls run side by side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from megatron_gspo.bounded import Kind, Outcome
 from megatron_gspo.config import Config
-from megatron_gspo.rewards import Scored, load_reward, score_each
+from megatron_gspo.rewards import Scored
+from megatron_gspo.rewards.scoring import RewardScorer
 from megatron_gspo.rollout.partial import finish
 from megatron_gspo.rollout.sample import Sample
 
 if TYPE_CHECKING:
     from megatron_gspo.rollout.client import RolloutClient
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollout:
+    """A generation's samples (groups[i][j]: sample j of prompt i) and their rewards."""
+
+    groups: list[list[Sample]]
+    scored: Scored
+    generate_s: float  # until the last sample's generation ended
+    reward_wait_s: float  # then, until the last reward was in
+
 
 class Generation:
-    """Rank 0: the step's samples (`groups`) and their rewards (`score`)."""
+    """Rank 0: the step's samples and their rewards (`rollout`)."""
 
-    def __init__(self, cfg: Config, tokenizer, run_dir: Path):
+    def __init__(self, cfg: Config, tokenizer, run_dir: Path | None):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.reward_fn = load_reward(cfg.reward.fn)
+        logs = None if run_dir is None else run_dir / "logs"
+        r = cfg.reward
+        self.rewards = RewardScorer(r.fn, r.workers, r.timeout_s,
+                                    None if logs is None else logs / "reward.log")  # fmt: skip
         self.runner = None
         if cfg.env.fn is not None:
-            self.runner = _runner(cfg, tokenizer, run_dir / "logs" / "env.log")
+            try:
+                self.runner = _runner(cfg, tokenizer, None if logs is None else logs / "env.log")
+            except BaseException:
+                self.rewards.close()
+                raise
 
     def close(self) -> None:
+        self.rewards.close()
         if self.runner is not None:
             self.runner.calls.close()
 
-    async def groups(self, client: RolloutClient, rows, prompts: list[list[int]], n: int,
-                     sampling: dict, routed: bool = False, grouped: bool = False
-                     ) -> list[list[Sample]]:  # fmt: skip
-        """result[i][j]: sample j of prompt i (its completion, or its episode)."""
+    async def rollout(self, client: RolloutClient, rows, prompts: list[list[int]], n: int,
+                      sampling: dict, routed: bool = False, grouped: bool = False,
+                      step: int | None = None) -> Rollout:  # fmt: skip
+        """n samples of each prompt (completions, or episodes), each scored as soon as its
+        generation ends; `step` (None: eval) labels the logs."""
+        t0, where = time.perf_counter(), "eval" if step is None else f"step {step}"
         if self.runner is None:
-            holds = client.hold.holds
-            out = await client.generate(prompts, n=n, sampling_params=sampling,
-                                        return_routed_experts=routed, grouped=grouped)  # fmt: skip
-            # samples a weight update interrupted go on on the new weights (rollout/partial.py)
-            cut = [(s, _seeded(sampling, i * n + s.sample_index))
-                   for i, group in enumerate(out) for s in group if s.aborted]  # fmt: skip
-            await asyncio.gather(*(finish(client.hold, s, sp, routed, holds) for s, sp in cut))
-            return out
-        runner = self.runner
-        stride = len(prompts) * n  # turn t of episode k draws seed + k + t * stride
-        tasks = [
-            runner.run(client, row, ids, _seeded(sampling, i * n + j), routed, (i, j), stride)
-            for i, (row, ids) in enumerate(zip(rows, prompts))
-            for j in range(n)
-        ]
-        done = await asyncio.gather(*tasks)
-        return [list(done[i * n : (i + 1) * n]) for i in range(len(prompts))]
+            parts = await asyncio.gather(*(
+                self._completions(client, rows[i], i, ids, n, sampling, routed, grouped, where)
+                for i, ids in enumerate(prompts)
+            ))  # fmt: skip
+        else:
+            done = await asyncio.gather(*(
+                self._episode(client, row, ids, _seeded(sampling, i * n + j), routed, (i, j),
+                              len(prompts) * n, where)
+                for i, (row, ids) in enumerate(zip(rows, prompts)) for j in range(n)
+            ))  # fmt: skip
+            parts = [list(done[i * n : (i + 1) * n]) for i in range(len(prompts))]
+        t1 = time.perf_counter()
+        groups = [[s for s, _ in part] for part in parts]
+        outcomes = await asyncio.gather(*(asyncio.wrap_future(f) for p in parts for _, f in p))
+        if self.runner is not None:
+            _env_summary([s for g in groups for s in g], where, self.cfg.env.fn)
+        return Rollout(groups, _scored(outcomes), t1 - t0, time.perf_counter() - t1)
 
-    def score(self, rows, samples: list[Sample]) -> Scored:
-        """Each sample's reward (None: failed, `failures` says why)."""
-        rewards: list[float | None] = [None] * len(samples)
-        failures: list[str] = []
-        ask = []  # the samples reward.fn scores
-        for k, s in enumerate(samples):
-            if s.env_error is not None and not s.tokens:
-                failures.append(f"environment {self.cfg.env.fn!r} failed: {s.env_error}")
-            elif s.env_error is not None:
-                rewards[k] = 0.0
-            elif s.env_reward is not None:
-                rewards[k] = float(s.env_reward)
-            else:
-                ask.append(k)
-        items = [(rows[samples[k].prompt_index].prompt, self.text(samples[k]),
-                  rows[samples[k].prompt_index].answer) for k in ask]  # fmt: skip
-        scored = score_each(self.reward_fn, items, self.cfg.reward.fn)
-        for k, value in zip(ask, scored.rewards):
-            rewards[k] = value
-        return Scored(rewards, failures + scored.failures)
+    async def _completions(self, client: RolloutClient, row, i: int, ids: list[int], n: int,
+                           sampling: dict, routed: bool, grouped: bool,
+                           where: str) -> list[tuple[Sample, Future]]:  # fmt: skip
+        """Prompt i's group, generated (its samples drawn with the seeds one request for every
+        prompt would give them), then sent to be scored."""
+        holds = client.hold.holds
+        [group] = await client.generate([ids], n=n, sampling_params=_seeded(sampling, i * n),
+                                        return_routed_experts=routed, grouped=grouped)  # fmt: skip
+        for s in group:
+            s.prompt_index = i
+        # samples a weight update interrupted go on on the new weights (rollout/partial.py)
+        cut = [(s, _seeded(sampling, i * n + s.sample_index)) for s in group if s.aborted]
+        await asyncio.gather(*(finish(client.hold, s, sp, routed, holds) for s, sp in cut))
+        return [(s, self._submit(row, s, where)) for s in group]
+
+    async def _episode(self, client: RolloutClient, row, ids: list[int], sampling: dict,
+                       routed: bool, where_ij: tuple[int, int], stride: int,
+                       where: str) -> tuple[Sample, Future]:  # fmt: skip
+        assert self.runner is not None  # (episodes only)
+        s = await self.runner.run(client, row, ids, sampling, routed, where_ij, stride)
+        return s, self._submit(row, s, where)
+
+    def score(self, rows, samples: list[Sample], where: str = "") -> Scored:
+        """Each sample's reward (None: failed, `failures` says why), waited for here."""
+        futures = [self._submit(rows[s.prompt_index], s, where) for s in samples]
+        return _scored([f.result() for f in futures])
+
+    def _submit(self, row, s: Sample, where: str) -> Future:
+        """Future of the sample's reward Outcome: its environment's, or reward.fn's."""
+        if s.env_error is not None and not s.tokens:
+            return _done(None, f"environment {self.cfg.env.fn!r} failed: {s.env_error}")
+        if s.env_error is not None:
+            return _done(0.0)
+        if s.env_reward is not None:
+            return _done(float(s.env_reward))
+        if s.aborted:  # (the run is ending: nothing will train on it)
+            return _done(None, "its generation was aborted")
+        return self.rewards.submit(row.prompt, self.text(s), row.answer, where)
 
     def text(self, s: Sample) -> str:
         """The response text a reward function sees: the last model turn of an episode."""
@@ -89,20 +139,46 @@ class Generation:
         return cast(str, self.tokenizer.decode(tokens, skip_special_tokens=True))
 
 
+def _done(value: float | None, failure: str = "") -> Future:
+    f: Future = Future()
+    f.set_result(Outcome(Kind.VALUE, value=value) if value is not None
+                 else Outcome(Kind.RAISED, message=failure))  # fmt: skip
+    return f
+
+
+def _scored(outcomes: list[Outcome]) -> Scored:
+    return Scored([o.value if o.ok else None for o in outcomes],
+                  [o.message for o in outcomes if not o.ok])  # fmt: skip
+
+
+def _env_summary(samples: list[Sample], where: str, fn: str | None) -> None:
+    """One console line for the episodes whose environment failed (each is in env.log)."""
+    failed = [s.env_error for s in samples if s.env_error is not None]
+    if failed:
+        log.warning("%s: the environment %r failed on %d of %d episodes (first: %s); "
+                    "RUN_DIR/logs/env.log has each", where or "rollout", fn, len(failed),
+                    len(samples), failed[0])  # fmt: skip
+
+
 def _seeded(sampling: dict, k: int) -> dict:
     if sampling.get("sampling_seed") is None:
         return sampling
     return sampling | {"sampling_seed": int(sampling["sampling_seed"]) + k}
 
 
-def _runner(cfg: Config, tokenizer, log_path: Path):
-    from megatron_gspo.rollout.env import EnvCalls, load_env
+def _runner(cfg: Config, tokenizer, log_path: Path | None):
+    """The episode runner; the environment's code is imported here once (a broken import or a
+    bad tool fails at start) and then once in each of its worker processes."""
+    from megatron_gspo.rollout.env import TOOLS, EnvCalls, load_env
     from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
     from megatron_gspo.rollout.tool_env import tool_env
 
     e = cfg.env
-    factory = tool_env(e.tools) if e.fn == "tools" else load_env(cast(str, e.fn))
-    calls = EnvCalls(factory, e.timeout_s, len(tokenizer))
+    fn = cast(str, e.fn)
+    tool_env(e.tools) if fn == TOOLS else load_env(fn)
+    calls = EnvCalls(fn, e.tools, timeout_s=e.timeout_s, vocab_size=len(tokenizer),
+                     workers=e.workers)  # fmt: skip
     limits = Limits(e.max_turns, e.max_turn_tokens or cfg.rollout.max_new_tokens, e.max_tokens)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
     return EpisodeRunner(calls, ChatRender(tokenizer), limits, log_path)

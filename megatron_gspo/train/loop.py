@@ -28,6 +28,7 @@ from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.protocols import PolicyActor, RolloutSource
 from megatron_gspo.train.rollouts import Rollouts
+from megatron_gspo.train.samples import NONFINITE_INPUTS
 from megatron_gspo.train.setup import TrainerSetup
 from megatron_gspo.train.shard import minibatch_parts, reduce_sums
 from megatron_gspo.train.state import TrainState
@@ -107,33 +108,55 @@ def train_phase(actor, rl: RolloutSource, collected, cfg: Config, step: int,
 class NonFiniteGuard:
     """A step whose loss or gradient norm is not finite has its update skipped (actor) and
     writes no checkpoint; `limit` such steps in a row end the run with an error (the last
-    checkpoint is from before them). Every rank sees the same reduced loss and norm."""
+    checkpoint is from before them) that names the step's inputs that were not finite
+    (advantages, the servers' log-probs: train/samples.py), or else points at the update's
+    size. Every rank sees the same reduced loss and norm."""
 
     def __init__(self, limit: int):
         self.limit, self.in_row = limit, 0
+        self.inputs: dict[str, float] = {}  # non-finite inputs over the steps in a row
 
     def check(self, step: int, metrics: dict) -> bool:
         bad = {k: metrics[k] for k in ("loss/policy", "grad_norm") if k in metrics}
         bad = {k: v for k, v in bad.items() if not np.isfinite(v)}
         if not bad and not metrics.get("update/nonfinite"):
-            self.in_row = 0
+            self.in_row, self.inputs = 0, {}
             return True
         self.in_row += 1
+        for key in NONFINITE_INPUTS:
+            self.inputs[key] = self.inputs.get(key, 0.0) + metrics.get(key, 0.0)
         what = ", ".join(f"{k} {v}" for k, v in bad.items()) or "a non-finite gradient"
-        log.warning("step %d: %s; its update was skipped (%d in a row)", step, what, self.in_row)
+        inputs = _inputs(metrics)
+        log.warning("step %d: %s%s; its update was skipped (%d in a row)", step, what,
+                    f", with {inputs} not finite" if inputs else "", self.in_row)  # fmt: skip
         self.last = (step, what)
         return False
 
     def stop_if_over(self) -> None:
         """After the step's metrics are logged: the error, once `limit` steps in a row failed."""
-        if self.in_row >= self.limit:
-            step, what = self.last
-            raise UserError(
-                f"training is not finite: {self.in_row} steps in a row up to step {step} had "
-                f"{what}; their updates were skipped and no checkpoint was written since; lower "
-                "optim.lr (or optim.clip_grad), check the data and rewards, then --resume from "
-                f"the last checkpoint (the limit is train.max_nonfinite_steps={self.limit})"
-            )
+        if self.in_row < self.limit:
+            return
+        step, what = self.last
+        inputs = _inputs(self.inputs)
+        if inputs:
+            fix = (f"the cause is the steps' inputs, not the learning rate: {inputs} were not "
+                   "finite (advantages: rewards too large for them, where "
+                   "algo.advantage_std_norm=false keeps the rewards' scale, so scale the rewards "
+                   "down; log-probs: check the rollout servers); fix that")  # fmt: skip
+        else:
+            fix = "lower optim.lr (or optim.clip_grad), check the data and rewards"
+        raise UserError(
+            f"training is not finite: {self.in_row} steps in a row up to step {step} had "
+            f"{what}; their updates were skipped and no checkpoint was written since; {fix}, "
+            f"then --resume from the last checkpoint (the limit is "
+            f"train.max_nonfinite_steps={self.limit})"
+        )
+
+
+def _inputs(metrics: dict) -> str:
+    """The inputs `metrics` counts as not finite: "3 advantages and 2 rollout log-probs"."""
+    named = [f"{int(metrics[k])} {name}" for k, name in NONFINITE_INPUTS.items() if metrics.get(k)]
+    return " and ".join(named)
 
 
 def take_batch(ahead: Ahead, sync: WeightSync, rl: RolloutSource, step: int, current: str):

@@ -40,6 +40,7 @@ from megatron_gspo.train.samples import (
     _rollout_metrics,
     _to_batch,
     _topk,
+    nonfinite_inputs,
     reward_failures,
     version_metrics,
 )
@@ -315,16 +316,17 @@ class Rollouts:
         assert self.generator is not None  # rank 0 made it on entering
         r3 = cfg.algo.routing_replay == ReplayMode.R3
         grouped = r.group_requests and not r.router_url  # (sglang-router takes no batches)
-        groups = self._run(self._gen.groups(self.generator, rows, prompts, r.group_size,
-                                           self._sampling(step), r3, grouped))  # fmt: skip
-        t_gen = time.perf_counter() - t0
+        out = self._run(self._gen.rollout(self.generator, rows, prompts, r.group_size,
+                                          self._sampling(step), r3, grouped, step))  # fmt: skip
+        t_gen = time.perf_counter() - t0 - out.reward_wait_s  # (until the generation ended)
+        groups, scored = out.groups, out.scored
         samples = [s for g in groups for s in g]
         _check_samples(samples)
-        scored = self._gen.score(rows, samples)
         failed = reward_failures(scored, step)
         rewards = [0.0 if v is None else v for v in scored.rewards]
         metrics = _rollout_metrics(samples, scored.rewards, t_gen)
         metrics["reward/failed_samples"] = float(len(failed))
+        metrics["time/reward_wait_s"] = out.reward_wait_s  # (scoring after generation ended)
         G = r.group_size
         stale = set()  # groups with a sample from older weights than its generation's (a restart)
         if version is not None:
@@ -350,8 +352,9 @@ class Rollouts:
             return Collected(None, metrics)
         samples = [samples[g * G + j] for g in keep for j in range(G)]
         metrics |= version_metrics(samples)  # (the weights the trained tokens came from)
-        kept_rewards = torch.tensor([rewards[g * G + j] for g in keep for j in range(G)])
+        kept_rewards = torch.tensor(rewards, dtype=torch.float64).view(-1, G)[keep].flatten()
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
+        metrics |= nonfinite_inputs(samples, adv)  # (named by the non-finite guard's error)
         return Collected(_to_batch(samples, adv.tolist()), metrics)
 
     def _encode(self, encode_prompt, text: str) -> list[int]:
@@ -384,8 +387,7 @@ class Rollouts:
         prompts = [self._encode(encode_prompt, row.prompt) for row in rows]
         assert self.generator is not None  # rank 0 made it on entering
         greedy = self._sampling(0, greedy=True)
-        groups = self._run(self._gen.groups(self.generator, rows, prompts, 1, greedy))
-        scored = self._gen.score(rows, [g[0] for g in groups])
+        scored = self._run(self._gen.rollout(self.generator, rows, prompts, 1, greedy)).scored
         if scored.failures:
             log.warning("eval: the reward failed on %d of %d samples, counted wrong (first: %s)",
                         len(scored.failures), len(rows), scored.failures[0])  # fmt: skip

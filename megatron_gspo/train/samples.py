@@ -4,6 +4,7 @@ samples whose reward failed."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -118,3 +119,22 @@ def reward_failures(scored, step: int) -> list[int]:
                     "(first: %s)", step, len(failed), len(scored.rewards),
                     scored.failures[0])  # fmt: skip
     return failed
+
+
+NONFINITE_INPUTS = {  # metric -> what the non-finite guard's error calls it (train/loop.py)
+    "input/nonfinite_advantages": "advantages",
+    "input/nonfinite_logprobs": "rollout log-probs",
+}
+
+
+def nonfinite_inputs(samples, advantages: torch.Tensor) -> dict:
+    """The step's inputs that are not finite, counted (absent when none): advantages (finite
+    rewards too large for them), the servers' log-probs of the model's tokens. Rewards are
+    checked finite where they are scored."""
+    counts = {
+        "input/nonfinite_advantages": int((~torch.isfinite(advantages)).sum()),
+        "input/nonfinite_logprobs": sum(
+            not math.isfinite(v) for s in samples for v in (s.logprobs or ()) if v is not None
+        ),
+    }
+    return {k: float(n) for k, n in counts.items() if n}

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from megatron_gspo.data.prompts import PromptRow
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
-from megatron_gspo.rollout.env import EnvCalls, Step
+from megatron_gspo.rollout.env import EnvCalls
 from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
 from megatron_gspo.rollout.launcher import ServerGroup
 from tests.contract.sglang_venv import server_config
@@ -35,17 +35,24 @@ ANSWERS = [  # the environment's answer to each turn, and as the chat template w
 ATOL = {"builtin": 1e-4, "sglang": 2e-5}
 
 
+ENV = """
+from megatron_gspo.rollout.env import Step
+
+ANSWERS = {answers!r}
+
+
 class Env:
     def __init__(self, row):
         self.row = row
 
     def prompt(self):
-        return [{"role": "user", "content": self.row.prompt}]
+        return [{{"role": "user", "content": self.row.prompt}}]
 
     def step(self, turn):
         if turn.index == len(ANSWERS):
             return Step(done=True)
-        return Step(ANSWERS[turn.index][0])
+        return Step(ANSWERS[turn.index])
+"""
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +96,12 @@ def hf_episode(model, tok):
     return ids, tokens, mask
 
 
-def test_a_multi_turn_episode_is_the_same_on_both_servers_and_hf(server, model):
+def test_a_multi_turn_episode_is_the_same_on_both_servers_and_hf(server, model, tmp_path):
     kind, url = server
     tok = AutoTokenizer.from_pretrained(model)
-    calls = EnvCalls(Env, 10.0, len(tok))
+    env = tmp_path / "env.py"  # (the environment runs in a worker process, which imports it)
+    env.write_text(ENV.format(answers=[a for a, _ in ANSWERS]))
+    calls = EnvCalls(f"{env}:Env", timeout_s=10.0, vocab_size=len(tok), workers=1)
     runner = EpisodeRunner(calls, ChatRender(tok), LIMITS)
 
     async def go():

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from megatron_gspo.data.prompts import PromptRow
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
-from megatron_gspo.rollout.env import EnvCalls, Step
+from megatron_gspo.rollout.env import EnvCalls
 from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
 from tests.e2e.server_process import running_server
 from tests.e2e.test_rollout_server import hf_teacher_forced
@@ -43,37 +43,15 @@ def server(chat_model):
         yield url
 
 
-class Scripted:
-    """Answers turn 0 with a tool message, turn 1 with text, turn 2 with token ids, then done."""
-
-    seen: list = []  # the turns every episode got
-
-    def __init__(self, row):
-        self.row = row
-
-    def prompt(self):
-        return [{"role": "user", "content": self.row.prompt}]
-
-    def step(self, turn):
-        Scripted.seen.append(turn)
-        answers = [
-            Step([{"role": "tool", "content": "42"}]),
-            Step("ok?"),
-            Step([5, 6, 7]),
-            Step(done=True, reward=0.75),
-        ]
-        return answers[turn.index]
-
-
-def _episode(url, tok, factory, limits, sampling=None, n=1):
-    calls = EnvCalls(factory, 10.0, len(tok))
+def _episode(url, tok, env, limits, sampling=None, n=1, row=ROW):
+    calls = EnvCalls(f"tests.e2e.envs:{env}", timeout_s=10.0, vocab_size=len(tok), workers=1)
     runner = EpisodeRunner(calls, ChatRender(tok), limits)
     sp = sampling or {"temperature": 1.0, "sampling_seed": 3}
 
     async def go():
         async with RolloutClient([url]) as client:
             return await asyncio.gather(*(
-                runner.run(client, ROW, [1, 2, 3], sp, True, (0, j), 100) for j in range(n)
+                runner.run(client, row, [1, 2, 3], sp, True, (0, j), 100) for j in range(n)
             ))  # fmt: skip
 
     try:
@@ -83,12 +61,14 @@ def _episode(url, tok, factory, limits, sampling=None, n=1):
 
 
 def test_an_episode_holds_model_and_environment_tokens_with_the_model_s_logprobs_and_routing(
-    server, chat_model
+    server, chat_model, tmp_path
 ):
     tok = AutoTokenizer.from_pretrained(chat_model)
-    Scripted.seen = []
-    [s] = _episode(server, tok, Scripted, Limits(max_turns=6, max_turn_tokens=5, max_tokens=200))
-    turns = [t.ids for t in Scripted.seen]
+    seen = tmp_path / "seen.jsonl"  # the turns the environment got (envs.py: Scripted)
+    row = PromptRow(ROW.prompt, ROW.answer, {"seen": str(seen)})
+    [s] = _episode(server, tok, "Scripted", Limits(max_turns=6, max_turn_tokens=5,
+                                                   max_tokens=200), row=row)  # fmt: skip
+    turns = [json.loads(line) for line in seen.read_text().splitlines()]
     assert len(turns) == 4 and all(1 <= len(t) <= 5 for t in turns)
     assert s.turns == 4 and s.finish_reason == "stop" and s.env_reward == 0.75
     render = ChatRender(tok)
@@ -118,16 +98,6 @@ def test_an_episode_holds_model_and_environment_tokens_with_the_model_s_logprobs
     assert torch.equal(routed, topk[:-1])
 
 
-class Endless:
-    """Never done: answers every turn with 4 token ids."""
-
-    def __init__(self, row):
-        pass
-
-    def step(self, turn):
-        return Step([10, 11, 12, 13])
-
-
 @pytest.mark.parametrize(
     "limits, turns, length",
     [
@@ -139,7 +109,7 @@ class Endless:
 def test_an_episode_ends_at_its_turn_and_token_limits(server, chat_model, limits, turns, length):
     tok = AutoTokenizer.from_pretrained(chat_model)
     greedy_no_eos = {"temperature": 0.0, "ignore_eos": True}
-    [s] = _episode(server, tok, Endless, limits, greedy_no_eos)
+    [s] = _episode(server, tok, "Endless", limits, greedy_no_eos)
     assert (s.turns, len(s.tokens), s.finish_reason) == (turns, length, "length")
     assert s.loss_mask[-2:] == [1, 1] and s.tokens[2:6] == [10, 11, 12, 13]
 
@@ -314,12 +284,22 @@ def test_a_server_killed_in_the_middle_of_episodes_leaves_them_whole(chat_model,
 
 
 SLOW_ENV = '''
-import itertools, time
+import os, time
 from pathlib import Path
 from megatron_gspo.rollout.env import Step
 
 METRICS = Path({metrics!r})
-EPISODES = itertools.count()
+STARTED = Path({started!r})  # one file per episode started, in any worker process
+
+
+def _number():
+    k = 0
+    while True:
+        try:
+            os.close(os.open(STARTED / str(k), os.O_CREAT | os.O_EXCL))
+            return k
+        except FileExistsError:
+            k += 1
 
 class Env:
     """Three model turns. The episodes of step 2's batch (the 17th to 32nd started: 16 a step)
@@ -327,7 +307,7 @@ class Env:
     that ends step 1 (at most 120 s)."""
 
     def __init__(self, row):
-        self.row, self.k = row, next(EPISODES)
+        self.row, self.k = row, _number()
 
     def prompt(self):
         return [{{"role": "user", "content": self.row.prompt}}]
@@ -354,7 +334,9 @@ def test_partial_rollouts_go_on_across_a_weight_sync_on_the_new_weights(chat_mod
     per-token versions and log-probs of a request cut in the middle.)"""
     run_dir = tmp_path / "run"
     path = tmp_path / "slow_env.py"
-    path.write_text(SLOW_ENV.format(metrics=str(run_dir / "metrics.jsonl")))
+    (tmp_path / "started").mkdir()
+    path.write_text(SLOW_ENV.format(metrics=str(run_dir / "metrics.jsonl"),
+                                    started=str(tmp_path / "started")))  # fmt: skip
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}-{i} ?", "answer": "a"}) + "\n"
                             for i in range(40)))  # fmt: skip

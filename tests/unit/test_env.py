@@ -24,32 +24,18 @@ pytestmark = pytest.mark.unit
 ROW = PromptRow("what is 2*3 ?", "6")
 
 
-class Echo:
-    """Answers each turn with its text reversed; done after two turns, reward 0.5."""
-
-    def __init__(self, row):
-        self.row, self.turns = row, 0
-
-    def step(self, turn):
-        self.turns += 1
-        return Step(turn.text[::-1], done=self.turns == 2, reward=0.5 if self.turns == 2 else None)
-
-
-class AsyncEcho(Echo):
-    async def step(self, turn):
-        await asyncio.sleep(0)
-        return super().step(turn)
+ENV = "tests.unit.user_code:"  # the environments the worker processes import (user_code.py)
 
 
 def _turn(text: str, index: int = 0) -> Turn:
     return Turn(text, [1, 2], "stop", index)
 
 
-def _step(factory, text="abc", timeout_s=5.0):
-    calls = EnvCalls(factory, timeout_s, vocab_size=100)
+def _step(name, text="abc", timeout_s=5.0, row=ROW):
+    calls = EnvCalls(ENV + name, timeout_s=timeout_s, vocab_size=100, workers=1)
 
     async def go():
-        episode = await calls.start(ROW)
+        episode = await calls.start(row)
         return await calls.step(episode, _turn(text))
 
     try:
@@ -58,71 +44,46 @@ def _step(factory, text="abc", timeout_s=5.0):
         calls.close()
 
 
-@pytest.mark.parametrize("factory", [Echo, AsyncEcho, lambda row: Echo(row)])
-def test_plain_async_and_function_environments_answer_a_turn(factory):
-    assert _step(factory) == Step("cba", done=False, reward=None)
+@pytest.mark.parametrize("name", ["Echo", "AsyncEcho", "echo"])
+def test_plain_async_and_function_environments_answer_a_turn(name):
+    assert _step(name) == Step("cba", done=False, reward=None)
 
 
-def _raises(row):
-    raise RuntimeError("broken env")
-
-
-class Hangs(Echo):
-    def step(self, turn):
-        time.sleep(3)
-
-
-class AsyncHangs(Echo):
-    async def step(self, turn):
-        await asyncio.sleep(5)
-
-
-def _garbage(value):
-    class Garbage(Echo):
-        def step(self, turn):
-            return value
-
-    return Garbage
+def _returns(value) -> PromptRow:
+    return PromptRow("p", "a", extra={"value": value})
 
 
 @pytest.mark.parametrize(
-    "factory, message",
+    "name, row, message",
     [
-        (_raises, "starting the episode raised RuntimeError: broken env"),
-        (Hangs, "step() ran past env.timeout_s (0.3 s)"),
-        (AsyncHangs, "step() ran past env.timeout_s (0.3 s)"),
-        (_garbage(None), "step() returned NoneType None; return a Step"),
-        (_garbage(("obs", True)), "step() returned tuple"),
-        (_garbage(Step(done=1)), "Step.done is int 1"),  # type: ignore[arg-type]
-        (_garbage(Step(reward=math.nan)), "Step.reward is float nan"),
-        (_garbage(Step(reward="1")), "Step.reward is str '1'"),  # type: ignore[arg-type]
-        (_garbage(Step([1, 100])), "Step.observation is list [1, 100]"),
-        (_garbage(Step([{"role": "tool"}])), "Step.observation is list"),
-        (_garbage(Step(b"bytes")), "Step.observation is bytes"),  # type: ignore[arg-type]
-        (lambda row: object(), "has no step(turn) method"),
+        ("raises", ROW, "starting the episode raised RuntimeError: broken env"),
+        ("Misbehaves", PromptRow("p", "hang"), "step() ran past env.timeout_s (0.3 s)"),
+        ("AsyncHangs", ROW, "step() ran past env.timeout_s (0.3 s)"),
+        ("Returns", _returns(None), "step() returned NoneType None; return a Step"),
+        ("Returns", _returns(("obs", True)), "step() returned tuple"),
+        ("Returns", _returns(Step(done=1)), "Step.done is int 1"),  # type: ignore[arg-type]
+        ("Returns", _returns(Step(reward=math.nan)), "Step.reward is float nan"),
+        ("Returns", _returns(Step(reward=10**400)), "Step.reward is int 1000"),
+        ("Returns", _returns(Step(reward="1")), "Step.reward is str '1'"),  # type: ignore[arg-type]
+        ("Returns", _returns(Step([1, 100])), "Step.observation is list [1, 100]"),
+        ("Returns", _returns(Step([{"role": "tool"}])), "Step.observation is list"),
+        ("Returns", _returns(Step(b"bytes")), "Step.observation is bytes"),  # type: ignore[arg-type]
+        ("NoStep", ROW, "has no step(turn) method"),
     ],
 )
-def test_what_the_environment_gets_wrong_fails_its_episode(factory, message):
+def test_what_the_environment_gets_wrong_fails_its_episode(name, row, message):
     t0 = time.perf_counter()
     with pytest.raises(EnvError) as e:
-        _step(factory, timeout_s=0.3)
+        _step(name, timeout_s=0.3, row=row)
     assert message in str(e.value)
-    assert time.perf_counter() - t0 < 2.5  # a hang ends at the timeout, not when it returns
+    assert time.perf_counter() - t0 < 5  # a hang ends at the timeout, not when it returns
 
 
 def test_prompt_may_be_text_or_messages_and_nothing_else():
-    class Prompted(Echo):
-        def __init__(self, row, value):
-            super().__init__(row)
-            self.value = value
-
-        def prompt(self):
-            return self.value
-
     async def go(value):
-        calls = EnvCalls(lambda row: Prompted(row, value), 1.0, 100)
+        calls = EnvCalls(ENV + "Returns", timeout_s=5.0, vocab_size=100, workers=1)
         try:
-            return await calls.prompt(await calls.start(ROW))
+            return await calls.prompt(await calls.start(PromptRow("p", "a", {"prompt": value})))
         finally:
             calls.close()
 
@@ -183,7 +144,8 @@ class _Tok:
 
 
 def _sample(tokens, mask=None, **kw) -> Sample:
-    return Sample(0, 0, [1, 2], list(tokens), loss_mask=mask, turns=1 if mask else 0, **kw)
+    return Sample(0, 0, [1, 2], list(tokens), loss_mask=mask, turns=1 if mask else 0,
+                  finish_reason="stop", **kw)  # fmt: skip
 
 
 def test_an_episode_is_scored_by_its_environment_else_reward_fn_on_its_last_turn():
@@ -252,16 +214,17 @@ def test_loss_counts_model_tokens_only(kind, agg):
     assert grad[~mask].abs().max() == 0  # no gradient through the environment's tokens
 
 
-def test_readme_example_environment_plays_its_game():
+def test_readme_example_environment_plays_its_game(tmp_path):
     """The example in README.md, as written there: higher/lower hints, reward 1 when found."""
     from pathlib import Path
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     code = readme.split("```python\n")[1].split("```")[0]
     assert len(code.splitlines()) <= 24
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
-    calls = EnvCalls(scope["Guess"], 1.0, 100)
+    path = tmp_path / "guess.py"
+    path.write_text(code)
+    compile(code, "README.md", "exec")
+    calls = EnvCalls(f"{path}:Guess", timeout_s=5.0, vocab_size=100, workers=1)
 
     async def play(guesses):
         episode = await calls.start(PromptRow("?", "42"))

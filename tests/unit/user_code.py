@@ -1,0 +1,145 @@
+"""A user's code, as the tests' worker processes import it (`tests.unit.user_code:NAME`): rewards,
+environments and tools that behave, and ones that fail in every way user code can. Kept free of
+heavy imports: each worker imports it once when it starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from megatron_gspo.rollout.env import Step
+from megatron_gspo.rollout.tools import tool
+
+CALLS = os.environ.get("USER_CODE_CALLS")  # a file each call appends a JSON line to, if set
+
+
+def _record(**what) -> None:
+    if CALLS:
+        with open(CALLS, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), **what}) + "\n")
+
+
+def misbehave(kind: str) -> None:
+    """Do what `kind` says: hang, spin, exit, and so on (nothing for any other word)."""
+    if kind == "hang":
+        time.sleep(3600)
+    elif kind == "spin":
+        while True:
+            pass
+    elif kind == "exit":
+        sys.exit(3)
+    elif kind == "interrupt":
+        raise KeyboardInterrupt
+    elif kind == "die":
+        os._exit(7)
+    elif kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "raise":
+        raise RuntimeError("broken")
+
+
+# ---- rewards: fn(prompt, response, answer) --------------------------------------------------
+
+
+def reward(prompt: str, response: str, answer: str) -> float:
+    """The prompt names what to do ("hang", "exit", ...); else 1.0 when response == answer."""
+    misbehave(prompt)
+    return 1.0 if response == answer else 0.0
+
+
+def slow_reward(prompt: str, response: str, answer: str) -> float:
+    """Sleeps 0.3 s, recording when it started and ended (USER_CODE_CALLS)."""
+    t0 = time.time()
+    time.sleep(0.3)
+    _record(prompt=prompt, start=t0, end=time.time())
+    return float(len(response))
+
+
+def junk_reward(prompt: str, response: str, answer: str):
+    return {"nan": float("nan"), "str": "1.0", "none": None, "big": 10**400}.get(prompt, 0.5)
+
+
+# ---- environments: fn(row) -> an episode ------------------------------------------------------
+
+
+class Echo:
+    """Answers each turn with its text reversed; done after two turns, reward 0.5."""
+
+    def __init__(self, row):
+        self.row, self.turns = row, 0
+
+    def step(self, turn):
+        self.turns += 1
+        return Step(turn.text[::-1], done=self.turns == 2, reward=0.5 if self.turns == 2 else None)
+
+
+class AsyncEcho(Echo):
+    async def step(self, turn):
+        await asyncio.sleep(0)
+        return super().step(turn)
+
+
+def echo(row):
+    return Echo(row)
+
+
+def raises(row):
+    raise RuntimeError("broken env")
+
+
+class Misbehaves(Echo):
+    """step() does what the row's answer says (misbehave)."""
+
+    def step(self, turn):
+        misbehave(self.row.answer)
+        return super().step(turn)
+
+
+class AsyncHangs(Echo):
+    async def step(self, turn):
+        await asyncio.sleep(3600)
+
+
+class Returns(Echo):
+    """step() returns the row's extra["value"]; prompt() too, when extra["prompt"] is set."""
+
+    def prompt(self):
+        return self.row.extra.get("prompt")
+
+    def step(self, turn):
+        return self.row.extra["value"]
+
+
+class NoStep:
+    def __init__(self, row):
+        pass
+
+
+class Counts:
+    """Counts its own turns: an episode keeps its state between calls (in its worker)."""
+
+    def __init__(self, row):
+        self.n = 0
+
+    def step(self, turn):
+        self.n += 1
+        return Step(f"{self.n} in {os.getpid()}")
+
+
+# ---- tools -------------------------------------------------------------------------------------
+
+
+@tool
+def act(kind: str) -> str:
+    """Do what `kind` says (misbehave), then answer "done"."""
+    misbehave(kind)
+    return "done"
+
+
+def touch(path: str) -> None:
+    Path(path).touch()
