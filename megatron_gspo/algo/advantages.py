@@ -7,7 +7,8 @@ For a prompt with G sampled responses and rewards r_1..r_G:
     A_i = (s_i - mean(s)) * m  = r_i - mean(r)  (Dr. GRPO, scale_by_std=False)
 
 Dividing by the group's largest |reward| first changes nothing but eps's scale (std(s) = std(r) /
-m; rewards in [-1, 1] with one of them +-1: exactly the unscaled formula), and keeps every
+m; rewards in [-1, 1] with one of them +-1: exactly the unscaled formula, and eps is now relative
+to the group's rewards, so the advantages do not depend on the rewards' unit), and keeps every
 intermediate within [-2, 2]: the sum for the mean and the squares for the std cannot overflow,
 so the advantages are finite for any finite rewards (1e308 included; in fp64 rewards, which
 the trainer passes). Dr. GRPO's advantages keep the rewards' scale, so they can only be as finite

@@ -69,6 +69,7 @@ class _Slot:
     incarnation: int = 0  # how many times it has been started
     queue: deque = field(default_factory=deque)  # calls pinned to it
     thread: threading.Thread | None = None
+    started: threading.Event = field(default_factory=threading.Event)  # its first start is over
 
 
 class Pool:
@@ -100,8 +101,14 @@ class Pool:
         """The worker processes alive now."""
         return [p.pid for s in self._slots if (p := s.proc) is not None and p.poll() is None]
 
-    def incarnation(self, worker: int) -> int:
-        return self._slots[worker].incarnation
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until every worker has made its first start (whether it succeeded or not)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for slot in self._slots:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not slot.started.wait(left):
+                return False
+        return True
 
     def submit(self, *args: Any, worker: int | None = None,
                incarnation: int | None = None) -> Future:  # fmt: skip
@@ -141,10 +148,12 @@ class Pool:
     def _serve(self, slot: _Slot) -> None:
         try:
             self._start(slot)  # ready before the first call (if it fails, the first call retries)
+            slot.started.set()
             while (job := self._take(slot)) is not None:
                 if job.future.set_running_or_notify_cancel():
                     job.future.set_result(self._run(slot, job))
         finally:
+            slot.started.set()
             self._stop(slot)
 
     def _take(self, slot: _Slot) -> _Job | None:

@@ -1,10 +1,10 @@
 """Verifiable rewards: exact answers for the built-in tasks, math answers, or the user's function.
 
 A reward function is fn(prompt, response_text, answer) -> float, 1.0 for a right answer and 0.0
-for a wrong one (the built-in ones return exactly these). `score_rewards` calls it on a batch and
-turns what can go wrong in a plugin into a one-line UserError; `score_each` records a failure
-per item instead (training: a failure ends its sample, not the run); `dynamic_sampling_keep`
-drops the groups that carry no learning signal.
+for a wrong one (the built-in ones return exactly these). Training scores it in bounded worker
+processes, a failure ending its sample alone (rewards/scoring.py); `score_rewards` calls it
+here, on a batch of the built-in tasks (the warm start), and turns what can go wrong into a
+one-line UserError; `dynamic_sampling_keep` drops the groups that carry no learning signal.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ __all__ = [
     "RewardFn",
     "Scored",
     "load_reward",
-    "score_each",
     "score_rewards",
     "dynamic_sampling_keep",
 ]
@@ -72,7 +71,7 @@ def score_rewards(fn: RewardFn, items: list[tuple[str, str, str]], name: str) ->
 @dataclass
 class Scored:
     """Rewards of a batch where a failure ends its item alone: `rewards[i]` is None where the
-    function raised or returned no finite number, and `failures` says why (one line each)."""
+    function failed on it (rewards/scoring.py), and `failures` says why (one line each)."""
 
     rewards: list[float | None]
     failures: list[str]
@@ -80,20 +79,6 @@ class Scored:
     @property
     def failed(self) -> list[int]:
         return [i for i, v in enumerate(self.rewards) if v is None]
-
-
-def score_each(fn: RewardFn, items: list[tuple[str, str, str]], name: str) -> Scored:
-    """Like score_rewards, but a failing item is recorded, not raised (the user's code failing
-    on one sample ends that sample, not the run)."""
-    rewards: list[float | None] = []
-    failures = []
-    for i, item in enumerate(items):
-        try:
-            rewards.append(_score(fn, item, i, name))
-        except UserError as e:
-            rewards.append(None)
-            failures.append(str(e))
-    return Scored(rewards, failures)
 
 
 def dynamic_sampling_keep(rewards: list[float], group_size: int) -> list[int]:

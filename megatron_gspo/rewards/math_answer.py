@@ -7,7 +7,8 @@ joined first ("1 5" -> "15"), since word-level tokenizers such as the tiny one d
 as its own word. An answer that math-verify cannot parse scores 0.0.
 
 math-verify bounds its parsing time with SIGALRM, which only the main thread may set; off the
-main thread it runs without that bound.
+main thread it runs without that bound. Training calls it on a worker process's main thread,
+within reward.timeout_s as well (rewards/scoring.py).
 """
 
 from __future__ import annotations

@@ -40,6 +40,43 @@ def test_group_advantages_dr_grpo_and_edge_cases():
         group_advantages(torch.ones(6), group_size=4)
 
 
+def _written_out(r: list[float], scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """The module docstring's formula, in Python floats: s = r / max|r|, then standardized."""
+    m = max(abs(x) for x in r) or 1.0
+    s = [x / m for x in r]
+    mean = sum(s) / len(s)
+    if not scale_by_std:
+        return [(x - mean) * m for x in s]
+    std = math.sqrt(sum((x - mean) ** 2 for x in s) / (len(s) - 1))
+    return [(x - mean) / (std + eps) for x in s]
+
+
+@pytest.mark.parametrize(
+    "rewards, dtype",
+    [
+        ([1e308, 1e200, 0.0, -1e308], torch.float64),
+        ([1e308, 1e308, 1e308, -1e308], torch.float64),
+        ([1e200, -1e200, 3.0, 0.0], torch.float64),
+        ([3e38, 3e38, -3e38, 1.0], torch.float32),
+        ([1e-300, 0.0, -2e-300, 0.0], torch.float64),
+    ],
+)
+def test_group_advantages_are_finite_for_any_finite_rewards(rewards, dtype):
+    """The sum for the mean (1e308 + 1e308) and the squares for the std (1e200^2) would
+    overflow; scaled by the group's largest |reward| first, nothing does."""
+    got = group_advantages(torch.tensor([rewards], dtype=dtype))
+    assert torch.isfinite(got).all(), got
+    want = torch.tensor([_written_out(rewards)], dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_dr_grpo_advantages_keep_the_rewards_scale():
+    got = group_advantages(torch.tensor([1e200, -1e200, 0.0], dtype=torch.float64), 3,
+                           scale_by_std=False)  # fmt: skip
+    want = torch.tensor(_written_out([1e200, -1e200, 0.0], scale_by_std=False), dtype=torch.float64)
+    assert torch.isfinite(got).all() and torch.allclose(got, want, rtol=1e-12)
+
+
 def test_kl_estimators():
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
     # log r = log(0.25 / 0.5) = -log 2.

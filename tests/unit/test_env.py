@@ -3,8 +3,13 @@ results), the built-in tool environment's turns, the reward an episode gets, and
 over a loss mask with the environment's tokens masked out, against formulas written out."""
 
 import asyncio
+import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +245,96 @@ def test_readme_example_environment_plays_its_game(tmp_path):
     hints = [s.observation[0]["content"] for s in steps[:3]]
     assert hints == ["lower", "say a number", "higher"]
     assert steps[3] == Step(done=True, reward=1.0)
+
+
+def _tool_turn(kind: str) -> Turn:
+    call = json.dumps({"name": "act", "arguments": {"kind": kind}})
+    return _turn(f"<tool_call>\n{call}\n</tool_call>")
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("hang", "step() ran past env.timeout_s (0.5 s)"),
+        ("spin", "step() ran past env.timeout_s (0.5 s)"),
+        ("exit", "step() raised SystemExit: 3"),
+        ("interrupt", "step() raised KeyboardInterrupt"),
+        ("die", "the worker process died during step() (exited with code 7)"),
+    ],
+)
+def test_a_tool_that_hangs_spins_or_exits_ends_its_episode_and_the_next_ones_run(kind, message):
+    """`env.fn: tools` with a tool that misbehaves: its episode ends within the limit (plus a
+    worker's start), and more such calls than there are workers starve nothing after them."""
+    calls = EnvCalls("tools", ["calc", "tests.unit.user_code:act"], timeout_s=0.5,
+                     vocab_size=100, workers=1)  # fmt: skip
+
+    async def go():
+        for _ in range(3):  # (a thread pool of 1 would be used up by the first)
+            t0 = time.perf_counter()
+            with pytest.raises(EnvError) as e:
+                await calls.step(await calls.start(ROW), _tool_turn(kind))
+            assert message in str(e.value)
+            assert time.perf_counter() - t0 < 15  # at the limit (plus a start), not in an hour
+        episode = await calls.start(ROW)
+        return await calls.step(episode, _tool_turn("fine"))
+
+    try:
+        step = asyncio.run(go())
+    finally:
+        calls.close()
+    assert step.observation == [{"role": "tool", "content": "done"}]
+
+
+def test_a_call_that_hangs_ends_the_episodes_of_its_worker_only_and_the_others_keep_state():
+    calls = EnvCalls(ENV + "Misbehaves", timeout_s=0.5, vocab_size=100, workers=2)
+
+    async def go():
+        answers = ["hang", "ok", "ok", "ok"]  # placed in turn: workers 0, 1, 0, 1
+        episodes = [await calls.start(PromptRow("p", a)) for a in answers]
+        assert [e.worker for e in episodes] == [0, 1, 0, 1]
+        first = await asyncio.gather(*(calls.step(e, _turn("ab")) for e in episodes[1:]))
+        got = await asyncio.gather(*(calls.step(e, _turn("cd")) for e in episodes),
+                                   return_exceptions=True)  # fmt: skip
+        return first, got
+
+    try:
+        first, (hung, kept1, lost, kept3) = asyncio.run(go())
+    finally:
+        calls.close()
+    assert [s.done for s in first] == [False] * 3
+    assert "step() ran past env.timeout_s (0.5 s)" in str(hung)
+    assert "the episode's worker was replaced before step()" in str(lost)
+    assert [kept1, kept3] == [Step("dc", done=True, reward=0.5)] * 2  # 2nd turn: state kept
+
+
+HUNG_TOOL_RUN = """
+import asyncio
+from megatron_gspo.data.prompts import PromptRow
+from megatron_gspo.rollout.env import EnvCalls, EnvError, Turn
+
+calls = EnvCalls("tools", ["tests.unit.user_code:act"], timeout_s=0.5, vocab_size=100,
+                 workers=2)
+turn = Turn('<tool_call>{"name": "act", "arguments": {"kind": "hang"}}</tool_call>', [1], "stop", 0)
+
+async def go():
+    for _ in range(4):
+        try:
+            await calls.step(await calls.start(PromptRow("p", "a")), turn)
+        except EnvError as e:
+            print(e, flush=True)
+
+asyncio.run(go())
+calls.close()
+print("closed", flush=True)
+"""
+
+
+def test_the_process_exits_after_its_environment_hung(tmp_path):
+    """The end of a run whose tool hung: nothing left behind keeps the process alive."""
+    script = tmp_path / "run.py"
+    script.write_text(HUNG_TOOL_RUN)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("ran past env.timeout_s (0.5 s)") == 4 and "closed" in out.stdout

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.rewards import dynamic_sampling_keep, load_reward, score_each, score_rewards
+from megatron_gspo.rewards import dynamic_sampling_keep, load_reward, score_rewards
 
 pytestmark = pytest.mark.unit
 
@@ -122,22 +122,6 @@ def test_score_rewards_values_and_errors(plugin_dir):
     for prompt, shown in (("a", "nan"), ("b", "'1.0'"), ("c", "None")):
         with pytest.raises(UserError, match=f"returned {shown} .* on item 0.*finite number"):
             score_rewards(junk, [(prompt, "", "")], "junk")
-
-
-def test_score_each_ends_the_failing_items_alone(plugin_dir):
-    """Training scores with score_each: an item whose reward raises or returns no finite number
-    is None with its one-line reason; the others keep their values."""
-    items = [("ok", "", ""), ("bad", "", ""), ("ok", "", ""), ("a", "", ""), ("c", "", "")]
-    got = score_each(load_reward("myrewards.mod:boom"), items[:3], "my:boom")
-    assert got.rewards == [1.0, None, 1.0] and got.failed == [1]
-    assert got.failures == [
-        "reward 'my:boom' raised ValueError: no answer on item 1 (prompt 'bad'); fix the reward "
-        "function"
-    ]
-    got = score_each(load_reward("myrewards.mod:junk"), items, "junk")
-    assert got.rewards == [0.5, 0.5, 0.5, None, None] and got.failed == [3, 4]
-    assert "returned nan (float) on item 3" in got.failures[0]
-    assert "returned None (NoneType) on item 4" in got.failures[1]
 
 
 def test_dynamic_sampling_keep():

@@ -424,6 +424,28 @@ def test_parse_no_blocks(text):
     assert parse_tool_calls(text) == ([], [])
 
 
+DEEP = 10_000  # levels: past the JSON parser's recursion limit
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ("[" * DEEP + "]" * DEEP, "invalid JSON (nested too deeply)"),
+        ('{"name": "calc", "arguments": ' + '{"a": ' * DEEP + "1" + "}" * DEEP + "}",
+         "invalid JSON (nested too deeply)"),
+        ('{"name": "calc", "arguments": "' + "[" * DEEP + "]" * DEEP + '"}',
+         '"arguments" is a string but not JSON'),
+    ],
+)  # fmt: skip
+def test_a_call_nested_10000_levels_deep_is_answered_as_malformed(body, why):
+    """Not a RecursionError: the model is told its block is malformed, like any other."""
+    text = f"<tool_call>\n{body}\n</tool_call> then <tool_call>\n{CALL}\n</tool_call>"
+    assert parse_tool_calls(text) == (
+        [ToolCall("calc", {"expr": "37*48"})],
+        [f"<tool_call> 1: {why}"],
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # call_tool
 

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 from megatron_gspo.rollout.env import Step
 from megatron_gspo.rollout.tools import tool
@@ -141,5 +140,27 @@ def act(kind: str) -> str:
     return "done"
 
 
-def touch(path: str) -> None:
-    Path(path).touch()
+# ---- a pool's handler (bounded/worker.py: loader(spec) -> handler) ---------------------------
+
+
+def handler(spec):
+    """handler(kind) misbehaves as `kind` says, else answers {"pid": ..., "spec": spec};
+    "object" returns something that is not plain data, "child" starts a `sleep` in the
+    background first (its pid in the file named by USER_CODE_CALLS) and then hangs."""
+    if spec == "broken":
+        raise ImportError("no module named 'nothing_here'")
+
+    def call(kind: str, seconds: float = 0.0):
+        if kind == "object":
+            return object()
+        if kind == "child":
+            import subprocess
+
+            child = subprocess.Popen(["sleep", "3600"])
+            _record(child=child.pid)
+            kind = "hang"
+        time.sleep(seconds)
+        misbehave(kind)
+        return {"pid": os.getpid(), "spec": spec}
+
+    return call

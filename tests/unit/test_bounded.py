@@ -1,0 +1,150 @@
+"""The pool that runs the user's code (megatron_gspo/bounded), with real worker processes: every
+way a call can end is an outcome of that call alone, the worker of a call that hangs or dies is
+killed (with what it started) and replaced, the time limit counts from the call, answers cross
+as plain data, and no worker outlives the pool or the process that made it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_gspo.bounded import Kind, Pool
+
+pytestmark = pytest.mark.unit
+
+HANDLER = "tests.unit.user_code:handler"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool(HANDLER, "s", workers=2, timeout_s=0.5, limit="test.timeout_s")
+    yield p
+    p.close()
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize(
+    "kind, ends, message",
+    [
+        ("hang", Kind.TIMEOUT, "ran past test.timeout_s (0.5 s)"),
+        ("spin", Kind.TIMEOUT, "ran past test.timeout_s (0.5 s)"),
+        ("exit", Kind.RAISED, "SystemExit: 3"),
+        ("interrupt", Kind.RAISED, "KeyboardInterrupt"),
+        ("raise", Kind.RAISED, "RuntimeError: broken"),
+        ("die", Kind.DIED, "exited with code 7"),
+        ("kill", Kind.DIED, "killed by SIGKILL"),
+        ("object", Kind.REFUSED, "returned object, not plain data"),
+    ],
+)
+def test_every_way_a_call_can_end_is_an_outcome_of_that_call_alone(pool, kind, ends, message):
+    before = pool.pids()
+    t0 = time.monotonic()
+    bad, good = pool.submit(kind), pool.submit("ok")
+    o = bad.result(timeout=30)
+    assert o.kind is ends and o.message.startswith(message), o
+    assert time.monotonic() - t0 < 15  # a hang or a spin ends at the limit (not in an hour)
+    assert good.result(timeout=30).value["spec"] == "s"  # the other call: answered
+    if ends in (Kind.TIMEOUT, Kind.DIED):  # its worker is gone, a new one answers the next call
+        assert o.worker >= 0 and all(_gone(p) for p in before if p not in pool.pids())
+        assert pool.submit("ok").result(timeout=30).value["spec"] == "s"
+    if kind == "raise":
+        assert "Traceback (most recent call last)" in o.detail and "misbehave" in o.detail
+
+
+def test_a_killed_worker_takes_what_it_started_with_it(tmp_path, monkeypatch):
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("USER_CODE_CALLS", str(calls))
+    p = Pool(HANDLER, "s", workers=1, timeout_s=1.0, limit="test.timeout_s")
+    try:
+        assert p.submit("child").result(timeout=30).kind is Kind.TIMEOUT
+        child = json.loads(calls.read_text())["child"]
+        assert _gone(child)  # the user's `sleep` went with its worker's process group
+    finally:
+        p.close()
+
+
+def test_the_time_limit_counts_from_the_call_not_from_the_queue():
+    p = Pool(HANDLER, "s", workers=1, timeout_s=1.0, limit="test.timeout_s")
+    try:  # four calls of 0.4 s, one worker: the last waits 1.2 s in the queue, and runs 0.4 s
+        outcomes = [f.result(timeout=30) for f in [p.submit("ok", 0.4) for _ in range(4)]]
+        assert [o.kind for o in outcomes] == [Kind.VALUE] * 4
+    finally:
+        p.close()
+
+
+def test_a_call_pinned_to_a_worker_that_was_replaced_is_lost():
+    p = Pool(HANDLER, "s", workers=1, timeout_s=0.5, limit="test.timeout_s")
+    try:
+        first = p.submit("ok", worker=0).result(timeout=30)
+        assert p.submit("hang", worker=0).result(timeout=30).kind is Kind.TIMEOUT
+        lost = p.submit("ok", worker=0, incarnation=first.incarnation).result(timeout=30)
+        assert lost.kind is Kind.LOST
+        assert p.submit("ok", worker=0).result(timeout=30).incarnation == first.incarnation + 1
+    finally:
+        p.close()
+
+
+def test_code_that_fails_to_load_fails_every_call_with_its_reason():
+    p = Pool(HANDLER, "broken", workers=2, timeout_s=5.0, limit="test.timeout_s")
+    try:
+        o = p.submit("ok").result(timeout=60)
+        assert (o.kind, o.message) == (Kind.START, "no module named 'nothing_here'")
+        assert p.submit("ok").result(timeout=5).message == o.message
+    finally:
+        p.close()
+
+
+def test_close_kills_the_workers_and_fails_what_is_queued():
+    p = Pool(HANDLER, "s", workers=1, timeout_s=60.0, limit="test.timeout_s")
+    assert p.submit("ok").result(timeout=30).ok
+    pids = p.pids()
+    running, queued = p.submit("hang"), p.submit("ok")
+    time.sleep(0.2)
+    p.close()
+    assert running.result(timeout=10).kind is Kind.CLOSED
+    assert queued.result(timeout=10).kind is Kind.CLOSED
+    assert all(_gone(pid) for pid in pids) and p.pids() == []
+
+
+TRAINER = """
+import sys, time
+from megatron_gspo.bounded import Pool
+p = Pool("tests.unit.user_code:handler", "s", workers=2, timeout_s=60, limit="t")
+futures = [p.submit("ok"), p.submit("ok")]
+for f in futures:
+    f.result()
+p.submit("hang")
+print(" ".join(map(str, p.pids())), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_the_workers_die_with_the_process_that_made_them():
+    """Killed -9, the trainer runs no cleanup: its workers (one in a hung call) still end."""
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT)  # fmt: skip
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert all(_gone(pid) for pid in pids)

@@ -1,0 +1,139 @@
+"""Training's rewards in worker processes (rewards/scoring.py, train/generate.py): a reward that
+hangs, exits, interrupts or kills its process fails that sample alone, within reward.timeout_s,
+logged to reward.log; junk values are refused; a broken plugin fails at start; and the calls run
+side by side, each sample sent as soon as its group's generation ends."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from megatron_gspo.bounded import Kind
+from megatron_gspo.config import load_config
+from megatron_gspo.data.prompts import PromptRow
+from megatron_gspo.errors import UserError
+from megatron_gspo.rewards.scoring import RewardScorer
+from megatron_gspo.rollout.partial import Hold
+from megatron_gspo.rollout.sample import Sample
+from megatron_gspo.train.generate import Generation
+
+pytestmark = pytest.mark.unit
+
+REWARD = "tests.unit.user_code:reward"  # user_code.py: the prompt says how to misbehave
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("hang", "ran past reward.timeout_s (0.5 s) (prompt 'hang'); its worker was killed"),
+        ("spin", "ran past reward.timeout_s (0.5 s) (prompt 'spin'); its worker was killed"),
+        ("exit", "raised SystemExit: 3 (prompt 'exit'); fix the reward function"),
+        ("interrupt", "raised KeyboardInterrupt (prompt 'interrupt'); fix the reward function"),
+        ("die", "its worker process died, exited with code 7 (prompt 'die')"),
+        ("kill", "its worker process died, killed by SIGKILL"),
+    ],
+)
+def test_a_reward_that_hangs_exits_or_kills_its_process_fails_its_sample_alone(
+    tmp_path, prompt, message
+):
+    log = tmp_path / "logs" / "reward.log"
+    scorer = RewardScorer(REWARD, workers=2, timeout_s=0.5, log_path=log)
+    try:
+        t0 = time.monotonic()
+        futures = [scorer.submit(p, "42", "42", where="step 3") for p in (prompt, "a", "b", "c")]
+        bad, *good = [f.result(timeout=60) for f in futures]
+        assert time.monotonic() - t0 < 20  # the hang ends at the limit, not in an hour
+        assert bad.kind is not Kind.VALUE and message in bad.message, bad.message
+        assert bad.message.startswith(f"reward {REWARD!r}")
+        assert [o.value for o in good] == [1.0, 1.0, 1.0]
+        assert scorer.submit("d", "1", "2").result(timeout=60).value == 0.0  # (a new worker)
+    finally:
+        scorer.close()
+    assert f"step 3: {bad.message}" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    "prompt, shown",
+    [
+        ("nan", "nan (float)"),
+        ("str", "'1.0' (str)"),
+        ("none", "None (NoneType)"),
+        ("big", "1000"),
+    ],  # fmt: skip
+)
+def test_a_reward_that_is_not_a_finite_number_fails_its_sample(prompt, shown):
+    scorer = RewardScorer("tests.unit.user_code:junk_reward", workers=1)
+    try:
+        o = scorer.submit(prompt, "", "").result(timeout=60)
+        assert o.kind is Kind.REFUSED and f"returned {shown}" in o.message
+        assert "it must return a finite number" in o.message
+        assert scorer.submit("fine", "", "").result(timeout=60).value == 0.5
+    finally:
+        scorer.close()
+
+
+def test_math_is_scored_in_the_workers_and_exact_in_the_trainer():
+    """math-verify's own bound (SIGALRM) works on a main thread only: math runs in workers."""
+    math, exact = RewardScorer("math", workers=1), RewardScorer("exact")
+    try:
+        assert math.pool is not None and exact.pool is None
+        got = [math.submit("", r, "15").result(timeout=120).value for r in ("1 5", "\\boxed{16}")]
+        assert got == [1.0, 0.0]
+        assert exact.submit("", "1 5", "15").result().value == 1.0
+    finally:
+        math.close()
+
+
+def test_a_plugin_that_cannot_be_imported_fails_at_start_as_before():
+    with pytest.raises(UserError, match="cannot import 'nosuch_mod_xyz'.*PYTHONPATH"):
+        RewardScorer("nosuch_mod_xyz:fn")
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "x" * len(ids)
+
+
+class _Paced:
+    """Rollout servers that finish prompt i's group i s after it is asked for (the fault
+    injected: groups that end at different times); `ended[i]`: when it did."""
+
+    def __init__(self):
+        self.hold, self.ended = Hold(self), {}
+
+    async def generate(self, prompts, n=1, sampling_params=None, return_logprob=True,
+                       return_routed_experts=False, grouped=False):  # fmt: skip
+        [ids] = prompts
+        await asyncio.sleep(ids[0])
+        self.ended[ids[0]] = time.time()
+        return [[Sample(0, j, ids, [1] * (j + 1), finish_reason="stop") for j in range(n)]]
+
+    async def abort(self):
+        pass
+
+    def outstanding(self):
+        return 0
+
+
+def test_rewards_are_scored_side_by_side_while_generation_goes_on(tmp_path, monkeypatch):
+    """Each call sleeps 0.3 s (a remote judge): a group's calls start as soon as it is generated,
+    before the last group is, and run in several processes at once."""
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("USER_CODE_CALLS", str(calls))
+    cfg = load_config(None, ["model.path=m", "reward.fn=tests.unit.user_code:slow_reward",
+                             "reward.workers=3"])  # fmt: skip
+    gen = Generation(cfg, _Tok(), tmp_path)
+    assert gen.rewards.pool is not None and gen.rewards.pool.wait_ready(120)
+    client = _Paced()
+    rows = [PromptRow(f"p{i}", "a") for i in range(3)]
+    try:
+        out = asyncio.run(gen.rollout(client, rows, [[0], [1], [2]], 2, {}, step=1))
+    finally:
+        gen.close()
+    assert out.scored.rewards == [1.0, 2.0] * 3 and out.scored.failures == []
+    assert [[s.prompt_index for s in g] for g in out.groups] == [[0, 0], [1, 1], [2, 2]]
+    got = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert min(c["start"] for c in got if c["prompt"] == "p0") < client.ended[2]
+    assert any(a["pid"] != b["pid"] and a["start"] < b["end"] and b["start"] < a["end"]
+               for a in got for b in got)  # fmt: skip
