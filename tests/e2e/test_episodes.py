@@ -132,7 +132,7 @@ class Env:
         if self.kind == 1:
             raise ValueError("bad turn")
         if self.kind == 2:
-            time.sleep(3)
+            time.sleep(3600)  # (the run must still end, and its process exit)
         if self.kind == 3:
             return {"observation": "not a Step"}
         if self.turns == 2:
@@ -150,15 +150,18 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_is_counted_and_the_
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "a"}) + "\n"
                             for i in range(40)))  # fmt: skip
+    # (a worker per episode: a hang takes no other episode with its worker)
     rc, out = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
                     "env.timeout_s=0.5", f"data.train={data}", "train.eval_every=0",
-                    "rollout.max_new_tokens=4")  # fmt: skip
+                    "rollout.max_new_tokens=4", "env.workers=16")  # fmt: skip
     assert rc == 0, out[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["env/errors"] > 0 and r["rollout/samples"] == 16.0, r
         assert r["env/turns_mean"] > 0, r
+    summary = [line for line in out.splitlines() if " episodes (first: " in line]
+    assert [line.split(":")[0] for line in summary] == ["step 1", "step 2"], out[-3000:]
     log = (run_dir / "logs" / "env.log").read_text()
     for what in ("cannot start this one", "bad turn", "ran past env.timeout_s (0.5 s)",
                  "returned dict", "Traceback (most recent call last)"):  # fmt: skip
