@@ -6,6 +6,10 @@ Qwen3's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (rollo
 call runs and its result goes back as a `tool` message, as the template renders it (a malformed
 block gets an `error: ...` result, which the model sees). A turn without a tool call is the final
 answer: the episode is done, and `reward.fn` scores that turn.
+
+The episode, its tools with it, lives in an environment worker process (rollout/env.py): a tool
+that hangs, spins, raises SystemExit or kills its process ends its episode there, bounded by
+env.timeout_s, like any other environment's step.
 """
 
 from __future__ import annotations

@@ -86,7 +86,10 @@ class Generation:
             parts = [list(done[i * n : (i + 1) * n]) for i in range(len(prompts))]
         t1 = time.perf_counter()
         groups = [[s for s, _ in part] for part in parts]
-        outcomes = await asyncio.gather(*(asyncio.wrap_future(f) for p in parts for _, f in p))
+        futures = [f for part in parts for _, f in part]
+        if client.hold.stopped:  # aborted for good, the run is ending: no reward is waited for
+            futures = [_done(None, "the run is ending") for _ in futures]
+        outcomes = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         if self.runner is not None:
             _env_summary([s for g in groups for s in g], where, self.cfg.env.fn)
         return Rollout(groups, _scored(outcomes), t1 - t0, time.perf_counter() - t1)

@@ -228,7 +228,6 @@ def test_readme_example_environment_plays_its_game(tmp_path):
     assert len(code.splitlines()) <= 24
     path = tmp_path / "guess.py"
     path.write_text(code)
-    compile(code, "README.md", "exec")
     calls = EnvCalls(f"{path}:Guess", timeout_s=5.0, vocab_size=100, workers=1)
 
     async def play(guesses):
