@@ -2,8 +2,8 @@
 `exact` reward, on the tiny 64-sample step (configs/tiny_moe_gspo.yaml: 8 prompts x 8), side by
 side in one run: each a `megatron-gspo train` run, their order reversed every other rep.
 
-The slow reward runs in `reward.workers` worker processes (rewards/scoring.py; default 8 on a
-machine of up to 8 cores), each sample sent as soon as its group's generation ends; `exact` runs
+The slow reward runs in `reward.workers` worker processes (rewards/scoring.py; default 16 on a
+machine of up to 16 cores), each sample sent as soon as its group's generation ends; `exact` runs
 in the trainer. Called one after another in the trainer, the slow reward would add 64 x 0.05 =
 3.2 s a step. Goal (issue 49): it adds at most 1/8 of that (0.4 s a step).
 
@@ -29,6 +29,8 @@ from train_runs import ROOT, side_by_side, train_medians  # (bench/ is on the pa
 PARTS = ("time/step_s", "time/rollout_s", "time/reward_wait_s", "time/train_s", "reward/mean")
 RSS = ("rss/workers", "rss/worker_max_mb", "rss/workers_mb")
 SLOW = """
+import time
+
 from megatron_gspo.rewards.exact import exact_answer
 
 

@@ -76,7 +76,7 @@ class DataSection:
 @dataclass
 class RewardSection:
     fn: str = "exact"  # exact | math | module:function
-    # worker processes that score (rewards/scoring.py; null: 8, or one per core where more)
+    # worker processes that score (rewards/scoring.py; null: 16, or one per core if more)
     workers: int | None = None
     timeout_s: float = 60.0  # one call's limit; past it the sample fails, its worker is replaced
 

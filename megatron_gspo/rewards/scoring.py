@@ -11,7 +11,8 @@ limit or whose process dies fails that sample alone: its outcome says why in one
 `log_path` (RUN_DIR/logs/reward.log) gets that line with the traceback.
 
 The plugin is imported once here, in the trainer, when the scorer is made, so a broken import
-fails at start with load_plugin's message; each worker then imports it once for its whole life.
+fails at start with load_plugin's message; each worker then imports it once for its whole life
+(state the plugin keeps, a loaded judge model, a cache, lives once per worker).
 `exact` is scored in the trainer: it is bounded by itself (linear in the response's length).
 `math` goes through the workers: math-verify bounds its parsing with SIGALRM, which works only on
 a process's main thread and cannot stop a long computation in C; a worker's time limit can.
@@ -95,7 +96,8 @@ class RewardScorer:
                 result = self._phrase(f.result(), prompt, where)
             except Exception as e:  # (never leave `out` unset)
                 result = Outcome(Kind.RAISED, message=f"reward {self.spec!r}: {e}")
-            out.set_result(result)
+            if out.set_running_or_notify_cancel():  # (not if its waiter was cancelled)
+                out.set_result(result)
 
         self.pool.submit(prompt, response, answer).add_done_callback(done)
         return out

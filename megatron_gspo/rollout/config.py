@@ -121,7 +121,7 @@ class EnvSection:
     max_turn_tokens: int | None = None  # a model turn's limit (null: rollout.max_new_tokens)
     max_tokens: int = 512  # model and environment tokens of an episode, after the prompt
     timeout_s: float = 30.0  # a call into the environment's code; past it, the episode ends
-    # worker processes the episodes live in (rollout/env.py; null: 8, or one per core where more)
+    # worker processes the episodes live in (rollout/env.py; null: 16, or one per core if more)
     workers: int | None = None
 
     def check(self) -> None:

@@ -18,7 +18,7 @@ template continues a conversation, the generation prompt included), or token ids
 the episode; `reward` (at any step, the last one given counts) replaces `reward.fn` for it.
 
 Where the code runs: episodes live in worker processes (megatron_gspo/bounded), `env.workers`
-of them (default 8, or one per core where there are more), never in the trainer. An episode is
+of them (default 16, or one per core where there are more), never in the trainer. An episode is
 started in the worker holding the fewest and stays there: its object keeps its state between
 turns. A worker runs one call at a time (an `async def` method is run to its end there), so
 `env.workers` calls run at once; the tools of `env.fn: tools` run inside their episode's step.
@@ -152,8 +152,8 @@ class EnvCalls:
     async def step(self, episode: Episode, turn: Turn) -> Step:
         o = await self._call("step()", "step", episode.key, turn, worker=episode.worker,
                              incarnation=episode.incarnation)  # fmt: skip
-        value = o.value if isinstance(o.value, dict) else {}
-        step = Step(value.get("observation"), value.get("done"), value.get("reward"))  # type: ignore[arg-type]
+        value: dict[str, Any] = o.value if isinstance(o.value, dict) else {}
+        step = Step(value.get("observation"), value.get("done", False), value.get("reward"))
         return checked_step(step, self.vocab_size)
 
     async def _call(self, what: str, *args: Any, worker: int,
