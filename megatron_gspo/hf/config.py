@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_gspo.checks import show
 from megatron_gspo.errors import UserError
 
 SUPPORTED = {
@@ -62,7 +63,7 @@ def load_hf_config(path: str | Path) -> dict:
         raise UserError(f"no config.json in {path}; point at an HF checkpoint directory")
     try:
         return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # (also an integer of > 4300 digits)
         raise UserError(f"{cfg} is not valid JSON ({e}); re-copy the checkpoint") from None
 
 
@@ -76,7 +77,7 @@ def model_spec(cfg: dict) -> ModelSpec:
     arch_name = next((a for a in archs if isinstance(a, str) and a in SUPPORTED), None)
     if arch_name is None:
         raise UserError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"unsupported architecture {show(archs or cfg.get('model_type'))}; "
             f"supported: {', '.join(sorted(SUPPORTED))}"
         )
     arch = SUPPORTED[arch_name]
@@ -88,17 +89,19 @@ def model_spec(cfg: dict) -> ModelSpec:
     dense_only = cfg.get("mlp_only_layers") or []
     if not isinstance(dense_only, list) or not all(_is_int(i) for i in dense_only):
         raise UserError(
-            f"config.json: mlp_only_layers must be a list of layer ids, not {dense_only!r}"
+            f"config.json: mlp_only_layers must be a list of layer ids, not {show(dense_only)}"
         )
     moe_layers = tuple(
         experts > 0 and i not in set(dense_only) and (i + 1) % step == 0 for i in range(n_layers)
     )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise UserError(f"config.json: rope_parameters must be an object, not {rope!r}")
+        raise UserError(f"config.json: rope_parameters must be an object, not {show(rope)}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
-        raise UserError(f"rope type {rope_type!r} is not supported yet; use a default-RoPE model")
+        raise UserError(
+            f"rope type {show(rope_type)} is not supported yet; use a default-RoPE model"
+        )
     hidden = _int(cfg, "hidden_size")
     topk = _int(cfg, "num_experts_per_tok", 0, lo=0, hi=max(experts, 0) if experts else None)
     return ModelSpec(
@@ -145,7 +148,7 @@ def _int(cfg: dict, key: str, default=_REQUIRED, lo: int = 1, hi: int | None = N
         v = int(v)
     top = MAX_SIZE if hi is None else hi
     if not _is_int(v) or not lo <= v <= top:
-        raise UserError(f"config.json: {key} must be an integer in [{lo}, {top}], not {v!r}")
+        raise UserError(f"config.json: {key} must be an integer in [{lo}, {top}], not {show(v)}")
     return v
 
 
@@ -153,14 +156,15 @@ def _float(cfg: dict, key: str, default: object) -> float:
     """A finite number > 0."""
     v = cfg.get(key)
     v = default if v is None else v
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-    if not ok:
-        raise UserError(f"config.json: {key} must be a finite number > 0, not {v!r}")
-    return float(v)
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+        return float(v)
+    raise UserError(f"config.json: {key} must be a finite number > 0, not {show(v)}")
 
 
 def _dtype(name: object) -> torch.dtype:
     t = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(t, torch.dtype) or not t.is_floating_point:
-        raise UserError(f"config.json: torch_dtype must be a floating-point dtype, not {name!r}")
+        raise UserError(
+            f"config.json: torch_dtype must be a floating-point dtype, not {show(name)}"
+        )
     return t
