@@ -31,7 +31,8 @@
 #   SERVER_HOST       address servers bind (default 127.0.0.1 when the job has one node)
 #   SERVER_PORT_BASE  server i listens on BASE+i (default: free ports)
 #   SGLANG_PYTHON     python of SGLang's environment (or rollout.sglang_python)
-#   MEGATRON_GSPO_API_KEY  required by servers that bind a non-loopback address
+#   MEGATRON_GSPO_API_KEY  the servers' API key (default: a random one; with NNODES > 1 set
+#                     the same one on every node)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -91,6 +92,14 @@ else
     RDZV_ENDPOINT="${RDZV_ENDPOINT:-127.0.0.1:$(free_port)}"
     SERVER_HOST="${SERVER_HOST:-127.0.0.1}"
 fi
+# The servers and the trainer share an API key: only its holder may drive the servers, and the
+# built-in server loads shared-memory (tensor) weight updates only for it. One node makes its
+# own; the nodes of a multi-node launch must be given the same one.
+if [[ -z "${MEGATRON_GSPO_API_KEY:-}" ]]; then
+    ((NNODES == 1)) || die "set MEGATRON_GSPO_API_KEY to the same secret on every node (launch/slurm/train.sbatch makes one)"
+    MEGATRON_GSPO_API_KEY="$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+fi
+export MEGATRON_GSPO_API_KEY
 
 LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)-$$}}"
 RUN_DIR="${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)}"

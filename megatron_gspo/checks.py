@@ -1,12 +1,19 @@
 """The config checks every section uses: one line naming the key and what it accepts.
 
-`in_range` is the one check of a number: finite (no NaN or inf) and within the bounds given."""
+`in_range` is the one check of a number: finite (no NaN or inf) and within the bounds given.
+Every integer of the config is also a 64-bit one (`INT_MAX`) and every duration at most
+`MAX_SECONDS`, so no value overflows where it is used (torch, numpy, timedelta, thread waits)."""
 
 from __future__ import annotations
 
 import math
 
 from megatron_gspo.errors import UserError
+
+INT_MAX = 2**63 - 1  # torch and numpy integers are 64-bit
+# The longest wait a duration key may ask for (about 31 years): below what thread waits
+# (threading.TIMEOUT_MAX, about 292 years) and timedelta accept, so "no limit" is a big number.
+MAX_SECONDS = 1e9
 
 
 def need(value, key: str, what: str) -> None:
@@ -16,7 +23,7 @@ def need(value, key: str, what: str) -> None:
 
 def choice(value, key: str, choices: tuple) -> None:
     if value not in choices:
-        raise UserError(f"{key} must be one of {', '.join(map(str, choices))}, not {value!r}")
+        raise UserError(f"{key} must be one of {', '.join(map(str, choices))}, not {show(value)}")
 
 
 def positive(value, key: str) -> None:
@@ -52,7 +59,23 @@ def in_range(
         what += f" {'>' if lo_open else '>='} {low}"
     elif hi is not None:
         what += f" {'<' if hi_open else '<='} {high}"
-    raise UserError(f"{key} must be {what}, not {value!r}")
+    raise UserError(f"{key} must be {what}, not {show(value)}")
+
+
+def seconds(value, key: str) -> None:
+    """A duration: a finite number of seconds > 0, at most MAX_SECONDS."""
+    in_range(value, key, 0, MAX_SECONDS, lo_open=True)
+
+
+def show(value) -> str:
+    """A value for a one-line message: a long integer by its digit count, anything else cut."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        try:
+            return f"a {len(str(abs(value)))}-digit integer"
+        except ValueError:  # past Python's limit on printing integers
+            return "an integer of over 4300 digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _bound(x: float | None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,10 +24,12 @@ from typing import Any
 import yaml
 
 from megatron_gspo.algo.config import Agg, LossConfig, LossKind, Tis, TisReduce
+from megatron_gspo.checks import INT_MAX, show
 from megatron_gspo.checks import choice as _choice
 from megatron_gspo.checks import in_range as _in_range
 from megatron_gspo.checks import need as _need
 from megatron_gspo.checks import positive as _positive
+from megatron_gspo.checks import seconds as _seconds
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
@@ -70,6 +73,13 @@ class DataSection:
         _need(self.train, "data.train", "builtin:<task> or a .jsonl/.parquet path")
         if "{prompt}" not in self.template:
             raise UserError("data.template must contain {prompt}")
+        try:
+            self.template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise UserError(
+                f"data.template {show(self.template)} cannot be filled ({type(e).__name__}: "
+                f"{e}); its only field is {{prompt}}, and literal braces are written {{{{ and }}}}"
+            ) from None
         _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
 
 
@@ -84,7 +94,7 @@ class RewardSection:
         _need(self.fn, "reward.fn", "exact, math or module:function")
         if self.workers is not None:
             _in_range(self.workers, "reward.workers", 1, 1024)
-        _in_range(self.timeout_s, "reward.timeout_s", 0, lo_open=True)
+        _seconds(self.timeout_s, "reward.timeout_s")
 
 
 _LOSS = LossConfig()  # the loss keys' defaults, defined once (algo/config.py)
@@ -207,6 +217,23 @@ class Config:
                 f"(rollout.prompts_per_step x rollout.group_size = {batch})"
             )
 
+    def check_context(self, context: int, where: str) -> None:
+        """A sequence (the longest prompt and what is generated after it) fits the model's
+        context of `context` tokens (max_position_embeddings in `where`): the servers could
+        not generate past it, nor the trainer's position embeddings reach it."""
+        prompt = self.data.max_prompt_tokens
+        after = [("rollout.max_new_tokens", self.rollout.max_new_tokens)]
+        if self.env.fn is not None:  # an episode's tokens after the prompt
+            after.append(("env.max_tokens", self.env.max_tokens))
+        for key, n in after:
+            if prompt + n > context:
+                raise UserError(
+                    f"data.max_prompt_tokens ({prompt}) + {key} ({n}) = {prompt + n} tokens "
+                    f"exceed the model's context of {context} tokens (max_position_embeddings "
+                    f"in {where}); lower {key} to at most {max(context - prompt, 0)} or "
+                    "data.max_prompt_tokens"
+                )
+
     def to_dict(self) -> dict:
         """Plain values (a mode as its string), as YAML and JSON write them."""
         return dataclasses.asdict(self, dict_factory=_plain)
@@ -224,18 +251,59 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise UserError(f"config file {path} not found; pass --config FILE.yaml")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of > 4300 digits
+            raise UserError(f"{path} is not valid YAML: {_first_line(e)}") from None
         if not isinstance(raw, dict):
             raise UserError(f"{path} must hold a mapping of config sections")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise UserError(f"override {item!r} must look like key.sub=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+            raise UserError(f"override {show(item)} must look like key.sub=value")
+        _set_dotted(raw, key.strip(), _override_value(key.strip(), value))
     cfg = build(Config, raw, "")
     cfg.check()
     return cfg
+
+
+def _override_value(key: str, text: str) -> Any:
+    """The value of override `key=text`, read as YAML (`3`, `true`, `[a, b]`, `null`). For a
+    string key, text that YAML cannot read as a string (`data.template={prompt}{x}`, invalid
+    YAML or a mapping) is the string as written; for any other key it is an error naming it."""
+    if not text.strip():
+        return None
+    hint = _hint(key)
+    try:
+        value = yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError) as e:
+        if hint is None or hint is str:  # (an unknown key is named by `build`)
+            return text
+        if not isinstance(e, yaml.YAMLError):  # Python reads no integer of > 4300 digits
+            raise UserError(f"{key} must be a number that fits, not {show(text)}") from None
+        raise UserError(
+            f"override {key}: {show(text)} is not valid YAML ({_first_line(e)}); "
+            "write the value as YAML, quoted if it holds : { } [ ] or #"
+        ) from None
+    if hint is str and isinstance(value, dict | list):
+        return text
+    return value
+
+
+def _hint(key: str):
+    """The type of dotted key `key` (str for an optional string), None for an unknown key."""
+    hint: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hints = typing.get_type_hints(hint)
+        if part not in hints:
+            return None
+        hint = hints[part]
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    return inner[0] if typing.get_origin(hint) in _UNIONS and len(inner) == 1 else hint
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:
@@ -274,6 +342,9 @@ def _plain(items: list[tuple[str, Any]]) -> dict:
     return {k: v.value if isinstance(v, enum.Enum) else v for k, v in items}
 
 
+_UNIONS = (typing.Union, types.UnionType)
+
+
 def _convert(hint, value: Any, key: str):
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         _choice(value, key, tuple(hint))
@@ -281,18 +352,18 @@ def _convert(hint, value: Any, key: str):
     if dataclasses.is_dataclass(hint):
         return build(hint, value if value is not None else {}, key)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in _UNIONS:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
         return _convert(inner[0], value, key)
     if origin is list:
         if not isinstance(value, list):
-            raise UserError(f"{key} must be a list, not {value!r}")
+            raise UserError(f"{key} must be a list, not {show(value)}")
         return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            raise UserError(f"{key} must be a mapping, not {value!r}")
+            raise UserError(f"{key} must be a mapping, not {show(value)}")
         return dict(value)
     return _scalar(hint, value, key)
 
@@ -301,24 +372,30 @@ def _scalar(hint, value: Any, key: str):
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise UserError(f"{key} must be true or false, not {value!r}")
+        raise UserError(f"{key} must be true or false, not {show(value)}")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INT_MAX:  # torch and numpy would overflow where it is used
+                raise UserError(
+                    f"{key} must be a 64-bit integer (|x| <= {INT_MAX}), not {show(value)}"
+                )
             return value
-        raise UserError(f"{key} must be an integer, not {value!r}")
+        raise UserError(f"{key} must be an integer, not {show(value)}")
     if hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
-            try:
+        try:
+            if isinstance(value, int | float) and not isinstance(value, bool):
                 return float(value)
-            except ValueError:
-                pass
-        raise UserError(f"{key} must be a number, not {value!r}")
+            if isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
+                return float(value)
+        except OverflowError:  # an integer beyond any float
+            raise UserError(f"{key} must be a finite number, not {show(value)}") from None
+        except ValueError:
+            pass
+        raise UserError(f"{key} must be a number, not {show(value)}")
     if hint is str:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
-        raise UserError(f"{key} must be a string, not {value!r}")
+        raise UserError(f"{key} must be a string, not {show(value)}")
     return value
 
 

@@ -7,11 +7,13 @@ Accepts what transformers 4.x and 5.x write for Qwen3-MoE, Qwen3 and Qwen2 (`num
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_gspo.checks import show
 from megatron_gspo.errors import UserError
 
 SUPPORTED = {
@@ -61,55 +63,108 @@ def load_hf_config(path: str | Path) -> dict:
         raise UserError(f"no config.json in {path}; point at an HF checkpoint directory")
     try:
         return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # (also an integer of > 4300 digits)
         raise UserError(f"{cfg} is not valid JSON ({e}); re-copy the checkpoint") from None
 
 
 def model_spec(cfg: dict) -> ModelSpec:
+    """The description of `cfg` (a config.json's contents); every value is checked first (a
+    UserError naming the key: NaN, a negative size, a string where a number belongs)."""
+    if not isinstance(cfg, dict):
+        raise UserError("config.json must hold a JSON object")
     archs = cfg.get("architectures") or []
-    arch_name = next((a for a in archs if a in SUPPORTED), None)
+    archs = archs if isinstance(archs, list) else [archs]
+    arch_name = next((a for a in archs if isinstance(a, str) and a in SUPPORTED), None)
     if arch_name is None:
         raise UserError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"unsupported architecture {show(archs or cfg.get('model_type'))}; "
             f"supported: {', '.join(sorted(SUPPORTED))}"
         )
     arch = SUPPORTED[arch_name]
-    n_layers = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
-    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    n_layers, heads = _int(cfg, "num_hidden_layers"), _int(cfg, "num_attention_heads")
+    experts = _int(cfg, "num_experts", _int(cfg, "num_local_experts", 0, lo=0), lo=0)
     if arch != "qwen3_moe":
         experts = 0
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    dense_only = set(cfg.get("mlp_only_layers") or [])
+    step = _int(cfg, "decoder_sparse_step", 1)
+    dense_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(_is_int(i) for i in dense_only):
+        raise UserError(
+            f"config.json: mlp_only_layers must be a list of layer ids, not {show(dense_only)}"
+        )
     moe_layers = tuple(
-        experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(n_layers)
+        experts > 0 and i not in set(dense_only) and (i + 1) % step == 0 for i in range(n_layers)
     )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"config.json: rope_parameters must be an object, not {show(rope)}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
-        raise UserError(f"rope type {rope_type!r} is not supported yet; use a default-RoPE model")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        raise UserError(
+            f"rope type {show(rope_type)} is not supported yet; use a default-RoPE model"
+        )
+    hidden = _int(cfg, "hidden_size")
+    topk = _int(cfg, "num_experts_per_tok", 0, lo=0, hi=max(experts, 0) if experts else None)
     return ModelSpec(
         arch=arch,
         architecture=arch_name,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
+        vocab_size=_int(cfg, "vocab_size"),
+        hidden_size=hidden,
         num_layers=n_layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        ffn_hidden_size=int(cfg["intermediate_size"]),
-        moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size", 0) or 0),
+        num_kv_heads=_int(cfg, "num_key_value_heads", heads),
+        head_dim=_int(cfg, "head_dim", hidden // heads),
+        ffn_hidden_size=_int(cfg, "intermediate_size"),
+        moe_ffn_hidden_size=_int(cfg, "moe_intermediate_size", 0, lo=0),
         num_experts=experts,
-        topk=int(cfg.get("num_experts_per_tok", 0) or 0),
+        topk=topk,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         moe_layers=moe_layers,
-        rope_theta=float(theta),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_float(cfg, "rope_theta", rope.get("rope_theta", 10000.0)),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        dtype=getattr(torch, str(dtype_name)),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
+        dtype=_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
+
+
+_REQUIRED = object()
+MAX_SIZE = 2**31 - 1  # sizes index int32 kernels and buffers
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(cfg: dict, key: str, default=_REQUIRED, lo: int = 1, hi: int | None = None) -> int:
+    """An integer size in [lo, hi or MAX_SIZE] (an integral float such as 2.0 is taken)."""
+    v = cfg.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise UserError(f"config.json has no {key}; is it an HF model config?")
+        v = default
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    top = MAX_SIZE if hi is None else hi
+    if not _is_int(v) or not lo <= v <= top:
+        raise UserError(f"config.json: {key} must be an integer in [{lo}, {top}], not {show(v)}")
+    return v
+
+
+def _float(cfg: dict, key: str, default: object) -> float:
+    """A finite number > 0."""
+    v = cfg.get(key)
+    v = default if v is None else v
+    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+        return float(v)
+    raise UserError(f"config.json: {key} must be a finite number > 0, not {show(v)}")
+
+
+def _dtype(name: object) -> torch.dtype:
+    t = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(t, torch.dtype) or not t.is_floating_point:
+        raise UserError(
+            f"config.json: torch_dtype must be a floating-point dtype, not {show(name)}"
+        )
+    return t

@@ -49,6 +49,22 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
+def unreadable(directory: Path) -> str | None:
+    """None when this megatron-core can read the dist-checkpoint `directory` (its metadata.json
+    names a backend and version it has a load strategy for); else why not, in a few words."""
+    from megatron.core.dist_checkpointing.serialization import verify_checkpoint_and_load_strategy
+
+    name = f"{directory.name}/metadata.json"
+    if not (directory / "metadata.json").is_file():
+        return f"{name} is missing"
+    try:
+        verify_checkpoint_and_load_strategy(str(directory))
+    except Exception as e:  # noqa: BLE001 - whatever megatron finds wrong, the load would too
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return f"{name} names a format this version cannot read ({first})"
+    return None
+
+
 def write_meta(path: Path, *, spec, padded_vocab: int, dtype: torch.dtype, extra=None) -> None:
     meta = {
         "format": FORMAT,

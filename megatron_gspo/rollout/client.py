@@ -15,23 +15,22 @@ prompt i gets seed + i * n + j: the G samples of a prompt differ and a rerun rep
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 
 import aiohttp
-import numpy as np
 
+from megatron_gspo.rollout.answers import RolloutError, decode_routed_experts
+from megatron_gspo.rollout.answers import message as _message
+from megatron_gspo.rollout.answers import read_json as _read_json
 from megatron_gspo.rollout.partial import Hold
 from megatron_gspo.rollout.sample import Sample
 
+__all__ = ["RolloutClient", "RolloutError", "Sample", "decode_routed_experts"]
+
 log = logging.getLogger(__name__)
-
-
-class RolloutError(RuntimeError):
-    """A request that failed for good: refused (4xx) or out of retries."""
 
 
 @dataclass
@@ -334,26 +333,36 @@ class RolloutClient:
     async def wait_healthy(self, timeout_s: float = 120.0, refused_s: float | None = None) -> None:
         """Wait until every server answers /health with 200, at most `timeout_s` in all. A server
         that answers (healthy or not yet) is waited for; with `refused_s`, one that no request
-        reaches for that long (nothing listening, no such host) is an error at once."""
+        reaches for that long (nothing listening, no such host) is an error at once. On an error
+        the session is closed, so a caller that stops there leaves no connection open."""
         deadline = time.monotonic() + timeout_s
-        for url in self.urls:
-            since, answered = time.monotonic(), False
-            while True:
-                status, error = await self._health(url, total_s=10.0)
-                if status == 200:
-                    break
-                answered = answered or status is not None
-                now = time.monotonic()
-                if refused_s is not None and not answered and now - since > refused_s:
-                    raise RolloutError(
-                        f"nothing answers at {url} ({error}) after {refused_s:.0f} s; "
-                        "is a rollout server running there?"
-                    )
-                if now > deadline:
-                    raise RolloutError(
-                        f"{url} did not become healthy in {timeout_s:.0f} s (last: {error})"
-                    )
-                await asyncio.sleep(0.2)
+        try:
+            for url in self.urls:
+                await self._wait_one(url, deadline, timeout_s, refused_s)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _wait_one(
+        self, url: str, deadline: float, timeout_s: float, refused_s: float | None
+    ) -> None:
+        since, answered = time.monotonic(), False
+        while True:
+            status, error = await self._health(url, total_s=10.0)
+            if status == 200:
+                return
+            answered = answered or status is not None
+            now = time.monotonic()
+            if refused_s is not None and not answered and now - since > refused_s:
+                raise RolloutError(
+                    f"nothing answers at {url} ({error}) after {refused_s:.0f} s; "
+                    "is a rollout server running there?"
+                )
+            if now > deadline:
+                raise RolloutError(
+                    f"{url} did not become healthy in {timeout_s:.0f} s (last: {error})"
+                )
+            await asyncio.sleep(0.2)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         body = {"model_path": model_path, "weight_version": weight_version}
@@ -371,30 +380,3 @@ class RolloutClient:
 
 class _Retryable(Exception):
     """A failure another try (on another server) may get past."""
-
-
-def decode_routed_experts(b64: str, num_tokens: int, topk: int | None) -> np.ndarray:
-    """SGLang's base64 int32 payload as [num_tokens, layers, topk]."""
-    flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
-    if not topk or num_tokens <= 0 or flat.size % (num_tokens * topk):
-        raise RolloutError(
-            f"routed_experts holds {flat.size} ids, not a multiple of {num_tokens} tokens x top-{topk}"
-        )
-    return flat.reshape(num_tokens, -1, topk).copy()
-
-
-async def _read_json(resp: aiohttp.ClientResponse) -> dict:
-    try:
-        data = await resp.json(content_type=None)
-    except ValueError:
-        data = None
-    if isinstance(data, dict):
-        return data
-    return {"message": (await resp.text())[:500]} if data is None else {"data": data}
-
-
-def _message(data: dict) -> str:
-    err = data.get("error")
-    if isinstance(err, dict) and err.get("message"):
-        return str(err["message"])
-    return str(data.get("message") or err or data)

@@ -4,10 +4,13 @@ rollouts, the environment that answers the model's turns (`env:`, rollout/episod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from megatron_gspo.checks import choice as _choice
 from megatron_gspo.checks import in_range as _in_range
 from megatron_gspo.checks import positive as _positive
+from megatron_gspo.checks import seconds as _seconds
+from megatron_gspo.checks import show
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
 
@@ -78,13 +81,15 @@ class RolloutSection:
             )
         for i, node in enumerate(self.url_nodes):
             _in_range(node, f"rollout.url_nodes[{i}]", 0)
+        for i, url in enumerate(self.urls):
+            check_url(url, f"rollout.urls[{i}]")
         if self.router_url and not self.urls:
             raise UserError(
                 "rollout.router_url needs rollout.urls: the servers behind the router (weight "
                 "syncs go to each of them)"
             )
-        if self.router_url and not self.router_url.startswith(("http://", "https://")):
-            raise UserError(f"rollout.router_url must be an http(s) URL, got {self.router_url!r}")
+        if self.router_url:
+            check_url(self.router_url, "rollout.router_url")
         for name in ("server_tp", "group_size", "prompts_per_step", "max_new_tokens"):
             _positive(getattr(self, name), f"rollout.{name}")
         if self.group_size < 2:
@@ -92,7 +97,7 @@ class RolloutSection:
         _in_range(self.temperature, "rollout.temperature", 0)
         _in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
         for name in ("health_timeout_s", "connect_grace_s"):
-            _in_range(getattr(self, name), f"rollout.{name}", 0, lo_open=True)
+            _seconds(getattr(self, name), f"rollout.{name}")
         _in_range(self.max_staleness, "rollout.max_staleness", 0, MAX_STALENESS)
         if self.partial and not self.max_staleness:
             raise UserError(
@@ -105,6 +110,19 @@ class RolloutSection:
                 "rollout.release_memory (the servers' GPU memory lent to training) rules out; "
                 "set one of them to 0, or place the servers on GPUs of their own"
             )
+
+
+def check_url(url: str, key: str) -> None:
+    """An http(s) URL with a host and, if it names one, a port in 1..65535."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # (a ValueError for a port out of range or not a number)
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise UserError(
+            f"{key} must be an http(s) URL with a host, like http://10.0.0.2:30000, not {show(url)}"
+        )
 
 
 @dataclass
@@ -138,6 +156,6 @@ class EnvSection:
             _positive(getattr(self, name), f"env.{name}")
         if self.max_turn_tokens is not None:
             _positive(self.max_turn_tokens, "env.max_turn_tokens")
-        _in_range(self.timeout_s, "env.timeout_s", 0, lo_open=True)
+        _seconds(self.timeout_s, "env.timeout_s")
         if self.workers is not None:
             _in_range(self.workers, "env.workers", 1, 1024)

@@ -8,12 +8,16 @@ everything above it talks to it exactly as to SGLang.
 
 Security: it binds 127.0.0.1 by default and refuses a non-loopback --host without an API key;
 with a key every endpoint but GET /health requires `Authorization: Bearer KEY` (the trainer gives
-the servers it starts a random one). A POST must carry JSON (or no body) and no foreign Origin, so
-a web page in a browser on the same machine cannot drive it. Weight payloads are accepted only as
-tensors (see safe_unpickle); distributed weight updates use gloo.
+the servers it starts a random one). Only a Host naming its own address or a loopback name is
+served (DNS rebinding), and a POST must carry JSON (or no body and no Content-Type) and no
+foreign Origin, so a web page in a browser on the same machine cannot drive it (gate.py). Weight
+payloads are accepted only as tensors (see safe_unpickle), shared-memory ones only with the API
+key; every update's shapes and values are checked before it is written (weights.py);
+distributed weight updates use gloo, their group inits bounded by --weight-group-timeout.
 
 Robustness: every request field is checked by type and range before the engine sees it (a bad one
-is a 400 naming it; `validate.py`), with per-request bounds set by --max-n and --max-batch-size.
+is a 400 naming it; `validate.py`), with per-request bounds set by --max-n and --max-batch-size;
+a body that cannot be decoded is a 400 too, and no request of any shape gets a 5xx.
 A connection that sends no complete request within --read-timeout of connecting (or of its last
 answer), or a body slower than that, is closed (408 for the body). /health answers 503 once the
 engine thread has ended, so a supervisor restarts the server. SIGTERM/SIGINT stop it within
@@ -25,20 +29,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import hmac
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from urllib.parse import urlsplit
 
 import torch
 from aiohttp import web
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.server import control, kernels, weight_endpoints
+from megatron_gspo.server import control, gate, kernels, weight_endpoints
 from megatron_gspo.server.api import format_result, parse_generate
 from megatron_gspo.server.engine import Engine, Request
 from megatron_gspo.server.http_common import BODY_TIMEOUT, STATE, BodyTimeout, bad, read_json
@@ -51,6 +53,7 @@ log = logging.getLogger("megatron_gspo.server.app")
 API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
 DECODE_KERNEL_ENV = "MEGATRON_GSPO_DECODE_KERNEL"
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
+HOSTS = web.AppKey("hosts", gate.Hosts)
 
 
 # ---- generation ----------------------------------------------------------------------------
@@ -176,12 +179,9 @@ async def server_info(request: web.Request) -> web.Response:
 
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
-    key = request.app[STATE].args.api_key
-    if key and not (request.method == "GET" and request.path == "/health"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-    refused = _not_from_a_client(request)
+    refused = gate.refused(request, request.app[HOSTS], request.app[STATE].args.api_key)
+    if refused is not None and refused[0] == 401:
+        return web.json_response({"error": "Unauthorized"}, status=401)  # (SGLang's answer)
     if refused is not None:
         return bad(refused[1], status=refused[0])
     try:
@@ -199,23 +199,10 @@ async def errors_and_auth(request: web.Request, handler):
         return bad(f"internal error: {type(e).__name__}: {e}", status=500)
 
 
-def _not_from_a_client(request: web.Request) -> tuple[int, str] | None:
-    """A POST from a web page is refused: a browser sends an Origin header, and cross-site it
-    can only send text/plain or form bodies without a preflight. Every client of this API sends
-    JSON (or no body at all, whatever type it names) and no foreign Origin."""
-    if request.method in ("GET", "HEAD"):
-        return None
-    origin = request.headers.get("Origin")
-    if origin is not None and urlsplit(origin).netloc != request.host:
-        return 403, f"cross-origin request from {origin[:100]!r} refused"
-    if request.body_exists and request.content_type != "application/json":
-        return 415, f"Content-Type must be application/json, not {request.content_type!r}"
-    return None
-
-
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=256 * 2**20)
     app[STATE] = state
+    app[HOSTS] = gate.Hosts(state.args.host)
     app[BODY_TIMEOUT] = float(state.args.read_timeout)
     r = app.router
     r.add_post("/generate", generate)
@@ -261,6 +248,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a connection may sit without a complete request, or a body take to arrive",
     )
     parser.add_argument(
+        "--weight-group-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a /init_weights_update_group may take (it fails after), and the "
+        "timeout of the group's broadcasts",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=15.0,
@@ -304,9 +298,9 @@ def serve_main(args: argparse.Namespace) -> None:
     for flag in ("max_running_requests", "max_n", "max_batch_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("read_timeout", "shutdown_timeout"):
-        if not getattr(args, flag) > 0:
-            raise UserError(f"--{flag.replace('_', '-')} must be > 0 seconds")
+    for flag in ("read_timeout", "shutdown_timeout", "weight_group_timeout"):
+        if not 0 < getattr(args, flag) <= 1e9:
+            raise UserError(f"--{flag.replace('_', '-')} must be in (0, 1e9] seconds")
     state = ServerState(args)
     gc.freeze()  # the model, torch and the libraries: never garbage, so never scanned again
     asyncio.run(_serve(state))

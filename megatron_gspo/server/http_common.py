@@ -7,6 +7,8 @@ import asyncio
 import json
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from megatron_gspo.server.api import error_body
 from megatron_gspo.server.engine import Engine
@@ -34,6 +36,9 @@ async def read_json(request: web.Request) -> dict:
             raw = await request.read()
     except TimeoutError:
         raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
+    except (RequestPayloadError, HttpProcessingError) as e:  # e.g. "gzip" that is not gzip
+        why = " ".join(str(e).split())[:200]
+        raise BadRequest(f"the request body cannot be read ({why})") from None
     try:
         body = json.loads(raw)
     except RecursionError:

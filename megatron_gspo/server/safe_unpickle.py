@@ -20,6 +20,11 @@ and it is mapped read-only: the server never writes, grows, counts or unlinks it
 (the sender frees it). The manager socket is ignored. A client on another machine cannot have
 created a shared-memory object here, so a payload from one that names any is refused
 (`senders=None`; a peer is on this machine when its address is one of this machine's).
+
+A server without an API key refuses shared memory altogether (`WITHOUT_API_KEY`): it cannot
+tell which process a client is, so any local process could name another's pid as a sender and
+have that process's tensors loaded into the served weights. With a key, only its holder (the
+trainer, which gives the servers it starts a random one) opens a weight-update session.
 """
 
 from __future__ import annotations
@@ -194,19 +199,28 @@ _HINTS = {
 _SHARED = ("torch.multiprocessing.reductions", "rebuild_storage_filename")
 
 
+# why shared memory is refused where `senders` is None
+FROM_ANOTHER_MACHINE = (
+    "weight payload refers to shared memory, which only a process on this machine can pass: "
+    "refused from a client on another machine (from there, sync weights with sync.method "
+    "distributed or disk)"
+)
+WITHOUT_API_KEY = (
+    "weight payload refers to shared memory, which this server loads only for a client holding "
+    "its API key (without one, any local process could name another's objects): start it with "
+    "--api-key KEY (or $MEGATRON_GSPO_API_KEY) and give the trainer the same key"
+)
+
+
 class _TensorUnpickler(pickle.Unpickler):
-    def __init__(self, file, senders: frozenset[int] | None):
+    def __init__(self, file, senders: frozenset[int] | None, refusal: str):
         super().__init__(file)
-        self.senders = senders
+        self.senders, self.refusal = senders, refusal
 
     def find_class(self, module: str, name: str):
         if (module, name) == _SHARED:
             if self.senders is None:
-                raise BadPayload(
-                    "weight payload refers to shared memory, which only a process on this "
-                    "machine can pass: refused from a client on another machine (from there, "
-                    "sync weights with sync.method distributed or disk)"
-                )
+                raise BadPayload(self.refusal)
             return _rebuild_storage_filename(self.senders)
         found = _ALLOWED.get((module, name))
         if found is not None:
@@ -220,15 +234,19 @@ class _TensorUnpickler(pickle.Unpickler):
         raise BadPayload("weight payload uses persistent ids: refused")
 
 
-def loads(b64: str | bytes, senders: frozenset[int] | None = frozenset()) -> object:
+def loads(
+    b64: str | bytes,
+    senders: frozenset[int] | None = frozenset(),
+    refusal: str = FROM_ANOTHER_MACHINE,
+) -> object:
     """Decode one base64 payload with the restricted unpickler. Shared-memory tensors: only
-    those made by the processes `senders`; None (a client on another machine) refuses them."""
+    those made by the processes `senders`; None refuses them, saying `refusal`."""
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError, TypeError) as e:
         raise BadPayload(f"serialized_named_tensors is not base64: {e}") from None
     try:
-        return _TensorUnpickler(io.BytesIO(raw), senders).load()
+        return _TensorUnpickler(io.BytesIO(raw), senders, refusal).load()
     except BadPayload:
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle is the client's error
@@ -236,11 +254,14 @@ def loads(b64: str | bytes, senders: frozenset[int] | None = frozenset()) -> obj
 
 
 def decode_named_tensors(
-    b64: str | bytes, load_format: str | None, senders: frozenset[int] | None = frozenset()
+    b64: str | bytes,
+    load_format: str | None,
+    senders: frozenset[int] | None = frozenset(),
+    refusal: str = FROM_ANOTHER_MACHINE,
 ) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) list of one payload; load_format None/"direct" or "flattened_bucket".
     `senders`: the processes whose shared-memory tensors are accepted (`loads`)."""
-    obj = loads(b64, senders)
+    obj = loads(b64, senders, refusal)
     if load_format == "flattened_bucket":
         return _from_bucket(obj)
     if not isinstance(obj, (list, tuple)):
@@ -277,9 +298,25 @@ def _from_bucket(obj: object) -> list[tuple[str, torch.Tensor]]:
         if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
             raise BadPayload("metadata name must be a string and dtype a torch dtype")
         if not 0 <= start <= end <= flat.numel():
-            raise BadPayload(f"metadata of {name!r} points outside the flattened tensor")
+            raise BadPayload(f"metadata of {name[:100]!r} points outside the flattened tensor")
+        if not _fits(shape, dtype, end - start):
+            raise BadPayload(
+                f"metadata of {name[:100]!r}: shape {str(shape)[:80]} of {dtype} does not fit "
+                f"its {end - start} bytes"
+            )
         try:
             out.append((name, flat[start:end].view(dtype).reshape(shape)))
-        except RuntimeError as e:
-            raise BadPayload(f"metadata of {name!r} does not fit its bytes: {e}") from None
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise BadPayload(f"metadata of {name[:100]!r} does not fit its bytes: {e}") from None
     return out
+
+
+def _fits(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> bool:
+    """Whether `nbytes` hold exactly a `shape` tensor of `dtype` (sizes >= 0, at most 64 dims;
+    the product capped as it grows, so a hostile shape costs nothing)."""
+    if len(shape) > 64 or any(d < 0 for d in shape):
+        return False
+    numel = 1
+    for d in shape:
+        numel = min(numel * d, nbytes + 1)
+    return numel * dtype.itemsize == nbytes

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +15,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.hf.config import load_hf_config
+from megatron_gspo.rollout import weight_payload
 from megatron_gspo.server import safe_unpickle
 from megatron_gspo.server.engine import Engine
 from megatron_gspo.server.model import RolloutModel
 from megatron_gspo.server.validate import Limits
+
+MAX_PENDING_INITS = 32  # group inits waiting at once (each holds a thread until it ends)
+
+
+class TooManyInits(Exception):
+    """MAX_PENDING_INITS group inits are waiting already."""
 
 
 @dataclass
@@ -28,8 +37,48 @@ class WeightUpdates:
     released: set[str] = field(default_factory=set)
     session: str | None = None  # the selector of the open begin/end_weight_update session
     senders: frozenset[int] = frozenset()  # the session's shared-memory senders (their pids)
-    group_timeout_s: float = 300.0
+    group_timeout_s: float = 300.0  # a group init's bound, and its collectives' timeout
     recv_free: list[torch.Tensor] = field(default_factory=list)  # distributed receive buffers
+    model_numel: int = 0  # the most elements one update may carry (the model's)
+    pending: set[str] = field(default_factory=set)  # groups whose init has not ended
+
+    async def open_group(
+        self, address: str, port: int, world: int, rank: int, name: str, backend: str
+    ) -> dist.ProcessGroup:
+        """Join update group `name` as `rank` (weight_payload.open_update_group) on a thread of
+        its own, so that inits waiting on a master never hold up other
+        requests (asyncio's shared worker threads carry tensor decoding and receives). Waits at
+        most group_timeout_s (TimeoutError): torch's store handshake waits on a silent master
+        for ever, whatever its timeout. A thread that ends after that lets its group go."""
+        if len(self.pending) >= MAX_PENDING_INITS:
+            raise TooManyInits
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def finish(group, error) -> None:  # on the event loop
+            self.pending.discard(name)
+            if done.cancelled():  # the wait gave up: nobody will use the group
+                if group is not None:
+                    _in_thread(dist.destroy_process_group, group)
+            elif error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(group)
+
+        def run() -> None:
+            group, error = None, None
+            try:
+                group = weight_payload.open_update_group(
+                    address, port, world, rank, name, backend, self.group_timeout_s
+                )
+            except Exception as e:  # noqa: BLE001 - reported to the request
+                error = e
+            with contextlib.suppress(RuntimeError):  # (the loop closed: the server stopped)
+                loop.call_soon_threadsafe(finish, group, error)
+
+        self.pending.add(name)
+        _in_thread(run)
+        return await asyncio.wait_for(done, self.group_timeout_s)
 
     def take_buffer(self, nbytes: int) -> torch.Tensor:
         """A receive buffer of at least `nbytes`: a kept one, else a new one. Two are kept, so
@@ -58,6 +107,10 @@ class WeightUpdates:
         self.drop_buffers()
 
 
+def _in_thread(fn, *args) -> None:
+    threading.Thread(target=fn, args=args, daemon=True, name="weights-update-group").start()
+
+
 class ServerState:
     """What the handlers share: the engine (which owns the model) and the served paths."""
 
@@ -80,7 +133,8 @@ class ServerState:
             weight_version=args.weight_version,
             decode_kernel=args.decode_kernel,
         )
-        self.weights = WeightUpdates()
+        self.weights = WeightUpdates(group_timeout_s=float(args.weight_group_timeout))
+        self.weights.model_numel = model.numel()
         self.limits = Limits(max_n=args.max_n, max_batch=args.max_batch_size)
 
     def encode(self, text: str) -> list[int]:

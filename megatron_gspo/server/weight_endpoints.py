@@ -5,7 +5,13 @@
 
 As in SGLang 0.5.23, tensor and distributed updates must run inside a begin/end_weight_update
 session (one at a time); /update_weights_from_disk needs none. Tensor payloads are decoded by
-`safe_unpickle` (tensors only, never arbitrary pickle). The server
+`safe_unpickle` (tensors only, never arbitrary pickle); shared-memory ones only by a server with
+an API key (without one any local process could name another's objects; safe_unpickle's doc).
+Every update is checked before it is written: names, shapes and values (`check_values`: NaN,
+inf and weights past the server's dtype or 1e18 are a 400 naming the tensor). A distributed
+update carries at most the model's elements, so its receive buffer is bounded by the model's
+size; the buffer of a failed update is freed, not kept. Group inits run on threads of their own
+and fail after --weight-group-timeout (`WeightUpdates.open_group`). The server
 is one TP rank: it reads `serialized_named_tensors[0]` and joins a distributed group as rank
 `rank_offset`. Received tensors load on the engine thread between steps, with the same rule as
 /update_weights_from_disk: wait for running requests unless generation is paused. Distributed
@@ -38,7 +44,12 @@ from megatron_gspo.server.api import error_body
 from megatron_gspo.server.engine import Engine
 from megatron_gspo.server.http_common import STATE, bad, read_json, run_on_engine
 from megatron_gspo.server.sampling import BadRequest
-from megatron_gspo.server.state import ServerState, WeightUpdates
+from megatron_gspo.server.state import (
+    MAX_PENDING_INITS,
+    ServerState,
+    TooManyInits,
+    WeightUpdates,
+)
 from megatron_gspo.server.validate import is_local_address
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -116,7 +127,13 @@ async def _load(
     extra = extra or {}
 
     def load(engine: Engine) -> int:
-        engine.model.load_weights(named)
+        try:
+            engine.model.load_weights(named)
+        except BaseException:
+            # let go of the tensors (and a receive buffer under them) now: the exception's
+            # traceback holds this frame in a cycle that only the garbage collector breaks
+            named.clear()
+            raise
         if version is not None:
             engine.weight_version = version
         return len(engine.running) if engine.paused else 0
@@ -145,10 +162,16 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise BadRequest(f"load_format must be null, direct or flattened_bucket: {load_format!r}")
     version, abort_all = _options(body)
     _require_session(st.weights, "update_weights_from_tensor")
-    # shared memory: only from a peer on this machine, made by a sender the session named
-    senders = st.weights.senders if is_local_address(request.remote) else None
+    # shared memory: only for the API key's holder, from a peer on this machine, made by a
+    # sender the session named (safe_unpickle's module doc)
+    senders: frozenset[int] | None = st.weights.senders
+    refusal = safe_unpickle.FROM_ANOTHER_MACHINE
+    if not st.args.api_key:
+        senders, refusal = None, safe_unpickle.WITHOUT_API_KEY
+    elif not is_local_address(request.remote):
+        senders = None
     named = await asyncio.to_thread(
-        safe_unpickle.decode_named_tensors, payloads[0], load_format, senders
+        safe_unpickle.decode_named_tensors, payloads[0], load_format, senders, refusal
     )
     if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_tensor")
@@ -181,20 +204,31 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
         raise BadRequest("need 0 < master_port < 65536 and 1 <= rank_offset < world_size")
     if backend != "gloo":
         raise BadRequest(f"backend {backend!r} is not available on this CPU server; use gloo")
-    if name in updates.groups:
+    if name in updates.groups or name in updates.pending:
         raise BadRequest(f"a weights update group named {name!r} already exists")
     try:
-        group = await asyncio.to_thread(
-            weight_payload.open_update_group,
-            address, port, world, offset, name, backend, updates.group_timeout_s,
+        group = await updates.open_group(address, port, world, offset, name, backend)
+    except TooManyInits:
+        return bad(
+            f"{MAX_PENDING_INITS} weights update group inits are waiting already; retry once "
+            "they end (each ends within the group timeout)", status=429,
         )  # fmt: skip
+    except TimeoutError:
+        return bad(
+            f"Failed to init process group {name!r}: no group formed with the master at "
+            f"{address}:{port} within {updates.group_timeout_s:g} s"
+        )
     except Exception as e:  # noqa: BLE001 - a failed rendezvous is reported, not raised
         return bad(f"Failed to init process group {name!r}: {type(e).__name__}: {e}")
     updates.groups[name] = group
     return _ok(f"Initialized weights update group {name!r} as rank {offset} of {world}.")
 
 
-def _distributed_spec(body: dict) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+def _distributed_spec(
+    body: dict, model_numel: int
+) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+    """The request's names, dtypes and shapes, checked before any byte is received: floating
+    dtypes, and no more elements than the model holds (what a receive buffer may take)."""
     names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
     if not (
         isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
@@ -203,14 +237,24 @@ def _distributed_spec(body: dict) -> tuple[list[str], list[torch.dtype], list[li
     torch_dtypes = []
     for d in dtypes:
         t = getattr(torch, d, None) if isinstance(d, str) else None
-        if not isinstance(t, torch.dtype):
-            raise BadRequest(f"dtype {d!r} is not a torch dtype name")
+        if not isinstance(t, torch.dtype) or not t.is_floating_point:
+            raise BadRequest(f"dtype {str(d)[:40]!r} is not a floating-point torch dtype name")
         torch_dtypes.append(t)
+    total = 0
     for n, s in zip(names, shapes):
         if not isinstance(n, str) or not isinstance(s, list):
             raise BadRequest("names must be strings and shapes lists of sizes")
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
-            raise BadRequest(f"shape of {n!r} must be a list of non-negative ints: {s}")
+            raise BadRequest(f"shape of {n[:100]!r} must be a list of non-negative ints")
+        numel = 1
+        for x in s[:64]:  # (capped as it grows: no huge product of a hostile shape)
+            numel = min(numel * x, model_numel + 1)
+        total += numel
+        if total > model_numel or len(s) > 64:
+            raise BadRequest(
+                f"the update holds more elements than the model's {model_numel} (at "
+                f"{n[:100]!r}, shape {str(s)[:80]}); send the model's own weights"
+            )
     return names, torch_dtypes, shapes
 
 
@@ -224,11 +268,12 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     load_format = body.get("load_format")
     if load_format not in (None, "flattened_bucket"):
         raise BadRequest(f"load_format must be null or flattened_bucket: {load_format!r}")
-    names, dtypes, shapes = _distributed_spec(body)
-    version, abort_all = _options(body)
     _require_session(updates, "update_weights_from_distributed")
+    names, dtypes, shapes = _distributed_spec(body, updates.model_numel)
+    version, abort_all = _options(body)
     # The lock covers the receive only: the next bucket is received (into another buffer)
-    # while this one loads. The load keeps the buffer until it has copied the bytes.
+    # while this one loads. The load keeps the buffer until it has copied the bytes; a buffer
+    # goes back to the pool only after an update that succeeded (a failed one's is freed).
     buffer = None
     async with updates.lock:
         if load_format == "flattened_bucket":
@@ -240,13 +285,15 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a failed broadcast is reported, not raised
             return bad(f"Failed to receive weights over {name!r}: {type(e).__name__}: {e}")
-    try:
-        if abort_all:
-            st.engine.abort(None, "Abort by update_weights_from_distributed")
-        return await _load(st, named, version, "distributed")
-    finally:
-        if buffer is not None:
-            updates.give_buffer(buffer)
+    if abort_all:
+        st.engine.abort(None, "Abort by update_weights_from_distributed")
+    answer = await _load(st, named, version, "distributed")
+    if buffer is not None and answer.status == 200:
+        updates.give_buffer(buffer)
+    elif buffer is not None:  # freed now: gloo keeps its last op's tensor until its next op
+        del named
+        buffer.untyped_storage().resize_(0)
+    return answer
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:

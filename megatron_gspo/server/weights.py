@@ -3,6 +3,7 @@ fused, experts stacked), loaded by name or from a checkpoint, every shape checke
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -97,6 +98,10 @@ class ModelWeights:
                 ]
         return names
 
+    def numel(self) -> int:
+        """The elements of every weight (what a full update carries)."""
+        return sum(self._target(n).numel() for n in self.hf_names())
+
     def _target(self, name: str) -> torch.Tensor:
         """The tensor (or expert slice) an HF name loads into; UserError for unknown names."""
         if name in self.params:
@@ -111,7 +116,8 @@ class ModelWeights:
         raise UserError(f"weight {name!r} does not belong to this {self.spec.architecture} model")
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors in; all shapes are checked before any is written. Returns count."""
+        """Copy HF-named tensors in; all shapes and values are checked before any is written
+        (`check_values`). Returns count."""
         items = list(named)
         for name, t in items:
             want = self._target(name).shape
@@ -119,6 +125,8 @@ class ModelWeights:
                 raise UserError(
                     f"weight {name!r} has shape {tuple(t.shape)}, expected {tuple(want)}"
                 )
+        for name, t in items:
+            check_values(name, t, self.dtype)
         with torch.no_grad():
             for name, t in items:
                 self._target(name).copy_(t)
@@ -151,6 +159,33 @@ class ModelWeights:
                 for w in ("gate", "up") if m[2] == "gate_up_proj" else ("down",):
                     for j in range(ex[w].shape[0]):
                         fp8_round_(ex[w][j])
+
+
+# No trained network holds a weight near this; past sqrt(float32's max) ~ 1.8e19 the squares the
+# forward takes (norms, attention scores) overflow float32 and bfloat16, and every /generate
+# would fail on NaN log-probs (1e38 did).
+MAX_WEIGHT = 1e18
+_NORMED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_values(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse (UserError naming the tensor) a weight the server could not compute with: a
+    dtype that is no floating point, NaN or inf, a value that is no longer finite once stored in
+    `dtype` (1e38 in float16), or one past MAX_WEIGHT."""
+    if not t.dtype.is_floating_point:
+        raise UserError(f"weight {name!r} is {t.dtype}, not a floating-point tensor")
+    if t.numel() == 0:
+        return
+    if t.dtype not in _NORMED:  # (float8: no reductions on CPU)
+        t = t.float()
+    largest = torch.linalg.vector_norm(t.detach(), math.inf).item()  # max |x|; NaN if any
+    limit = min(MAX_WEIGHT, torch.finfo(dtype).max)
+    if not largest <= limit:  # (also NaN)
+        kind = "NaN or inf" if not math.isfinite(largest) else f"|value| up to {largest:.3g}"
+        raise UserError(
+            f"weight {name!r} holds {kind}; weights must be finite and at most {limit:.3g} in "
+            f"magnitude (this server computes in {str(dtype).removeprefix('torch.')})"
+        )
 
 
 def _shape_key(spec: ModelSpec) -> tuple:

@@ -14,9 +14,13 @@ complete; a crash mid-write leaves only a `.tmp` directory, which `latest` ignor
 save of that step replaces. Older checkpoints beyond `keep` are deleted after the rename, never
 the new one: it is the last verified checkpoint.
 
-A resume uses the newest checkpoint that verifies against its manifest (`verify`); a newer one
-that does not (a truncated, zeroed or garbled file, a lost manifest) is moved aside to
-`checkpoints/unverified/` and named, never loaded and never deleted.
+A resume uses the newest checkpoint that verifies against its manifest (`verify`: the manifest
+lists every file of the directory, so every file a load reads, and each has its size and sha256)
+and that this version can load (`loadable`: its state file is a JSON object, its model/ a
+dist-checkpoint whose backend and version this megatron-core reads). A newer one that does not (a
+truncated, zeroed or garbled file, a lost manifest, a manifest that leaves files out, a format of
+another version) is moved aside to `checkpoints/unverified/` and named, never loaded and never
+deleted.
 """
 
 from __future__ import annotations
@@ -98,7 +102,16 @@ def load(actor, path: Path) -> dict:
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise UserError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
-    actor.load(path / "model")
+    try:
+        actor.load(path / "model")
+    except UserError:
+        raise
+    except Exception as e:  # a checkpoint that verified and still fails: name it, no traceback
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(
+            f"cannot load checkpoint {path} ({type(e).__name__}: {first}); move it to "
+            f"{path.parent / UNVERIFIED}/ to resume from the one before"
+        ) from e
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved
         torch.set_rng_state(torch.load(rng, weights_only=True))
@@ -139,6 +152,10 @@ def verify(path: Path, threads: int = 4) -> str | None:
         return f"{MANIFEST} is unreadable"
     if STATE_FILE not in listed:
         return f"{MANIFEST} does not list {STATE_FILE}"
+    unlisted = sorted(set(_files(path)) - set(listed))
+    if unlisted:  # a load would read it unchecked
+        more = f" and {len(unlisted) - 1} more" if len(unlisted) > 1 else ""
+        return f"{MANIFEST} does not list {unlisted[0]}{more}"
     for rel, size, _ in items:  # sizes first: cheap, and most damage shows there
         f = path / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not f.is_file():
@@ -153,11 +170,26 @@ def verify(path: Path, threads: int = 4) -> str | None:
     return None
 
 
+def loadable(path: Path) -> str | None:
+    """None when this version can load checkpoint `path` (verified); else why not, in a few
+    words: a state file that is no JSON object, a model/ this megatron-core cannot read."""
+    from megatron_gspo.model.checkpoint import unreadable
+
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return f"{STATE_FILE} is unreadable ({type(e).__name__})"
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} holds no JSON object"
+    return unreadable(path / "model")
+
+
 def newest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint that verifies, and the newer ones that do not (with why)."""
+    """The newest complete checkpoint that verifies and can be loaded, and the newer ones that
+    cannot (with why)."""
     skipped: list[tuple[Path, str]] = []
     for ckpt in reversed(complete_checkpoints(run_dir)):
-        problem = verify(ckpt)
+        problem = verify(ckpt) or loadable(ckpt)
         if problem is None:
             return ckpt, skipped
         skipped.append((ckpt, problem))

@@ -34,6 +34,9 @@ class TrainerSetup:
 
         cfg, p = self.cfg, self.cfg.parallel
         spec, _ = checkpoint_spec(cfg.model.path)
+        cfg.check_context(
+            spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")
+        )
         dims = ParallelDims(p.tp, p.pp, p.ep, p.etp, p.vpp, world_size_from_env())
         dims.validate(spec)
         init_distributed(dims, seed=cfg.seed)

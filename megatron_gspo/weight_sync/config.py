@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from megatron_gspo.checks import choice, in_range, positive
+from megatron_gspo.checks import choice, in_range, positive, seconds
 
 
 class SyncMethod(StrEnum):
@@ -15,6 +15,7 @@ class SyncMethod(StrEnum):
 
 
 TRANSPORTS: tuple[SyncMethod, ...] = tuple(SyncMethod)
+MAX_BUCKET_MB = float(1 << 20)  # 1 TiB: a bucket's byte count stays an integer
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class SyncConfig:
 
     def __post_init__(self):
         choice(self.transport, "sync.method", TRANSPORTS)
-        in_range(self.bucket_mb, "sync.bucket_mb", 0, lo_open=True)
+        in_range(self.bucket_mb, "sync.bucket_mb", 0, MAX_BUCKET_MB, lo_open=True)
         positive(self.buffers, "sync.buffers")
         for name in ("verify_every", "snapshot_every"):  # 0 turns it off
             in_range(getattr(self, name), f"sync.{name}", 0)
@@ -61,7 +62,7 @@ class SyncConfig:
         positive(self.probe_sequences, "sync.probe_sequences")
         in_range(self.probe_length, "sync.probe_length", 2)
         positive(self.keep_versions, "sync.keep_versions")
-        in_range(self.timeout_s, "sync.timeout_s", 0, lo_open=True)
+        seconds(self.timeout_s, "sync.timeout_s")
 
     @property
     def bucket_bytes(self) -> int:

@@ -41,6 +41,9 @@ SPEC = TinySpec(layers=2, init_std=0.2)
 TOPK = 2
 ATOL = {"builtin": 1e-4, "sglang": 2e-5}  # measured: built-in 2.4e-6, SGLang 1.9e-6
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+# The built-in server loads shared-memory (tensor) updates only with an API key; SGLang is
+# started without one and ignores the header.
+KEY = "contract-key"
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,8 @@ def ckpts(tmp_path_factory):
 def server(request, ckpts, tmp_path_factory):
     kind = request.param
     cfg = server_config(kind, ckpts[0])
+    if kind == "builtin":
+        cfg.api_key = KEY
     logs = tmp_path_factory.mktemp(f"logs-{kind}")
     t0 = time.monotonic()
     with ServerGroup([cfg], logs, health_timeout_s=900, monitor=False) as group:
@@ -76,12 +81,12 @@ def run(coro):
 
 
 async def with_client(url, fn):
-    async with RolloutClient([url], topk=TOPK, backoff_s=0.2) as client:
+    async with RolloutClient([url], topk=TOPK, backoff_s=0.2, api_key=KEY) as client:
         return await fn(client)
 
 
 async def post(url, path, body=None):
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
         async with s.post(url + path, json=body or {}) as r:
             text = await r.text()
             return r.status, text

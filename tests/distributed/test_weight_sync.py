@@ -21,12 +21,13 @@ from tests.helpers import run_distributed
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("weight_sync_worker.py")
+KEY = "sync-test-key"  # shared-memory (tensor) updates need the servers' API key
 TOL = 1e-4
 
 
 def start_servers(checkpoint: Path, log_dir: Path, n: int = 2) -> list[tuple]:
     """n built-in servers, each with its output in a file (a pipe nobody reads could fill up)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGATRON_GSPO_API_KEY": KEY}
     procs = []
     for i in range(n):
         log = log_dir / f"server-{i}-{time.monotonic_ns()}.log"
@@ -67,7 +68,8 @@ def servers(tiny_models, tmp_path_factory):
 
 def run_worker(tmp_path, checkpoint, urls, nproc=1, flags=(), expect_rc=0, tag="run"):
     out = tmp_path / f"{tag}.json"
-    args = (str(checkpoint), str(out), ",".join(urls), "--dir", str(tmp_path / "sync"), *flags)
+    args = (str(checkpoint), str(out), ",".join(urls), "--dir", str(tmp_path / "sync"),
+            "--api-key", KEY, *flags)  # fmt: skip
     # Output to a file, not a pipe: torch's shared-memory manager, a child of the worker, lives
     # on while servers hold the worker's shared buffers, and would keep a pipe open.
     log = tmp_path / f"{tag}.log"
@@ -262,9 +264,10 @@ def test_packing_failure_keeps_the_stage_gathering_and_restores_the_servers(
 def test_trainer_killed_mid_sync_is_recovered(tmp_path, tiny_models, servers):
     flags = ["--transports", "tensor", "--snapshot-every", "1", "--fail", "crash"]
     assert run_worker(tmp_path, tiny_models["moe4"], servers, 1, flags, expect_rc=1) is None
+    from megatron_gspo.weight_sync.config import ServerRef
     from megatron_gspo.weight_sync.servers import Servers
 
-    left = Servers(servers)
+    left = Servers([ServerRef(url, api_key=KEY) for url in servers])
     versions = [left.get(i, "/model_info")["weight_version"] for i in range(len(servers))]
     assert versions == ["partial:2"] * 2  # mid-update, and saying so
     result = run_worker(tmp_path, tiny_models["moe4"], servers, 1, ["--recover"], tag="recover")

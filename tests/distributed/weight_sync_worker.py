@@ -42,7 +42,7 @@ from megatron_gspo.model.policy import load_policy
 from megatron_gspo.weight_sync import gather as gather_module
 from megatron_gspo.weight_sync import sync as sync_module
 from megatron_gspo.weight_sync import verify
-from megatron_gspo.weight_sync.config import SyncConfig
+from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 from megatron_gspo.weight_sync.transports import Transport, TransportError, make_transport
 
@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--after", action="store_true", help="sync once more after the failure")
     ap.add_argument("--no-keep-groups", action="store_true")
     ap.add_argument("--catch-up", action="store_true")
+    ap.add_argument("--api-key", default=None, help="the servers' API key")
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
@@ -210,7 +211,8 @@ def main() -> None:
         transport = make_transport(cfg)
         if a.fail:
             transport = Faulty(transport, a.fail, a.kill_pid)
-        return WeightSync(chunks, a.servers.split(","), cfg, base_model=a.checkpoint,
+        refs = [ServerRef(url, api_key=a.api_key) for url in a.servers.split(",")]
+        return WeightSync(chunks, refs, cfg, base_model=a.checkpoint,
                           transport=transport)  # fmt: skip
 
     ws = weight_sync(transports[0])
@@ -288,7 +290,9 @@ def restart_first_server(a, ws: WeightSync) -> None:
             p = subprocess.Popen(
                 [sys.executable, "-m", "megatron_gspo.server", "--model", a.checkpoint,
                  "--port", url.rsplit(":", 1)[1], "--threads", "1"],
-                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=f, stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1",
+                     "MEGATRON_GSPO_API_KEY": a.api_key or ""},
+                stdout=f, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
         Path(a.out + ".pid").write_text(str(p.pid))

@@ -77,7 +77,8 @@ def launch_nodes(run_dir: Path, model: Path, *extra: str, steps: int, launch_id:
     procs = []
     for node in range(2):
         env = _env(NNODES="2", NODE_RANK=str(node), RDZV_ENDPOINT=endpoint, LAUNCH_ID=launch_id,
-                   NPROC_PER_NODE=str(nproc), PYTHON=sys.executable, **env_extra)  # fmt: skip
+                   NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
+                   MEGATRON_GSPO_API_KEY=f"key-{launch_id}", **env_extra)  # fmt: skip
         cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"),
                *_train_args(run_dir, model, steps, *extra)]  # fmt: skip
         log = open(run_dir.parent / f"{run_dir.name}.{launch_id}.node{node}.log", "wb")

@@ -25,6 +25,10 @@ SPEC = TinySpec(arch="qwen3_moe", layers=2, dense_layers=[0], init_std=0.2)
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8]
 DEVICE = torch.device("cpu")
+# Shared-memory updates need the server's API key (a keyless server refuses them: any local
+# process could name another's objects), as the trainer's servers always have one.
+KEY = "weights-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpts):
-    with running_server(ckpts[0]) as url:
+    with running_server(ckpts[0], env={"MEGATRON_GSPO_API_KEY": KEY}) as url:
         yield url
 
 
@@ -45,7 +49,7 @@ def named_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 async def post(url, path, body=None):
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=AUTH) as s:
         async with s.post(url + path, json=body or {}) as r:
             return r.status, await r.json(content_type=None)
 
@@ -54,9 +58,15 @@ def call(url, path, body=None):
     return asyncio.run(post(url, path, body))
 
 
+def keyed(url: str):
+    from megatron_gspo.weight_sync.config import ServerRef
+
+    return ServerRef(url, api_key=KEY)
+
+
 def greedy_tokens(url) -> tuple[list[int], str]:
     async def go():
-        async with RolloutClient([url]) as c:
+        async with RolloutClient([url], api_key=KEY) as c:
             [[s]] = await c.generate([PROMPT], sampling_params=GREEDY)
             return s.tokens, s.weight_version
 
@@ -144,7 +154,7 @@ def test_server_refusing_a_bucket_mid_broadcast_stops_the_stage_without_waiting(
     )
 
     cfg = SyncConfig(transport="distributed", timeout_s=30)
-    ctx = StageContext(Servers([server], cfg.timeout_s), cfg, "v-refused", 0, [0])
+    ctx = StageContext(Servers([keyed(server)], cfg.timeout_s), cfg, "v-refused", 0, [0])
     transport = DistributedTransport()
     transport.open_stage(ctx)
     n = 64 << 20
@@ -374,7 +384,7 @@ def test_tensor_transport_gives_back_the_shared_memory_references(server, ckpts,
     def references() -> int:  # torch's count, in the object's header
         return struct.unpack("q", shm.read_bytes()[:8])[0]
 
-    servers = Servers([server], timeout_s=60)
+    servers = Servers([keyed(server)], timeout_s=60)
     try:
         for version in ("x1", "x2", "x3"):
             bucket = Bucket(0, 0, buffer)
@@ -404,7 +414,7 @@ def test_release_and_resume_memory(server, reference):
     assert call(server, "/resume_memory_occupation", {})[0] == 200
 
     async def busy():
-        async with RolloutClient([server]) as c:
+        async with RolloutClient([server], api_key=KEY) as c:
             sp = {"max_new_tokens": 1500, "ignore_eos": True}
             task = await hold_running(c, server, lambda: c.generate([[5]], sampling_params=sp))
             answer = await post(server, "/release_memory_occupation", {})
@@ -425,10 +435,10 @@ def test_the_sync_flushes_a_server_busy_at_its_end_once_it_is_idle(server):
     from megatron_gspo.weight_sync.session import Coordinator
 
     coordinator = Coordinator()
-    coordinator.servers = Servers([server], timeout_s=60)  # type: ignore[attr-defined]
+    coordinator.servers = Servers([keyed(server)], timeout_s=60)  # type: ignore[attr-defined]
 
     async def busy():
-        async with RolloutClient([server]) as c:
+        async with RolloutClient([server], api_key=KEY) as c:
             sp = {"max_new_tokens": 1500, "ignore_eos": True}
             task = await hold_running(c, server, lambda: c.generate([[5]], sampling_params=sp))
             kept = await asyncio.to_thread(coordinator._flush, [0], 0.3)  # busy throughout

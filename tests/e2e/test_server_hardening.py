@@ -221,7 +221,7 @@ def test_idle_and_slow_sockets_are_closed(server):
         elapsed, data = wait_closed(slow)
         assert data == b"" and elapsed < 5
     with socket.create_connection((host, int(port))) as slow:
-        head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         slow.sendall(head + b"Content-Length: 100\r\n\r\n{")
         elapsed, data = wait_closed(slow)
         assert data.startswith(b"HTTP/1.1 408") and elapsed < 5, data

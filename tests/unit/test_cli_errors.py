@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,17 @@ def test_score_rejects_bad_input_lines(tmp_path, tiny_models):
     )
     assert_clean_failure(proc, "in.jsonl:2: token id outside the vocabulary", tmp_path)
     assert not out.exists()
+
+
+def test_generation_beyond_the_models_context_is_refused_before_the_run(tmp_path, tiny_models):
+    """rollout.max_new_tokens=100000000 used to be accepted without a word."""
+    run = tmp_path / "run"
+    model = tiny_models["moe"]
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_gspo.yaml"
+    proc = run_cli(["train", "--config", str(config), "--run-dir", str(run),
+                    f"model.path={model}", "rollout.max_new_tokens=100000000"])  # fmt: skip
+    assert_clean_failure(proc, "rollout.max_new_tokens (100000000) = 100000256 tokens", tmp_path)
+    assert f"context of 2048 tokens (max_position_embeddings in {model}/config.json)" in (
+        proc.stderr
+    )
+    assert not run.exists()

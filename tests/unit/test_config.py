@@ -174,3 +174,90 @@ def test_issue_25_values_get_one_line_naming_the_range(tmp_path, override, messa
     with pytest.raises(UserError) as e:
         load_config(_write(tmp_path, "model: {path: m}\n"), [override])
     assert str(e.value) == message
+
+
+HUGE = "9" * 400  # beyond any float and any 64-bit integer
+
+
+@pytest.mark.parametrize("key, kind, in_list", NUMERIC, ids=[k for k, _, _ in NUMERIC])
+def test_numbers_too_large_to_use_are_one_line_naming_the_key(tmp_path, key, kind, in_list):
+    """A 400-digit integer used to be an OverflowError traceback (float keys) or to pass the
+    check and overflow where it was used (int keys); 5000 digits, a ValueError traceback."""
+    path = _write(tmp_path, "model: {path: m}\n")
+    for value in (HUGE, "-" + HUGE, "9" * 5000):
+        extra = ["rollout.urls=[http://a]"] if key == "rollout.url_nodes" else []
+        override = f"{key}=[{value}]" if in_list else f"{key}={value}"
+        with pytest.raises(UserError) as e:
+            load_config(path, [*extra, override])
+        message = str(e.value)
+        assert key in message and "\n" not in message and len(message) < 300, message
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=" + HUGE, "optim.lr must be a finite number, not a 400-digit integer"),
+        ("train.steps=" + HUGE, "train.steps must be a 64-bit integer"),
+        ("rollout.health_timeout_s=1.0e+300", "rollout.health_timeout_s must be a finite number"),
+        ("env.timeout_s=1.0e+300", "env.timeout_s must be a finite number in (0, 1e+09]"),
+        ("sync.bucket_mb=1.0e+300", "sync.bucket_mb must be a finite number in (0, 1.04858e+06]"),
+    ],
+)
+def test_values_that_overflow_where_used_are_refused(tmp_path, override, message):
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, "model: {path: m}\n"), [override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_an_override_that_is_not_yaml_is_text_for_a_string_key_else_an_error(tmp_path):
+    """`data.template={prompt}{x}` used to be a 33-line yaml ParserError traceback."""
+    path = _write(tmp_path, "model: {path: m}\n")
+    for text in ("Q: {prompt} A:", "{prompt} [{{x}}", "{prompt}"):  # YAML: a mapping, an error
+        assert load_config(path, [f"data.template={text}"]).data.template == text
+    assert load_config(path, ["data.template='{prompt}: '"]).data.template == "{prompt}: "
+    with pytest.raises(UserError) as e:  # taken as text, then checked as a template
+        load_config(path, ["data.template={prompt}{x}"])
+    assert str(e.value).startswith("data.template '{prompt}{x}' cannot be filled (KeyError")
+    for override, message in [
+        ("train.steps=[1, {", "override train.steps: '[1, {' is not valid YAML (while parsing"),
+        ("rollout.urls=[a, {", "override rollout.urls: '[a, {' is not valid YAML"),
+        ("algo.loss={gspo", "override algo.loss: '{gspo' is not valid YAML"),
+        ("nokey.x={a", "unknown config key 'nokey'"),
+    ]:
+        with pytest.raises(UserError) as e:
+            load_config(path, [override])
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    big = _write(tmp_path, f"model: {{path: m}}\ntrain: {{steps: {'9' * 5000}}}\n")
+    with pytest.raises(UserError, match="is not valid YAML: Exceeds the limit"):
+        load_config(big)
+
+
+@pytest.mark.parametrize(
+    "url", ["notaurl", "http://127.0.0.1:99999", "http://[::1", "ftp://a:1", "http://:80", "a:1"]
+)
+def test_a_malformed_rollout_url_is_refused_at_load(tmp_path, url):
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, "model: {path: m}\n"), [f'rollout.urls=["{url}"]'])
+    assert str(e.value).startswith("rollout.urls[0] must be an http(s) URL with a host")
+    load_config(_write(tmp_path, "model: {path: m}\n"), ['rollout.urls=["http://[::1]:30000"]'])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.max_new_tokens=100000000"], "data.max_prompt_tokens (256) + "
+         "rollout.max_new_tokens (100000000) = 100000256 tokens exceed the model's context of "
+         "2048 tokens (max_position_embeddings in m/config.json); lower rollout.max_new_tokens "
+         "to at most 1792 or data.max_prompt_tokens"),
+        (["data.max_prompt_tokens=2000", "rollout.max_new_tokens=49"], "= 2049 tokens exceed"),
+        (["env.fn=x:y", "env.max_tokens=1800"], "env.max_tokens (1800) = 2056 tokens exceed"),
+    ],
+)  # fmt: skip
+def test_prompt_and_generation_must_fit_the_models_context(tmp_path, overrides, message):
+    cfg = load_config(_write(tmp_path, "model: {path: m}\n"), overrides)
+    with pytest.raises(UserError) as e:
+        cfg.check_context(2048, "m/config.json")
+    assert message in str(e.value) and "\n" not in str(e.value)
+    load_config(_write(tmp_path, "model: {path: m}\n")).check_context(2048, "m/config.json")
+    fits = load_config(_write(tmp_path, "model: {path: m}\n"), ["rollout.max_new_tokens=1792"])
+    fits.check_context(2048, "m/config.json")  # exactly the context: fine

@@ -51,3 +51,40 @@ def test_layouts_that_cannot_work_are_refused(tiny_models, dims, message):
     spec = model_spec(load_hf_config(tiny_models["moe"]))
     with pytest.raises(UserError, match=message):
         dims.validate(spec)
+
+
+GOOD = {
+    "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2,
+    "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100,
+    "num_experts": 8, "num_experts_per_tok": 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("rms_norm_eps", float("nan")), ("rope_theta", float("inf")), ("rope_theta", -1),
+     ("num_hidden_layers", -2), ("num_hidden_layers", None), ("hidden_size", "64"),
+     ("vocab_size", 2**70), ("vocab_size", True), ("num_attention_heads", 0),
+     ("torch_dtype", "int8"), ("torch_dtype", "nope"), ("num_experts_per_tok", 99),
+     ("decoder_sparse_step", 0), ("rope_parameters", [1]), ("mlp_only_layers", "0"),
+     ("max_position_embeddings", 1.5), ("head_dim", -16)],
+)  # fmt: skip
+def test_malformed_config_values_are_one_line_naming_the_key(key, value):
+    """NaN, a negative size, a string for a number, an unknown dtype: each used to be a
+    ValueError, TypeError, ZeroDivisionError or AttributeError traceback (a 500 at the server's
+    /update_weights_from_disk)."""
+    cfg = {**GOOD, key: value}
+    if value is None:
+        del cfg[key]
+    with pytest.raises(UserError) as e:
+        model_spec(cfg)
+    assert key in str(e.value) and "\n" not in str(e.value)
+    model_spec(GOOD)
+
+
+def test_a_config_that_is_no_object_or_no_json_is_refused(tmp_path):
+    with pytest.raises(UserError, match="must hold a JSON object"):
+        model_spec([1, 2])  # type: ignore[arg-type]
+    (tmp_path / "config.json").write_text('{"vocab_size": ' + "9" * 5000 + "}")
+    with pytest.raises(UserError, match="is not valid JSON"):
+        load_hf_config(tmp_path)

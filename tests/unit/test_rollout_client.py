@@ -82,6 +82,34 @@ def test_wait_healthy_fails_fast_where_nothing_listens():
     assert time.monotonic() - t0 < 5  # not the 300 s health timeout
 
 
+NOBODY_HOME = """
+import asyncio, sys
+from megatron_gspo.rollout.client import RolloutClient, RolloutError
+client = RolloutClient(sys.argv[1])  # not closed by its caller, as a trainer that stops on it
+try:
+    asyncio.run(client.wait_healthy(timeout_s=30, refused_s=0.2))
+except RolloutError as e:
+    print("error:", e, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("where", ["dead", "no such host"])
+def test_a_failed_wait_leaves_no_unclosed_session_behind(where):
+    """The trainer's error for a dead rollout.urls used to be followed by aiohttp's "Unclosed
+    client session" lines: the client the error stopped kept its session open."""
+    import subprocess
+    import sys
+
+    from megatron_gspo.comm import free_port
+
+    url = f"http://127.0.0.1:{free_port()}" if where == "dead" else "http://nohost.invalid:1"
+    proc = subprocess.run(
+        [sys.executable, "-c", NOBODY_HOME, url], capture_output=True, text=True, timeout=60
+    )
+    assert proc.stderr.startswith(f"error: nothing answers at {url}"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 def test_wait_healthy_waits_for_a_server_that_answers_but_is_not_ready():
     """A server that answers 503 (starting) is waited for past the refused grace period."""
     from aiohttp import web

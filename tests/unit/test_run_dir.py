@@ -50,8 +50,14 @@ def _checkpoint(run, step=1):
     (d / "trainer_state.json").write_text("{}")
     (d / "model").mkdir()
     (d / "model" / "shard.distcp").write_bytes(bytes(range(256)) * 16)
+    (d / "model" / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
     checkpointing.write_manifest(d)
     return d
+
+
+# what megatron-core writes as a dist-checkpoint's model/metadata.json
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                     "common_backend": "torch", "common_backend_version": 1}  # fmt: skip
 
 
 def cfg(*overrides):
@@ -122,7 +128,67 @@ DAMAGE = {
     "manifest lost": lambda d: (d / "manifest.json").unlink(),
     "manifest garbled": lambda d: (d / "manifest.json").write_text('{"files": 3}'),
     "shard lost": lambda d: (d / "model/shard.distcp").unlink(),
+    # (issue 49) a manifest that no longer lists the model files, then a truncated shard: it
+    # used to verify, load the half shard and fail inside torch
+    "model files unlisted": lambda d: _unlist(d, "model/"),
+    "a file added": lambda d: (d / "model/extra.distcp").write_bytes(b"x"),
 }
+
+
+def _unlist(d, prefix):
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith(prefix)}
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    os.truncate(d / "model/shard.distcp", 1000)
+
+
+def _rewrite(d, rel, change):
+    """A file changed and the manifest made anew: the checkpoint verifies."""
+    (d / rel).write_text(json.dumps(change(json.loads((d / rel).read_text()))))
+    checkpointing.write_manifest(d)
+
+
+# (issue 49) checkpoints that verify but this version cannot load: they used to fail with a
+# traceback from megatron's loader instead of falling back to the one before
+UNLOADABLE = {
+    "unknown backend": (
+        lambda d: _rewrite(d, "model/metadata.json", lambda m: {**m, "sharded_backend": "zarr"}),
+        "model/metadata.json names a format this version cannot read (Cannot find a default "
+        "strategy for: ('load_sharded', 'zarr', 1))",
+    ),
+    "unknown version": (
+        lambda d: _rewrite(
+            d, "model/metadata.json", lambda m: {**m, "sharded_backend_version": 99}
+        ),
+        "('load_sharded', 'torch_dist', 99)",
+    ),
+    "metadata keys of another version": (
+        lambda d: _rewrite(d, "model/metadata.json", lambda m: {**m, "layout": 2}),
+        "model/metadata.json names a format this version cannot read",
+    ),
+    "no model metadata": (
+        lambda d: ((d / "model/metadata.json").unlink(), checkpointing.write_manifest(d)),
+        "model/metadata.json is missing",
+    ),
+    "state no object": (
+        lambda d: _rewrite(d, "trainer_state.json", lambda m: [1]),
+        "trainer_state.json holds no JSON object",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", UNLOADABLE)
+def test_resume_skips_a_checkpoint_that_verifies_but_cannot_be_loaded(tmp_path, capsys, damage):
+    good, bad = _checkpoint(tmp_path, 1), _checkpoint(tmp_path, 2)
+    change, problem = UNLOADABLE[damage]
+    change(bad)
+    assert checkpointing.verify(bad) is None and problem in checkpointing.loadable(bad)
+    assert checkpointing.loadable(good) is None
+    assert rd.prepare(tmp_path, True, cfg(), False) == good
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("resuming from step_1, the newest checkpoint that verifies; skipped")
+    assert "step_2: " in line and problem in line and "\n" not in line
+    assert (tmp_path / "checkpoints" / "unverified" / "step_2").is_dir() and not bad.exists()
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
@@ -157,7 +223,7 @@ def test_no_verified_checkpoint_is_an_error_that_changes_nothing(tmp_path):
 def test_the_manifest_names_every_file_with_its_sha256(tmp_path):
     d = _checkpoint(tmp_path, 1)
     files = json.loads((d / "manifest.json").read_text())["files"]
-    assert sorted(files) == ["model/shard.distcp", "trainer_state.json"]
+    assert sorted(files) == ["model/metadata.json", "model/shard.distcp", "trainer_state.json"]
     data = (d / "model/shard.distcp").read_bytes()
     assert files["model/shard.distcp"] == {
         "size": len(data),

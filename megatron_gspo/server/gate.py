@@ -1,0 +1,120 @@
+"""Who may ask the built-in server: checked on every request before its handler runs.
+
+- `Host` must name this server: the address it listens on (for a wildcard bind, any address of
+  this machine or its host name) or a loopback name (localhost, 127.0.0.0/8, ::1), any port.
+  A web page whose DNS name was rebound to 127.0.0.1 sends its own name (`Host:
+  evil.example:PORT`) and gets 403, whatever Origin it sends with it. A request without a Host
+  (HTTP/1.0; no browser sends one) is let through to the checks below.
+- One `Host` and at most one `Authorization` header: more is a 400, never a guess at which one
+  counts.
+- With an API key, `Authorization: Bearer KEY` on every endpoint but GET /health (401).
+- A POST from a web page is refused: a browser sends an Origin header, and cross-site it can
+  only send text/plain or form bodies without a preflight. Every client of this API sends JSON,
+  or no body and no Content-Type at all, and no foreign Origin; so a POST that names any other
+  Content-Type is a 415, with a body or without one (an empty text/plain POST must not pause
+  generation).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from megatron_gspo.server.validate import is_local_address, is_loopback
+
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+class Hosts:
+    """The Host names that name this server (see the module doc)."""
+
+    def __init__(self, bind_host: str):
+        self.bind = _norm(bind_host)
+        self.wildcard = self.bind in WILDCARDS
+        self.names = {self.bind} | _addresses(self.bind)
+        if self.wildcard:
+            self.names |= {_norm(socket.gethostname()), _norm(socket.getfqdn())}
+
+    def allows(self, host_header: str) -> bool:
+        name = _norm(_without_port(host_header))
+        if not name or name in WILDCARDS:
+            return False
+        if name in self.names or name == "localhost" or name.endswith(".localhost"):
+            return True
+        if not _is_ip(name):
+            return False
+        return is_loopback(name) or (self.wildcard and is_local_address(name))
+
+
+def _norm(host: str) -> str:
+    return host.strip().lower().removesuffix(".")
+
+
+def _without_port(host: str) -> str:
+    host = host.strip()
+    if host.startswith("["):  # [v6]:port
+        return host[1:].partition("]")[0]
+    if host.count(":") == 1:
+        return host.partition(":")[0]
+    return host  # a name, or an unbracketed v6 address
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _addresses(host: str) -> set[str]:
+    """The addresses a bind name resolves to (a client may use them in Host)."""
+    if host in WILDCARDS or _is_ip(host):
+        return set()
+    try:
+        return {_norm(str(info[4][0])) for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def refused(request: web.Request, hosts: Hosts, api_key: str | None) -> tuple[int, str] | None:
+    """(HTTP status, why) when `request` may not be served; None when it may."""
+    host = request.headers.getall("Host", [])
+    if len(host) > 1:
+        return 400, "a request must carry one Host header"
+    if host and not hosts.allows(host[0]):
+        return 403, (
+            f"Host {host[0][:100]!r} does not name this server; address it by the host it "
+            "listens on or by a loopback name"
+        )
+    auth = request.headers.getall("Authorization", [])
+    if len(auth) > 1:
+        return 400, "a request must carry at most one Authorization header"
+    if api_key and not (request.method == "GET" and request.path == "/health"):
+        given = auth[0] if auth else ""
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return 401, "Unauthorized"
+    return _not_from_a_client(request)
+
+
+def _not_from_a_client(request: web.Request) -> tuple[int, str] | None:
+    if request.method in ("GET", "HEAD"):
+        return None
+    origin = request.headers.get("Origin")
+    if origin is not None and _netloc(origin) != request.host:
+        return 403, f"cross-origin request from {origin[:100]!r} refused"
+    named = "Content-Type" in request.headers
+    if (named or request.body_exists) and request.content_type != "application/json":
+        return 415, f"Content-Type must be application/json, not {request.content_type!r}"
+    return None
+
+
+def _netloc(url: str) -> str | None:
+    try:
+        return urlsplit(url).netloc
+    except ValueError:  # not a URL at all: no origin of ours
+        return None
