@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import statistics
 import subprocess
@@ -89,8 +90,13 @@ def spec_for(a) -> TinySpec:
     return replace(spec, layers=max(1, round((a.model_gb * 1e9 / esize - fixed) / layer)))
 
 
+# The server loads shared-memory payloads only from a client holding its API key (its docs);
+# the trainer and the server it starts share one, as a run's do.
+API_KEY = secrets.token_hex(16)
+
+
 def start_server(model: Path, log: Path, threads: int = 2) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MEGATRON_GSPO_API_KEY": API_KEY}
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_gspo.server", "--model", str(model),
@@ -108,10 +114,11 @@ def start_server(model: Path, log: Path, threads: int = 2) -> tuple[subprocess.P
 def naive_sync(chunks, url: str, version: str) -> None:
     """One request per tensor, as a first implementation would: clone, share, POST, wait."""
     from megatron_gspo.rollout import weight_payload as wp
+    from megatron_gspo.weight_sync.config import ServerRef
     from megatron_gspo.weight_sync.gather import iter_stage
     from megatron_gspo.weight_sync.servers import Servers
 
-    servers = Servers([url])
+    servers = Servers([ServerRef(url, api_key=API_KEY)])
     servers.post(0, "/begin_weight_update", wp.begin_body())
     for name, tensor in iter_stage(chunks):
         with wp.TensorSharing():
@@ -250,12 +257,12 @@ def run(a, model: Path, url: str, server_pid: int) -> dict:
 
 def sync_transport(a, name, chunks, model, url, nbytes, timed, own_floor) -> dict:
     """`a.reps` syncs through one transport, each followed by its own floor; then the probe."""
-    from megatron_gspo.weight_sync.config import SyncConfig
+    from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
     from megatron_gspo.weight_sync.sync import WeightSync
 
     tolerance = None if a.dtype_name == "float32" else BF16_TOLERANCE  # None: fp32's, 1e-4
     cfg = SyncConfig(transport=name, bucket_mb=a.bucket_mb, tolerance=tolerance)
-    ws = WeightSync(chunks, [url], cfg, base_model=model)
+    ws = WeightSync(chunks, [ServerRef(url, api_key=API_KEY)], cfg, base_model=model)
     times, cpus, floor = [], [], []
     for i in range(a.reps):
         report, wall, cpu = timed(ws.sync, f"{name}-{i}")

@@ -29,9 +29,9 @@ from megatron_gspo.checks import choice as _choice
 from megatron_gspo.checks import in_range as _in_range
 from megatron_gspo.checks import need as _need
 from megatron_gspo.checks import positive as _positive
-from megatron_gspo.checks import seconds as _seconds
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.optim import OptimConfig
+from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.weight_sync.config import SyncConfig, SyncMethod
@@ -81,20 +81,6 @@ class DataSection:
                 f"{e}); its only field is {{prompt}}, and literal braces are written {{{{ and }}}}"
             ) from None
         _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
-
-
-@dataclass
-class RewardSection:
-    fn: str = "exact"  # exact | math | module:function
-    # worker processes that score (rewards/scoring.py; null: 16, or one per core if more)
-    workers: int | None = None
-    timeout_s: float = 60.0  # one call's limit; past it the sample fails, its worker is replaced
-
-    def check(self) -> None:
-        _need(self.fn, "reward.fn", "exact, math or module:function")
-        if self.workers is not None:
-            _in_range(self.workers, "reward.workers", 1, 1024)
-        _seconds(self.timeout_s, "reward.timeout_s")
 
 
 _LOSS = LossConfig()  # the loss keys' defaults, defined once (algo/config.py)
