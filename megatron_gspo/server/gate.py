@@ -10,9 +10,10 @@
 - With an API key, `Authorization: Bearer KEY` on every endpoint but GET /health (401).
 - A POST from a web page is refused: a browser sends an Origin header, and cross-site it can
   only send text/plain or form bodies without a preflight. Every client of this API sends JSON,
-  or no body and no Content-Type at all, and no foreign Origin; so a POST that names any other
-  Content-Type is a 415, with a body or without one (an empty text/plain POST must not pause
-  generation).
+  or no body (with no Content-Type, or the application/octet-stream that aiohttp and others name
+  for an empty POST), and no foreign Origin; so a POST with a body that is not JSON is a 415, and
+  so is one that names a cross-site type (text/plain, a form) even with no body: an empty
+  text/plain POST must not pause generation.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from aiohttp import web
 from megatron_gspo.server.validate import is_local_address, is_loopback
 
 WILDCARDS = ("", "0.0.0.0", "::")
+# The Content-Types a web page may POST cross-site without a preflight (the CORS-safelisted ones).
+CROSS_SITE_TYPES = frozenset(
+    {"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"}
+)
 
 
 class Hosts:
@@ -108,7 +113,8 @@ def _not_from_a_client(request: web.Request) -> tuple[int, str] | None:
     if origin is not None and _netloc(origin) != request.host:
         return 403, f"cross-origin request from {origin[:100]!r} refused"
     named = "Content-Type" in request.headers
-    if (named or request.body_exists) and request.content_type != "application/json":
+    simple = named and request.content_type in CROSS_SITE_TYPES
+    if (simple or request.body_exists) and request.content_type != "application/json":
         return 415, f"Content-Type must be application/json, not {request.content_type!r}"
     return None
 

@@ -88,12 +88,16 @@ def main() -> None:
     ap.add_argument("--kill", default=None)
     ap.add_argument("--kill-pid", type=int, default=None)
     ap.add_argument("--fail-relay-buffer", action="store_true")
+    ap.add_argument("--api-key", required=True)
     a = ap.parse_args()
     dims = ParallelDims(pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
     chunks = load_policy(a.checkpoint, dims)
     nodes = [int(n) for n in a.server_nodes.split(",")]
-    refs = [ServerRef(u, node=n) for u, n in zip(a.servers.split(","), nodes, strict=True)]
+    refs = [
+        ServerRef(u, node=n, api_key=a.api_key)
+        for u, n in zip(a.servers.split(","), nodes, strict=True)
+    ]  # tensor (shared-memory) updates need the servers' key
     cfg = SyncConfig(transport="tensor", bucket_mb=0.05, verify_every=1, timeout_s=60)
     transport = KillMidSync(a.kill, a.kill_pid)
     node = [int(n) for n in a.rank_nodes.split(",")][dist.get_rank()]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_weight_sync import assert_serves, start_servers, stop_servers
+from tests.distributed.test_weight_sync import KEY, assert_serves, start_servers, stop_servers
 from tests.helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -32,6 +32,8 @@ def run_relay_worker(tmp_path, checkpoint, urls, flags=(), tag="run") -> dict:
         nodes,
         "--rank-nodes",
         "0,1",
+        "--api-key",
+        KEY,
     )
     log = tmp_path / f"{tag}.log"  # a file, not a pipe (see test_weight_sync.run_worker)
     result = run_distributed(WORKER, 2, *args, *flags, out=out, log=log)

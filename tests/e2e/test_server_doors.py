@@ -180,6 +180,8 @@ def test_an_empty_text_plain_post_does_not_pause_generation(server):
     t0 = time.monotonic()
     assert len(greedy(server)) == 4 and time.monotonic() - t0 < 10  # not paused
     assert request(server, "POST", "/continue_generation")[0] == 200  # no type, no body: allowed
+    octet = [("Content-Type", "application/octet-stream")]  # aiohttp's name for an empty POST
+    assert request(server, "POST", "/continue_generation", octet)[0] == 200
 
 
 # ---- the fuzz ------------------------------------------------------------------------------
