@@ -17,7 +17,7 @@ SCRIPTS = [ROOT / "scripts/gpu_check.sh", ROOT / "scripts/gpu_wheels.sh"]
 NUMBERS = {
     "install": {"python", "torch", "megatron-core", "psutil", "c_compiler", "shm_free_gb"},
     "mfu": {"mfu", "tokens_per_s", "achieved_tflops", "matmul_tflops", "matmul_fraction",
-            "judged", "per_layer", "configs"},
+            "judged", "per_layer", "configs", "fixed_cost_s", "split_s", "memory"},
     "mismatch": {"logprob_abs_diff_mean", "logprob_abs_diff_max", "routing_agreement",
                  "fp32_control_logprob_abs_diff_mean", "fp32_control_routing_agreement"},
     "weight_sync": {"model_gb", "reference_gbps", "tensor_gbps", "tensor_x_reference",
@@ -62,7 +62,10 @@ def test_dry_run_runs_every_step_and_reports_its_numbers(dry_run):
     assert 0 < steps["mismatch"]["logprob_abs_diff_mean"] < 0.1
     tier = steps["gpu_tier"]
     assert tier["collected"] >= 1 and all(t.startswith("tests/gpu/") for t in tier["tests"])
-    assert [g["value"] is not None for g in result["goals"]] == [True, True]
+    # MFU, fixed cost, peak/static (CUDA memory only: None on a CPU), CUDA IPC
+    assert [g["value"] is not None for g in result["goals"]] == [True, True, False, True]
+    split = steps["mfu"]["split_s"]
+    assert split["step"] > 0 and split["forward"] > 0 and split["optimizer"] > 0
     assert (out / "gpu_check.log").read_text().strip()
 
 
