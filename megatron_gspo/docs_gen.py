@@ -1,0 +1,139 @@
+"""The reference pages generated from the code: docs/config.md from the config dataclasses.
+
+Each key's line in docs/config.md comes from its field in the code: the type as annotated, the
+default, and the comment written beside the field (a trailing `# ...`, or the comment lines just
+above it). A section's own docstring opens its table. So the page cannot drift from the code:
+`tests/unit/test_generated_docs.py` fails when the file differs from what this writes.
+
+    python -m megatron_gspo.docs_gen            # rewrite docs/config.md
+    python -m megatron_gspo.docs_gen --check    # exit 1 when it is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_MD = ROOT / "docs" / "config.md"
+
+HEADER = """# Config reference
+
+Generated from the config dataclasses by `python -m megatron_gspo.docs_gen`; do not edit by hand
+(a test fails when this page is stale). A run's config is a YAML file of these sections; any key
+can be set on the command line as `section.key=value` (read as YAML: `3`, `true`, `[a, b]`,
+`null`). Every value is checked when the config is built: an unknown key names the nearest valid
+one, a value out of range names the key and what it accepts.
+"""
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field name: its comment} from the class body's source: the trailing comment on the
+    field's line, else the comment lines right above it."""
+    src = textwrap.dedent(inspect.getsource(cls))
+    lines = src.splitlines()
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    out: dict[str, str] = {}
+    for i, line in enumerate(lines, start=1):
+        head = line.strip().split(":", 1)[0]
+        if head not in names or not line.startswith("    ") or line.startswith("     "):
+            continue
+        text = comments.get(i, "")
+        if not text or text.startswith("fmt:") or text.startswith("type:"):
+            above, j = [], i - 1
+            while j in comments and lines[j - 1].strip().startswith("#"):
+                above.insert(0, comments[j])
+                j -= 1
+            text = " ".join(above)
+        out[head] = text
+    return out
+
+
+def show_default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"' if value else '""'
+    return str(value)
+
+
+def show_type(f: dataclasses.Field, hints: dict) -> str:
+    t = hints.get(f.name, f.type)
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return " \\| ".join(str(m.value) for m in t)
+    text = t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
+    return str(text).replace("typing.", "").replace("|", "\\|")
+
+
+def section_table(name: str, cls: type) -> list[str]:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    notes = field_comments(cls)
+    out = [f"## `{name}`", ""]
+    doc = inspect.getdoc(cls) or ""
+    if doc and not doc.startswith(cls.__name__ + "("):  # not dataclass's generated signature
+        out += [doc.split("\n\n")[0].replace("\n", " "), ""]
+    out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name.startswith("_"):
+            continue
+        note = notes.get(f.name, "").replace("|", "\\|")
+        out.append(f"| `{name}.{f.name}` | {show_type(f, hints)} | `{show_default(f)}` | {note} |")
+    return [*out, ""]
+
+
+def config_md() -> str:
+    import typing
+
+    from megatron_gspo.config import Config
+
+    hints = typing.get_type_hints(Config)
+    top = [f for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(hints[f.name])]
+    lines = [HEADER, "## Top level", "", "| key | type | default |", "|---|---|---|"]
+    lines += [f"| `{f.name}` | {show_type(f, hints)} | `{show_default(f)}` |" for f in top]
+    lines.append("")
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += section_table(f.name, hints[f.name])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
+    a = ap.parse_args(argv)
+    text = config_md()
+    if a.check:
+        fresh = CONFIG_MD.is_file() and CONFIG_MD.read_text() == text
+        if not fresh:
+            print(f"{CONFIG_MD} is stale: run python -m megatron_gspo.docs_gen", file=sys.stderr)
+        return 0 if fresh else 1
+    CONFIG_MD.write_text(text)
+    print(f"wrote {CONFIG_MD}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
