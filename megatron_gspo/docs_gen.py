@@ -1,11 +1,12 @@
-"""The reference pages generated from the code: docs/config.md from the config dataclasses.
+"""The reference pages generated from the code: docs/config.md from the config dataclasses,
+docs/metrics.md from the metric definitions (train/metric_defs.py).
 
 Each key's line in docs/config.md comes from its field in the code: the type as annotated, the
 default, and the comment written beside the field (a trailing `# ...`, or the comment lines just
 above it). A section's own docstring opens its table. So the page cannot drift from the code:
-`tests/unit/test_generated_docs.py` fails when the file differs from what this writes.
+`tests/unit/test_generated_docs.py` fails when a file differs from what this writes.
 
-    python -m megatron_gspo.docs_gen            # rewrite docs/config.md
+    python -m megatron_gspo.docs_gen            # rewrite docs/config.md and docs/metrics.md
     python -m megatron_gspo.docs_gen --check    # exit 1 when it is stale
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_MD = ROOT / "docs" / "config.md"
+METRICS_MD = ROOT / "docs" / "metrics.md"
 
 HEADER = """# Config reference
 
@@ -120,19 +122,41 @@ def config_md() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def metrics_md() -> str:
+    from megatron_gspo.train import metric_defs
+
+    doc = metric_defs.__doc__ or ""
+    lines = ["# Metrics", "",
+             "Generated from `megatron_gspo/train/metric_defs.py` by `python -m "
+             "megatron_gspo.docs_gen`; do not edit by hand. Each step writes one JSON object to "
+             "`RUN_DIR/metrics.jsonl` (and TensorBoard, W&B with `logging.wandb`); a key that "
+             "does not apply to a run is absent.", "",
+             doc.split("\n\n")[1].replace("\n", " "), ""]  # fmt: skip
+    for group, defs in metric_defs.GROUPS.items():
+        lines += [f"## {group}", "", "| key | meaning |", "|---|---|"]
+        lines += [f"| `{k}` | {v} |" for k, v in defs.items()]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+PAGES = {CONFIG_MD: config_md, METRICS_MD: metrics_md}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when the page is stale")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a page is stale")
     a = ap.parse_args(argv)
-    text = config_md()
-    if a.check:
-        fresh = CONFIG_MD.is_file() and CONFIG_MD.read_text() == text
-        if not fresh:
-            print(f"{CONFIG_MD} is stale: run python -m megatron_gspo.docs_gen", file=sys.stderr)
-        return 0 if fresh else 1
-    CONFIG_MD.write_text(text)
-    print(f"wrote {CONFIG_MD}")
-    return 0
+    stale = 0
+    for path, make in PAGES.items():
+        text = make()
+        if a.check:
+            if not (path.is_file() and path.read_text() == text):
+                print(f"{path} is stale: run python -m megatron_gspo.docs_gen", file=sys.stderr)
+                stale = 1
+            continue
+        path.write_text(text)
+        print(f"wrote {path}")
+    return stale
 
 
 if __name__ == "__main__":

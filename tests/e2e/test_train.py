@@ -17,6 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
+from megatron_gspo.train.metric_defs import undefined
 from tests.helpers import QUICK_TRAIN, StepGate, cli_env
 
 pytestmark = [pytest.mark.e2e]
@@ -68,6 +69,8 @@ def test_tiny_config_runs(config, task_model, tmp_path):
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(rows[0]) == {"step", "eval/reward", "weight_version"}
+    for r in rows:  # every key is in the glossary (train/metric_defs.py -> docs/metrics.md)
+        assert not undefined(r), undefined(r)
     for r in rows[1:]:
         for key in ("reward/mean", "loss/policy", "grad_norm", "lr", "ratio/mean", "ratio/std",
                     "ratio/max", "ratio/clip_fraction_tokens", "ratio/clip_fraction_seqs",

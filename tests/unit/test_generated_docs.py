@@ -1,4 +1,4 @@
-"""docs/config.md is what `python -m megatron_gspo.docs_gen` writes from the config dataclasses:
+"""docs/config.md and docs/metrics.md are what `python -m megatron_gspo.docs_gen` writes from the config dataclasses:
 stale (a key added, renamed, its default or comment changed) fails here."""
 
 import dataclasses
@@ -12,10 +12,19 @@ from megatron_gspo.config import Config
 pytestmark = pytest.mark.unit
 
 
-def test_config_md_is_fresh():
-    assert docs_gen.CONFIG_MD.read_text() == docs_gen.config_md(), (
-        "docs/config.md is stale: run python -m megatron_gspo.docs_gen"
+@pytest.mark.parametrize("path", list(docs_gen.PAGES), ids=lambda p: p.name)
+def test_generated_pages_are_fresh(path):
+    assert path.read_text() == docs_gen.PAGES[path](), (
+        f"{path.name} is stale: run python -m megatron_gspo.docs_gen"
     )
+
+
+def test_metric_families_and_unknown_keys():
+    from megatron_gspo.train.metric_defs import definition, undefined
+
+    assert definition("routing/changed_fraction/layer_12") == "the same in MoE layer i"
+    assert definition("routing/changed_fraction/layer_x") is None
+    assert undefined({"step": 1, "reward/mean": 0.5, "reward/mean2": 1}) == ["reward/mean2"]
 
 
 def test_every_key_of_every_section_is_on_the_page():
