@@ -203,7 +203,7 @@ def time_steps(actor, a, shape: Shape, mbs: int, device, micro_batches: int) -> 
     for i in range(a.warmup + a.steps):
         batch = random_batch(rows, a.seq, shape.vocab, seed=i)
         out: list = []
-        t = timed(lambda b=batch: out.extend(one_step(actor, b, mbs)), device)
+        t = timed(lambda b=batch, o=out: o.extend(one_step(actor, b, mbs)), device)
         if i >= a.warmup:
             times.append(t)
         print(f"  step {i} ({rows} x {a.seq}): {t:.3f} s  loss {out[0]:.4g}  "
