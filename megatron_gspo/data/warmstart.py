@@ -211,7 +211,7 @@ def _answer_nll(model, ids: torch.Tensor, attn: torch.Tensor, loss_mask: torch.T
     return -(logp * mask).sum() / mask.sum()
 
 
-def _lr_scale(spec: WarmStartSpec, step: int, steps: int) -> float:
+def lr_scale(spec: WarmStartSpec, step: int, steps: int) -> float:
     """Linear warmup over warmup_steps; then 1, or a linear fall over the last cooldown_steps."""
     scale = min(1.0, (step + 1) / spec.warmup_steps)
     if spec.cooldown_steps:
@@ -228,7 +228,7 @@ def _train(model, tokenizer, task, rows, spec, rng, phase: str) -> float:
         batch = rng.sample(rows, spec.batch_size)
         sloppy = [phase == "sloppy" and rng.random() >= spec.keep_right for _ in batch]
         for group in opt.param_groups:
-            group["lr"] = lr * _lr_scale(spec, step, steps)
+            group["lr"] = lr * lr_scale(spec, step, steps)
         loss = _answer_nll(model, *_task_batch(tokenizer, task, batch, sloppy))
         opt.zero_grad()
         loss.backward()

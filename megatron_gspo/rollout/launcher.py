@@ -34,7 +34,7 @@ from pathlib import Path
 
 from megatron_gspo.comm import free_port
 from megatron_gspo.rollout.failures import ServerFailed, failure_cause
-from megatron_gspo.rollout.server_config import ServerConfig, _redacted, copy_redacted
+from megatron_gspo.rollout.server_config import ServerConfig, copy_redacted, redacted
 
 __all__ = ["ServerConfig", "ServerFailed", "ServerGroup", "failure_cause", "free_port", "stop_all"]
 
@@ -175,7 +175,7 @@ class ServerGroup:
         with open(s.log_path, "ab") as f:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             f.write(
-                f"\n==== {stamp} start #{s.restarts}: {' '.join(_redacted(cmd, secret))}\n".encode()
+                f"\n==== {stamp} start #{s.restarts}: {' '.join(redacted(cmd, secret))}\n".encode()
             )
             f.flush()
             s.proc = subprocess.Popen(

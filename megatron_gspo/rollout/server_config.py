@@ -93,7 +93,7 @@ class ServerConfig:
         return env
 
 
-def _redacted(cmd: list[str], secret: str | None) -> list[str]:
+def redacted(cmd: list[str], secret: str | None) -> list[str]:
     """The command as the log shows it: the API key's value left out, wherever it appears, and
     that of any `--api-key K` or `--api-key=K` (e.g. from rollout.extra_server_args)."""
     out = []

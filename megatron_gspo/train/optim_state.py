@@ -204,12 +204,12 @@ def load_actor(chunks, optimizer, directory) -> None:
     """Load `save_actor`'s checkpoint under any layout and either optimizer kind (collective)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_gspo.model.checkpoint import _take_over
+    from megatron_gspo.model.checkpoint import take_over
 
     state = dist_checkpointing.load(
         _sharded_actor_state(chunks, optimizer, is_loading=True), str(directory)
     )
     modules = [c.module for c in chunks]
     for i, c in enumerate(modules):
-        _take_over(c, state["model"][f"model{i}"], directory, copy=True)
+        take_over(c, state["model"][f"model{i}"], directory, copy=True)
     restore(optimizer, modules, state["optimizer"])

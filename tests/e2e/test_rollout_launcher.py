@@ -16,7 +16,7 @@ import pytest
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient, RolloutError
 from megatron_gspo.rollout.launcher import ServerConfig, ServerFailed, ServerGroup
-from megatron_gspo.rollout.server_config import _redacted
+from megatron_gspo.rollout.server_config import redacted
 
 pytestmark = pytest.mark.e2e
 
@@ -233,6 +233,6 @@ def test_sglang_command_from_config():
         ServerConfig(model_path="/m", kind="vllm")
     assert "--api-key" not in builtin("/m", api_key="k").command(1)
     # the log's copy of a command: no key value, however it is given
-    shown = _redacted(["--api-key", "s3c", "--api-key=k2", "--tag", "x-s3c-y"], "s3c")
+    shown = redacted(["--api-key", "s3c", "--api-key=k2", "--tag", "x-s3c-y"], "s3c")
     assert shown == ["--api-key", "***", "--api-key=***", "--tag", "x-***-y"]
-    assert _redacted(["--api-key", "k3"], None) == ["--api-key", "***"]
+    assert redacted(["--api-key", "k3"], None) == ["--api-key", "***"]

@@ -328,10 +328,10 @@ def test_shared_memory_comes_only_from_this_machine(ckpts, tmp_path):
 
     from megatron_gspo.server.validate import is_local_address
     from megatron_gspo.weight_sync.servers import Servers
-    from megatron_gspo.weight_sync.transports.distributed import _master_address
+    from megatron_gspo.weight_sync.transports.distributed import master_address
 
     # the address a relaying rank's requests come from (TEST-NET: routed, never contacted)
-    address = _master_address(Servers(["http://203.0.113.7:1"]))
+    address = master_address(Servers(["http://203.0.113.7:1"]))
     if ipaddress.ip_address(address).is_loopback:
         pytest.skip("this machine has no non-loopback address")
     assert is_local_address(address) and is_local_address("127.0.0.1")

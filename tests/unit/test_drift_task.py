@@ -13,7 +13,7 @@ from megatron_gspo.data.warmstart import (
     PRESETS,
     TASK_DEFAULTS,
     WarmStartSpec,
-    _lr_scale,
+    lr_scale,
     make_task_model,
     task_model_spec,
 )
@@ -96,9 +96,9 @@ def test_cli_reports_a_bad_preset_in_one_line(tmp_path, capsys):
 
 def test_learning_rate_warms_up_then_cools_down():
     old = WarmStartSpec(warmup_steps=4)  # no cooldown: the schedule arith and sort were built with
-    assert [_lr_scale(old, s, 10) for s in range(10)] == [min(1.0, (s + 1) / 4) for s in range(10)]
+    assert [lr_scale(old, s, 10) for s in range(10)] == [min(1.0, (s + 1) / 4) for s in range(10)]
     spec = WarmStartSpec(warmup_steps=2, cooldown_steps=4)
-    assert [_lr_scale(spec, s, 8) for s in range(8)] == [0.5, 1, 1, 1, 1, 0.75, 0.5, 0.25]
+    assert [lr_scale(spec, s, 8) for s in range(8)] == [0.5, 1, 1, 1, 1, 0.75, 0.5, 0.25]
 
 
 def test_a_drift_model_builds_with_tiny_steps(tmp_path):

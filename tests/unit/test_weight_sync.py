@@ -519,16 +519,16 @@ def test_remote_servers_reach_the_group_store_at_this_hosts_outward_address():
     import ipaddress
     import socket
 
-    from megatron_gspo.weight_sync.transports.distributed import _master_address
+    from megatron_gspo.weight_sync.transports.distributed import master_address
 
-    assert _master_address(Servers(["http://127.0.0.1:1", "http://localhost:2"])) == "127.0.0.1"
+    assert master_address(Servers(["http://127.0.0.1:1", "http://localhost:2"])) == "127.0.0.1"
     remote = "192.0.2.1"  # TEST-NET: routed by the default route, never contacted
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((remote, 9))
     except OSError:
         pytest.skip("this machine has no route off the host")
-    got = _master_address(Servers([f"http://{remote}:30000", "http://127.0.0.1:1"]))
+    got = master_address(Servers([f"http://{remote}:30000", "http://127.0.0.1:1"]))
     assert not ipaddress.ip_address(got).is_loopback, got
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((got, 0))  # an address of this machine

@@ -54,7 +54,7 @@ class DistributedTransport(Transport):
             # A member is gone or changed: abort (NCCL) rather than wait for it, and go on.
             self._destroy(kept, ctx.servers, abort=True)
         cfg, servers = ctx.config, ctx.servers
-        address = cfg.master_address or _master_address(servers)
+        address = cfg.master_address or master_address(servers)
         port, name = free_port(), f"megatron-gspo-s{ctx.stage}-{uuid.uuid4().hex[:8]}"
         backend = "nccl" if ctx.device.type == "cuda" else "gloo"
         offsets, world = {}, 1
@@ -203,7 +203,7 @@ def _abort(group) -> None:
         c10d._abort_process_group(group)
 
 
-def _master_address(servers: Servers) -> str:
+def master_address(servers: Servers) -> str:
     """Where the servers reach this rank's group store: loopback when they are all local, else
     the address this host sends from towards them (its host name may resolve to 127.0.1.1)."""
     hosts = {urlparse(r.url).hostname for r in servers.refs}
