@@ -115,6 +115,11 @@ def run_kind(ckpt, dims, layout, grouped: bool, workdir: str) -> dict:
     batch.old_logprobs = old
     step = actor.train_step(batch, LOSS, layout["mbs"])
     kept = dict(old=old, step=step, inputs=inputs.seen, grads=per_expert(modules, "grad"))
+    kept["kinds"] = sorted({type(m.mlp.experts).__name__ for c in modules for m in c.decoder.layers
+                            if hasattr(m.mlp, "experts")})  # fmt: skip
+    kept["moe_act_recompute"] = any(
+        getattr(m, "activation_recompute", False) for c in modules for m in c.modules()
+    )
     if layout.get("cross_load"):
         where = os.path.join(workdir, f"{layout['name']}-{'grouped' if grouped else 'seq'}")
         if dist.get_rank() == 0:
@@ -186,6 +191,8 @@ def compare(seq: dict, grp: dict) -> dict:
         same_tokens_per_expert=same_counts,
         expert_inputs=hidden,
         expert_calls=sum(len(v) for v in seq["inputs"].values()),
+        kinds=[seq["kinds"], grp["kinds"]],
+        moe_act_recompute=[seq["moe_act_recompute"], grp["moe_act_recompute"]],
     )
 
 

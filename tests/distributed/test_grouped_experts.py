@@ -46,7 +46,13 @@ def runs(tiny_models, tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_forward_log_probs_equal(runs, name):
+    assert runs[name]["kinds"] == [["SequentialMLP"], ["GroupedExperts"]]
     assert runs[name]["logprobs"] < 5 * FP32
+
+
+def test_selective_recompute_recomputes_the_grouped_experts_activation(runs):
+    assert runs["tp2-selective"]["moe_act_recompute"] == [False, True]
+    assert runs["tp2"]["moe_act_recompute"] == [False, False]
 
 
 @pytest.mark.parametrize("name", NAMES)
