@@ -6,7 +6,8 @@ torchrun --nproc-per-node N tests/distributed/grouped_worker.py CKPT OUT.json PL
 PLAN.json: [{"name", "tp", "pp", "ep", "mbs", "recompute", "mode", "cross_load"}, ...]. Per
 layout and experts kind, on fresh weights: log-probs of a fixed batch (routing replay `mode`,
 r3: the batch's own random expert choices), recording what every experts module received
-(tokens per expert and their hidden states), then one optimizer step (no clipping, the plain
+(tokens per expert and their hidden states), the weights as HF tensors (loaded through the
+per-expert views, read back through them), then one optimizer step (no clipping, the plain
 optimizer: every rank's gradient buffer holds the reduced gradient), keeping each parameter's
 gradient under its per-expert (SequentialMLP) name. With `cross_load` each kind saves its actor
 after the step; a fresh actor of the other kind loads it, and both take a second step.
@@ -25,6 +26,7 @@ from megatron_gspo.model.builder import BuildOptions
 from megatron_gspo.model.experts import expert_views, is_grouped
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
+from megatron_gspo.model.weights import iter_hf
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
 from megatron_gspo.train.batch import RLBatch
 
@@ -109,12 +111,14 @@ def run_kind(ckpt, dims, layout, grouped: bool, workdir: str) -> dict:
     actor = build(ckpt, dims, layout, grouped)
     modules = [c.module for c in actor.chunks]
     batch = fixed_batch(modules[0].model_spec)
+    # the loaded weights as HF tensors (TP-gathered; weight sync's and export's view of them)
+    hf = {n: t.clone() for n, t in iter_hf(modules, only_writer=False)}
     inputs = ExpertInputs(modules)
     old, _ = actor.logprobs(batch, layout["mbs"])
     inputs.close()
     batch.old_logprobs = old
     step = actor.train_step(batch, LOSS, layout["mbs"])
-    kept = dict(old=old, step=step, inputs=inputs.seen, grads=per_expert(modules, "grad"))
+    kept = dict(old=old, step=step, inputs=inputs.seen, grads=per_expert(modules, "grad"), hf=hf)
     kept["kinds"] = sorted({type(m.mlp.experts).__name__ for c in modules for m in c.decoder.layers
                             if hasattr(m.mlp, "experts")})  # fmt: skip
     kept["moe_act_recompute"] = any(
@@ -183,6 +187,8 @@ def cross_load(ckpt, dims, layout, runs: dict) -> dict:
 def compare(seq: dict, grp: dict) -> dict:
     same_counts, hidden = input_diffs(seq["inputs"], grp["inputs"])
     return dict(
+        hf_weights=max_diff(seq["hf"], grp["hf"]),
+        hf_tensors=len(seq["hf"]),
         logprobs=logprob_diff(seq["old"], grp["old"]),
         grads=max_diff(seq["grads"], grp["grads"]),
         grad_scale=max(float(g.abs().max()) for g in seq["grads"].values()),

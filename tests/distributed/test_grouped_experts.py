@@ -50,6 +50,13 @@ def test_forward_log_probs_equal(runs, name):
     assert runs[name]["logprobs"] < 5 * FP32
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_hf_weights_load_and_read_back_the_same(runs, name):
+    """HF tensors go into the grouped weights through their per-expert views and come back
+    out (TP-gathered) exactly as from the sequential experts."""
+    assert runs[name]["hf_tensors"] > 0 and runs[name]["hf_weights"] == 0.0
+
+
 def test_selective_recompute_recomputes_the_grouped_experts_activation(runs):
     assert runs["tp2-selective"]["moe_act_recompute"] == [False, True]
     assert runs["tp2"]["moe_act_recompute"] == [False, False]
