@@ -63,13 +63,14 @@ def grouped_kernel_applies(x_TH: torch.Tensor, w_EHN: torch.Tensor) -> bool:
     """torch's grouped GEMM takes these operands: it exists, both are bf16 on a CUDA device of
     compute capability 9.0 or newer (its CUTLASS kernel's floor), x is 2-D and w 3-D, and both
     pass its layout check: 16-byte-aligned data pointers, each row- or column-major in its last
-    two dims with a leading stride that is a multiple of 16 bytes. Their last dims are multiples
+    two dims with a leading stride that is a multiple of 16 bytes; x has rows (none: the loop
+    keeps the weights' zero gradients). Their last dims are multiples
     of 16 bytes as well, so the backward's transposed operands and output pass it too."""
     if not hasattr(torch, "_grouped_mm") or not (x_TH.is_cuda and w_EHN.is_cuda):
         return False
     if x_TH.dtype != torch.bfloat16 or w_EHN.dtype != torch.bfloat16:
         return False
-    if x_TH.dim() != 2 or w_EHN.dim() != 3:
+    if x_TH.dim() != 2 or w_EHN.dim() != 3 or x_TH.shape[0] == 0:  # no rows: the loop
         return False
     if torch.cuda.get_device_capability(x_TH.device)[0] < 9:
         return False
