@@ -30,6 +30,7 @@ from megatron_gspo.checks import in_range as _in_range
 from megatron_gspo.checks import need as _need
 from megatron_gspo.checks import positive as _positive
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.modes import GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
@@ -41,7 +42,8 @@ from megatron_gspo.weight_sync.config import SyncConfig, SyncMethod
 class ModelSection:
     path: str = ""  # HF checkpoint directory (the starting policy)
     dtype: str = "float32"  # float32 | bfloat16
-    recompute: bool = False  # full activation recompute in the training forward
+    recompute: Recompute = Recompute.NONE  # activation recompute: none | selective | full
+    moe_grouped_gemm: GroupedGemm = GroupedGemm.AUTO  # auto (GPU: grouped) | true | false
 
     def check(self) -> None:
         _need(self.path, "model.path", "the HF checkpoint directory to start from")
@@ -333,6 +335,7 @@ _UNIONS = (typing.Union, types.UnionType)
 
 def _convert(hint, value: Any, key: str):
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        value = getattr(hint, "coerce", lambda v: v)(value)  # a mode's YAML spellings
         _choice(value, key, tuple(hint))
         return hint(value)
     if dataclasses.is_dataclass(hint):

@@ -11,6 +11,12 @@ Fusions that need CUDA kernels are off on a CPU; the Transformer Engine layer sp
 imports and the run is on a GPU, the local (pure torch) spec otherwise, with our RMSNorm
 (`norm.py`) and SDPA core attention (`attention.py`). Without sequence parallelism the
 output layer computes its logits batch-major (`_batch_major_logits`).
+
+MoE experts are grouped (`moe_grouped_gemm`: one GEMM per projection over all local experts, two
+weight tensors per layer) or sequential (megatron's SequentialMLP: a matmul pair and two weight
+tensors per expert). Grouped is the default on a GPU: with Transformer Engine megatron's
+TEGroupedMLP, without it `GroupedExperts` (experts.py, torch's grouped GEMM); on a CPU the
+default stays sequential (the grouped path is a loop over experts there, tested equal).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec
+from megatron_gspo.model.modes import Recompute
 from megatron_gspo.model.norm import use_local_rmsnorm
 from megatron_gspo.model.parallel import ParallelDims, device_type
 from megatron_gspo.model.without_te import have_transformer_engine
@@ -36,11 +43,17 @@ class BuildOptions:
     params_dtype: torch.dtype | None = None  # None: the checkpoint's dtype (fp32 for new models)
     padded_vocab_size: int | None = None  # None: round vocab up to VOCAB_PAD_MULTIPLE
     token_dispatcher: str = "alltoall"  # alltoall | allgather
-    recompute: str | None = None  # None | "full" | "selective"
+    recompute: Recompute | str | None = None  # None (none) | full | selective
     routing_replay: bool = False
     init_weights: bool = False  # random init (False: weights are loaded right after)
     sequence_parallel: bool | None = None  # None: on when tp > 1 (MoE needs it)
     use_transformer_engine: bool | None = None  # None: when importable and on a GPU
+    moe_grouped_gemm: bool | None = None  # None: grouped experts on a GPU, sequential on a CPU
+
+    def grouped(self) -> bool:
+        if self.moe_grouped_gemm is None:
+            return device_type() == "cuda"
+        return self.moe_grouped_gemm
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
@@ -96,13 +109,24 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
         # orders operations by rank parity, which gloo matches correctly.
         batch_p2p_comm=on_gpu,
     )
-    if opts.recompute:
-        kwargs.update(recompute_granularity=opts.recompute)
-        if opts.recompute == "full":
-            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(_recompute_fields(Recompute(opts.recompute or Recompute.NONE), spec, opts))
     if spec.is_moe:
         kwargs.update(_moe_fields(spec, opts))
     return TransformerConfig(**_known_fields(TransformerConfig, kwargs))
+
+
+def _recompute_fields(mode: Recompute, spec: ModelSpec, opts: BuildOptions) -> dict:
+    """full: every layer recomputed from its input; selective: the core attention, and with
+    grouped experts their activation too (megatron recomputes `moe_act` only there)."""
+    if mode is Recompute.FULL:
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    if mode is Recompute.SELECTIVE:
+        grouped = spec.is_moe and opts.grouped()
+        modules = ["core_attn", "moe_act"] if grouped else ["core_attn"]
+        return dict(recompute_granularity="selective", recompute_modules=modules)
+    return {}
 
 
 def _moe_fields(spec: ModelSpec, opts: BuildOptions) -> dict:
@@ -118,7 +142,7 @@ def _moe_fields(spec: ModelSpec, opts: BuildOptions) -> dict:
         moe_aux_loss_coeff=0.0,
         moe_layer_freq=[int(m) for m in spec.moe_layers],
         moe_token_dispatcher_type=opts.token_dispatcher,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=opts.grouped(),
         moe_permute_fusion=False,
         moe_router_fusion=False,  # it silently skips routing replay
         moe_enable_routing_replay=opts.routing_replay,
@@ -142,6 +166,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_gspo.model.attention import use_sdpa_attention
+    from megatron_gspo.model.experts import use_grouped_experts
 
     dims.validate(spec)
     config = transformer_config(spec, dims, opts)
@@ -160,6 +185,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
         if not use_te:
             use_local_rmsnorm(layer_spec)
             use_sdpa_attention(layer_spec)
+            use_grouped_experts(layer_spec)
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -220,16 +246,22 @@ def _mark_tensor_parallel(model) -> None:
     megatron-core sets `tensor_model_parallel` / `partition_dim` on parallel linear weights only
     inside its weight initializers, so a model built with `perform_initialization=False` (weights
     loaded right after) lacks them; the optimizer then treats every shard as a TP duplicate and
-    the grad norm counts TP rank 0 alone.
+    the grad norm counts TP rank 0 alone. Grouped experts (GroupedMLP and its subclasses) are
+    split over expert-TP like their SequentialMLP counterparts: weight1 [H, E*2F] along its
+    columns (dim 1, fc1's output), weight2 [E*F, H] along its rows (dim 0, fc2's input).
     """
     from megatron.core.tensor_parallel.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
         VocabParallelEmbedding,
-        set_tensor_model_parallel_attributes,
     )
+    from megatron.core.transformer.moe.experts import GroupedMLP
 
     for module in model.modules():
+        if isinstance(module, GroupedMLP):
+            _mark(module.weight1, 1)
+            _mark(module.weight2, 0)
+            continue
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0
         elif isinstance(module, RowParallelLinear):
@@ -237,5 +269,12 @@ def _mark_tensor_parallel(model) -> None:
         else:
             continue
         weight = getattr(module, "weight", None)
-        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
-            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+        if weight is not None:
+            _mark(weight, dim)
+
+
+def _mark(weight, dim: int) -> None:
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    if not hasattr(weight, "tensor_model_parallel"):
+        set_tensor_model_parallel_attributes(weight, True, dim, 1)

@@ -99,7 +99,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
     try:
         reader = hf_io.HFReader(hf_dir)
         dtype = reader.dtype()
-        chunks = build_model(spec, dims, BuildOptions(params_dtype=dtype))
+        # sequential experts: each entry of their sharded state is a view of one parameter
+        opts = BuildOptions(params_dtype=dtype, moe_grouped_gemm=False)
+        chunks = build_model(spec, dims, opts)
         state = weights.hf_sharded_state(chunks, reader)
         (tmp / "model").mkdir(exist_ok=True)
         dist.barrier()

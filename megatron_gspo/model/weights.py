@@ -1,7 +1,9 @@
 """Move weights between HF tensors and this rank's Megatron model chunks, through the bridge.
 
 `local_params` resolves every parameter of every chunk to its `ParamMap` (global layer and expert
-indices). `load_hf` fills the chunks from an HF reader, each rank reading only the tensors it
+indices); a grouped experts' weight (one tensor for all local experts, model/experts.py) is
+listed as its per-expert views under SequentialMLP's names, so everything below sees the same
+names and shapes whichever experts the model was built with. `load_hf` fills the chunks from an HF reader, each rank reading only the tensors it
 needs. `iter_hf` yields full HF tensors gathered over TP / expert-TP one parameter at a time, so
 the extra memory is one full tensor; weight sync consumes it.
 
@@ -33,8 +35,12 @@ EXPERTS = ".mlp.experts.experts."  # SequentialMLP's checkpoint key: experts on 
 @dataclass
 class LocalParam:
     chunk: int
-    param: torch.nn.Parameter
+    param: torch.Tensor  # the parameter, or a per-expert view of a grouped experts' weight
     map: ParamMap
+
+    @property
+    def is_view(self) -> bool:
+        return not isinstance(self.param, torch.nn.Parameter)
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,20 @@ def local_params(chunks) -> list[LocalParam]:
     for i, chunk in enumerate(chunks):
         layer_ids = {j: layer.layer_number - 1 for j, layer in enumerate(chunk.decoder.layers)}
         for name, p in chunk.named_parameters():
-            pm = bridge.param_map(name, layer_ids, ep_rank * local_experts, spec.tie_embeddings)
-            out.append(LocalParam(i, p, pm))
+            for view_name, t in _per_expert(name, p, local_experts, spec.hidden_size):
+                pm = bridge.param_map(
+                    view_name, layer_ids, ep_rank * local_experts, spec.tie_embeddings
+                )
+                out.append(LocalParam(i, t, pm))
     return out
+
+
+def _per_expert(name: str, p, local_experts: int, hidden: int) -> list[tuple[str, torch.Tensor]]:
+    from megatron_gspo.model.experts import expert_views, is_grouped
+
+    if is_grouped(name):
+        return expert_views(name, p, local_experts, hidden)
+    return [(name, p)]
 
 
 def shard_info(pm: ParamMap) -> ShardInfo:
@@ -102,6 +119,9 @@ def load_hf(chunks, reader) -> None:
                 f"{lp.map.hf_names} give {tuple(local.shape)} for {lp.map.megatron_name} "
                 f"{tuple(lp.param.shape)}: checkpoint and config disagree"
             )
+        if lp.is_view:  # one expert of a grouped weight: written in place
+            lp.param.copy_(local)
+            continue
         # Take the tensor over instead of copying into the freshly built one (a checkpoint-sized
         # copy saved); a slice of a larger tensor is copied so it does not pin the rest.
         owns_storage = local.untyped_storage().nbytes() == local.numel() * local.element_size()
@@ -152,9 +172,12 @@ def hf_sharded_state(chunks, reader) -> dict:
 
     from megatron_gspo.model.checkpoint import sharded_model_state
 
+    params = local_params(chunks)
+    if any(lp.is_view for lp in params):
+        raise ValueError("conversion builds sequential experts (moe_grouped_gemm=False)")
     state = sharded_model_state(chunks)
     apply_factories(state)
-    owners = {lp.param.untyped_storage().data_ptr(): lp for lp in local_params(chunks)}
+    owners = {lp.param.untyped_storage().data_ptr(): lp for lp in params}
     kw = dict(_geometry(chunks), padded_vocab=chunks[0].padded_vocab_size)
     for sh in nested_values(state):
         if not isinstance(sh, ShardedTensor):

@@ -8,11 +8,20 @@ when TE is missing (call sites as of megatron-core 0.16.1 - 0.19.x):
   gating with `moe_router_dtype`. Defined as None, which selects the torch path.
 - `CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None`, i.e. True, and then
   needs TE's FP8 state manager: selective recompute fails. Fixed to `bool(fp8)`.
+
+And one cost: without TE or apex, megatron's gradient norm and gradient scaling (clipping, the
+fp16/bf16 main-param copies) fall back to per-tensor loops (`local_multi_tensor_l2_norm` takes a
+norm per tensor and then reads every one back to the host, one device sync each). On a GPU those
+are replaced by torch's multi-tensor (`_foreach_*`) kernels, `foreach_l2_norm` and
+`foreach_scale`, a few launches for all tensors and no sync. They compute the same values (tested
+equal on a CPU); CPU runs keep megatron's own.
 """
 
 from __future__ import annotations
 
 import functools
+
+import torch
 
 
 @functools.cache
@@ -47,3 +56,39 @@ def apply() -> None:
             self.fp8 = bool(fp8)
 
         cwo.__init__ = init
+    if torch.cuda.is_available():
+        _use_foreach_grad_ops()
+
+
+def _use_foreach_grad_ops() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract: (||concat(tensors)||_2 as a [1] fp32 tensor,
+    the per-tensor norms or None). sqrt(sum_i ||t_i||^2) = || (||t_1||, ..., ||t_n||) ||_2."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch.stack(torch._foreach_norm(tensors)).float()
+    total = torch.linalg.vector_norm(norms).reshape(1)
+    return total, (norms if per_tensor else None)
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """amp_C.multi_tensor_scale's contract: dst_i = src_i * scale (in place when dst is src;
+    a copy into dst's dtype otherwise, as megatron's fallback `dst.copy_(src * scale)`)."""
+    src, dst = tensor_lists
+    if not src:
+        return
+    if all(a is b for a, b in zip(src, dst, strict=True)):
+        torch._foreach_mul_(dst, scale)
+        return
+    torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))

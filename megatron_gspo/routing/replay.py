@@ -59,7 +59,7 @@ class RoutingReplay:
         self._chunk = {id(c): i for i, c in enumerate(chunks)}
         self.layers = tuple(sorted(t.layer for t in self.all_taps()))
         self.column = {layer: j for j, layer in enumerate(self.layers)}
-        self.recompute = config.recompute_granularity is not None
+        self.recompute = router_recomputed(config)
         self.layout = current_layout(bool(config.sequence_parallel))
         self.device = next(first.parameters()).device
         self.np_dtype = index_dtype(self.num_experts)
@@ -174,3 +174,17 @@ def _routers(chunk) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def router_recomputed(config) -> bool:
+    """The backward runs the routers again: full recompute, or selective recompute of whole MoE
+    layers (`moe`). Selective recompute of the core attention and the experts' activation
+    (`core_attn`, `moe_act`) does not, so no replay target is kept for a recompute."""
+    from megatron_gspo.model.modes import Recompute
+
+    granularity = config.recompute_granularity
+    if granularity is None:
+        return False
+    if Recompute(granularity) is Recompute.FULL:
+        return True
+    return "moe" in (config.recompute_modules or ())

@@ -52,12 +52,12 @@ from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
-    _fused_cpu_adam,
     _gather_rows,
     _moved_split,
     _optimizer_step,
     _reduce_stats,
     _tis_weights,
+    fused_adam,
 )
 
 # Logits one forward-only microbatch may produce (1 GiB in fp32) when it takes more rows than a
@@ -106,7 +106,7 @@ class Actor:
         self.optimizer = get_megatron_optimizer(
             optim.megatron(self.config.params_dtype), self.chunks
         )
-        _fused_cpu_adam(self.optimizer)
+        fused_adam(self.optimizer)
         # The layout is fixed for the actor's life: read it once, not per step.
         self.dp = mpu.get_data_parallel_world_size()
         self.dp_rank = mpu.get_data_parallel_rank()

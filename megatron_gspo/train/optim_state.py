@@ -176,10 +176,9 @@ def restore(optimizer, chunks, loaded: dict) -> None:
     step = int(loaded["step"])
     for opt in _optimizers(optimizer):
         for state in opt.optimizer.state.values():
-            if "step" in state:
-                state["step"] = (
-                    torch.tensor(float(step)) if torch.is_tensor(state["step"]) else step
-                )
+            if "step" in state:  # a tensor keeps its device (a fused CUDA Adam's is there)
+                old = state["step"]
+                state["step"] = torch.full_like(old, float(step)) if torch.is_tensor(old) else step
 
 
 def _sharded_actor_state(chunks, optimizer, is_loading: bool) -> dict:

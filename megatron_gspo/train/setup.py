@@ -87,7 +87,8 @@ class TrainerSetup:
         m = self.cfg.model
         opts = BuildOptions(
             params_dtype=torch.bfloat16 if m.dtype == "bfloat16" else None,
-            recompute="full" if m.recompute else None,
+            recompute=m.recompute,
+            moe_grouped_gemm=m.moe_grouped_gemm.resolve(),
             routing_replay=True,
         )
         chunks = load_policy(m.path, dims, opts)

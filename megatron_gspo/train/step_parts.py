@@ -1,5 +1,5 @@
 """The actor's helpers that need no actor: how moved weights split, a microbatch's TIS weights,
-the fused CPU Adam, gathering rows and reducing step statistics over ranks."""
+the fused Adam, gathering rows and reducing step statistics over ranks."""
 
 from __future__ import annotations
 
@@ -45,20 +45,27 @@ def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
     return sequence_tis_weights(*args, cap=loss_cfg.tis_cap, reduce="sum")
 
 
-def _fused_cpu_adam(optimizer) -> None:
-    """torch's Adam/AdamW off CUDA defaults to its per-tensor loop: seven passes over memory per
-    parameter (its foreach path is no faster on a CPU). On a CPU its fused kernel does the same
-    update in one pass, 3-4x faster for the whole step (within float rounding of the loop). GPUs
-    keep torch's default (foreach) or the fused optimizer megatron picked (Transformer Engine,
-    apex)."""
+def fused_adam(optimizer) -> None:
+    """Have torch's Adam/AdamW (megatron's optimizer without Transformer Engine or apex) update
+    every parameter of a group in one fused kernel.
+
+    Left to its default, torch's Adam loops over the parameters on a CPU: seven passes over
+    memory per parameter (its foreach path is no faster there), where the fused kernel does the
+    same update in one pass, 3-4x faster for the whole step (within float rounding of the
+    loop). On CUDA its default is the multi-tensor (foreach) path, a few kernels per group of
+    tensors; the fused kernel is one per group: the per-tensor launches are a fixed cost of
+    every step, paid per parameter tensor. Fused optimizers megatron picked (Transformer
+    Engine's, apex's) are kept."""
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in inner.param_groups:
             params = group["params"]
-            if params and all(p.device.type == "cpu" and p.is_floating_point() for p in params):
-                group["foreach"], group["fused"] = False, True
+            devices = {p.device.type for p in params}
+            if params and len(devices) == 1 and devices <= {"cpu", "cuda"}:
+                if all(p.is_floating_point() for p in params):
+                    group["foreach"], group["fused"] = False, True
 
 
 def _gather_rows(mine: list, n: int, world: int, local: bool = False) -> list:

@@ -3,7 +3,7 @@
 torchrun --nproc-per-node N tests/distributed/routing_worker.py CKPT BATCH.json OUT.json PLAN.json
 
 BATCH.json: tokens, loss_mask, advantages, rollout_experts (int lists [n - 1, layers, k]).
-PLAN.json: [{"name", "tp", "pp", "ep", "vpp", "mbs", "recompute", "modes": [...]}, ...].
+PLAN.json: [{"name", "tp", "pp", "ep", "vpp", "mbs", "recompute", "grouped", "modes": [...]}, ...].
 For each layout and mode, on fresh weights: old log-probs (recording), a step on the whole batch
 (weights unchanged: ratios must be 1), log-probs with the batch's routing replayed under the
 changed weights while forward hooks on every router collect the experts it really used, then a
@@ -111,7 +111,11 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
         world_size=world_size_from_env(),
     )  # fmt: skip
     init_distributed(dims)
-    opts = BuildOptions(routing_replay=True, recompute="full" if layout.get("recompute") else None)
+    opts = BuildOptions(
+        routing_replay=True,
+        recompute="full" if layout.get("recompute") else None,
+        moe_grouped_gemm=layout.get("grouped", False),
+    )
     chunks = load_policy(checkpoint, dims, opts)
     actor = Actor(chunks, OptimConfig(lr=layout.get("lr", 1e-3)), routing_replay=mode)
     mbs = layout["mbs"]

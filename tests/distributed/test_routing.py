@@ -1,6 +1,7 @@
-"""Routing replay (R2, R3) under TP1, TP2 (+SP), EP2, PP2, PP2xVPP2, TP2xEP2, with and without
-activation recompute (PP, where several forwards run before their backwards), on a model whose first layer is dense and a batch of samples of different
-lengths (gloo, 4 ranks, every layout in one launch).
+"""Routing replay (R2, R3) under TP1, TP2 (+SP), EP2, PP2, PP2xVPP2, TP2xEP2 (also with grouped
+experts), with and without activation recompute (PP, where several forwards run before their
+backwards), on a model whose first layer is dense and a batch of samples of different lengths
+(gloo, 4 ranks, every layout in one launch).
 
 R3's routed experts come from the built-in rollout server serving checkpoint A; the trainer loads
 B, A with its router weights perturbed, so its natural routing differs from the server's and
@@ -36,6 +37,9 @@ PLAN = [  # 4 ranks: every layout has data-parallel replicas too
     {"name": "tp2xep2", "tp": 2, "pp": 1, "ep": 2, "mbs": 2},
     {"name": "tp2xpp2-recompute", "tp": 2, "pp": 2, "ep": 1, "mbs": 2, "recompute": True},
     {"name": "pp2xvpp2-recompute", "tp": 1, "pp": 2, "ep": 1, "vpp": 2, "mbs": 1,
+     "recompute": True},
+    # grouped experts (model/experts.py), with the router recomputed under replay
+    {"name": "grouped-tp2xep2-recompute", "tp": 2, "pp": 1, "ep": 2, "mbs": 2, "grouped": True,
      "recompute": True},
 ]  # fmt: skip
 REF = "tp1"

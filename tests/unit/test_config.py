@@ -261,3 +261,40 @@ def test_prompt_and_generation_must_fit_the_models_context(tmp_path, overrides, 
     load_config(_write(tmp_path, "model: {path: m}\n")).check_context(2048, "m/config.json")
     fits = load_config(_write(tmp_path, "model: {path: m}\n"), ["rollout.max_new_tokens=1792"])
     fits.check_context(2048, "m/config.json")  # exactly the context: fine
+
+
+@pytest.mark.parametrize(
+    "overrides, recompute, grouped",
+    [
+        ([], "none", "auto"),
+        (["model.recompute=selective", "model.moe_grouped_gemm=true"], "selective", "true"),
+        (["model.recompute=full", "model.moe_grouped_gemm=false"], "full", "false"),
+        (["model.recompute=true", "model.moe_grouped_gemm=auto"], "full", "auto"),  # former bool
+        (["model.recompute=false"], "none", "auto"),
+    ],
+)
+def test_recompute_and_grouped_experts_modes(overrides, recompute, grouped):
+    from megatron_gspo.model.modes import GroupedGemm, Recompute
+
+    cfg = load_config(None, ["model.path=m", *overrides])
+    assert cfg.model.recompute is Recompute(recompute)
+    assert cfg.model.moe_grouped_gemm is GroupedGemm(grouped)
+    assert (
+        cfg.model.moe_grouped_gemm.resolve()
+        == {"auto": None, "true": True, "false": False}[grouped]
+    )
+    assert cfg.to_dict()["model"]["moe_grouped_gemm"] == grouped
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.recompute=partial", "model.recompute must be one of none, selective, full"),
+        ("model.moe_grouped_gemm=yes please", "model.moe_grouped_gemm must be one of auto, true"),
+        ("model.moe_grouped_gemm=1", "model.moe_grouped_gemm must be one of auto, true, false"),
+    ],
+)
+def test_bad_model_modes_are_one_line_naming_the_choices(override, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_config(None, ["model.path=m", override])
+    assert "\n" not in str(e.value)

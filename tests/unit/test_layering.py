@@ -23,6 +23,7 @@ MODE_ENUMS = {  # every mode's enum, by the module that owns it
     "megatron_gspo.weight_sync.config": ("SyncMethod",),
     "megatron_gspo.rollout.modes": ("Backend", "Placement"),
     "megatron_gspo.model.optim": ("Decay",),
+    "megatron_gspo.model.modes": ("Recompute",),  # GroupedGemm: "auto" is also the server's
 }
 
 

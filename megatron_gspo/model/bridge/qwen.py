@@ -2,8 +2,10 @@
 
 Names are listed for both layer specs: the local spec (separate norms, SequentialMLP experts) and
 the Transformer Engine spec (norms fused into `linear_qkv` / `linear_fc1` as `layer_norm_weight`).
-Experts are always SequentialMLP (`moe_grouped_gemm=False`, see model/builder.py), so expert names
-are the same under both specs.
+Expert names are SequentialMLP's (`local_experts.{e}.linear_fc1.weight`): the local spec's
+grouped experts are listed under them as per-expert views (model/experts.py, model/weights.py).
+Transformer Engine's grouped experts (TEGroupedMLP) hold one tensor per expert,
+`experts.linear_fc1.weight{e}`, of the same shape and split, listed here as well.
 """
 
 from megatron_gspo.model.bridge.base import Bridge, Layout, Rule
@@ -56,6 +58,18 @@ _MOE = (
     ),
     Rule(
         L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc2\.weight",
+        (EXP + "down_proj.weight",),
+        ROW,
+        expert=True,
+    ),
+    Rule(
+        L + r"mlp\.experts\.linear_fc1\.weight(?P<expert>\d+)",
+        (EXP + "gate_proj.weight", EXP + "up_proj.weight"),
+        Layout.GLU,
+        expert=True,
+    ),
+    Rule(
+        L + r"mlp\.experts\.linear_fc2\.weight(?P<expert>\d+)",
         (EXP + "down_proj.weight",),
         ROW,
         expert=True,
