@@ -103,22 +103,19 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     sapo_tau_neg: float = 1.05,
     norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped policy loss of the given kind; returns (loss, stats).
+    """Policy loss of the given kind; returns (loss, stats).
 
     logprobs, old_logprobs, mask, rollout_logprobs: [B, T] (mask: bool or 0/1, nonzero = token).
     advantages: [B] (per sequence), or [B, T] for every kind but gspo (GSPO needs [B]).
     agg: an Agg; None = the kind's published default: seq-mean-token-mean for all but cispo
         (for GSPO that is the paper's sequence mean of one clipped term per sequence; for GRPO
         the original token-mean-then-sequence-mean), token-mean for cispo.
-    tis_weights: [B, T] or [B], detached, multiply the per-token (per-sequence) objective: the
-        mismatch correction's weights (megatron_gspo.algo.mismatch; 0 drops a token).
-    sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (A > 0, A < 0).
-    norm_length: seq-mean-token-sum-norm's constant L (required there).
+    tis_weights: [B, T] or [B], detached, the mismatch weights (algo.mismatch; 0 drops a token).
+    sapo_tau_pos, sapo_tau_neg: SAPO's temperatures; norm_length: the -norm aggregation's L.
     loss_scale_denominator: the step's global count from `loss_denominator` (sequences for
         seq-mean-*, tokens for token-mean); None = this microbatch's count.
     log_ratio_clamp: log-ratios are clamped to [-c, c] before exp (zero gradient beyond).
-
-    Ratios are computed from log differences in fp32 (fp64 stays fp64); the loss has that dtype.
+    Ratios come from log differences in fp32 (fp64 stays fp64); the loss has that dtype.
     Masked-out tokens and empty rows contribute nothing; the result is finite for finite inputs.
     stats: detached 0-d tensors of sums, counts, min and max (see loss_stats; combine across
     microbatches with combine_stats, turn into floats with summarize_stats).
@@ -138,9 +135,7 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     taus = (sapo_tau_pos, sapo_tau_neg)
     objective_BT = _objective(kind, ratio_BT, adv_BT, logp_BT, clip_low, clip_high, taus)
     tis_BT = None if tis_weights is None else _per_token(tis_weights, mask_BT).to(dtype)
-    if tis_BT is not None:
-        objective_BT = objective_BT * tis_BT
-    objective_BT = torch.where(mask_BT, objective_BT, 0.0)
+    objective_BT = torch.where(mask_BT, objective_BT * (1.0 if tis_BT is None else tis_BT), 0.0)
 
     denominator = _denominator(mask_BT, agg, kind, loss_scale_denominator, objective_BT)
     denominator = denominator * _norm_length(agg, norm_length)
@@ -148,10 +143,16 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
 
     low_BT, high_BT = _clipped_BT(kind, ratio_BT.detach(), adv_BT, mask_BT, clip_low, clip_high)
     stats = token_stats(mask_BT, low_BT, high_BT, log_rho_BT) | report
-    if kind == LossKind.SAPO:
-        gate_BT = sapo_gradient_weight(ratio_BT, adv_BT, *taus)
-        stats["sapo_gate_sum"] = torch.where(mask_BT, gate_BT, 0.0).sum()
+    stats |= _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus)
     return loss, stats | _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT)
+
+
+def _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus) -> dict[str, Tensor]:
+    """SAPO: the sum of its gradient weight 4 sigma (1 - sigma) over the tokens."""
+    if kind != LossKind.SAPO:
+        return {}
+    gate_BT = sapo_gradient_weight(ratio_BT, adv_BT, *taus)
+    return {"sapo_gate_sum": torch.where(mask_BT, gate_BT, 0.0).sum()}
 
 
 def _objective(kind, ratio_BT, adv_BT, logp_BT, clip_low, clip_high, taus) -> Tensor:
