@@ -231,13 +231,13 @@ def build_study(
         study.algos[algo] = _algo_settings(load_config(config, layered))
         for sub, at in points:
             run_steps = load_config(config, layered + at).train.steps  # (checks the value)
-            study.steps = max(study.steps, run_steps) if sweep else study.steps
             for seed in study.seeds:
                 extra = [f"seed={seed}"] + ([f"model.path={model}"] if model else [])
                 run_dir = study.out / "runs" / algo / (sub or "") / f"seed{seed}"
                 study.runs.append(RunSpec(algo, seed, run_dir, tuple(layered + at + extra),
                                           at[0] if at else None, study.out, run_steps))  # fmt: skip
     study.made_model = model
+    study.steps = max(r.steps or 0 for r in study.runs)  # (a sweep of train.steps: the longest)
     # every arm at every sweep value per seed first; per value, every arm first
     at = {p: j for j, p in enumerate(sweep.point(v) for v in sweep.values)} if sweep else {}
     study.runs.sort(key=lambda r: (r.seed, at.get(r.point, 0), algos.index(r.algo)))
