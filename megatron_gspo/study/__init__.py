@@ -59,8 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=1, help="seeds per algorithm (config seed + i)")
     p.add_argument("--out", required=True, type=Path, help="study directory")
     p.add_argument("--steps", type=int, default=None, help="train.steps for every run")
-    p.add_argument("--sweep", default=None, metavar="KEY=v1,v2,...",
-                   help="run every arm at every value of one config key (a scaling axis)")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="KEY=v1,v2,...",
+        help="run every arm at every value of one config key (a scaling axis)",
+    )
     p.add_argument(
         "--collapse-margin", type=float, default=0.2,
         help="a collapse is eval reward this far below its running best (or a non-finite loss)",

@@ -224,8 +224,9 @@ def build_study(
                   base.train.steps, base.train.eval_every, common=common, sweep=sweep)  # fmt: skip
     # each sweep value is a path of its own when the sweep is over the starting model
     model = None if sweep and sweep.key == "model.path" else _starting_model(base, study.out)
-    points = [(f"{j}_{_slug(v)}", [sweep.point(v)]) for j, v in enumerate(sweep.values)] if sweep \
-        else [(None, [])]  # fmt: skip
+    points: list[tuple[str | None, list[str]]] = [(None, [])]
+    if sweep:
+        points = [(f"{j}_{_slug(v)}", [sweep.point(v)]) for j, v in enumerate(sweep.values)]
     for algo in algos:
         layered = [*row_overrides(table[algo]), *common, *per_algo[algo]]
         study.algos[algo] = _algo_settings(load_config(config, layered))
@@ -239,8 +240,8 @@ def build_study(
     study.made_model = model
     study.steps = max(r.steps or 0 for r in study.runs)  # (a sweep of train.steps: the longest)
     # every arm at every sweep value per seed first; per value, every arm first
-    at = {p: j for j, p in enumerate(sweep.point(v) for v in sweep.values)} if sweep else {}
-    study.runs.sort(key=lambda r: (r.seed, at.get(r.point, 0), algos.index(r.algo)))
+    order = {p: j for j, p in enumerate(sweep.point(v) for v in sweep.values)} if sweep else {}
+    study.runs.sort(key=lambda r: (r.seed, order.get(r.point or "", 0), algos.index(r.algo)))
     return study
 
 

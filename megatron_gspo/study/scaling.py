@@ -66,7 +66,7 @@ def points(study: Study, summaries: dict[str, list[RunSummary]], flops: dict) ->
         for v in study.sweep.values:
             label = f"{arm} @ {study.sweep.point(v)}"
             runs = summaries.get(label, [])
-            f = [flops[(label, r.seed)] for r in runs if flops.get((label, r.seed)) is not None]
+            f = [x for r in runs if (x := flops.get((label, r.seed))) is not None]
             out[arm].append(Point(v, spread(runs, "eval_final"), spread(runs, "eval_best"),
                                   sum(f) / len(f) if f else None))  # fmt: skip
     return out
@@ -77,7 +77,7 @@ def flops_change(pts: dict[str, list[Point]]) -> bool:
     n = max((len(a) for a in pts.values()), default=0)
     per_value = []
     for j in range(n):
-        f = [a[j].flops for a in pts.values() if a[j].flops]
+        f = [x for a in pts.values() if (x := a[j].flops)]
         if f:
             per_value.append(sum(f) / len(f))
     return len(per_value) > 1 and max(per_value) > 1.05 * min(per_value)

@@ -114,8 +114,12 @@ def test_the_sweep_plan(tmp_path):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("rollout.group_size", "KEY=v1,v2"), ("=1,2", "KEY=v1,v2"), ("seed=1,2", "--seeds"),
-     ("rollout.group_size=2,2", "twice")],  # fmt: skip
+    [
+        ("rollout.group_size", "KEY=v1,v2"),
+        ("=1,2", "KEY=v1,v2"),
+        ("seed=1,2", "--seeds"),
+        ("rollout.group_size=2,2", "twice"),
+    ],  # fmt: skip
 )
 def test_bad_sweeps_are_one_line_errors(text, message):
     with pytest.raises(UserError, match=message):

@@ -28,10 +28,18 @@ def task_model(tmp_path_factory) -> Path:
 
 CASES = {
     "sapo_icepop": ["algo.loss=sapo", "algo.mismatch=icepop", "algo.icepop_k=1.001"],
-    "cispo_mis_drgrpo": ["algo.loss=cispo", "algo.mismatch=mis", "algo.mismatch_level=sequence",
-                         "algo.tis_reduce=mean", "algo.mis_low=0.9997", "algo.mis_high=1.0003",
-                         "algo.adv_norm=none", "algo.agg=seq-mean-token-sum-norm",
-                         "algo.norm_length=8", "reward.overlong_buffer=4"],  # fmt: skip
+    "cispo_mis_drgrpo": [
+        "algo.loss=cispo",
+        "algo.mismatch=mis",
+        "algo.mismatch_level=sequence",
+        "algo.tis_reduce=mean",
+        "algo.mis_low=0.9997",
+        "algo.mis_high=1.0003",
+        "algo.adv_norm=none",
+        "algo.agg=seq-mean-token-sum-norm",
+        "algo.norm_length=8",
+        "reward.overlong_buffer=4",
+    ],  # fmt: skip
 }
 
 

@@ -175,9 +175,13 @@ def test_mis_in_the_loss_drops_tokens_and_reports_the_share(level):
     assert torch.allclose(loss, -o.sum() / mask_BT.sum(), rtol=1e-12)
     dropped = mask_BT & (w_BT == 0)
     assert not grad[dropped].any()
-    assert stats["mismatch_masked_frac_tokens"] == pytest.approx(float(dropped.sum() / mask_BT.sum()))
+    assert stats["mismatch_masked_frac_tokens"] == pytest.approx(
+        float(dropped.sum() / mask_BT.sum())
+    )
     n_seqs = float(mask_BT.any(-1).sum())
-    assert stats["mismatch_masked_frac_seqs"] == pytest.approx(float(dropped.any(-1).sum()) / n_seqs)
+    assert stats["mismatch_masked_frac_seqs"] == pytest.approx(
+        float(dropped.any(-1).sum()) / n_seqs
+    )
     assert 0 < stats["mismatch_masked_frac_tokens"] < 1
 
 
