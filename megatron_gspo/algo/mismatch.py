@@ -41,8 +41,6 @@ from torch import Tensor
 
 from megatron_gspo.algo.config import Level, LossConfig, Mismatch, TisReduce
 
-LevelName = Literal["token", "sequence"]
-Mode = Literal["truncate", "mask"]
 SeqReduce = Literal["sum", "mean"]
 
 
@@ -165,29 +163,6 @@ def correction_weights(
     if level == Level.TOKEN:
         return token_tis_weights(*args, cap=cfg.tis_cap)
     return sequence_tis_weights(*args, cap=cfg.tis_cap, reduce=reduce)
-
-
-def mismatch_weights(
-    old_logprobs_BT: Tensor,
-    rollout_logprobs_BT: Tensor,
-    mask_BT: Tensor,
-    *,
-    level: LevelName = "token",
-    mode: Mode = "truncate",
-    cap: float = 2.0,
-    reduce: SeqReduce = "sum",
-) -> Tensor:
-    """One entry point for the four variants above: [B, T] for level="token", [B] for "sequence"."""
-    args = (old_logprobs_BT, rollout_logprobs_BT, mask_BT, cap)
-    if (level, mode) == ("token", "truncate"):
-        return token_tis_weights(*args)
-    if (level, mode) == ("token", "mask"):
-        return token_mismatch_mask(*args)
-    if (level, mode) == ("sequence", "truncate"):
-        return sequence_tis_weights(*args, reduce=reduce)
-    if (level, mode) == ("sequence", "mask"):
-        return sequence_mismatch_mask(*args, reduce=reduce)
-    raise ValueError(f"unknown level/mode {level!r}/{mode!r}")
 
 
 def logprob_abs_diff(
