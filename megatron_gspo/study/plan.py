@@ -20,6 +20,7 @@ a run that already started is refused instead of mixing two settings in one comp
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -157,7 +158,26 @@ def algo_table(
         algo, reward = raw.get("algo") or {}, raw.get("reward") or {}
         table[name] = {k: algo[k] for k in ALGO_KEYS if k in algo}
         table[name] |= {f"reward.{k}": reward[k] for k in REWARD_KEYS if k in reward}
+        table[name] |= _unset(base, table[name])
     return table
+
+
+def _unset(base: Path | None, row: dict) -> dict:
+    """The arm's defaults for the keys its config leaves out and the base config sets (a
+    cispo base's agg must not reach the gspo arm): the arm runs what its own config runs."""
+    from megatron_gspo.algo.section import AlgoSection
+    from megatron_gspo.rewards.config import RewardSection
+
+    raw = (yaml.safe_load(Path(base).read_text()) or {}) if base and Path(base).is_file() else {}
+    out = {}
+    for section, keys, defaults, prefix in (("algo", ALGO_KEYS, AlgoSection(), ""),
+                                            ("reward", REWARD_KEYS, RewardSection(), "reward.")):  # fmt: skip
+        given = raw.get(section) or {}
+        for k in keys:
+            if k in given and prefix + k not in row:
+                value = getattr(defaults, k)
+                out[prefix + k] = value.value if isinstance(value, enum.Enum) else value
+    return out
 
 
 def split_names(text: str) -> list[str]:

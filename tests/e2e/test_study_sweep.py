@@ -89,6 +89,10 @@ def test_arms_come_from_the_base_configs_family(tmp_path):
                         table=table)  # fmt: skip
     dapo = next(r for r in study.runs if r.algo == "dapo")
     assert "reward.overlong_buffer=4" in dapo.overrides and study.algos["dapo"]["overlong"] == 4
+    # a key the base config sets and the arm's config leaves out: the arm's default, not the base's
+    from_dapo = algo_table(base=tmp_path / "lab_moe_dapo.yaml", arms=["gspo", "dapo"])
+    assert from_dapo["gspo"]["agg"] is None and from_dapo["gspo"]["reward.overlong_buffer"] == 0
+    assert "agg" not in table["sapo"]  # (the gspo base sets no agg: nothing to undo)
     with pytest.raises(UserError, match="choose arms among .*cispo.*sapo") as e:
         algo_table(base=tmp_path / "lab_moe_gspo.yaml", arms=["sapo", "ppo"])
     assert "\n" not in str(e.value)
