@@ -121,7 +121,7 @@ class LossConfig:
     def correction(self) -> tuple[Mismatch, Level]:
         """The mismatch correction and its level, `tis` (today's spelling) included."""
         if self.mismatch == Mismatch.NONE and self.tis != Tis.NONE:
-            return Mismatch.TIS, Level(self.tis.value)
+            return Mismatch.TIS, Level(self.tis)
         if self.mismatch == Mismatch.ICEPOP:
             return Mismatch.ICEPOP, Level.TOKEN
         return self.mismatch, self.mismatch_level

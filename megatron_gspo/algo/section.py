@@ -71,7 +71,7 @@ class AlgoSection:
 
     def loss_config(self) -> LossConfig:
         low, high = DEFAULT_CLIP[LossKind(self.loss)]
-        level = Level(self.tis.value) if self.tis != Tis.NONE else self.mismatch_level
+        level = Level(self.tis) if self.tis != Tis.NONE else self.mismatch_level
         return LossConfig(
             kind=self.loss,
             clip_low=low if self.clip_low is None else self.clip_low,
