@@ -125,11 +125,15 @@ def family(base: Path, arms: tuple[str, ...] | list[str] = ALGOS) -> list[Path] 
 
 
 def available_arms(base: Path | None, configs_dir: Path = CONFIGS_DIR) -> list[str]:
-    """The arms with a config: the base config's family's, and configs/tiny_moe_<name>.yaml."""
+    """The arms with a config: configs/tiny_moe_<name>.yaml's, and those of the base config's
+    family (PREFIX_<name>.yaml beside it)."""
     names = {p.stem.removeprefix("tiny_moe_") for p in configs_dir.glob("tiny_moe_*.yaml")}
-    if base is not None and (siblings := family(base, [Path(base).stem.split("_")[-1]])):
-        prefix = siblings[0].name[: -len(Path(base).stem.split("_")[-1]) - len(".yaml")]
-        names |= {p.stem.removeprefix(prefix) for p in Path(base).parent.glob(f"{prefix}*.yaml")}
+    if base is not None:
+        stem, parent = Path(base).stem, Path(base).parent
+        cuts = [i for i, c in enumerate(stem) if c == "_"]
+        families = [{p.stem[i + 1 :] for p in parent.glob(f"{stem[:i]}_*.yaml")} for i in cuts]
+        # the most siblings; of equals, the longest prefix (drift_moe_, not drift_)
+        names |= max(reversed(families), key=len, default=set())
     return sorted(names)
 
 

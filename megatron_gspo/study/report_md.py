@@ -141,7 +141,9 @@ def _settings(study: Study) -> list[str]:
 def _summary(study: Study, summaries: dict[str, list[RunSummary]], margin: float) -> list[str]:
     head = "| algo | runs | " + " | ".join(t for t, _, _ in SUMMARY) + " | runs with a collapse |"
     rows = ["## Summary", "", "Mean over seeds, [lowest, highest seed] where there are several. "
-            "Ratio std: of the sequence-level ratio for GSPO, of the token-level ratio for GRPO.",
+            "Ratio std: of the sequence-level ratio for GSPO, of the token-level ratio for GRPO, SAPO "
+            "and CISPO. Clipped: for CISPO the tokens whose weight was truncated (they keep a "
+            "gradient); SAPO clips nothing.",
             "", head, "|" + "---|" * (len(SUMMARY) + 3)]  # fmt: skip
     for a, runs in summaries.items():
         cells = [_cell(spread(runs, name), fmt) for _, name, fmt in SUMMARY]
