@@ -40,8 +40,9 @@ ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")  # the default arms
 # The keys of a config's `algo` section that make an algorithm; the schedule (minibatches) and
 # everything else stay the base config's, shared by every arm.
 ALGO_KEYS = ("loss", "clip_low", "clip_high", "agg", "norm_length", "sapo_tau_pos",
-             "sapo_tau_neg", "adv_norm", "routing_replay", "mismatch", "mismatch_level", "tis",
-             "tis_cap", "tis_reduce", "mis_low", "mis_high", "icepop_k")  # fmt: skip
+             "sapo_tau_neg", "adv_norm", "routing_replay", "mismatch", "mismatch_level",
+             "tis", "tis_cap", "tis_reduce", "mis_low", "mis_high", "icepop_k",
+             "dynamic_sampling")  # fmt: skip
 REWARD_KEYS = ("overlong_buffer", "overlong_penalty")  # (a row's `reward.<key>`)
 LEVEL = {"gspo": "sequence", "gspo_token": "sequence"}  # the rest: token
 MANIFEST = "study.json"
@@ -174,8 +175,9 @@ def _unset(base: Path | None, row: dict) -> dict:
 
     raw = (yaml.safe_load(Path(base).read_text()) or {}) if base and Path(base).is_file() else {}
     out = {}
-    for section, keys, defaults, prefix in (("algo", ALGO_KEYS, AlgoSection(), ""),
-                                            ("reward", REWARD_KEYS, RewardSection(), "reward.")):  # fmt: skip
+    sections = (("algo", ALGO_KEYS, AlgoSection(), ""),
+                ("reward", REWARD_KEYS, RewardSection(), "reward."))  # fmt: skip
+    for section, keys, defaults, prefix in sections:
         given = raw.get(section) or {}
         for k in keys:
             if k in given and prefix + k not in row:
