@@ -10,8 +10,11 @@ Raw keys (always present):
     clipped_tokens_low/high           tokens whose clipped branch is active: ratio < 1 - eps_low with
                                       A < 0 (low) or ratio > 1 + eps_high with A > 0 (high); zero
                                       gradient there. For GSPO a clipped sequence clips all its tokens.
+                                      CISPO: tokens whose IS weight was truncated (whatever A; they
+                                      keep a gradient). SAPO: none (its gate is sapo_gate_sum).
     clipped_seqs                      sequences with at least one clipped token
-    ratio_count                       ratios reported: sequences for gspo / gspo_token, tokens for grpo
+    ratio_count                       ratios reported: sequences for gspo / gspo_token, tokens for
+                                      grpo, sapo and cispo
     ratio_minus_one_sum, ratio_minus_one_sq_sum
                                       sums of (ratio - 1) and its square (shifted so the std survives
                                       GSPO's ratios of 1 +- 1e-4 in fp32)
