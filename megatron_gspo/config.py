@@ -6,7 +6,7 @@ Every key is checked when the config is built: an unknown key is an error that s
 nearest valid one, a value of the wrong type or out of range is an error naming the key and what
 it accepts. Every number goes through one check, `_in_range`: finite (no NaN or inf) and within
 the bounds its section gives. A section is its component's own config dataclass (`optim`: model/optim.py), or builds it
-(`algo.loss_config()`, `sync.build()`) from defaults defined once there; modes are StrEnums.
+(`algo.loss_config()`, algo/section.py; `sync.build()`) from defaults defined once there; modes are StrEnums.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from megatron_gspo.algo.config import Agg, LossConfig, LossKind, Tis, TisReduce
+from megatron_gspo.algo.section import AlgoSection
 from megatron_gspo.checks import INT_MAX, show
 from megatron_gspo.checks import choice as _choice
 from megatron_gspo.checks import in_range as _in_range
@@ -34,7 +34,6 @@ from megatron_gspo.model.modes import GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
-from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.weight_sync.config import SyncConfig, SyncMethod
 
 
@@ -83,36 +82,6 @@ class DataSection:
                 f"{e}); its only field is {{prompt}}, and literal braces are written {{{{ and }}}}"
             ) from None
         _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
-
-
-_LOSS = LossConfig()  # the loss keys' defaults, defined once (algo/config.py)
-
-
-@dataclass
-class AlgoSection:
-    loss: LossKind = _LOSS.kind
-    clip_low: float = _LOSS.clip_low
-    clip_high: float = _LOSS.clip_high
-    agg: Agg | None = _LOSS.agg  # None: the loss's published aggregation
-    minibatches: int = 4  # optimizer steps per rollout batch
-    # The first update takes its old log-probs from its own forward (exact: the weights have not
-    # moved yet), so the old-log-prob forward skips that minibatch. Not under r3.
-    on_policy_first_update: bool = True
-    routing_replay: ReplayMode = ReplayMode.NONE
-    advantage_std_norm: bool = True  # False: Dr. GRPO (no division by the group std)
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
-    # truncated importance sampling for the train-vs-rollout mismatch (off: none)
-    tis: Tis = _LOSS.tis
-    tis_cap: float = _LOSS.tis_cap
-    tis_reduce: TisReduce = _LOSS.tis_reduce  # tis sequence: sum (likelihood ratio) | mean
-
-    def check(self) -> None:
-        self.loss_config().check("algo")
-        _positive(self.minibatches, "algo.minibatches")
-
-    def loss_config(self) -> LossConfig:
-        return LossConfig(self.loss, self.clip_low, self.clip_high, self.agg, self.tis,
-                          self.tis_cap, self.tis_reduce)  # fmt: skip
 
 
 @dataclass
@@ -198,12 +167,19 @@ class Config:
                 "data.eval is required with a dataset file (only builtin tasks have a held-out "
                 "split); set data.eval=FILE, or train.eval_every=0 to turn eval off"
             )
+        self.reward.check_limit(*self.length_limit())
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.algo.minibatches:
             raise UserError(
                 f"algo.minibatches ({self.algo.minibatches}) must divide the rollout batch "
                 f"(rollout.prompts_per_step x rollout.group_size = {batch})"
             )
+
+    def length_limit(self) -> tuple[int, str]:
+        """The most tokens a response may have after its prompt, and the key that sets it."""
+        if self.env.fn is not None:  # an episode's tokens after the prompt
+            return self.env.max_tokens, "env.max_tokens"
+        return self.rollout.max_new_tokens, "rollout.max_new_tokens"
 
     def check_context(self, context: int, where: str) -> None:
         """A sequence (the longest prompt and what is generated after it) fits the model's

@@ -1,4 +1,5 @@
-"""RL algorithms in pure torch (no Megatron import): policy losses, advantages, KL, TIS."""
+"""RL algorithms in pure torch (no Megatron import): policy losses, advantages, KL estimators,
+the train-vs-rollout mismatch corrections (TIS, MIS, IcePop)."""
 
 from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.algo.kl import kl_estimate, kl_k1, kl_k2, kl_k3
@@ -9,8 +10,8 @@ from megatron_gspo.algo.loss_stats import (
     summarize_stats,
 )
 from megatron_gspo.algo.mismatch import (
+    correction_weights,
     logprob_abs_diff,
-    mismatch_weights,
     sequence_mismatch_mask,
     sequence_tis_weights,
     token_mismatch_mask,
@@ -30,6 +31,7 @@ __all__ = [
     "DEFAULT_AGG",
     "KINDS",
     "combine_stats",
+    "correction_weights",
     "group_advantages",
     "kl_estimate",
     "kl_k1",
@@ -38,7 +40,6 @@ __all__ = [
     "log_ratio_split_stats",
     "logprob_abs_diff",
     "loss_denominator",
-    "mismatch_weights",
     "policy_loss",
     "resolve_agg",
     "sequence_mismatch_mask",

@@ -10,8 +10,11 @@ Raw keys (always present):
     clipped_tokens_low/high           tokens whose clipped branch is active: ratio < 1 - eps_low with
                                       A < 0 (low) or ratio > 1 + eps_high with A > 0 (high); zero
                                       gradient there. For GSPO a clipped sequence clips all its tokens.
+                                      CISPO: tokens whose IS weight was truncated (whatever A; they
+                                      keep a gradient). SAPO: none (its gate is sapo_gate_sum).
     clipped_seqs                      sequences with at least one clipped token
-    ratio_count                       ratios reported: sequences for gspo / gspo_token, tokens for grpo
+    ratio_count                       ratios reported: sequences for gspo / gspo_token, tokens for
+                                      grpo, sapo and cispo
     ratio_minus_one_sum, ratio_minus_one_sq_sum
                                       sums of (ratio - 1) and its square (shifted so the std survives
                                       GSPO's ratios of 1 +- 1e-4 in fp32)
@@ -20,7 +23,11 @@ Raw keys (always present):
                                       estimates KL(pi_old || pi) on samples from pi_old
 Optional keys:
     mismatch_abs_sum                  sum over tokens of |old - rollout| (when rollout_logprobs given)
-    tis_weight_sum                    sum over tokens of the TIS weight (when tis_weights given)
+    tis_weight_sum                    sum over tokens of the mismatch weight (when tis_weights given)
+    mismatch_masked_tokens, mismatch_masked_seqs
+                                      tokens whose mismatch weight is 0 (dropped by mis / icepop),
+                                      sequences with at least one (when tis_weights given)
+    sapo_gate_sum                     sum over tokens of SAPO's gradient weight 4 sigma (1 - sigma)
     log_ratio_{same,moved}_{count,sum,sq_sum}
                                       count, sum and sum of squares of the token log-ratio
                                       log pi - log pi_old over the loss tokens whose routing did
@@ -114,7 +121,9 @@ def summarize_stats(stats: Mapping[str, Tensor]) -> dict[str, float]:
 
     clip_frac_tokens[_low|_high] = clipped tokens / tokens; clip_frac_seqs = clipped seqs / seqs;
     ratio_mean/std (population std)/min/max; approx_kl_old = mean k3 over tokens;
-    logprob_mismatch_abs = mean |old - rollout| over tokens; tis_weight_mean over tokens.
+    logprob_mismatch_abs = mean |old - rollout| over tokens; tis_weight_mean over tokens;
+    mismatch_masked_frac_tokens / _seqs = dropped tokens / tokens, sequences with one / sequences;
+    sapo_gate_mean over tokens.
     """
     s = {key: float(value) for key, value in stats.items()}
     tokens, seqs, n = s["num_tokens"], s["num_seqs"], s["ratio_count"]
@@ -134,6 +143,11 @@ def summarize_stats(stats: Mapping[str, Tensor]) -> dict[str, float]:
         out["logprob_mismatch_abs"] = _div(s["mismatch_abs_sum"], tokens)
     if "tis_weight_sum" in s:
         out["tis_weight_mean"] = _div(s["tis_weight_sum"], tokens)
+    if "mismatch_masked_tokens" in s:
+        out["mismatch_masked_frac_tokens"] = _div(s["mismatch_masked_tokens"], tokens)
+        out["mismatch_masked_frac_seqs"] = _div(s["mismatch_masked_seqs"], seqs)
+    if "sapo_gate_sum" in s:
+        out["sapo_gate_mean"] = _div(s["sapo_gate_sum"], tokens)
     out.update(_split_summary(s))
     return out
 

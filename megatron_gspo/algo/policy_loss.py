@@ -1,17 +1,29 @@
-"""Clipped policy-gradient losses: GSPO, GSPO-token and GRPO, as one function.
+"""Policy-gradient losses: GSPO, GSPO-token, GRPO, SAPO and CISPO, as one function.
 
-The three kinds differ only in the importance ratio; the clipped objective, the aggregation and
-the denominator are shared:
+The kinds differ in the importance ratio and in the objective made of it (algo/objectives.py:
+SAPO's soft gate, CISPO's detached clipped weight); the aggregation and the denominator are
+shared:
 
     GRPO        w_{i,t} = exp(logp_{i,t} - old_{i,t})                              (per token)
     GSPO        s_i     = exp( (1/|y_i|) sum_t m_{i,t} (logp_{i,t} - old_{i,t}) )  (per sequence)
     GSPO-token  s_{i,t} = sg[s_i] * exp(logp_{i,t} - sg[logp_{i,t}])   (value s_i, d/dlogp_t = s_i)
 
+    SAPO, CISPO r_{i,t}   = exp(logp_{i,t} - old_{i,t})                        (per token)
+
     objective o = min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A),   loss = -agg(o)
+    (SAPO: o = f(ratio) A; CISPO: o = sg(clip(ratio)) A logp; see objectives.py)
 
 For GSPO the per-sequence term o_i is broadcast to the sequence's tokens before aggregation, so
 seq-mean-token-mean gives the paper's L = -(1/G) sum_i o_i (arXiv 2507.18071), and GSPO-token with
 A_{i,t} = A_i equals GSPO in value and gradient under every aggregation.
+
+Aggregations (sum over the step's sequences i and tokens t, m the mask, B the step's sequences):
+    seq-mean-token-mean       (1/B) sum_i (1/|y_i|) sum_t m o          (GRPO, GSPO, SAPO)
+    token-mean                (1 / sum_i |y_i|) sum_i sum_t m o        (DAPO, CISPO)
+    seq-mean-token-sum        (1/B) sum_i sum_t m o
+    seq-mean-token-sum-norm   (1/(B L)) sum_i sum_t m o, L a constant  (Dr. GRPO, arXiv 2503.20783:
+                              no 1/|y_i|, so long answers are not favoured when wrong and short
+                              ones when right; L = the generation limit, as verl's of that name)
 
 Denominators. The loss of a microbatch is SUM(its objective) / D, D counted once per step over all
 microbatches and data-parallel ranks (`loss_scale_denominator`, counted with `loss_denominator`).
@@ -29,14 +41,23 @@ from torch import Tensor
 from megatron_gspo.algo.config import Agg, LossKind
 from megatron_gspo.algo.loss_stats import ratio_stats, token_stats
 from megatron_gspo.algo.mismatch import logprob_abs_diff
+from megatron_gspo.algo.objectives import (
+    cispo_objective,
+    clipped_objective,
+    sapo_gradient_weight,
+    sapo_objective,
+)
 
 KINDS: tuple[LossKind, ...] = tuple(LossKind)
 AGGS: tuple[Agg, ...] = tuple(Agg)
 
 # Published defaults. GRPO (DeepSeekMath): mean over each sequence's tokens, then over sequences.
 # GSPO: (1/G) sum_i of one clipped term per sequence, which is seq-mean-token-mean of that term
-# broadcast over the tokens. So both defaults carry the same name.
+# broadcast over the tokens. So both defaults carry the same name, as SAPO's (1/G) sum_i 1/|y_i|
+# sum_t. CISPO: 1 / sum_i |o_i| over all tokens, the token mean.
 DEFAULT_AGG: dict[LossKind, Agg] = {kind: Agg.SEQ_MEAN_TOKEN_MEAN for kind in KINDS}
+DEFAULT_AGG[LossKind.CISPO] = Agg.TOKEN_MEAN
+TOKEN_RATIO_KINDS = (LossKind.GRPO, LossKind.SAPO, LossKind.CISPO)
 
 
 def resolve_agg(kind: str, agg: str | None) -> Agg:
@@ -78,21 +99,23 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     tis_weights: Tensor | None = None,
     loss_scale_denominator: float | Tensor | None = None,
     log_ratio_clamp: float = 20.0,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    norm_length: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped policy loss of the given kind; returns (loss, stats).
+    """Policy loss of the given kind; returns (loss, stats).
 
     logprobs, old_logprobs, mask, rollout_logprobs: [B, T] (mask: bool or 0/1, nonzero = token).
-    advantages: [B] (per sequence), or [B, T] for gspo_token and grpo (GSPO needs [B]).
-    agg: "seq-mean-token-mean", "token-mean" or "seq-mean-token-sum"; None = the kind's published
-        default, seq-mean-token-mean for all three (for GSPO that is the paper's sequence mean of
-        one clipped term per sequence; for GRPO the original token-mean-then-sequence-mean).
-    tis_weights: [B, T] or [B], detached, multiply the per-token (per-sequence) objective
-        (see megatron_gspo.algo.mismatch).
+    advantages: [B] (per sequence), or [B, T] for every kind but gspo (GSPO needs [B]).
+    agg: an Agg; None = the kind's published default: seq-mean-token-mean for all but cispo
+        (for GSPO that is the paper's sequence mean of one clipped term per sequence; for GRPO
+        the original token-mean-then-sequence-mean), token-mean for cispo.
+    tis_weights: [B, T] or [B], detached, the mismatch weights (algo.mismatch; 0 drops a token).
+    sapo_tau_pos, sapo_tau_neg: SAPO's temperatures; norm_length: the -norm aggregation's L.
     loss_scale_denominator: the step's global count from `loss_denominator` (sequences for
         seq-mean-*, tokens for token-mean); None = this microbatch's count.
     log_ratio_clamp: log-ratios are clamped to [-c, c] before exp (zero gradient beyond).
-
-    Ratios are computed from log differences in fp32 (fp64 stays fp64); the loss has that dtype.
+    Ratios come from log differences in fp32 (fp64 stays fp64); the loss has that dtype.
     Masked-out tokens and empty rows contribute nothing; the result is finite for finite inputs.
     stats: detached 0-d tensors of sums, counts, min and max (see loss_stats; combine across
     microbatches with combine_stats, turn into floats with summarize_stats).
@@ -109,26 +132,63 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     log_rho_BT = log_ratio_BT.detach()  # for the metrics
     ratio_BT, report = _ratio_BT(kind, log_ratio_BT, logp_BT, old_BT, mask_BT, log_ratio_clamp)
 
-    objective_BT = _clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
+    taus = (sapo_tau_pos, sapo_tau_neg)
+    objective_BT = _objective(kind, ratio_BT, adv_BT, logp_BT, clip_low, clip_high, taus)
     tis_BT = None if tis_weights is None else _per_token(tis_weights, mask_BT).to(dtype)
-    if tis_BT is not None:
-        objective_BT = objective_BT * tis_BT
-    objective_BT = torch.where(mask_BT, objective_BT, 0.0)
+    objective_BT = torch.where(mask_BT, objective_BT * (1.0 if tis_BT is None else tis_BT), 0.0)
 
     denominator = _denominator(mask_BT, agg, kind, loss_scale_denominator, objective_BT)
+    denominator = denominator * _norm_length(agg, norm_length)
     loss = -_objective_sum(objective_BT, mask_BT, agg) / denominator
 
-    ratio_d_BT = ratio_BT.detach()
-    clipped_low_BT = mask_BT & (adv_BT < 0) & (ratio_d_BT < 1.0 - clip_low)
-    clipped_high_BT = mask_BT & (adv_BT > 0) & (ratio_d_BT > 1.0 + clip_high)
-    stats = token_stats(mask_BT, clipped_low_BT, clipped_high_BT, log_rho_BT) | report
+    low_BT, high_BT = _clipped_BT(kind, ratio_BT.detach(), adv_BT, mask_BT, clip_low, clip_high)
+    stats = token_stats(mask_BT, low_BT, high_BT, log_rho_BT) | report
+    stats |= _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus)
     return loss, stats | _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT)
+
+
+def _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus) -> dict[str, Tensor]:
+    """SAPO: the sum of its gradient weight 4 sigma (1 - sigma) over the tokens."""
+    if kind != LossKind.SAPO:
+        return {}
+    gate_BT = sapo_gradient_weight(ratio_BT, adv_BT, *taus)
+    return {"sapo_gate_sum": torch.where(mask_BT, gate_BT, 0.0).sum()}
+
+
+def _objective(kind, ratio_BT, adv_BT, logp_BT, clip_low, clip_high, taus) -> Tensor:
+    """The kind's per-token objective (objectives.py)."""
+    if kind == LossKind.SAPO:
+        return sapo_objective(ratio_BT, adv_BT, *taus)
+    if kind == LossKind.CISPO:
+        return cispo_objective(ratio_BT, logp_BT, adv_BT, clip_low, clip_high)
+    return clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
+
+
+def _clipped_BT(kind, ratio_BT, adv_BT, mask_BT, clip_low, clip_high) -> tuple[Tensor, Tensor]:
+    """Tokens whose ratio was clipped, low and high. The clipped kinds: where the clipped branch
+    is active (zero gradient). CISPO: where the IS weight was truncated (the token keeps its
+    gradient, with the bound as weight). SAPO clips nothing (its gate is reported instead)."""
+    if kind == LossKind.SAPO:
+        none_BT = torch.zeros_like(mask_BT)
+        return none_BT, none_BT
+    low_BT, high_BT = ratio_BT < 1.0 - clip_low, ratio_BT > 1.0 + clip_high
+    if kind == LossKind.CISPO:
+        return mask_BT & low_BT, mask_BT & high_BT
+    return mask_BT & (adv_BT < 0) & low_BT, mask_BT & (adv_BT > 0) & high_BT
+
+
+def _norm_length(agg: Agg, norm_length: int | None) -> float:
+    if agg != Agg.SEQ_MEAN_TOKEN_SUM_NORM:
+        return 1.0
+    if norm_length is None or norm_length < 1:
+        raise ValueError(f"{agg} needs norm_length >= 1 (the constant L), got {norm_length}")
+    return float(norm_length)
 
 
 def _ratio_BT(kind, log_ratio_BT, logp_BT, old_BT, mask_BT, clamp) -> tuple[Tensor, dict]:
     """The importance ratio at each token (GRPO: the token's own; GSPO: the sequence's, with
     per-token gradients for gspo_token) and the stats of the log-ratio it comes from."""
-    if kind == LossKind.GRPO:
+    if kind in TOKEN_RATIO_KINDS:
         return torch.exp(log_ratio_BT), ratio_stats(log_ratio_BT.detach(), mask_BT)
     seq_log_ratio_B = _seq_log_ratio_B(logp_BT, old_BT, mask_BT, clamp)
     ratio_BT = _gspo_ratio_BT(seq_log_ratio_B, logp_BT, mask_BT, token_level=kind != LossKind.GSPO)
@@ -142,6 +202,9 @@ def _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT) -> dict[str, Tens
         stats["mismatch_abs_sum"] = logprob_abs_diff(old_BT, rollout_logprobs, mask_BT).sum()
     if tis_BT is not None:
         stats["tis_weight_sum"] = torch.where(mask_BT, tis_BT, 0.0).sum()
+        dropped_BT = mask_BT & (tis_BT == 0)  # masked by mis / icepop (a TIS weight is > 0)
+        stats["mismatch_masked_tokens"] = dropped_BT.sum().to(tis_BT.dtype)
+        stats["mismatch_masked_seqs"] = dropped_BT.any(-1).sum().to(tis_BT.dtype)
     return stats
 
 
@@ -166,14 +229,6 @@ def _gspo_ratio_BT(
     return torch.exp(seq_log_ratio_B.detach().unsqueeze(-1) + token_part_BT)
 
 
-def _clipped_objective(
-    ratio_BT: Tensor, adv_BT: Tensor, clip_low: float, clip_high: float
-) -> Tensor:
-    """o = min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)."""
-    clipped_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
-
-
 def _objective_sum(objective_BT: Tensor, mask_BT: Tensor, agg: Agg) -> Tensor:
     """The numerator of the aggregation (objective_BT is already zero at masked-out tokens)."""
     if agg == Agg.SEQ_MEAN_TOKEN_MEAN:
@@ -182,7 +237,8 @@ def _objective_sum(objective_BT: Tensor, mask_BT: Tensor, agg: Agg) -> Tensor:
         return (objective_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).sum()
     # token-mean: every token weighs 1; divided by the step's token count (DAPO).
     # seq-mean-token-sum: each sequence's token sum, divided by the step's sequence count (longer
-    # sequences weigh more). Same sum, different denominator.
+    # sequences weigh more); -norm divides that by a constant length too (Dr. GRPO). Same sum,
+    # different denominator.
     return objective_BT.sum()
 
 
@@ -228,7 +284,7 @@ def _check_args(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old.shape)} and mask "
             f"{tuple(mask.shape)} must all be [B, T]"
         )
-    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if c <= 0:
         raise ValueError(f"log_ratio_clamp must be > 0, got {c}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from megatron_gspo.errors import UserError
 from megatron_gspo.rewards.exact import exact_answer
 from megatron_gspo.rewards.math_answer import math_answer
+from megatron_gspo.rewards.overlong import overlong_shaped
 from megatron_gspo.rewards.plugin import load_plugin
 
 RewardFn = Callable[[str, str, str], float]
@@ -28,6 +29,7 @@ __all__ = [
     "load_reward",
     "score_rewards",
     "dynamic_sampling_keep",
+    "overlong_shaped",
 ]
 
 

@@ -1,12 +1,15 @@
-"""`megatron-gspo study`: GSPO vs GRPO (plain, R2, R3) on the same model, data and seeds.
+"""`megatron-gspo study`: any set of arms (GSPO, GRPO plain/R2/R3, SAPO, CISPO, ...) on the same
+model, data and seeds, optionally swept over one config key.
 
-    megatron-gspo study --config configs/tiny_moe_gspo.yaml --algos gspo,grpo,grpo_r2,grpo_r3 \\
-        --seeds 2 --out runs/study [key.sub=value ...] [ALGO:key.sub=value ...]
+    megatron-gspo study --config configs/tiny_moe_gspo.yaml --algos gspo,grpo,grpo_r3,sapo,cispo \\
+        --seeds 2 --out runs/study [--sweep KEY=v1,v2] [key.sub=value ...] [ARM:key.sub=value ...]
 
-Each (algorithm, seed) is one `megatron-gspo train` run in DIR/runs/<algo>/seed<k>, its config
-the base config with the algorithm's settings (plan.py). Then DIR/report.md and the figures are
-written (report_md.py, figures.py). Running the same command again skips the complete runs,
-continues the interrupted ones from their newest checkpoint, and rewrites the report.
+An arm is a name with a config of the base config's family (configs/drift_moe_<arm>.yaml,
+configs/tiny_moe_<arm>.yaml; plan.py). Each (arm, sweep value, seed) is one `megatron-gspo train`
+run in DIR/runs/<arm>/[<j>_<value>/]seed<k>. Then DIR/report.md and the figures are written
+(report_md.py, figures.py; with a sweep, scaling.py's table and figure). Running the same
+command again skips the complete runs, continues the interrupted ones from their newest
+checkpoint, and rebuilds the report from what finished.
 """
 
 from __future__ import annotations
@@ -21,16 +24,21 @@ from megatron_gspo.errors import UserError
 
 def run_study(args: argparse.Namespace, command: str) -> Path:
     """Plan, run what is left, write the report; returns DIR/report.md."""
-    from megatron_gspo.study.plan import algo_table, build_study, check_manifest, parse_algos
+    from megatron_gspo.study import plan
     from megatron_gspo.study.report_md import write_report
     from megatron_gspo.study.runner import ensure_model, execute
 
     if not args.collapse_margin > 0:
         raise UserError(f"--collapse-margin {args.collapse_margin}: give a margin > 0")
-    table = algo_table(fallback=Path(args.config).parent, base=Path(args.config))
-    algos = parse_algos(args.algos, table)
-    study = build_study(args.config, args.out, algos, args.seeds, args.overrides, args.steps, table)
-    check_manifest(study)
+    names = list(dict.fromkeys(plan.split_names(args.algos)))  # (a repeat is refused below)
+    if not names:
+        raise UserError(f"--algos {args.algos!r}: name the arms, comma-separated (gspo,grpo)")
+    table = plan.algo_table(fallback=Path(args.config).parent, base=Path(args.config), arms=names)
+    algos = plan.parse_algos(args.algos, table)
+    sweep = plan.parse_sweep(args.sweep)
+    study = plan.build_study(args.config, args.out, algos, args.seeds, args.overrides,
+                             args.steps, table, sweep)  # fmt: skip
+    plan.check_manifest(study)
     failed: list[str] = []
     if not args.report_only:
         ensure_model(study)
@@ -52,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="study directory")
     p.add_argument("--steps", type=int, default=None, help="train.steps for every run")
     p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="KEY=v1,v2,...",
+        help="run every arm at every value of one config key (a scaling axis)",
+    )
+    p.add_argument(
         "--collapse-margin", type=float, default=0.2,
         help="a collapse is eval reward this far below its running best (or a non-finite loss)",
     )  # fmt: skip
@@ -68,6 +82,8 @@ def command_text(args: argparse.Namespace) -> str:
     parts += ["--out", str(args.out)]
     if args.steps is not None:
         parts += ["--steps", str(args.steps)]
+    if args.sweep is not None:
+        parts += ["--sweep", args.sweep]
     if args.collapse_margin != 0.2:
         parts += ["--collapse-margin", f"{args.collapse_margin:g}"]
     return "megatron-gspo study " + shlex.join(parts + list(args.overrides))
@@ -79,7 +95,7 @@ def _cmd_study(args: argparse.Namespace) -> None:
 
 def register(subparsers) -> None:
     """Add the `study` subcommand to the CLI's subparsers."""
-    p = subparsers.add_parser("study", help="GSPO vs GRPO (+R2/R3) over seeds, with a report")
+    p = subparsers.add_parser("study", help="arms (gspo, grpo, sapo, ...) over seeds, a report")
     add_arguments(p)
     p.set_defaults(func=_cmd_study)
 

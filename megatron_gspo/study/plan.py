@@ -1,13 +1,16 @@
-"""What a study runs: the algorithm table, one run per (algorithm, seed), and its record.
+"""What a study runs: the arm table, one run per (arm, sweep value, seed), and its record.
 
-The per-algorithm settings come from the `algo` sections of the base config's family: for a base
-config named PREFIX_<algo>.yaml with every PREFIX_<name>.yaml beside it (configs/drift_moe_*.yaml),
-those files; else configs/tiny_moe_<name>.yaml (the files are read, not copied), so the study
-compares exactly what those configs run. A run's
-config is layered, later wins:
+An arm is any name with a config of the family: for a base config PREFIX_<arm>.yaml with
+PREFIX_<name>.yaml beside it for every arm asked for (configs/drift_moe_*.yaml), those files;
+else configs/tiny_moe_<name>.yaml (the files are read, not copied), so the study compares exactly
+what those configs run. An arm's row is its config's `algo` keys that make an algorithm (the loss,
+its clip range and options, advantages, routing replay, the mismatch correction) and its
+`reward.overlong_*` keys. A run's config is layered, later wins:
 
-    BASE.yaml < the algorithm's row < overrides for every run < `ALGO:key=value` overrides
-              < seed=<k> (and model.path when the study made the starting model)
+    BASE.yaml < the arm's row < overrides for every run < `ARM:key=value` overrides
+              < the sweep's KEY=value < seed=<k> (and model.path when the study made the model)
+
+With `--sweep KEY=v1,v2` every arm runs at every value (DIR/runs/<arm>/<j>_<value>/seed<k>).
 
 The base config is copied to DIR/base_config.yaml when the study starts and every run reads
 that copy, so editing the source file mid-study cannot change the runs still to come. DIR/study.json
@@ -17,23 +20,31 @@ a run that already started is refused instead of mixing two settings in one comp
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from megatron_gspo.algo.config import Mismatch
+from megatron_gspo.algo.policy_loss import resolve_agg
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.errors import UserError
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")
+ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")  # the default arms
 # The keys of a config's `algo` section that make an algorithm; the schedule (minibatches) and
-# everything else stay the base config's, shared by every algorithm.
-ALGO_KEYS = ("loss", "clip_low", "clip_high", "agg", "routing_replay")
-LEVEL = {"gspo": "sequence", "gspo_token": "sequence", "grpo": "token"}
+# everything else stay the base config's, shared by every arm.
+ALGO_KEYS = ("loss", "clip_low", "clip_high", "agg", "norm_length", "sapo_tau_pos",
+             "sapo_tau_neg", "adv_norm", "routing_replay", "mismatch", "mismatch_level",
+             "tis", "tis_cap", "tis_reduce", "mis_low", "mis_high", "icepop_k",
+             "dynamic_sampling")  # fmt: skip
+REWARD_KEYS = ("overlong_buffer", "overlong_penalty")  # (a row's `reward.<key>`)
+LEVEL = {"gspo": "sequence", "gspo_token": "sequence"}  # the rest: token
 MANIFEST = "study.json"
 SNAPSHOT = "base_config.yaml"
 
@@ -44,15 +55,23 @@ class RunSpec:
     seed: int
     run_dir: Path
     overrides: tuple[str, ...]
+    point: str | None = None  # the sweep's KEY=value of this run (None: no sweep)
+    study_dir: Path | None = None  # (None: three levels above run_dir)
+    steps: int | None = None  # its train.steps (None: the study's)
 
     @property
     def name(self) -> str:
-        return f"{self.algo}/seed{self.seed}"
+        return f"{self.label}/seed{self.seed}"
+
+    @property
+    def label(self) -> str:
+        """The arm, with the sweep point: what the report's tables and figures compare."""
+        return self.algo if self.point is None else f"{self.algo} @ {self.point}"
 
     @property
     def train_config(self) -> Path:
         """The config file the runs read: the study's copy of the base config."""
-        return self.run_dir.parents[2] / SNAPSHOT
+        return (self.study_dir or self.run_dir.parents[2]) / SNAPSHOT
 
 
 @dataclass
@@ -66,43 +85,113 @@ class Study:
     runs: list[RunSpec] = field(default_factory=list)
     common: list[str] = field(default_factory=list)
     made_model: Path | None = None
+    sweep: Sweep | None = None
 
 
-def family(base: Path) -> list[Path] | None:
-    """PREFIX_<name>.yaml for every algorithm when `base` is PREFIX_<algo>.yaml and all of them
-    exist beside it; else None."""
-    stem = Path(base).stem
-    for algo in sorted(ALGOS, key=len, reverse=True):  # grpo_r2 before grpo
-        if stem.endswith(f"_{algo}"):
-            prefix = stem[: -len(algo) - 1]
-            paths = [Path(base).parent / f"{prefix}_{name}.yaml" for name in ALGOS]
-            return paths if all(p.is_file() for p in paths) else None
+@dataclass(frozen=True)
+class Sweep:
+    """`--sweep KEY=v1,v2,...`: one config key, the values every arm runs at."""
+
+    key: str
+    values: tuple[str, ...]
+
+    def point(self, value: str) -> str:
+        return f"{self.key}={value}"
+
+
+def parse_sweep(text: str | None) -> Sweep | None:
+    if text is None:
+        return None
+    key, sep, values = text.partition("=")
+    vals = tuple(v.strip() for v in values.split(",") if v.strip())
+    if not sep or not key.strip() or not vals:
+        raise UserError(f"--sweep {text!r}: write it as KEY=v1,v2 (one config key, its values)")
+    if len(set(vals)) != len(vals):
+        raise UserError(f"--sweep {text!r} names a value twice; list each once")
+    if key.strip() == "seed":
+        raise UserError("--sweep seed=...: the study sets the seed; use --seeds N")
+    return Sweep(key.strip(), vals)
+
+
+def family(base: Path, arms: tuple[str, ...] | list[str] = ALGOS) -> list[Path] | None:
+    """PREFIX_<arm>.yaml for every arm when `base` is PREFIX_<something>.yaml and all of them
+    exist beside it (the longest such PREFIX); else None."""
+    stem, parent = Path(base).stem, Path(base).parent
+    cuts = [i for i, c in enumerate(stem) if c == "_"]
+    for i in reversed(cuts):
+        paths = [parent / f"{stem[:i]}_{name}.yaml" for name in arms]
+        if all(p.is_file() for p in paths):
+            return paths
     return None
 
 
+def available_arms(base: Path | None, configs_dir: Path = CONFIGS_DIR) -> list[str]:
+    """The arms with a config: configs/tiny_moe_<name>.yaml's, and those of the base config's
+    family (PREFIX_<name>.yaml beside it)."""
+    names = {p.stem.removeprefix("tiny_moe_") for p in configs_dir.glob("tiny_moe_*.yaml")}
+    if base is not None:
+        stem, parent = Path(base).stem, Path(base).parent
+        cuts = [i for i, c in enumerate(stem) if c == "_"]
+        families = [{p.stem[i + 1 :] for p in parent.glob(f"{stem[:i]}_*.yaml")} for i in cuts]
+        # the most siblings; of equals, the longest prefix (drift_moe_, not drift_)
+        names |= max(reversed(families), key=len, default=set())
+    return sorted(names)
+
+
 def algo_table(
-    configs_dir: Path = CONFIGS_DIR, fallback: Path | None = None, base: Path | None = None
+    configs_dir: Path = CONFIGS_DIR,
+    fallback: Path | None = None,
+    base: Path | None = None,
+    arms: list[str] | tuple[str, ...] = ALGOS,
 ) -> dict[str, dict]:
-    """{name: {loss, clip_low, clip_high, routing_replay[, agg]}} from the base config's family
-    (`family`), else configs/tiny_moe_<name>.yaml (the repository's configs, else `fallback`:
-    the base config's directory)."""
+    """{arm: {loss, clip_low, ..., routing_replay[, reward.overlong_*]}} for each of `arms`,
+    from the base config's family (`family`), else configs/tiny_moe_<name>.yaml (the
+    repository's configs, else `fallback`: the base config's directory)."""
     table = {}
-    siblings = family(base) if base is not None else None
-    for i, name in enumerate(ALGOS):
+    siblings = family(base, arms) if base is not None else None
+    for i, name in enumerate(arms):
         path = configs_dir / f"tiny_moe_{name}.yaml"
         if siblings is not None:
             path = siblings[i]
         elif not path.is_file() and fallback is not None:
             path = fallback / path.name
         if not path.is_file():
-            raise UserError(f"{path} is missing: the study reads each algorithm's settings there")
-        algo = (yaml.safe_load(path.read_text()) or {}).get("algo") or {}
+            have = ", ".join(available_arms(base, configs_dir))
+            raise UserError(f"{path} is missing: an arm's settings are read from its config of "
+                            f"the family; add it, or choose arms among {have}")  # fmt: skip
+        raw = yaml.safe_load(path.read_text()) or {}
+        algo, reward = raw.get("algo") or {}, raw.get("reward") or {}
         table[name] = {k: algo[k] for k in ALGO_KEYS if k in algo}
+        table[name] |= {f"reward.{k}": reward[k] for k in REWARD_KEYS if k in reward}
+        table[name] |= _unset(base, table[name])
     return table
 
 
+def _unset(base: Path | None, row: dict) -> dict:
+    """The arm's defaults for the keys its config leaves out and the base config sets (a
+    cispo base's agg must not reach the gspo arm): the arm runs what its own config runs."""
+    from megatron_gspo.algo.section import AlgoSection
+    from megatron_gspo.rewards.config import RewardSection
+
+    raw = (yaml.safe_load(Path(base).read_text()) or {}) if base and Path(base).is_file() else {}
+    out = {}
+    sections = (("algo", ALGO_KEYS, AlgoSection(), ""),
+                ("reward", REWARD_KEYS, RewardSection(), "reward."))  # fmt: skip
+    for section, keys, defaults, prefix in sections:
+        given = raw.get(section) or {}
+        for k in keys:
+            if k in given and prefix + k not in row:
+                value = getattr(defaults, k)
+                out[prefix + k] = value.value if isinstance(value, enum.Enum) else value
+    return out
+
+
+def split_names(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
 def parse_algos(text: str, table: dict[str, dict]) -> list[str]:
-    names = [a.strip() for a in text.split(",") if a.strip()]
+    names = split_names(text)
     unknown = [a for a in names if a not in table]
     if unknown or not names:
         raise UserError(f"--algos {text!r}: choose a comma-separated list of {', '.join(table)}")
@@ -133,8 +222,10 @@ def split_overrides(items: list[str], algos: list[str]) -> tuple[list[str], dict
 
 
 def row_overrides(row: dict) -> list[str]:
-    """`algo.<key>=<value>` for a table row (strings bare, the rest as JSON, which YAML reads)."""
-    return [f"algo.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in row.items()]
+    """`algo.<key>=<value>` (`reward.<key>=` for a dotted key) for a table row (strings bare,
+    the rest as JSON, which YAML reads)."""
+    return [f"{k if '.' in k else 'algo.' + k}={v if isinstance(v, str) else json.dumps(v)}"
+            for k, v in row.items()]  # fmt: skip
 
 
 def build_study(
@@ -145,38 +236,59 @@ def build_study(
     overrides: list[str],
     steps: int | None = None,
     table: dict[str, dict] | None = None,
+    sweep: Sweep | None = None,
 ) -> Study:
     """Every run's overrides, each checked by loading its config (typos fail before any run)."""
     if n_seeds < 1:
         raise UserError(f"--seeds {n_seeds}: run at least one seed")
-    table = table if table is not None else algo_table()
+    table = table if table is not None else algo_table(arms=algos)
     common, per_algo = split_overrides(overrides, algos)
     if steps is not None:
         common = [*common, f"train.steps={steps}"]
     base = load_config(config, common)
     study = Study(Path(config), Path(out), {}, [base.seed + i for i in range(n_seeds)],
-                  base.train.steps, base.train.eval_every, common=common)  # fmt: skip
-    model = _starting_model(base, study.out)
+                  base.train.steps, base.train.eval_every, common=common, sweep=sweep)  # fmt: skip
+    # each sweep value is a path of its own when the sweep is over the starting model
+    model = None if sweep and sweep.key == "model.path" else _starting_model(base, study.out)
+    points: list[tuple[str | None, list[str]]] = [(None, [])]
+    if sweep:
+        points = [(f"{j}_{_slug(v)}", [sweep.point(v)]) for j, v in enumerate(sweep.values)]
     for algo in algos:
         layered = [*row_overrides(table[algo]), *common, *per_algo[algo]]
-        cfg = load_config(config, layered)
-        study.algos[algo] = _algo_settings(cfg)
-        for seed in study.seeds:
-            extra = [f"seed={seed}"] + ([f"model.path={model}"] if model else [])
-            run_dir = study.out / "runs" / algo / f"seed{seed}"
-            study.runs.append(RunSpec(algo, seed, run_dir, tuple(layered + extra)))
+        study.algos[algo] = _algo_settings(load_config(config, layered))
+        for sub, at in points:
+            run_steps = load_config(config, layered + at).train.steps  # (checks the value)
+            for seed in study.seeds:
+                extra = [f"seed={seed}"] + ([f"model.path={model}"] if model else [])
+                run_dir = study.out / "runs" / algo / (sub or "") / f"seed{seed}"
+                study.runs.append(RunSpec(algo, seed, run_dir, tuple(layered + at + extra),
+                                          at[0] if at else None, study.out, run_steps))  # fmt: skip
     study.made_model = model
-    study.runs.sort(key=lambda r: (r.seed, algos.index(r.algo)))  # every algorithm per seed first
+    study.steps = max(r.steps or 0 for r in study.runs)  # (a sweep of train.steps: the longest)
+    # every arm at every sweep value per seed first; per value, every arm first
+    order = {p: j for j, p in enumerate(sweep.point(v) for v in sweep.values)} if sweep else {}
+    study.runs.sort(key=lambda r: (r.seed, order.get(r.point or "", 0), algos.index(r.algo)))
     return study
+
+
+def _slug(value: str) -> str:
+    """A directory name for a sweep value (a model path's last part, say)."""
+    text = re.sub(r"[^A-Za-z0-9.=+-]+", "_", value.rstrip("/").rsplit("/", 1)[-1])
+    return text[-40:] or "value"
 
 
 def _algo_settings(cfg: Config) -> dict:
     a = cfg.algo
+    loss = a.loss_config()
     return {
         "loss": a.loss,
         "level": LEVEL.get(a.loss, "token"),
-        "clip_low": a.clip_low,
-        "clip_high": a.clip_high,
+        "clip_low": loss.clip_low,
+        "clip_high": loss.clip_high,
+        "agg": resolve_agg(loss.kind, loss.agg),
+        "adv_norm": a.adv_norm,
+        "mismatch": "/".join(loss.correction) if loss.correction[0] != Mismatch.NONE else "none",
+        "overlong": cfg.reward.overlong_buffer,
         "routing_replay": a.routing_replay,
         "minibatches": a.minibatches,
         "lr": cfg.optim.lr,

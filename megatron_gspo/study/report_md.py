@@ -36,13 +36,21 @@ MECHANISM = (  # the second table: what ties ratio noise to routing
 
 
 def load(study: Study) -> dict[str, list[tuple[int, list[dict]]]]:
-    """algo -> [(seed, rows)] for the runs that have logged anything."""
-    out: dict[str, list[tuple[int, list[dict]]]] = {a: [] for a in study.algos}
+    """label (the arm, with the sweep point) -> [(seed, rows)] for the runs that have logged."""
+    out: dict[str, list[tuple[int, list[dict]]]] = {label: [] for label in labels(study)}
     for run in study.runs:
         if (run.run_dir / METRICS_FILE).is_file():
-            rows = [r for r in read_metrics(run.run_dir) if r["step"] <= study.steps]
-            out[run.algo].append((run.seed, rows))
+            last = run.steps or study.steps
+            rows = [r for r in read_metrics(run.run_dir) if r["step"] <= last]
+            out[run.label].append((run.seed, rows))
     return out
+
+
+def labels(study: Study) -> list[str]:
+    """The labels the report compares: per sweep value, every arm."""
+    if study.sweep is None:
+        return list(study.algos)
+    return [f"{a} @ {study.sweep.point(v)}" for v in study.sweep.values for a in study.algos]
 
 
 def write_report(study: Study, margin: float, command: str, failed: list[str]) -> Path:
@@ -52,14 +60,17 @@ def write_report(study: Study, margin: float, command: str, failed: list[str]) -
     events = {(r.algo, r.seed): r.events for runs in summaries.values() for r in runs}
     by_algo = [(a, aggregate_seeds([rows for _, rows in runs]))
                for a, runs in per_seed.items() if runs]  # fmt: skip
-    levels = {a: s["level"] for a, s in study.algos.items()}
+    arm_of = {r.label: r.algo for r in study.runs}
+    levels = {a: study.algos[arm_of.get(a, a)]["level"] for a in per_seed if arm_of.get(a, a)
+              in study.algos}  # fmt: skip
     figures = write_figures(study.out, by_algo, levels, per_seed, events)
     text = "\n".join([
         *_header(study, margin, command),
         *_settings(study),
         *_summary(study, summaries, margin),
+        *_scaling(study, summaries, per_seed, figures),
         *_mechanism(summaries),
-        *_findings(study, summaries, margin),
+        *_findings(study, summaries, levels, margin),
         *_events(summaries, margin),
         *_runs(study, summaries, failed),
         *_figures(figures),
@@ -71,12 +82,36 @@ def write_report(study: Study, margin: float, command: str, failed: list[str]) -
     return path
 
 
+def _scaling(study: Study, summaries, per_seed, figures: list[str]) -> list[str]:
+    """The sweep's table, and its figure (added to `figures`)."""
+    from megatron_gspo.study import scaling
+
+    if study.sweep is None:
+        return []
+    flops = {}
+    for run in study.runs:
+        rows = dict(per_seed.get(run.label, [])).get(run.seed)
+        if rows is not None:
+            n = scaling.active_params(_model_path(study, run) / "config.json")
+            flops[(run.label, run.seed)] = scaling.run_flops(rows, n)
+    pts = scaling.points(study, summaries, flops)
+    figures.insert(0, scaling.figure(study, pts, study.out))
+    return scaling.table(study, pts)
+
+
+def _model_path(study: Study, run) -> Path:
+    from megatron_gspo.config import load_config
+
+    return Path(load_config(study.config, list(run.overrides)).model.path)
+
+
 def _header(study: Study, margin: float, command: str) -> list[str]:
     model = (
         f"`{study.made_model}` (made by make-task-model)" if study.made_model else "from the config"
     )
     return [
-        "# GSPO vs GRPO on MoE: study report",
+        f"# Study report: {', '.join(study.algos)} on MoE"
+        + (f", swept over `{study.sweep.key}`" if study.sweep else ""),
         "",
         f"Reproduce: `{command}` (running it again continues an interrupted study).",
         "",
@@ -89,19 +124,26 @@ def _header(study: Study, margin: float, command: str) -> list[str]:
 
 
 def _settings(study: Study) -> list[str]:
-    rows = ["## Settings per algorithm", "",
-            "| algo | loss | ratio level | clip low | clip high | routing replay | minibatches | lr |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["## Settings per arm", "",
+            "| algo | loss | ratio level | clip low | clip high | aggregation | adv norm | "
+            "mismatch | overlong buffer | routing replay | minibatches | lr |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for a, s in study.algos.items():
         rows.append(f"| {a} | {s['loss']} | {s['level']} | {s['clip_low']:g} | {s['clip_high']:g} "
+                    f"| {s['agg']} | {s['adv_norm']} | {s['mismatch']} | {s['overlong']} "
                     f"| {s['routing_replay']} | {s['minibatches']} | {s['lr']:g} |")  # fmt: skip
+    if study.sweep is not None:
+        rows += ["", f"Swept: `{study.sweep.key}` = " + ", ".join(study.sweep.values)
+                 + " (every arm at every value)."]  # fmt: skip
     return rows + [""]
 
 
 def _summary(study: Study, summaries: dict[str, list[RunSummary]], margin: float) -> list[str]:
     head = "| algo | runs | " + " | ".join(t for t, _, _ in SUMMARY) + " | runs with a collapse |"
     rows = ["## Summary", "", "Mean over seeds, [lowest, highest seed] where there are several. "
-            "Ratio std: of the sequence-level ratio for GSPO, of the token-level ratio for GRPO.",
+            "Ratio std: of the sequence-level ratio for GSPO, of the token-level ratio for GRPO, SAPO "
+            "and CISPO. Clipped: for CISPO the tokens whose weight was truncated (they keep a "
+            "gradient); SAPO clips nothing.",
             "", head, "|" + "---|" * (len(SUMMARY) + 3)]  # fmt: skip
     for a, runs in summaries.items():
         cells = [_cell(spread(runs, name), fmt) for _, name, fmt in SUMMARY]
@@ -133,10 +175,11 @@ def _cell(s: Spread | None, fmt: str) -> str:
     return "n/a" if s is None else s.text(fmt)
 
 
-def _findings(study: Study, summaries: dict[str, list[RunSummary]], margin: float) -> list[str]:
+def _findings(study: Study, summaries: dict[str, list[RunSummary]], levels: dict[str, str],
+              margin: float) -> list[str]:  # fmt: skip
     from megatron_gspo.study.findings import findings
 
-    lines = findings(summaries, {a: s["level"] for a, s in study.algos.items()}, margin)
+    lines = findings(summaries, levels, margin)
     return ["## Findings", "", *[f"- {line}" for line in lines], ""]
 
 
@@ -152,21 +195,26 @@ def _events(summaries: dict[str, list[RunSummary]], margin: float) -> list[str]:
 
 
 def _runs(study: Study, summaries: dict[str, list[RunSummary]], failed: list[str]) -> list[str]:
+    from megatron_gspo.study.runner import log_name
+
     done = {(r.algo, r.seed): r for runs in summaries.values() for r in runs}
     rows = ["## Runs", "", "| run | steps | final eval | status | log |", "|---|---|---|---|---|"]
     for run in study.runs:
-        s = done.get((run.algo, run.seed))
-        steps = s.steps_done if s else 0
-        status = "failed" if run.name in failed else ("complete" if steps >= study.steps
+        s = done.get((run.label, run.seed))
+        steps, last = (s.steps_done if s else 0), run.steps or study.steps
+        status = "failed" if run.name in failed else ("complete" if steps >= last
                                                       else "not finished")  # fmt: skip
         final = f"{s.values['eval_final']:.3f}" if s and "eval_final" in s.values else "n/a"
-        log = Path("logs") / f"{run.algo}-seed{run.seed}.log"
-        rows.append(f"| {run.name} | {steps}/{study.steps} | {final} | {status} | `{log}` |")
+        log = Path("logs") / log_name(run)
+        rows.append(f"| {run.name} | {steps}/{last} | {final} | {status} | `{log}` |")
     return rows + [""]
 
 
 def _figures(names: list[str]) -> list[str]:
     rows = ["## Figures", ""]
+    from megatron_gspo.study.scaling import CAPTION, FIGURE
+
     for name in names:
-        rows += [f"### {CAPTIONS[name]}", "", f"![{CAPTIONS[name]}]({name})", ""]
+        caption = CAPTION if name == FIGURE else CAPTIONS[name]
+        rows += [f"### {caption}", "", f"![{caption}]({name})", ""]
     return rows

@@ -1,4 +1,5 @@
-"""Running a study: each run is a `megatron-gspo train` subprocess in DIR/runs/<algo>/seed<k>.
+"""Running a study: each run is a `megatron-gspo train` subprocess in DIR/runs/<arm>/seed<k>
+(DIR/runs/<arm>/<j>_<value>/seed<k> in a sweep).
 
 A run whose newest checkpoint is its last step is complete and skipped; one with an earlier
 checkpoint is continued with `--resume`; one with none (killed before its first checkpoint) is
@@ -44,7 +45,13 @@ def train_command(study: Study, run: RunSpec, resume: bool) -> list[str]:
 
 
 def log_path(study: Study, run: RunSpec) -> Path:
-    return study.out / "logs" / f"{run.algo}-seed{run.seed}.log"
+    return study.out / "logs" / log_name(run)
+
+
+def log_name(run: RunSpec) -> str:
+    """<arm>[-<j>_<value>]-seed<k>.log (the sweep point as its run directory names it)."""
+    point = run.run_dir.parent.name if run.point is not None else None
+    return f"{run.algo}{'-' + point if point else ''}-seed{run.seed}.log"
 
 
 def ensure_model(study: Study) -> None:
@@ -72,7 +79,7 @@ def _preset_for(task: str) -> list[str]:
 def execute(study: Study) -> list[RunSpec]:
     """Run what is not complete; returns the runs that failed."""
     failed = []
-    states = {run: run_state(run, study.steps) for run in study.runs}
+    states = {run: run_state(run, run.steps or study.steps) for run in study.runs}
     todo = [run for run in study.runs if states[run].kind != "complete"]
     done = len(study.runs) - len(todo)
     print(f"study: {len(study.runs)} runs, {done} complete, {len(todo)} to run", flush=True)

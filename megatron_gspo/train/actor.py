@@ -41,7 +41,7 @@ from megatron_gspo.algo import (
     loss_denominator,
     policy_loss,
 )
-from megatron_gspo.algo.config import LossConfig, Tis
+from megatron_gspo.algo.config import LossConfig, Mismatch
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
@@ -331,8 +331,8 @@ class Actor:
             raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
         if batch.old_logprobs is None and not on_policy:
             raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
-        if loss_cfg.tis != Tis.NONE and batch.rollout_logprobs is None:
-            raise ValueError(f"tis={loss_cfg.tis} needs the batch's rollout_logprobs")
+        if loss_cfg.correction[0] != Mismatch.NONE and batch.rollout_logprobs is None:
+            raise ValueError(f"{loss_cfg.correction[0]} needs the batch's rollout_logprobs")
 
     def _train_sweep(self, batch: RLBatch, mbs, seq_len: int, on_policy: bool):
         """The routing replay of this step: natural routing (nothing compared) on policy, else
@@ -360,18 +360,11 @@ class Actor:
                 mb.old_logprobs = lp.detach()
                 own.append((mb, mb.old_logprobs))
             value, stats = policy_loss(
-                lp,
-                mb.old_logprobs,
-                mb.advantages,
-                mb.mask,
-                kind=loss_cfg.kind,
-                clip_low=loss_cfg.clip_low,
-                clip_high=loss_cfg.clip_high,
-                agg=loss_cfg.agg,
+                lp, mb.old_logprobs, mb.advantages, mb.mask, **loss_cfg.loss_kwargs(),
                 rollout_logprobs=mb.rollout_logprobs,
                 tis_weights=_tis_weights(mb, loss_cfg),
                 loss_scale_denominator=denom,
-            )
+            )  # fmt: skip
             stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())
             if split is not None:  # the token log-ratios this loss saw, for the drift split
                 split.append((mb.index, (lp - mb.old_logprobs).detach(), mb.mask))

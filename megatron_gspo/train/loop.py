@@ -141,7 +141,7 @@ class NonFiniteGuard:
         if inputs:
             fix = (f"the cause is the steps' inputs, not the learning rate: {inputs} were not "
                    "finite (advantages: rewards too large for them, where "
-                   "algo.advantage_std_norm=false keeps the rewards' scale, so scale the rewards "
+                   "algo.adv_norm=none keeps the rewards' scale, so scale the rewards "
                    "down; log-probs: check the rollout servers); fix that")  # fmt: skip
         else:
             fix = "lower optim.lr (or optim.clip_grad), check the data and rewards"
@@ -359,6 +359,9 @@ _KEYS = {
     "approx_kl_old": ("kl/old", "mean"),
     "entropy": ("entropy", "mean"),
     "tis_weight_mean": ("tis/weight_mean", "mean"),
+    "mismatch_masked_frac_tokens": ("mismatch/masked_fraction_tokens", "mean"),
+    "mismatch_masked_frac_seqs": ("mismatch/masked_fraction_seqs", "mean"),
+    "sapo_gate_mean": ("sapo/gate_mean", "mean"),
     "log_ratio_std_same": ("ratio/token_std_routing_same", "mean"),
     "log_ratio_std_moved": ("ratio/token_std_routing_changed", "mean"),
 }

@@ -307,7 +307,7 @@ class Rollouts:
 
     def _collect(self, prompt_index: list[int], step: int, version: str | None) -> Collected:
         from megatron_gspo.data.prompts import encode_prompt
-        from megatron_gspo.rewards import dynamic_sampling_keep
+        from megatron_gspo.rewards import dynamic_sampling_keep, overlong_shaped
 
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
@@ -323,7 +323,7 @@ class Rollouts:
         samples = [s for g in groups for s in g]
         _check_samples(samples)
         failed = reward_failures(scored, step)
-        rewards = [0.0 if v is None else v for v in scored.rewards]
+        rewards = overlong_shaped(cfg, samples, [0.0 if v is None else v for v in scored.rewards])
         metrics = _rollout_metrics(samples, scored.rewards, t_gen)
         metrics["reward/failed_samples"] = float(len(failed))
         metrics["time/reward_wait_s"] = out.reward_wait_s  # (scoring after generation ended)

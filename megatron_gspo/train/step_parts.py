@@ -12,12 +12,11 @@ import torch.distributed as dist
 from megatron_gspo.algo import (
     combine_stats,
     log_ratio_split_stats,
-    sequence_tis_weights,
     stat_reduce_op,
     summarize_stats,
-    token_tis_weights,
 )
-from megatron_gspo.algo.config import LossConfig, Tis, TisReduce
+from megatron_gspo.algo.config import LossConfig
+from megatron_gspo.algo.mismatch import correction_weights
 
 
 def _moved_split(split: list, moved: list) -> list[dict]:
@@ -35,14 +34,8 @@ def _moved_split(split: list, moved: list) -> list[dict]:
 
 
 def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
-    if loss_cfg.tis == Tis.NONE:
-        return None
-    args = (mb.old_logprobs, mb.rollout_logprobs, mb.mask)
-    if loss_cfg.tis == Tis.TOKEN:
-        return token_tis_weights(*args, cap=loss_cfg.tis_cap)
-    if loss_cfg.tis_reduce == TisReduce.MEAN:
-        return sequence_tis_weights(*args, cap=loss_cfg.tis_cap, reduce="mean")
-    return sequence_tis_weights(*args, cap=loss_cfg.tis_cap, reduce="sum")
+    """The microbatch's mismatch-correction weights (tis, mis, icepop; algo/mismatch.py)."""
+    return correction_weights(loss_cfg, mb.old_logprobs, mb.rollout_logprobs, mb.mask)
 
 
 def fused_adam(optimizer) -> None:

@@ -12,7 +12,6 @@ from megatron_gspo.algo import (
     kl_k2,
     kl_k3,
     logprob_abs_diff,
-    mismatch_weights,
     sequence_mismatch_mask,
     sequence_tis_weights,
     token_mismatch_mask,
@@ -108,7 +107,10 @@ def test_token_tis_and_mask():
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, 0.5], [0.0, 0.0, 0.0]]))
     keep = token_mismatch_mask(OLD, ROLLOUT, MASK, cap=2.0)
     assert torch.equal(keep, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
-    assert torch.equal(mismatch_weights(OLD, ROLLOUT, MASK, mode="mask", cap=2.0), keep)
+    band = token_mismatch_mask(OLD, ROLLOUT, MASK, low=0.4, high=2.5)  # [0.4, 2.5]: 0.5 in
+    assert torch.equal(band, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+    band = token_mismatch_mask(OLD, ROLLOUT, MASK, low=0.6, high=3.0)  # 0.5 out, 3 in
+    assert torch.equal(band, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
 
 
 def test_sequence_tis_and_mask():
@@ -122,9 +124,8 @@ def test_sequence_tis_and_mask():
     )
     keep = sequence_mismatch_mask(OLD, ROLLOUT, MASK, cap=1.4)
     assert torch.equal(keep, torch.tensor([0.0, 1.0]))
-    assert torch.equal(
-        mismatch_weights(OLD, ROLLOUT, MASK, level="sequence", mode="mask", cap=1.4), keep
-    )
+    band = sequence_mismatch_mask(OLD, ROLLOUT, MASK, low=1.4, high=1.6)  # 1.5 in, 1 out
+    assert torch.equal(band, torch.tensor([1.0, 0.0]))
 
 
 def test_mismatch_extremes_and_abs_diff():

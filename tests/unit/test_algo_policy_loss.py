@@ -20,6 +20,8 @@ from megatron_gspo.algo import (
 pytestmark = pytest.mark.unit
 
 EPS_LOW, EPS_HIGH = 0.1, 0.15
+NORM_L = 6  # seq-mean-token-sum-norm's constant (not the padded width T = 7)
+TAU_POS, TAU_NEG = 1.0, 1.05  # SAPO's (the paper's defaults, policy_loss's)
 
 
 def _batch(seed: int = 0, B: int = 8, T: int = 7, spread: float = 0.3):
@@ -51,6 +53,13 @@ def _reference_loss(logp_BT, old_BT, adv, mask_BT, kind, agg, tis_BT=None):
             s = torch.exp((lp - old).mean())  # (pi/pi_old)^(1/|y|)
             o = torch.min(s * a, torch.clamp(s, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
             per_token = o * w  # the sequence term, once per token
+        elif kind == "sapo":  # arXiv 2511.20347: f(r) = sigmoid(tau (r - 1)) 4 / tau, times A
+            r = torch.exp(lp - old)
+            tau = torch.where(torch.as_tensor(a) > 0, TAU_POS, TAU_NEG)
+            per_token = torch.sigmoid(tau * (r - 1)) * 4 / tau * a * w
+        elif kind == "cispo":  # arXiv 2506.13585: sg(clip(r)) A log pi
+            r = torch.exp(lp - old).detach()
+            per_token = torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a * lp * w
         else:
             if kind == "grpo":
                 r = torch.exp(lp - old)
@@ -58,11 +67,14 @@ def _reference_loss(logp_BT, old_BT, adv, mask_BT, kind, agg, tis_BT=None):
                 r = torch.exp((lp - old).mean()).detach() * torch.exp(lp - lp.detach())
             per_token = torch.min(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a) * w
         total = total + (per_token.mean() if agg == "seq-mean-token-mean" else per_token.sum())
+    if agg == "seq-mean-token-sum-norm":  # Dr. GRPO: a constant length L, not |y_i|
+        return -total / (n_seqs * NORM_L)
     return -total / (n_tokens if agg == "token-mean" else n_seqs)
 
 
 def _loss_and_grad(logp_BT, *args, **kwargs):
     logp_BT = logp_BT.clone().requires_grad_()
+    kwargs.setdefault("norm_length", NORM_L)
     loss, stats = policy_loss(logp_BT, *args, clip_low=EPS_LOW, clip_high=EPS_HIGH, **kwargs)
     (grad,) = torch.autograd.grad(loss, logp_BT)
     return loss, grad, stats
@@ -75,6 +87,10 @@ ADV_CASES = [
     ("gspo_token", True),
     ("grpo", False),
     ("grpo", True),
+    ("sapo", False),
+    ("sapo", True),
+    ("cispo", False),
+    ("cispo", True),
 ]
 
 
@@ -93,8 +109,11 @@ def test_gradient_matches_formula(kind, agg, per_token_adv, with_tis):
     (ref_grad,) = torch.autograd.grad(ref, ref_logp)
     assert torch.allclose(loss, ref, rtol=1e-12, atol=1e-12)
     assert torch.allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
-    # The inputs exercise both the clipped and the unclipped branch.
-    assert 0 < summarize_stats(stats)["clip_frac_tokens"] < 1
+    # The inputs exercise both the clipped and the unclipped branch (SAPO: its gate's decay).
+    if kind == "sapo":
+        assert 0.5 < summarize_stats(stats)["sapo_gate_mean"] < 1
+    else:
+        assert 0 < summarize_stats(stats)["clip_frac_tokens"] < 1
 
 
 def test_gspo_rejects_per_token_advantages():
@@ -134,6 +153,7 @@ def test_ratio_one_is_reinforce_with_group_advantages(kind, agg):
         "seq-mean-token-mean": 1 / (lengths_B1 * n_seqs),
         "token-mean": 1 / m.sum(),
         "seq-mean-token-sum": 1 / n_seqs,
+        "seq-mean-token-sum-norm": 1 / (n_seqs * NORM_L),
     }[agg]
     expected = -adv_B.unsqueeze(-1) * m * per_token_weight
     assert torch.allclose(grad, expected, rtol=1e-12, atol=1e-14)
@@ -143,7 +163,8 @@ def test_ratio_one_is_reinforce_with_group_advantages(kind, agg):
 @pytest.mark.parametrize("kind", KINDS)
 def test_microbatch_split_matches_full_batch(kind, agg):
     logp_BT, old_BT, mask_BT, adv_B, _, tis_BT = _batch(seed=3)
-    kw = dict(kind=kind, agg=agg, tis_weights=tis_BT, rollout_logprobs=old_BT + 0.01)
+    kw = dict(kind=kind, agg=agg, tis_weights=tis_BT, rollout_logprobs=old_BT + 0.01,
+              norm_length=NORM_L)  # fmt: skip
     full_loss, full_grad, full_stats = _loss_and_grad(logp_BT, old_BT, adv_B, mask_BT, **kw)
 
     chunks = [slice(0, 3), slice(3, 4), slice(4, 8)]  # the middle one is the empty row
@@ -203,6 +224,7 @@ def test_extreme_inputs_stay_finite(kind, agg, dtype):
             agg=agg,
             clip_low=0.2,
             clip_high=0.28,
+            norm_length=NORM_L,
             rollout_logprobs=old_BT - 1e4,
             tis_weights=torch.full((B,), 2.0),
         )

@@ -29,7 +29,7 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
     # the sections are their components' own configs (one set of defaults), modes their enums
     assert isinstance(cfg.optim, OptimConfig) and cfg.optim.lr == OptimConfig().lr
     assert cfg.algo.loss is LossKind.GRPO and cfg.algo.routing_replay is ReplayMode.R2
-    assert cfg.algo.loss_config() == LossConfig(kind=LossKind.GRPO, clip_low=3e-4)
+    assert cfg.algo.loss_config() == LossConfig(kind=LossKind.GRPO, clip_low=3e-4, clip_high=0.28)
     assert cfg.sync.build(tmp_path) == SyncConfig()
     assert yaml.safe_load(yaml.safe_dump(cfg.to_dict()))["algo"]["loss"] == "grpo"
 
