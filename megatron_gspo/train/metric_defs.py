@@ -36,7 +36,11 @@ GROUPS: dict[str, dict[str, str]] = {
         "ratio/clip_fraction_seqs": "share of sequences with a clipped ratio",
         "ratio/token_std_routing_same": "std of token log-ratios where the MoE routing did not move",
         "ratio/token_std_routing_changed": "std of token log-ratios where the routing moved",
-        "tis/weight_mean": "mean truncated importance-sampling weight (with `algo.tis`)",
+        "tis/weight_mean": "mean truncated importance-sampling weight (`algo.mismatch: tis`)",
+        "mismatch/masked_fraction_tokens": "share of trained tokens masked by `algo.mismatch` "
+        "mis or icepop",
+        "mismatch/masked_fraction_seqs": "share of sequences masked by it (sequence level)",
+        "sapo/gate_mean": "mean of SAPO's soft gate over the trained tokens (`algo.loss: sapo`)",
         "update/skipped": "updates skipped this step (a non-finite loss or gradient norm)",
         "update/nonfinite": "updates whose loss or gradient norm was not finite",
         "input/nonfinite_advantages": "non-finite advantages found in the step's batch",
