@@ -30,6 +30,7 @@ from megatron_gspo.checks import in_range as _in_range
 from megatron_gspo.checks import need as _need
 from megatron_gspo.checks import positive as _positive
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
@@ -42,10 +43,12 @@ class ModelSection:
     path: str = ""  # HF checkpoint directory (the starting policy)
     dtype: str = "float32"  # float32 | bfloat16
     recompute: bool = False  # full activation recompute in the training forward
+    lm_head_chunk: int = DEFAULT_CHUNK_TOKENS  # LM head tokens per chunk (0: whole logits)
 
     def check(self) -> None:
         _need(self.path, "model.path", "the HF checkpoint directory to start from")
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+        _in_range(self.lm_head_chunk, "model.lm_head_chunk", 0, INT_MAX)
 
 
 @dataclass

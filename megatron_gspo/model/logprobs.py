@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from megatron_gspo.model.vocab_softmax import FusedLogprobs
+
 _CHUNK_ELEMENTS = 1 << 23  # logits per chunk: 32 MiB of fp32 per temporary
 # On a CPU, 4 MiB temporaries: a chunk's passes (shift, exp, sum) then run in the cache, and
 # glibc serves them from its heap; 32 MiB ones are fresh mmaps, page-faulted on every use. The
@@ -53,16 +55,23 @@ def vocab_parallel_logprobs(
     vocab_size: int | None = None,
     tp_group=None,
     with_entropy: bool = False,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and (optionally) the entropy, from local logits [..., V_local].
 
     `vocab_start` is this rank's first vocabulary id, `vocab_size` the true (unpadded) size.
-    Returns fp32 tensors shaped like `targets`.
+    Returns fp32 tensors shaped like `targets`. `fused` (None: on a GPU) takes the few-pass
+    path of vocab_softmax.py (torch's log_softmax / softmax kernels per chunk, two
+    all-reduces in all); off, the elementwise passes here, which a CPU runs from its cache.
     """
     v_local = logits.shape[-1]
     n_valid = v_local if vocab_size is None else min(max(vocab_size - vocab_start, 0), v_local)
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
+    if fused is None:
+        fused = logits.device.type != "cpu"
+    if fused:
+        return FusedLogprobs.apply(logits, targets, vocab_start, n_valid, tp_group, with_entropy)
     logprobs, entropy = _ChunkedLogprobs.apply(
         logits, targets, vocab_start, n_valid, tp_group, with_entropy
     )

@@ -89,6 +89,7 @@ class TrainerSetup:
             params_dtype=torch.bfloat16 if m.dtype == "bfloat16" else None,
             recompute="full" if m.recompute else None,
             routing_replay=True,
+            lm_head_chunk_tokens=m.lm_head_chunk,
         )
         chunks = load_policy(m.path, dims, opts)
         return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay)

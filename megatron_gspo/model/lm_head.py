@@ -1,0 +1,194 @@
+"""The LM head a chunk of tokens at a time: log p(target) and the entropy from hidden states and
+the output weight, without the logits or their gradient ever existing whole.
+
+Legend: N tokens (flat), H hidden, V this rank's slice of the padded vocabulary (V_valid of it
+real), C tokens per chunk.
+
+Deviation from megatron's GPTModel, on purpose: its output layer forms the logits [N, V] and
+autograd keeps them and their gradient, the largest tensors of the step (Qwen3-30B-A3B:
+151,936 x 32k tokens = 10 GB each in bf16). With the chunked head the output layer hands back
+its (TP-replicated) hidden states instead (`use_chunked_lm_head`) and `ChunkedLMHead` computes,
+chunk by chunk,
+
+    x_CV = h_CH W_VH^T    ->   per-token statistics (model/vocab_softmax.py), combined over TP
+                               with one MAX and one SUM all-reduce after the last chunk
+
+saving only h, W and three numbers per token. Backward recomputes each chunk's logits, forms
+their gradient dx_CV, and from it grad_h_CH = dx_CV W_VH and grad_W_VH += dx_CV^T h_CH
+(accumulated in fp32) before the next chunk. Peak extra memory: a chunk's logits and three
+temporaries (C x V x 12 bytes with the entropy), plus W in fp32 for its gradient.
+
+TP: W is split over the vocabulary (ColumnParallelLinear). The hidden states entering the head
+must be every rank's same full sequence, as megatron's layer makes them: all-gathered along the
+sequence under sequence parallelism (backward: reduce-scatter), else copied (backward: the
+all-reduce of the partial grad_h each rank forms from its vocabulary slice). grad_W needs no
+communication: each rank's slice sees every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from megatron_gspo.model.vocab_softmax import (
+    chunk_grad,
+    chunk_stats,
+    combine,
+    row_chunks,
+    target_columns,
+)
+
+# Tokens per chunk by default. At Qwen3's vocabulary (151,936) one chunk's logits and their
+# temporaries are 1.9 GB with the entropy (12 bytes a logit), against 2 x 10 GB for the whole
+# logits and gradient at 32k tokens; the chunk's three GEMMs (1024 x 2048 x 151,936) still run
+# at full speed, and 32 chunks of a dozen kernels each are no launch overhead.
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+class ChunkedLMHead(torch.autograd.Function):
+    """(h [N, H], W [V, H], targets [N]) -> (log p(targets), entropy or None), fp32 [N]."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, vocab_start, n_valid, tp_group, with_entropy, chunk):
+        w = weight[:n_valid]  # padded vocabulary rows: no logits, zero gradient
+        index, owned = target_columns(targets, vocab_start, n_valid)
+        stats = torch.empty((3 if with_entropy else 2, targets.numel()), device=h.device)
+        for r in row_chunks(h.shape[0], n_valid, h.device, chunk):
+            x = torch.matmul(h[r], w.t())
+            chunk_stats(x, index[r], owned[r], with_entropy, stats[:, r])
+            del x
+        lp, entropy, log_w = combine(stats, owned, tp_group)
+        ctx.save_for_backward(h, weight, index, owned, log_w, entropy)
+        ctx.n_valid, ctx.chunk = n_valid, chunk
+        ctx.set_materialize_grads(False)
+        return lp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        h, weight, index, owned, log_w, entropy = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return (None,) * 8
+        n_valid = ctx.n_valid
+        w = weight[:n_valid]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        g_lp, g_ent = (None if g is None else g.float() for g in (g_lp, g_ent))
+        for r in row_chunks(h.shape[0], n_valid, h.device, ctx.chunk):
+            x = torch.matmul(h[r], w.t())
+            dx = torch.empty_like(x)
+            chunk_grad(x, index[r], owned[r], log_w[r], _at(entropy, r), _at(g_lp, r),
+                       _at(g_ent, r), dx)  # fmt: skip
+            del x
+            if grad_h is not None:
+                torch.matmul(dx, w, out=grad_h[r])
+            if grad_w is not None:
+                accumulate_fp32(grad_w[:n_valid], dx.t(), h[r])
+        if grad_w is not None and weight.dtype != torch.float32:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def accumulate_fp32(acc, a, b) -> None:
+    """acc (fp32) += a @ b. A bf16 product goes to fp32 inside the GEMM where the backend has
+    such a GEMM (CUDA), else its bf16 result is added (one rounding per chunk)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    acc.add_(a @ b)
+
+
+def _at(t, rows):
+    return None if t is None else t[rows]
+
+
+def lm_head_logprobs(h, weight, targets, *, vocab_start: int = 0, vocab_size: int | None = None,
+                     tp_group=None, with_entropy: bool = False,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS):  # fmt: skip
+    """log p(targets) (and the entropy, else None) from hidden states h [..., H] and this rank's
+    output weight [V, H] (vocabulary ids from `vocab_start`; `vocab_size` the true size). fp32,
+    shaped like `targets` ([...])."""
+    import torch.distributed as dist
+
+    n_valid = weight.shape[0] if vocab_size is None else vocab_size - vocab_start
+    n_valid = min(max(n_valid, 0), weight.shape[0])
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    flat_h = h.reshape(-1, h.shape[-1])
+    lp, ent = ChunkedLMHead.apply(flat_h, weight, targets.reshape(-1), vocab_start, n_valid,
+                                  tp_group, with_entropy, chunk_tokens)  # fmt: skip
+    return lp.view(targets.shape), (None if ent is None else ent.view(targets.shape))
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """One model chunk's output weight under megatron's TP group, as the loss uses it."""
+
+    weight: torch.Tensor  # [V, H], this TP rank's slice
+    vocab_size: int  # the true vocabulary (padding excluded)
+    chunk_tokens: int
+
+    def logprobs(self, hidden, targets, with_entropy: bool = False):
+        """(log p(targets), entropy or None) from the output layer's hidden states [..., H]."""
+        from megatron.core import parallel_state as mpu
+
+        return lm_head_logprobs(
+            hidden, self.weight, targets,
+            vocab_start=mpu.get_tensor_model_parallel_rank() * self.weight.shape[0],
+            vocab_size=self.vocab_size, tp_group=mpu.get_tensor_model_parallel_group(),
+            with_entropy=with_entropy, chunk_tokens=self.chunk_tokens,
+        )  # fmt: skip
+
+
+def lm_head_of(chunk) -> LMHead | None:
+    """The chunked head of a (DDP-wrapped) model chunk; None where its output layer gives logits
+    (the head off) or it has none (not the last pipeline stage)."""
+    model = getattr(chunk, "module", chunk)
+    layer = getattr(model, "output_layer", None)
+    tokens = getattr(layer, "lm_head_chunk_tokens", 0)
+    if not tokens or not getattr(model, "post_process", False):
+        return None
+    tied = model.share_embeddings_and_output_weights
+    weight = model.shared_embedding_or_output_weight() if tied else layer.weight
+    return LMHead(weight, model.model_spec.vocab_size, tokens)
+
+
+def use_chunked_lm_head(output_layer, chunk_tokens: int) -> None:
+    """Have megatron's output layer hand back its hidden states, [s, b, H] as a view of
+    [b, s - logits_from, H] (GPTModel's `transpose(0, 1).contiguous()` then copies nothing),
+    gathered over TP as its matmul would have; `LMHead` takes the log-probs from them."""
+
+    def hidden_states(input_, weight=None, runtime_gather_output=None):
+        h = head_input(input_, output_layer.sequence_parallel)
+        h = h[output_layer.logits_from :].transpose(0, 1).contiguous()
+        return h.transpose(0, 1), None
+
+    output_layer.logits_from = 0
+    output_layer.lm_head_chunk_tokens = chunk_tokens
+    output_layer.forward = hidden_states
+
+
+def head_input(h, sequence_parallel: bool):
+    """The full-sequence hidden states every TP rank's vocabulary slice needs, with megatron's
+    mappings: all-gather along the sequence (backward: reduce-scatter) under sequence
+    parallelism, else a copy (backward: all-reduce of the partial gradients)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return h
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+    return copy_to_tensor_model_parallel_region(h)
