@@ -44,8 +44,8 @@ from megatron_gspo.algo import (
 from megatron_gspo.algo.config import LossConfig, Tis
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
-from megatron_gspo.model.lm_head import lm_head_of
 from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
+from megatron_gspo.model.lm_head import lm_head_of
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import ReplayMode, RoutingReplay
