@@ -168,8 +168,7 @@ def use_chunked_lm_head(output_layer, chunk_tokens: int) -> None:
     gathered over TP as its matmul would have; `LMHead` takes the log-probs from them."""
 
     def hidden_states(input_, weight=None, runtime_gather_output=None):
-        h = head_input(input_, output_layer.sequence_parallel)
-        h = h[output_layer.logits_from :].transpose(0, 1).contiguous()
+        h = head_input(input_, output_layer.sequence_parallel, output_layer.logits_from)
         return h.transpose(0, 1), None
 
     output_layer.logits_from = 0
@@ -177,18 +176,23 @@ def use_chunked_lm_head(output_layer, chunk_tokens: int) -> None:
     output_layer.forward = hidden_states
 
 
-def head_input(h, sequence_parallel: bool):
-    """The full-sequence hidden states every TP rank's vocabulary slice needs, with megatron's
-    mappings: all-gather along the sequence (backward: reduce-scatter) under sequence
-    parallelism, else a copy (backward: all-reduce of the partial gradients)."""
+def head_input(h_SBH, sequence_parallel: bool, start: int = 0):
+    """The hidden states every TP rank's vocabulary slice needs, batch-major [b, s - start, H]
+    from the decoder's [s, b, H] (its sequence split over TP under sequence parallelism), with
+    megatron's mappings: all-gather along the sequence (backward: reduce-scatter), else a copy
+    (backward: all-reduce of the partial gradients). The copy is applied to the contiguous
+    batch-major tensor, whose gradient (the head's) is contiguous: megatron's all-reduce
+    reduces `grad.contiguous()` and returns `grad`, so a strided gradient would stay unreduced."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         gather_from_sequence_parallel_region,
     )
 
-    if mpu.get_tensor_model_parallel_world_size() == 1:
-        return h
-    if sequence_parallel:
-        return gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
-    return copy_to_tensor_model_parallel_region(h)
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp > 1 and sequence_parallel:
+        h_SBH = gather_from_sequence_parallel_region(h_SBH, tensor_parallel_output_grad=True)
+    h_BSH = h_SBH[start:].transpose(0, 1).contiguous()
+    if tp > 1 and not sequence_parallel:
+        h_BSH = copy_to_tensor_model_parallel_region(h_BSH)
+    return h_BSH
