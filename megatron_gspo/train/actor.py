@@ -37,10 +37,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo import (
-    loss_denominator,
-    policy_loss,
-)
+from megatron_gspo.algo import loss_denominator, policy_loss
 from megatron_gspo.algo.config import LossConfig, Tis
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
