@@ -15,8 +15,9 @@ chunk by chunk,
 
 saving only h, W and three numbers per token. Backward recomputes each chunk's logits, forms
 their gradient dx_CV, and from it grad_h_CH = dx_CV W_VH and grad_W_VH += dx_CV^T h_CH
-(accumulated in fp32) before the next chunk. Peak extra memory: a chunk's logits and three
-temporaries (C x V x 12 bytes with the entropy), plus W in fp32 for its gradient.
+(accumulated in fp32: into megatron DDP's main_grad of an untied weight, as megatron's own
+gradient-accumulation fusion does, else a fp32 buffer) before the next chunk. Peak extra
+memory: a chunk's logits and three temporaries (C x V x 12 bytes with the entropy).
 
 TP: W is split over the vocabulary (ColumnParallelLinear). The hidden states entering the head
 must be every rank's same full sequence, as megatron's layer makes them: all-gathered along the
@@ -47,21 +48,34 @@ from megatron_gspo.model.vocab_softmax import (
 DEFAULT_CHUNK_TOKENS = 1024
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    """What `ChunkedLMHead` needs besides its tensors."""
+
+    vocab_start: int  # this rank's first vocabulary id
+    n_valid: int  # rows of this rank's weight that are real vocabulary (the rest: padding)
+    tp_group: object  # None: one rank
+    with_entropy: bool
+    chunk_tokens: int
+    into_main_grad: bool = False
+
+
 class ChunkedLMHead(torch.autograd.Function):
     """(h [N, H], W [V, H], targets [N]) -> (log p(targets), entropy or None), fp32 [N]."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, vocab_start, n_valid, tp_group, with_entropy, chunk):
+    def forward(ctx, h, weight, targets, how: HeadCall):
+        n_valid = how.n_valid
         w = weight[:n_valid]  # padded vocabulary rows: no logits, zero gradient
-        index, owned = target_columns(targets, vocab_start, n_valid)
-        stats = torch.empty((3 if with_entropy else 2, targets.numel()), device=h.device)
-        for r in row_chunks(h.shape[0], n_valid, h.device, chunk):
+        index, owned = target_columns(targets, how.vocab_start, n_valid)
+        stats = torch.empty((3 if how.with_entropy else 2, targets.numel()), device=h.device)
+        for r in row_chunks(h.shape[0], n_valid, h.device, how.chunk_tokens):
             x = torch.matmul(h[r], w.t())
-            chunk_stats(x, index[r], owned[r], with_entropy, stats[:, r])
+            chunk_stats(x, index[r], owned[r], how.with_entropy, stats[:, r])
             del x
-        lp, entropy, log_w = combine(stats, owned, tp_group)
+        lp, entropy, log_w = combine(stats, owned, how.tp_group)
         ctx.save_for_backward(h, weight, index, owned, log_w, entropy)
-        ctx.n_valid, ctx.chunk = n_valid, chunk
+        ctx.n_valid, ctx.chunk, ctx.into_main_grad = n_valid, how.chunk_tokens, how.into_main_grad
         ctx.set_materialize_grads(False)
         return lp, entropy
 
@@ -71,11 +85,11 @@ class ChunkedLMHead(torch.autograd.Function):
         h, weight, index, owned, log_w, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return (None,) * 8
+            return None, None, None, None
         n_valid = ctx.n_valid
         w = weight[:n_valid]
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
+        grad_w = _weight_grad_buffer(weight, ctx.into_main_grad) if need_w else None
         g_lp, g_ent = (None if g is None else g.float() for g in (g_lp, g_ent))
         for r in row_chunks(h.shape[0], n_valid, h.device, ctx.chunk):
             x = torch.matmul(h[r], w.t())
@@ -87,9 +101,23 @@ class ChunkedLMHead(torch.autograd.Function):
                 torch.matmul(dx, w, out=grad_h[r])
             if grad_w is not None:
                 accumulate_fp32(grad_w[:n_valid], dx.t(), h[r])
-        if grad_w is not None and weight.dtype != torch.float32:
+        if grad_w is not None and grad_w is getattr(weight, "main_grad", None):
+            # Added where megatron's DDP would add it; its hook skips the placeholder returned.
+            weight.grad_added_to_main_grad = True
+            grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        elif grad_w is not None and weight.dtype != torch.float32:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None
+
+
+def _weight_grad_buffer(weight, into_main_grad: bool):
+    """Where grad_W accumulates in fp32: megatron DDP's main_grad buffer of the weight when
+    allowed (no fp32 copy of W, no add afterwards), else a zeroed fp32 tensor."""
+    main = getattr(weight, "main_grad", None)
+    usable = main is not None and main.dtype == torch.float32 and main.shape == weight.shape
+    if into_main_grad and usable and hasattr(weight, "grad_added_to_main_grad"):
+        return main
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
 
 
 def accumulate_fp32(acc, a, b) -> None:
@@ -113,10 +141,12 @@ def _at(t, rows):
 
 def lm_head_logprobs(h, weight, targets, *, vocab_start: int = 0, vocab_size: int | None = None,
                      tp_group=None, with_entropy: bool = False,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS):  # fmt: skip
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, into_main_grad: bool = False):  # fmt: skip
     """log p(targets) (and the entropy, else None) from hidden states h [..., H] and this rank's
     output weight [V, H] (vocabulary ids from `vocab_start`; `vocab_size` the true size). fp32,
-    shaped like `targets` ([...])."""
+    shaped like `targets` ([...]). `into_main_grad`: grad_W goes straight into megatron DDP's
+    fp32 `main_grad` of the weight, which must then have no other use in the graph (an
+    embedding tied to it would have its own gradient skipped by DDP's hook)."""
     import torch.distributed as dist
 
     n_valid = weight.shape[0] if vocab_size is None else vocab_size - vocab_start
@@ -124,8 +154,8 @@ def lm_head_logprobs(h, weight, targets, *, vocab_start: int = 0, vocab_size: in
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
     flat_h = h.reshape(-1, h.shape[-1])
-    lp, ent = ChunkedLMHead.apply(flat_h, weight, targets.reshape(-1), vocab_start, n_valid,
-                                  tp_group, with_entropy, chunk_tokens)  # fmt: skip
+    how = HeadCall(vocab_start, n_valid, tp_group, with_entropy, chunk_tokens, into_main_grad)
+    lp, ent = ChunkedLMHead.apply(flat_h, weight, targets.reshape(-1), how)
     return lp.view(targets.shape), (None if ent is None else ent.view(targets.shape))
 
 
@@ -136,6 +166,7 @@ class LMHead:
     weight: torch.Tensor  # [V, H], this TP rank's slice
     vocab_size: int  # the true vocabulary (padding excluded)
     chunk_tokens: int
+    into_main_grad: bool = False  # the weight is the head's alone (not tied to the embedding)
 
     def logprobs(self, hidden, targets, with_entropy: bool = False):
         """(log p(targets), entropy or None) from the output layer's hidden states [..., H]."""
@@ -146,6 +177,7 @@ class LMHead:
             vocab_start=mpu.get_tensor_model_parallel_rank() * self.weight.shape[0],
             vocab_size=self.vocab_size, tp_group=mpu.get_tensor_model_parallel_group(),
             with_entropy=with_entropy, chunk_tokens=self.chunk_tokens,
+            into_main_grad=self.into_main_grad,
         )  # fmt: skip
 
 
@@ -155,11 +187,11 @@ def lm_head_of(chunk) -> LMHead | None:
     model = getattr(chunk, "module", chunk)
     layer = getattr(model, "output_layer", None)
     tokens = getattr(layer, "lm_head_chunk_tokens", 0)
-    if not tokens or not getattr(model, "post_process", False):
+    if layer is None or not tokens or not getattr(model, "post_process", False):
         return None
     tied = model.share_embeddings_and_output_weights
     weight = model.shared_embedding_or_output_weight() if tied else layer.weight
-    return LMHead(weight, model.model_spec.vocab_size, tokens)
+    return LMHead(weight, model.model_spec.vocab_size, tokens, into_main_grad=not tied)
 
 
 def use_chunked_lm_head(output_layer, chunk_tokens: int) -> None:

@@ -145,3 +145,20 @@ def test_bad_config_value_is_a_one_line_error(tmp_path):
         with pytest.raises(UserError, match="model.lm_head_chunk must be an integer") as e:
             load_config(cfg, [f"model.lm_head_chunk={bad}"])
         assert "\n" not in str(e.value)
+
+
+def test_weight_gradient_into_megatron_main_grad():
+    """A weight with megatron DDP's fp32 main_grad: grad_W is added there (on top of what it
+    holds), the flag that makes DDP's hook skip the placeholder gradient is set."""
+    h, w, targets, g_lp, g_ent = _inputs(torch.bfloat16, seed=6)
+    w = w.requires_grad_()
+    w.main_grad = torch.full(w.shape, 0.5)
+    w.grad_added_to_main_grad = False
+    lp, ent = lm_head_logprobs(h, w, targets, vocab_size=VOCAB, with_entropy=True,
+                               chunk_tokens=8, into_main_grad=True)  # fmt: skip
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    ref = _grads(_formula(targets), h, w.detach(), g_lp.double(), g_ent.double())[3]
+    assert w.grad_added_to_main_grad and w.main_grad.dtype == torch.float32
+    added = w.main_grad.double() - 0.5
+    assert (added - ref.double()).abs().max() <= 0.01 * ref.abs().max().item()
+    assert torch.all(added[VOCAB:] == 0)
