@@ -11,6 +11,7 @@ torchrun --nproc-per-node 2 tests/distributed/lm_head_worker.py OUT.json CKPT_DE
 2. Whole models (a dense model with tied embeddings, with and without sequence parallelism;
    an MoE model): the chunked head against the output layer's whole logits, log-probs,
    entropy and every parameter's gradient; and a logits window under sequence parallelism.
+3. The actor (megatron DDP, distributed optimizer): two steps with the head on and off.
 Rank 0 writes the largest differences as JSON.
 """
 
@@ -114,6 +115,41 @@ def compare_models(ckpt, sp: bool, tokens, g) -> dict:
     return out
 
 
+def actor_steps(ckpt, chunk_tokens: int) -> dict:
+    """Two GRPO steps of the actor (megatron DDP, distributed optimizer; the head's weight
+    gradient into DDP's main_grad): the metrics of each, and the output weight after."""
+    from megatron_gspo.algo.config import LossConfig
+    from megatron_gspo.train.actor import Actor, OptimConfig
+    from megatron_gspo.train.batch import RLBatch
+
+    chunks = load_policy(ckpt, ParallelDims(tp=2, world_size=2),
+                         BuildOptions(lm_head_chunk_tokens=chunk_tokens))  # fmt: skip
+    actor = Actor(chunks, OptimConfig(lr=1e-3))
+    g = torch.Generator().manual_seed(2)
+    tokens = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
+    masks = [[0] * 3 + [1] * (len(t) - 3) for t in tokens]
+    batch = RLBatch(tokens, masks, torch.randn(4, generator=g).tolist())
+    steps = [actor.train_step(batch, LossConfig(kind="grpo"), 2, on_policy=True) for _ in range(2)]
+    weight = actor.chunks[0].module.output_layer.weight.detach().float().clone()
+    return {"steps": steps, "weight": weight, "head": lm_head_of(actor.chunks[0]) is not None}
+
+
+def compare_actors(ckpt) -> dict:
+    on, off = actor_steps(ckpt, 5), actor_steps(ckpt, 0)
+    keys = ("grad_norm", "loss", "entropy")
+    rel = max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12)
+              for a, b in zip(on["steps"], off["steps"]) for k in keys)  # fmt: skip
+    moved = diff(off["weight"], actor_steps_start(ckpt))
+    assert on["head"] and not off["head"]
+    return {"metrics_rel": rel, "weight": diff(on["weight"], off["weight"]), "moved": moved,
+            "grad_norm": off["steps"][0]["grad_norm"]}  # fmt: skip
+
+
+def actor_steps_start(ckpt):
+    (chunk,) = load_policy(ckpt, ParallelDims(tp=2, world_size=2), BuildOptions())
+    return chunk.output_layer.weight.detach().float()
+
+
 def main() -> None:
     out_path, dense_ckpt, moe_ckpt = sys.argv[1:4]
     init_distributed(ParallelDims(tp=2, world_size=2))
@@ -129,6 +165,7 @@ def main() -> None:
     result["dense_tied_sp0"] = compare_models(dense_ckpt, False, tokens, g)
     result["dense_tied_sp1"] = compare_models(dense_ckpt, True, tokens, g)
     result["moe_sp1"] = compare_models(moe_ckpt, True, tokens, g)
+    result["actor_moe"] = compare_actors(moe_ckpt)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

@@ -1,7 +1,8 @@
 """The chunked LM head under TP2, with and without sequence parallelism (gloo, 2 ranks), against
 the single-rank computation of today (the whole logits, then the log-softmax), gradients w.r.t.
 the hidden states and the output weight included; whole models (dense with tied embeddings,
-MoE) with the head on against the output layer's whole logits, every parameter's gradient."""
+MoE) with the head on against the output layer's whole logits, every parameter's gradient; the
+actor's step (megatron DDP) with the head on and off."""
 
 from pathlib import Path
 
@@ -41,3 +42,13 @@ def test_model_with_chunked_head_matches_whole_logits(result, case):
     assert got["grad_rel"] < 1e-5, got  # largest difference / largest gradient, per weight
     if "window" in got:  # positions before the window: none computed (zeros)
         assert got["window"] < 1e-5
+
+
+def test_actor_steps_with_chunked_head_match_whole_logits(result):
+    """Two GRPO steps through megatron DDP and the distributed optimizer, TP2 with sequence
+    parallelism: the head's weight gradient goes into DDP's main_grad. Grad norm, loss and
+    entropy as with the whole logits (to fp32 rounding), the output weight after the steps too
+    (it moved by 1e-3 a step)."""
+    got = result["actor_moe"]
+    assert got["grad_norm"] > 0.1 and got["moved"] > 1e-3
+    assert got["metrics_rel"] < 1e-5 and got["weight"] < 1e-6, got
