@@ -23,6 +23,11 @@ one call. Backward needs no communication: every rank computes the same replicat
 reduced values, so the gradient of its local logits uses the reduced S and E_p[l] directly (what
 megatron's `reduce_from_tensor_model_parallel_region`, identity in backward, gives autograd).
 Padded vocabulary entries (>= the true vocab) are excluded and get zero gradient.
+
+On a GPU `vocab_parallel_logprobs` takes the few-pass path of vocab_softmax.py instead (`fused`):
+torch's log_softmax / softmax kernels over large chunks; these elementwise passes, each a kernel
+launch over a 32 MiB chunk, were ~22k launches and 0.78 s of a 0.9 s H200 step. The LM head
+that never forms the whole logits is lm_head.py.
 """
 
 from __future__ import annotations
