@@ -120,11 +120,12 @@ def main() -> None:
     logits = a.tokens * a.vocab * torch.empty((), dtype=DTYPES[a.dtype]).element_size()
     print(f"LM head step: {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, {a.dtype}, "
           f"{a.device}; chunk {a.chunk} tokens; the logits are {logits / 2**30:.2f} GiB")  # fmt: skip
-    results = {v: run_variant(v, a) for v in a.variants.split(",")}
-    print(f"{'variant':<12} {'peak beyond inputs':>20} {'x logits':>9} {'seconds':>9}")
-    for v, r in results.items():
+    print(f"{'variant':<12} {'peak beyond inputs':>20} {'x logits':>9} {'seconds':>9}", flush=True)
+    results = {}
+    for v in a.variants.split(","):  # each row as soon as it is measured
+        r = results[v] = run_variant(v, a)
         print(f"{v:<12} {r['peak_bytes'] / 2**30:>16.2f} GiB {r['peak_bytes'] / logits:>9.2f} "
-              f"{r['seconds']:>9.2f}")  # fmt: skip
+              f"{r['seconds']:>9.2f}", flush=True)  # fmt: skip
     if "whole" in results and "chunked" in results:
         ratio = results["chunked"]["peak_bytes"] / results["whole"]["peak_bytes"]
         print(f"chunked / whole peak: {ratio:.2f}")
