@@ -30,6 +30,7 @@ from megatron_gspo.checks import in_range as _in_range
 from megatron_gspo.checks import need as _need
 from megatron_gspo.checks import positive as _positive
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS
 from megatron_gspo.model.modes import GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.rewards.config import RewardSection
@@ -43,10 +44,12 @@ class ModelSection:
     dtype: str = "float32"  # float32 | bfloat16
     recompute: Recompute = Recompute.NONE  # activation recompute: none | selective | full
     moe_grouped_gemm: GroupedGemm = GroupedGemm.AUTO  # auto (GPU: grouped) | true | false
+    lm_head_chunk: int = DEFAULT_CHUNK_TOKENS  # LM head tokens per chunk (0: whole logits)
 
     def check(self) -> None:
         _need(self.path, "model.path", "the HF checkpoint directory to start from")
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+        _in_range(self.lm_head_chunk, "model.lm_head_chunk", 0, INT_MAX)
 
 
 @dataclass

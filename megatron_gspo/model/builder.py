@@ -9,8 +9,9 @@ through the same function (Qwen2: qkv bias, no QK-norm).
 
 Fusions that need CUDA kernels are off on a CPU; the Transformer Engine layer spec is used when TE
 imports and the run is on a GPU, the local (pure torch) spec otherwise, with our RMSNorm
-(`norm.py`) and SDPA core attention (`attention.py`). Without sequence parallelism the
-output layer computes its logits batch-major (`_batch_major_logits`).
+(`norm.py`) and SDPA core attention (`attention.py`). The output layer hands back hidden
+states for the chunked LM head (`lm_head.py`) by default; with the head off it computes its
+logits batch-major without sequence parallelism (`_batch_major_logits`).
 
 MoE experts are grouped (`moe_grouped_gemm`: one GEMM per projection over all local experts, two
 weight tensors per layer) or sequential (megatron's SequentialMLP: a matmul pair and two weight
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec
+from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS, use_chunked_lm_head
 from megatron_gspo.model.modes import Recompute
 from megatron_gspo.model.norm import use_local_rmsnorm
 from megatron_gspo.model.parallel import ParallelDims, device_type
@@ -49,6 +51,14 @@ class BuildOptions:
     sequence_parallel: bool | None = None  # None: on when tp > 1 (MoE needs it)
     use_transformer_engine: bool | None = None  # None: when importable and on a GPU
     moe_grouped_gemm: bool | None = None  # None: grouped experts on a GPU, sequential on a CPU
+    # Tokens per chunk of the LM head (model/lm_head.py: log-probs from hidden states, never the
+    # whole logits); 0: the output layer's logits, whole.
+    lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self):
+        if not isinstance(self.lm_head_chunk_tokens, int) or self.lm_head_chunk_tokens < 0:
+            raise UserError(f"lm_head_chunk_tokens must be an integer >= 0 (0: off), "
+                            f"not {self.lm_head_chunk_tokens!r}")  # fmt: skip
 
     def grouped(self) -> bool:
         if self.moe_grouped_gemm is None:
@@ -203,7 +213,9 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
             model.cuda(torch.cuda.current_device())
         model.model_spec = spec
         model.padded_vocab_size = vocab
-        if model.post_process and not config.sequence_parallel:
+        if model.post_process and opts.lm_head_chunk_tokens:
+            use_chunked_lm_head(model.output_layer, opts.lm_head_chunk_tokens)
+        elif model.post_process and not config.sequence_parallel:
             _batch_major_logits(model.output_layer)
         _mark_tensor_parallel(model)
         chunks.append(model)
@@ -232,8 +244,8 @@ def _batch_major_logits(output_layer) -> None:
 
 def set_logits_from(chunk, start: int) -> None:
     """Compute the chunk's logits from sequence position `start` on (it returns [b, s - start,
-    V]); positions before it carry no loss (the prompt). Only where the logits are batch-major
-    (`_batch_major_logits`: not on other pipeline stages or under sequence parallelism); there
+    V]); positions before it carry no loss (the prompt). Only where the output layer was
+    rewritten (the chunked head, or batch-major logits: not under sequence parallelism); else
     all s positions are computed, which `next_token_logprobs` takes as well."""
     layer = getattr(getattr(chunk, "module", chunk), "output_layer", None)
     if layer is not None and hasattr(layer, "logits_from"):

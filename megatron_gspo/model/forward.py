@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_gspo.model.lm_head import LMHead, lm_head_of
 from megatron_gspo.model.logprobs import tp_vocab_logprobs
 
 
@@ -66,9 +67,15 @@ def make_microbatches(seqs: list[list[int]], micro_batch_size: int, seq_len: int
 
 
 def next_token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, with_entropy: bool = False
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    vocab_size: int,
+    with_entropy: bool = False,
+    head: LMHead | None = None,
 ):
     """logits [b, s, V_local] -> log p(tokens[:, t+1] | ..t) as [b, s-1] (and entropy [b, s-1]).
+    With the chunked LM head (`head`, model/lm_head.py) `logits` are the output layer's hidden
+    states [b, s, H] instead, and the head forms the logits a chunk of tokens at a time.
 
     Runs over all s positions (the last one with a dummy target) and drops the last output:
     slicing the logits instead would make autograd zero-fill and copy a full-vocabulary gradient.
@@ -76,22 +83,25 @@ def next_token_logprobs(
     before them."""
     start = tokens.size(1) - logits.size(1)
     targets = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # last column: any valid id
-    lp, ent = tp_vocab_logprobs(logits, targets[:, start:], vocab_size, with_entropy)
+    if head is not None:
+        lp, ent = head.logprobs(logits, targets[:, start:], with_entropy)
+    else:
+        lp, ent = tp_vocab_logprobs(logits, targets[:, start:], vocab_size, with_entropy)
     if start:
         lp = F.pad(lp, (start, 0))
         ent = None if ent is None else F.pad(ent, (start, 0))
     return lp[:, :-1], (None if ent is None else ent[:, :-1])
 
 
-def _score_loss(mb: Microbatch, vocab_size: int, logits: torch.Tensor):
-    lp, _ = next_token_logprobs(logits, mb.tokens, vocab_size)
+def _score_loss(mb: Microbatch, vocab_size: int, head: LMHead | None, logits: torch.Tensor):
+    lp, _ = next_token_logprobs(logits, mb.tokens, vocab_size, head=head)
     return torch.zeros((), device=lp.device), {"logprobs": lp.detach(), "mb": mb}
 
 
 def _forward_step(vocab_size: int, data_iterator, model):
     mb = next(data_iterator)
     logits = model(mb.tokens, mb.position_ids, None)
-    return logits, partial(_score_loss, mb, vocab_size)
+    return logits, partial(_score_loss, mb, vocab_size, lm_head_of(model))
 
 
 def _iterators(microbatches, chunks):

@@ -37,14 +37,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo import (
-    loss_denominator,
-    policy_loss,
-)
+from megatron_gspo.algo import loss_denominator, policy_loss
 from megatron_gspo.algo.config import LossConfig, Mismatch
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
+from megatron_gspo.model.lm_head import lm_head_of
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import ReplayMode, RoutingReplay
@@ -195,7 +193,7 @@ class Actor:
                 set_logits_from(model, 0)
             if sweep is not None:
                 out = sweep.leave(model, mb, out)
-            return out, partial(loss, mb)
+            return out, partial(loss, mb, lm_head_of(model))
 
         return step
 
@@ -256,8 +254,8 @@ class Actor:
         self._set_mode(False)
         vocab = self.spec.vocab_size
 
-        def loss(mb, logits):
-            lp, _ = next_token_logprobs(logits, mb.tokens, vocab)
+        def loss(mb, head, logits):
+            lp, _ = next_token_logprobs(logits, mb.tokens, vocab, head=head)
             return torch.zeros((), device=lp.device), {"lp": lp, "mb": mb}
 
         step = self._step(sweep, loss)
@@ -354,8 +352,8 @@ class Actor:
         denom = float(count)
         vocab = self.spec.vocab_size
 
-        def loss(mb, logits):
-            lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
+        def loss(mb, head, logits):  # logits: hidden states under the chunked head
+            lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True, head=head)
             if on_policy:
                 mb.old_logprobs = lp.detach()
                 own.append((mb, mb.old_logprobs))

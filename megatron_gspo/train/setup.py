@@ -90,6 +90,7 @@ class TrainerSetup:
             recompute=m.recompute,
             moe_grouped_gemm=m.moe_grouped_gemm.resolve(),
             routing_replay=True,
+            lm_head_chunk_tokens=m.lm_head_chunk,
         )
         chunks = load_policy(m.path, dims, opts)
         return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay)

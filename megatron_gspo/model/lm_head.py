@@ -1,0 +1,230 @@
+"""The LM head a chunk of tokens at a time: log p(target) and the entropy from hidden states and
+the output weight, without the logits or their gradient ever existing whole.
+
+Legend: N tokens (flat), H hidden, V this rank's slice of the padded vocabulary (V_valid of it
+real), C tokens per chunk.
+
+Deviation from megatron's GPTModel, on purpose: its output layer forms the logits [N, V] and
+autograd keeps them and their gradient, the largest tensors of the step (Qwen3-30B-A3B:
+151,936 x 32k tokens = 10 GB each in bf16). With the chunked head the output layer hands back
+its (TP-replicated) hidden states instead (`use_chunked_lm_head`) and `ChunkedLMHead` computes,
+chunk by chunk,
+
+    x_CV = h_CH W_VH^T    ->   per-token statistics (model/vocab_softmax.py), combined over TP
+                               with one MAX and one SUM all-reduce after the last chunk
+
+saving only h, W and three numbers per token. Backward recomputes each chunk's logits, forms
+their gradient dx_CV, and from it grad_h_CH = dx_CV W_VH and grad_W_VH += dx_CV^T h_CH
+(accumulated in fp32: into megatron DDP's main_grad of an untied weight, as megatron's own
+gradient-accumulation fusion does, else a fp32 buffer) before the next chunk. Peak extra
+memory: a chunk's logits and three temporaries (C x V x 12 bytes with the entropy).
+
+TP: W is split over the vocabulary (ColumnParallelLinear). The hidden states entering the head
+must be every rank's same full sequence, as megatron's layer makes them: all-gathered along the
+sequence under sequence parallelism (backward: reduce-scatter), else copied (backward: the
+all-reduce of the partial grad_h each rank forms from its vocabulary slice). grad_W needs no
+communication: each rank's slice sees every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from megatron_gspo.model.vocab_softmax import (
+    chunk_grad,
+    chunk_stats,
+    combine,
+    row_chunks,
+    target_columns,
+)
+
+# Tokens per chunk by default. At Qwen3's vocabulary (151,936) one chunk's logits and their
+# temporaries are 1.9 GB with the entropy (12 bytes a logit), against 2 x 10 GB for the whole
+# logits and gradient at 32k tokens; the chunk's three GEMMs (1024 x 2048 x 151,936) still run
+# at full speed, and 32 chunks of a dozen kernels each are no launch overhead.
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """What `ChunkedLMHead` needs besides its tensors."""
+
+    vocab_start: int  # this rank's first vocabulary id
+    n_valid: int  # rows of this rank's weight that are real vocabulary (the rest: padding)
+    tp_group: object  # None: one rank
+    with_entropy: bool
+    chunk_tokens: int
+    into_main_grad: bool = False
+
+
+class ChunkedLMHead(torch.autograd.Function):
+    """(h [N, H], W [V, H], targets [N]) -> (log p(targets), entropy or None), fp32 [N]."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, how: HeadCall):
+        n_valid = how.n_valid
+        w = weight[:n_valid]  # padded vocabulary rows: no logits, zero gradient
+        index, owned = target_columns(targets, how.vocab_start, n_valid)
+        stats = torch.empty((3 if how.with_entropy else 2, targets.numel()), device=h.device)
+        for r in row_chunks(h.shape[0], n_valid, h.device, how.chunk_tokens):
+            x = torch.matmul(h[r], w.t())
+            chunk_stats(x, index[r], owned[r], how.with_entropy, stats[:, r])
+            del x
+        lp, entropy, log_w = combine(stats, owned, how.tp_group)
+        ctx.save_for_backward(h, weight, index, owned, log_w, entropy)
+        ctx.n_valid, ctx.chunk, ctx.into_main_grad = n_valid, how.chunk_tokens, how.into_main_grad
+        ctx.set_materialize_grads(False)
+        return lp, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        h, weight, index, owned, log_w, entropy = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None
+        n_valid = ctx.n_valid
+        w = weight[:n_valid]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = _weight_grad_buffer(weight, ctx.into_main_grad) if need_w else None
+        g_lp, g_ent = (None if g is None else g.float() for g in (g_lp, g_ent))
+        for r in row_chunks(h.shape[0], n_valid, h.device, ctx.chunk):
+            x = torch.matmul(h[r], w.t())
+            dx = torch.empty_like(x)
+            chunk_grad(x, index[r], owned[r], log_w[r], _at(entropy, r), _at(g_lp, r),
+                       _at(g_ent, r), dx)  # fmt: skip
+            del x
+            if grad_h is not None:
+                torch.matmul(dx, w, out=grad_h[r])
+            if grad_w is not None:
+                accumulate_fp32(grad_w[:n_valid], dx.t(), h[r])
+        if grad_w is not None and grad_w is getattr(weight, "main_grad", None):
+            # Added where megatron's DDP would add it; its hook skips the placeholder returned.
+            weight.grad_added_to_main_grad = True
+            grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        elif grad_w is not None and weight.dtype != torch.float32:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None
+
+
+def _weight_grad_buffer(weight, into_main_grad: bool):
+    """Where grad_W accumulates in fp32: megatron DDP's main_grad buffer of the weight when
+    allowed (no fp32 copy of W, no add afterwards), else a zeroed fp32 tensor."""
+    main = getattr(weight, "main_grad", None)
+    usable = main is not None and main.dtype == torch.float32 and main.shape == weight.shape
+    if into_main_grad and usable and hasattr(weight, "grad_added_to_main_grad"):
+        return main
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def accumulate_fp32(acc, a, b) -> None:
+    """acc (fp32) += a @ b. A bf16 product goes to fp32 inside the GEMM where the backend has
+    such a GEMM (CUDA), else its bf16 result is added (one rounding per chunk)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    acc.add_(a @ b)
+
+
+def _at(t, rows):
+    return None if t is None else t[rows]
+
+
+def lm_head_logprobs(h, weight, targets, *, vocab_start: int = 0, vocab_size: int | None = None,
+                     tp_group=None, with_entropy: bool = False,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, into_main_grad: bool = False):  # fmt: skip
+    """log p(targets) (and the entropy, else None) from hidden states h [..., H] and this rank's
+    output weight [V, H] (vocabulary ids from `vocab_start`; `vocab_size` the true size). fp32,
+    shaped like `targets` ([...]). `into_main_grad`: grad_W goes straight into megatron DDP's
+    fp32 `main_grad` of the weight, which must then have no other use in the graph (an
+    embedding tied to it would have its own gradient skipped by DDP's hook)."""
+    import torch.distributed as dist
+
+    n_valid = weight.shape[0] if vocab_size is None else vocab_size - vocab_start
+    n_valid = min(max(n_valid, 0), weight.shape[0])
+    if tp_group is not None and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    flat_h = h.reshape(-1, h.shape[-1])
+    how = HeadCall(vocab_start, n_valid, tp_group, with_entropy, chunk_tokens, into_main_grad)
+    lp, ent = ChunkedLMHead.apply(flat_h, weight, targets.reshape(-1), how)
+    return lp.view(targets.shape), (None if ent is None else ent.view(targets.shape))
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """One model chunk's output weight under megatron's TP group, as the loss uses it."""
+
+    weight: torch.Tensor  # [V, H], this TP rank's slice
+    vocab_size: int  # the true vocabulary (padding excluded)
+    chunk_tokens: int
+    into_main_grad: bool = False  # the weight is the head's alone (not tied to the embedding)
+
+    def logprobs(self, hidden, targets, with_entropy: bool = False):
+        """(log p(targets), entropy or None) from the output layer's hidden states [..., H]."""
+        from megatron.core import parallel_state as mpu
+
+        return lm_head_logprobs(
+            hidden, self.weight, targets,
+            vocab_start=mpu.get_tensor_model_parallel_rank() * self.weight.shape[0],
+            vocab_size=self.vocab_size, tp_group=mpu.get_tensor_model_parallel_group(),
+            with_entropy=with_entropy, chunk_tokens=self.chunk_tokens,
+            into_main_grad=self.into_main_grad,
+        )  # fmt: skip
+
+
+def lm_head_of(chunk) -> LMHead | None:
+    """The chunked head of a (DDP-wrapped) model chunk; None where its output layer gives logits
+    (the head off) or it has none (not the last pipeline stage)."""
+    model = getattr(chunk, "module", chunk)
+    layer = getattr(model, "output_layer", None)
+    tokens = getattr(layer, "lm_head_chunk_tokens", 0)
+    if layer is None or not tokens or not getattr(model, "post_process", False):
+        return None
+    tied = model.share_embeddings_and_output_weights
+    weight = model.shared_embedding_or_output_weight() if tied else layer.weight
+    return LMHead(weight, model.model_spec.vocab_size, tokens, into_main_grad=not tied)
+
+
+def use_chunked_lm_head(output_layer, chunk_tokens: int) -> None:
+    """Have megatron's output layer hand back its hidden states, [s, b, H] as a view of
+    [b, s - logits_from, H] (GPTModel's `transpose(0, 1).contiguous()` then copies nothing),
+    gathered over TP as its matmul would have; `LMHead` takes the log-probs from them."""
+
+    def hidden_states(input_, weight=None, runtime_gather_output=None):
+        h = head_input(input_, output_layer.sequence_parallel, output_layer.logits_from)
+        return h.transpose(0, 1), None
+
+    output_layer.logits_from = 0
+    output_layer.lm_head_chunk_tokens = chunk_tokens
+    output_layer.forward = hidden_states
+
+
+def head_input(h_SBH, sequence_parallel: bool, start: int = 0):
+    """The hidden states every TP rank's vocabulary slice needs, batch-major [b, s - start, H]
+    from the decoder's [s, b, H] (its sequence split over TP under sequence parallelism), with
+    megatron's mappings: all-gather along the sequence (backward: reduce-scatter), else a copy
+    (backward: all-reduce of the partial gradients). The copy is applied to the contiguous
+    batch-major tensor, whose gradient (the head's) is contiguous: megatron's all-reduce
+    reduces `grad.contiguous()` and returns `grad`, so a strided gradient would stay unreduced."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if tp > 1 and sequence_parallel:
+        h_SBH = gather_from_sequence_parallel_region(h_SBH, tensor_parallel_output_grad=True)
+    h_BSH = h_SBH[start:].transpose(0, 1).contiguous()
+    if tp > 1 and not sequence_parallel:
+        h_BSH = copy_to_tensor_model_parallel_region(h_BSH)
+    return h_BSH
