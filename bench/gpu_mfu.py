@@ -195,7 +195,7 @@ def time_steps(actor, a, shape: Shape, mbs: int, device: torch.device) -> list[f
         batch = random_batch(rows, a.seq, shape.vocab, seed=i)
         sync(device)
         t = time.perf_counter()
-        metrics = actor.train_step(batch, LossConfig(kind="gspo"), mbs, on_policy=True)
+        metrics = actor.train_step(batch, LossConfig(kind="gspo"), mbs, on_policy=True).stats
         sync(device)
         if i >= a.warmup:
             times.append(time.perf_counter() - t)

@@ -41,23 +41,26 @@ from megatron_gspo.algo import (
     loss_denominator,
     policy_loss,
 )
-from megatron_gspo.algo.config import LossConfig, Tis
+from megatron_gspo.algo.config import LossConfig
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
-from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
+from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
-from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
+from megatron_gspo.train.batch import StepBatch, loss_mask_tensor, microbatches
+from megatron_gspo.train.results import Update
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
     _fused_cpu_adam,
-    _gather_rows,
     _moved_split,
     _optimizer_step,
     _reduce_stats,
     _tis_weights,
+    check_step,
+    flat_logprobs,
+    padding_stats,
 )
 
 # Logits one forward-only microbatch may produce (1 GiB in fp32) when it takes more rows than a
@@ -129,17 +132,17 @@ class Actor:
             )
         )
 
-    def shard(self, batch: RLBatch | None, parts: list[list[int]]) -> RLBatch:
+    def shard(self, batch: StepBatch | None, parts: list[list[int]]) -> StepBatch:
         """Rank 0's whole batch (None on the other ranks) -> this rank's shard, its replica's
         rows of the step's minibatch split `parts` (collective; one process: the batch)."""
         return distribute(batch, parts, self.needs, device=self.device)
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _extent(self, batch: RLBatch) -> tuple[int, int]:
+    def _extent(self, batch: StepBatch) -> tuple[int, int]:
         """(the most rows a replica holds, the longest row): of a shard, over every replica
         (one all-reduce over the data-parallel group)."""
-        longest = max((len(t) for t in batch.tokens), default=1)
+        longest = int(batch.lengths.max()) if len(batch) else 1
         if not batch.sharded:
             return -(-len(batch) // self.dp), longest
         if self.dp == 1:
@@ -148,7 +151,7 @@ class Actor:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
         return int(t[0]), int(t[1])
 
-    def _layout(self, batch: RLBatch, micro_batch_size: int, window: bool = False):
+    def _layout(self, batch: StepBatch, micro_batch_size: int, window: bool = False):
         dp = self.dp
         per_rank, longest = self._extent(batch)
         seq_len = padded_length(longest, self.tp)
@@ -163,7 +166,7 @@ class Actor:
             mbs += microbatches(batch, [], micro_batch_size, seq_len)
         return [on_device(mb, self.device) for mb in mbs], seq_len, dp
 
-    def _fitted_micro_batch(self, batch: RLBatch, micro_batch_size: int) -> int:
+    def _fitted_micro_batch(self, batch: StepBatch, micro_batch_size: int) -> int:
         """Rows per forward-only microbatch: the replica's whole share if its logits fit in
         `_FORWARD_LOGITS`, else as many as fit, never fewer than `micro_batch_size`. Pipeline
         stages overlap microbatches, so under PP their number is kept. The same on every rank."""
@@ -215,10 +218,12 @@ class Actor:
 
     @torch.no_grad()
     def logprobs(
-        self, batch: RLBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
-    ) -> tuple[list[list[float | None]], dict[str, float]]:
-        """Token-aligned log-probs of every sample under the current weights (entry 0 None),
-        and the forward's routing metrics ({} on a dense model).
+        self, batch: StepBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token-aligned log-probs of every sample under the current weights, flat over the
+        batch's tokens ([T] float32, as its "old_logprobs" field; NaN where there is none: each
+        row's entry 0, the prompt before the logits window, a shard's rows on a stage before the
+        last), and the forward's routing metrics ({} on a dense model).
 
         On an MoE model it also records every sample's natural routing into batch.routing (r3:
         while replaying batch.rollout_experts, whose agreement it measures).
@@ -238,9 +243,9 @@ class Actor:
 
     @torch.no_grad()
     def replayed_logprobs(
-        self, batch: RLBatch, micro_batch_size: int = 8
-    ) -> tuple[list, dict[str, float]]:
-        """Log-probs under the current weights with the batch's routing replayed as `train_step`
+        self, batch: StepBatch, micro_batch_size: int = 8
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Log-probs ([T], as `logprobs`) under the current weights with the batch's routing replayed as `train_step`
         would (r2: recorded, r3: rollout; "none": recorded too), and this forward's
         routing/changed_fraction. batch.routing is unchanged."""
         if self.routing is None:
@@ -251,8 +256,8 @@ class Actor:
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
         return rows, self.routing.finish_train(sweep)
 
-    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, batch: RLBatch) -> list:
-        """Every row's log-probs (a shard's: here, on the last stage; None elsewhere)."""
+    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, batch: StepBatch):
+        """Every row's log-probs [T] (a shard's: here, on the last stage; NaN elsewhere)."""
         self._set_mode(False)
         vocab = self.spec.vocab_size
 
@@ -262,30 +267,30 @@ class Actor:
 
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=True)
-        mine = [r for out in outputs for r in token_rows(out["mb"], out["lp"])]
-        return _gather_rows(mine, len(batch), self.world, local=batch.sharded)
+        pieces = [(out["mb"], out["lp"]) for out in outputs]
+        return flat_logprobs(pieces, batch, self.world, self.device)
 
     # ---- one optimizer step ------------------------------------------------------------------
 
     def train_step(
         self,
-        batch: RLBatch,
+        batch: StepBatch,
         loss_cfg: LossConfig,
         micro_batch_size: int = 8,
         *,
         on_policy: bool = False,
-    ) -> dict:
-        """Forward/backward over all microbatches, then one optimizer step. Returns metrics.
+    ) -> Update:
+        """Forward/backward over all microbatches, then one optimizer step: what it did.
 
         `on_policy=True`: the weights are the ones the batch's old log-probs would be computed
         with (the first update of a rollout batch), so this forward's own log-probs, detached,
         are the old ones (ratios exactly 1) and no separate old-log-prob forward is needed. The
         routing is the natural one (which is what R2 would record and replay); R3 needs the
-        rollout's routing aligned by `logprobs` and is refused. batch.old_logprobs is then set
-        from this forward."""
-        self._check_step(batch, loss_cfg, on_policy)
+        rollout's routing aligned by `logprobs` and is refused. The batch's "old_logprobs" is
+        then set from this forward."""
+        check_step(batch, loss_cfg, on_policy, self.routing.mode if self.routing else None)
         if on_policy:
-            batch.old_logprobs = None  # set from this forward below
+            batch.fields.pop("old_logprobs", None)  # set from this forward below
         self._set_mode(True)
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -306,35 +311,24 @@ class Actor:
         if self.routing:
             assert sweep is not None  # made above with routing
             if split is not None:
-                moved = sweep.moved_positions([len(t) for t in batch.tokens])
+                moved = sweep.moved_positions(batch.lengths.tolist())
                 assert moved is not None  # split is made only when the sweep tracks moves
                 outputs = [*outputs, *_moved_split(split, moved)]
             routing = self.routing.finish_train(sweep)
         if on_policy:
-            mine = [r for mb, lp in own for r in token_rows(mb, lp)]
-            batch.old_logprobs = _gather_rows(mine, len(batch), self.world, batch.sharded)
+            batch.set("old_logprobs", flat_logprobs(own, batch, self.world, self.device))
         ok, grad_norm, finite = _optimizer_step(self.optimizer)
         metrics = _reduce_stats(outputs, self.world, self.tp, self.device)
         if "tokens_moved_fraction" in metrics:
             routing[TOKENS_CHANGED] = metrics.pop("tokens_moved_fraction")
         metrics.update(routing)
-        metrics.update(
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            update_ok=bool(ok),
-            nonfinite=float(not finite),
-            lr=self.optimizer.param_groups[0]["lr"],
-        )
-        return metrics
+        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics.update(grad_norm=norm, lr=self.optimizer.param_groups[0]["lr"])
+        metrics |= padding_stats(mbs, seq_len)
+        return Update(finite=finite, applied=bool(ok), grad_norm=norm, loss=metrics["loss"],
+                      stats=metrics)  # fmt: skip
 
-    def _check_step(self, batch: RLBatch, loss_cfg: LossConfig, on_policy: bool) -> None:
-        if on_policy and self.routing is not None and self.routing.mode == ReplayMode.R3:
-            raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
-        if batch.old_logprobs is None and not on_policy:
-            raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
-        if loss_cfg.tis != Tis.NONE and batch.rollout_logprobs is None:
-            raise ValueError(f"tis={loss_cfg.tis} needs the batch's rollout_logprobs")
-
-    def _train_sweep(self, batch: RLBatch, mbs, seq_len: int, on_policy: bool):
+    def _train_sweep(self, batch: StepBatch, mbs, seq_len: int, on_policy: bool):
         """The routing replay of this step: natural routing (nothing compared) on policy, else
         the batch's (R2: recorded, R3: rollout); None on a dense model."""
         if self.routing and on_policy:
@@ -343,7 +337,7 @@ class Actor:
             return self.routing.train_sweep(batch, mbs, seq_len)
         return None
 
-    def _loss_fn(self, batch: RLBatch, loss_cfg: LossConfig, scale: int, on_policy: bool,
+    def _loss_fn(self, batch: StepBatch, loss_cfg: LossConfig, scale: int, on_policy: bool,
                  own: list, split: list | None):  # fmt: skip
         """The loss of one microbatch's logits, scaled for megatron's schedule; on policy it
         keeps its own log-probs in `own`, and the token log-ratios go to `split` when given."""

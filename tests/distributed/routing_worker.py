@@ -23,16 +23,17 @@ from megatron_gspo.model.builder import BuildOptions
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import StepBatch
 
 LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
 MINIBATCH = [5, 2, 7, 0]
 
 
-def load_batch(path: str) -> RLBatch:
+def load_batch(path: str) -> StepBatch:
     d = json.loads(open(path).read())
     experts = [np.array(e, dtype=np.int32) for e in d["rollout_experts"]]
-    return RLBatch(d["tokens"], d["loss_mask"], d["advantages"], rollout_experts=experts)
+    return StepBatch.from_rows(d["tokens"], d["loss_mask"], d["advantages"],
+                               rollout_experts=experts)  # fmt: skip
 
 
 class UsedExperts:
@@ -59,7 +60,7 @@ class UsedExperts:
             h.remove()
 
 
-def expert_mismatches(used: UsedExperts, batch: RLBatch, source: str, mbs, sp: bool) -> dict:
+def expert_mismatches(used: UsedExperts, batch: StepBatch, source: str, mbs, sp: bool) -> dict:
     """Per layer: (positions with a stored id, positions whose used experts differ from it).
     Router token j of a microbatch is row j % b at sequence position offset + j // b, where the
     offset is this TP rank's slice start under sequence parallelism."""
@@ -90,7 +91,7 @@ def expert_mismatches(used: UsedExperts, batch: RLBatch, source: str, mbs, sp: b
     return out
 
 
-def full_recorded(batch: RLBatch) -> list:
+def full_recorded(batch: StepBatch) -> list:
     """Every sample's recorded routing over all MoE layers, gathered from every stage."""
     mine = {}
     for i, s in enumerate(batch.routing):
@@ -117,8 +118,8 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
     mbs = layout["mbs"]
     batch = load_batch(batch_path)
     old, record_metrics = actor.logprobs(batch, mbs)
-    batch.old_logprobs = old
-    step1 = actor.train_step(batch, LOSS, mbs)
+    batch.set("old_logprobs", old)
+    step1 = actor.train_step(batch, LOSS, mbs).stats
     used = UsedExperts(chunks)
     replayed, replay_metrics = actor.replayed_logprobs(batch, mbs)
     used.close()
@@ -128,17 +129,18 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
     local = expert_mismatches(used, batch, source, layout_mbs, sp)
     natural = {}
     if mode == "none":
-        probe = RLBatch(batch.tokens, batch.loss_mask, batch.advantages)
-        natural["natural_logprobs"] = actor.logprobs(probe, mbs)[0]
+        probe = batch.without("old_logprobs", "routing")
+        probe.rollout_experts = None
+        natural["natural_logprobs"] = probe.to_rows(actor.logprobs(probe, mbs)[0])
         natural["natural_recorded"] = full_recorded(probe)
-    step2 = actor.train_step(batch.rows(MINIBATCH), LOSS, mbs)
+    step2 = actor.train_step(batch.rows(MINIBATCH), LOSS, mbs).stats
     checks = [None] * dist.get_world_size()
     dist.all_gather_object(checks, {str(k): v for k, v in local.items()})
     result = {
-        "old": old,
+        "old": batch.to_rows(old),
         "record_metrics": record_metrics,
         "step1": step1,
-        "replayed": replayed,
+        "replayed": batch.to_rows(replayed),
         "replay_metrics": replay_metrics,
         "step2": step2,
         "experts": checks,
