@@ -33,6 +33,17 @@ class Collected:
     # the samples' inputs that were not finite, by what the guard's error calls them
     nonfinite_inputs: dict[str, int] = field(default_factory=dict)
 
+    def set_versions(self, oldest: float, mean: float, partial: float) -> None:
+        """The trained samples' weight versions (train/samples.sample_versions), logged too."""
+        self.version_oldest, self.version_mean = oldest, mean
+        self.metrics |= {"rollout/version_oldest": oldest, "rollout/version_mean": mean,
+                         "rollout/partial_fraction": partial}  # fmt: skip
+
+    def set_nonfinite_inputs(self, counts: dict[str, int]) -> None:
+        """The samples' non-finite inputs by name (train/samples.nonfinite_inputs), logged."""
+        self.nonfinite_inputs = counts
+        self.metrics |= {f"input/nonfinite_{k}": float(n) for k, n in counts.items()}
+
 
 @dataclass
 class Update:

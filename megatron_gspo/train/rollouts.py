@@ -42,7 +42,7 @@ from megatron_gspo.train.samples import (
     _topk,
     nonfinite_inputs,
     reward_failures,
-    version_metrics,
+    sample_versions,
 )
 
 if TYPE_CHECKING:
@@ -346,14 +346,10 @@ class Rollouts:
         if not keep:
             return facts
         samples = [samples[g * G + j] for g in keep for j in range(G)]
-        versions = version_metrics(samples)  # (the weights the trained tokens came from)
-        metrics |= versions
-        facts.version_oldest = versions["rollout/version_oldest"]
-        facts.version_mean = versions["rollout/version_mean"]
+        facts.set_versions(*sample_versions(samples))  # (the weights the tokens came from)
         kept_rewards = torch.tensor(rewards, dtype=torch.float64).view(-1, G)[keep].flatten()
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
-        facts.nonfinite_inputs = nonfinite_inputs(samples, adv)  # (the guard names them)
-        metrics |= {f"input/nonfinite_{k}": float(n) for k, n in facts.nonfinite_inputs.items()}
+        facts.set_nonfinite_inputs(nonfinite_inputs(samples, adv))  # (the guard names them)
         facts.batch = _to_batch(samples, adv.tolist())
         return facts
 

@@ -93,18 +93,18 @@ def _episode_metrics(samples) -> dict:
     }
 
 
-def version_metrics(samples) -> dict:
+def sample_versions(samples) -> tuple[float, float, float]:
     """The weight versions the trained samples came from, by their servers' word: the oldest
     any sample started on, the mean over the model's tokens (a partial rollout's come from
     several: rollout/partial.py), and the share of samples written by more than one."""
     tokens = [v for s in samples
               for v in (s.token_versions or [str(s.weight_version)] * len(s.tokens))
               if v is not None]  # (the model's tokens: an environment's have None)  # fmt: skip
-    return {
-        "rollout/version_oldest": float(min(version_index(str(s.weight_version)) for s in samples)),
-        "rollout/version_mean": sum(map(version_index, tokens)) / max(len(tokens), 1),
-        "rollout/partial_fraction": sum(len(set(s.versions)) > 1 for s in samples) / len(samples),
-    }
+    return (
+        float(min(version_index(str(s.weight_version)) for s in samples)),
+        sum(map(version_index, tokens)) / max(len(tokens), 1),
+        sum(len(set(s.versions)) > 1 for s in samples) / len(samples),
+    )
 
 
 def reward_failures(scored, step: int) -> list[int]:
