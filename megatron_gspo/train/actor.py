@@ -44,12 +44,13 @@ from megatron_gspo.algo import (
 from megatron_gspo.algo.config import LossConfig
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
-from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length
+from megatron_gspo.model.forward import on_device, padded_length
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import StepBatch, loss_mask_tensor, microbatches
+from megatron_gspo.train.packing import check_packable, packed_layout, token_logprobs
 from megatron_gspo.train.results import Update
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
@@ -77,6 +78,7 @@ class Actor:
         chunks,
         optim: OptimConfig | None = None,
         routing_replay: ReplayMode | str = ReplayMode.NONE,
+        max_tokens_per_microbatch: int | None = None,
     ):
         optim = optim or OptimConfig()
         from megatron.core import parallel_state as mpu
@@ -117,6 +119,10 @@ class Actor:
         self.pp = mpu.get_pipeline_model_parallel_world_size()
         self.world = dist.get_world_size()
         self._schedule = get_forward_backward_func()
+        # packed microbatches of at most this many tokens (train/packing.py); None: padded
+        self.max_tokens = max_tokens_per_microbatch
+        if self.max_tokens is not None:
+            check_packable(self.config, mpu.get_context_parallel_world_size())
         use_routing = self.spec.is_moe or routing_replay != ReplayMode.NONE
         self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
         self._dp_group = mpu.get_data_parallel_group()
@@ -151,20 +157,29 @@ class Actor:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
         return int(t[0]), int(t[1])
 
-    def _layout(self, batch: StepBatch, micro_batch_size: int, window: bool = False):
+    def _layout(self, batch: StepBatch, micro_batch_size: int, window: bool = False,
+                budget: int | None = None):  # fmt: skip
+        """This replica's microbatches (on the device), the schedule's sequence length, dp:
+        packed under a token budget when the actor packs, else padded rows."""
+        if self.max_tokens is not None:
+            index = self._replica_rows(batch)
+            mbs = packed_layout(batch, index, budget or self.max_tokens, self.tp, self._dp_group)
+            seq_len = max(mb.tokens.shape[1] for mb in mbs)
+            return [on_device(mb, self.device) for mb in mbs], seq_len, self.dp
         dp = self.dp
         per_rank, longest = self._extent(batch)
         seq_len = padded_length(longest, self.tp)
         # Same number of microbatches on every replica (expert-parallel collectives span them).
-        if batch.sharded:
-            index = list(range(len(batch)))  # a shard: every row is this replica's
-        else:
-            index = list(range(self.dp_rank, len(batch), dp))
-        mbs = microbatches(batch, index, micro_batch_size, seq_len, window)
+        mbs = microbatches(batch, self._replica_rows(batch), micro_batch_size, seq_len, window)
         n_micro = max(1, -(-per_rank // micro_batch_size))
         while len(mbs) < n_micro:
             mbs += microbatches(batch, [], micro_batch_size, seq_len)
         return [on_device(mb, self.device) for mb in mbs], seq_len, dp
+
+    def _replica_rows(self, batch: StepBatch) -> list[int]:
+        if batch.sharded:
+            return list(range(len(batch)))  # a shard: every row is this replica's
+        return list(range(self.dp_rank, len(batch), self.dp))
 
     def _fitted_micro_batch(self, batch: StepBatch, micro_batch_size: int) -> int:
         """Rows per forward-only microbatch: the replica's whole share if its logits fit in
@@ -176,6 +191,13 @@ class Actor:
         seq_len = padded_length(longest, self.tp)
         fits = _FORWARD_LOGITS // (seq_len * -(-self.spec.vocab_size // self.tp))
         return max(micro_batch_size, min(per_rank, fits))
+
+    def _fitted_budget(self) -> int | None:
+        """Tokens per packed forward-only microbatch: as many as `_FORWARD_LOGITS` logits hold,
+        never fewer than the training budget (none under PP: stages overlap microbatches)."""
+        if self.max_tokens is None or self.pp > 1:
+            return None
+        return max(self.max_tokens, _FORWARD_LOGITS // -(-self.spec.vocab_size // self.tp))
 
     def _set_mode(self, training: bool) -> None:
         """train()/eval() walk every submodule; skip the walk when the chunks are there."""
@@ -192,8 +214,12 @@ class Actor:
             if sweep is not None:
                 sweep.enter(model, mb)
             set_logits_from(model, mb.logits_from)
+            packed = mb.packed_seq_params() if hasattr(mb, "packed_seq_params") else None
             try:
-                out = model(mb.tokens, mb.position_ids, None)
+                if packed is None:  # (the padded path's call, as before)
+                    out = model(mb.tokens, mb.position_ids, None)
+                else:
+                    out = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
             finally:  # the window is this microbatch's only: score() and others see all logits
                 set_logits_from(model, 0)
             if sweep is not None:
@@ -204,6 +230,7 @@ class Actor:
 
     def _run(self, mbs, seq_len, micro_batch_size, forward_step, forward_only):
         iters = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
+        micro_batch_size = mbs[0].tokens.shape[0]  # (a packed microbatch is one flat row)
         return self._schedule(
             forward_step_func=forward_step,
             data_iterator=iters,
@@ -232,9 +259,11 @@ class Actor:
         forward (unchanged weights give ratios of exactly 1). `fit_logits=True` takes more rows
         per microbatch where they fit (`_fitted_micro_batch`): one forward instead of several on
         a small model, values equal to fp32 rounding (matmuls blocked over other row counts)."""
+        budget = None
         if fit_logits:
             micro_batch_size = self._fitted_micro_batch(batch, micro_batch_size)
-        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+            budget = self._fitted_budget()
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size, budget=budget)
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
         if self.routing is None or sweep is None:
@@ -262,7 +291,7 @@ class Actor:
         vocab = self.spec.vocab_size
 
         def loss(mb, logits):
-            lp, _ = next_token_logprobs(logits, mb.tokens, vocab)
+            lp, _ = token_logprobs(mb, logits, vocab)
             return torch.zeros((), device=lp.device), {"lp": lp, "mb": mb}
 
         step = self._step(sweep, loss)
@@ -324,7 +353,7 @@ class Actor:
         metrics.update(routing)
         norm = float(grad_norm) if grad_norm is not None else float("nan")
         metrics.update(grad_norm=norm, lr=self.optimizer.param_groups[0]["lr"])
-        metrics |= padding_stats(mbs, seq_len)
+        metrics |= padding_stats(mbs)
         return Update(finite=finite, applied=bool(ok), grad_norm=norm, loss=metrics["loss"],
                       stats=metrics)  # fmt: skip
 
@@ -349,7 +378,7 @@ class Actor:
         vocab = self.spec.vocab_size
 
         def loss(mb, logits):
-            lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
+            lp, ent = token_logprobs(mb, logits, vocab, with_entropy=True)
             if on_policy:
                 mb.old_logprobs = lp.detach()
                 own.append((mb, mb.old_logprobs))

@@ -45,11 +45,11 @@ def check_step(batch, loss_cfg: LossConfig, on_policy: bool, routing_mode) -> No
         raise ValueError(f"tis={loss_cfg.tis} needs the batch's rollout_logprobs")
 
 
-def padding_stats(mbs, seq_len: int) -> dict[str, float]:
+def padding_stats(mbs) -> dict[str, float]:
     """This replica's microbatches: the share of their token slots that are padding, and their
     real tokens per microbatch (for logging)."""
     real = sum(int(mb.lengths.sum()) for mb in mbs)
-    slots = len(mbs) * mbs[0].tokens.shape[0] * seq_len
+    slots = sum(mb.tokens.numel() for mb in mbs)  # (padded: b * seq_len each)
     return {
         "padding_fraction": 1.0 - real / max(slots, 1),
         "tokens_per_microbatch": real / len(mbs),
