@@ -25,7 +25,7 @@ Fixed costs per call are kept off the step (they dominate on a small model): the
 layout is read once, train()/eval() walk the modules only when the mode changes, world-size-1
 runs skip their object gathers, and torch's Adam takes its fused kernel on a CPU (one pass over
 memory per parameter instead of seven). `logprobs(..., fit_logits=True)` (the
-RL loop's choice) scores up to `_FORWARD_LOGITS` logits per microbatch without pipelining, never
+RL loop's choice) scores up to `_FORWARD_LOGITS` logits per microbatch (train/layout.py) without pipelining, never
 fewer rows than asked: a forward-only pass keeps no activations for a backward.
 """
 
@@ -44,13 +44,13 @@ from megatron_gspo.algo import (
 from megatron_gspo.algo.config import LossConfig
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
-from megatron_gspo.model.forward import on_device, padded_length
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
-from megatron_gspo.train.batch import StepBatch, loss_mask_tensor, microbatches
-from megatron_gspo.train.packing import check_packable, packed_layout, token_logprobs
+from megatron_gspo.train.batch import StepBatch, loss_mask_tensor
+from megatron_gspo.train.layout import MicrobatchLayout
+from megatron_gspo.train.packing import check_packable, packed, token_logprobs
 from megatron_gspo.train.results import Update
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
@@ -64,13 +64,8 @@ from megatron_gspo.train.step_parts import (
     padding_stats,
 )
 
-# Logits one forward-only microbatch may produce (1 GiB in fp32) when it takes more rows than a
-# training microbatch; a large-vocabulary model at a real sequence length stays at the training
-# size, a small one scores its whole share of the batch at once.
-_FORWARD_LOGITS = 1 << 28
 
-
-class Actor:
+class Actor(MicrobatchLayout):
     """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
 
     def __init__(
@@ -145,60 +140,6 @@ class Actor:
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    def _extent(self, batch: StepBatch) -> tuple[int, int]:
-        """(the most rows a replica holds, the longest row): of a shard, over every replica
-        (one all-reduce over the data-parallel group)."""
-        longest = int(batch.lengths.max()) if len(batch) else 1
-        if not batch.sharded:
-            return -(-len(batch) // self.dp), longest
-        if self.dp == 1:
-            return len(batch), longest
-        t = torch.tensor([len(batch), longest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
-        return int(t[0]), int(t[1])
-
-    def _layout(self, batch: StepBatch, micro_batch_size: int, window: bool = False,
-                budget: int | None = None):  # fmt: skip
-        """This replica's microbatches (on the device), the schedule's sequence length, dp:
-        packed under a token budget when the actor packs, else padded rows."""
-        if self.max_tokens is not None:
-            index = self._replica_rows(batch)
-            mbs = packed_layout(batch, index, budget or self.max_tokens, self.tp, self._dp_group)
-            seq_len = max(mb.tokens.shape[1] for mb in mbs)
-            return [on_device(mb, self.device) for mb in mbs], seq_len, self.dp
-        dp = self.dp
-        per_rank, longest = self._extent(batch)
-        seq_len = padded_length(longest, self.tp)
-        # Same number of microbatches on every replica (expert-parallel collectives span them).
-        mbs = microbatches(batch, self._replica_rows(batch), micro_batch_size, seq_len, window)
-        n_micro = max(1, -(-per_rank // micro_batch_size))
-        while len(mbs) < n_micro:
-            mbs += microbatches(batch, [], micro_batch_size, seq_len)
-        return [on_device(mb, self.device) for mb in mbs], seq_len, dp
-
-    def _replica_rows(self, batch: StepBatch) -> list[int]:
-        if batch.sharded:
-            return list(range(len(batch)))  # a shard: every row is this replica's
-        return list(range(self.dp_rank, len(batch), self.dp))
-
-    def _fitted_micro_batch(self, batch: StepBatch, micro_batch_size: int) -> int:
-        """Rows per forward-only microbatch: the replica's whole share if its logits fit in
-        `_FORWARD_LOGITS`, else as many as fit, never fewer than `micro_batch_size`. Pipeline
-        stages overlap microbatches, so under PP their number is kept. The same on every rank."""
-        if self.pp > 1:
-            return micro_batch_size
-        per_rank, longest = self._extent(batch)
-        seq_len = padded_length(longest, self.tp)
-        fits = _FORWARD_LOGITS // (seq_len * -(-self.spec.vocab_size // self.tp))
-        return max(micro_batch_size, min(per_rank, fits))
-
-    def _fitted_budget(self) -> int | None:
-        """Tokens per packed forward-only microbatch: as many as `_FORWARD_LOGITS` logits hold,
-        never fewer than the training budget (none under PP: stages overlap microbatches)."""
-        if self.max_tokens is None or self.pp > 1:
-            return None
-        return max(self.max_tokens, _FORWARD_LOGITS // -(-self.spec.vocab_size // self.tp))
-
     def _set_mode(self, training: bool) -> None:
         """train()/eval() walk every submodule; skip the walk when the chunks are there."""
         for c in self.chunks:
@@ -214,12 +155,10 @@ class Actor:
             if sweep is not None:
                 sweep.enter(model, mb)
             set_logits_from(model, mb.logits_from)
-            packed = mb.packed_seq_params() if hasattr(mb, "packed_seq_params") else None
+            # a packed microbatch: THD through megatron-core's PackedSeqParams
+            thd = {"packed_seq_params": mb.packed_seq_params()} if packed(mb) else {}
             try:
-                if packed is None:  # (the padded path's call, as before)
-                    out = model(mb.tokens, mb.position_ids, None)
-                else:
-                    out = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
+                out = model(mb.tokens, mb.position_ids, None, **thd)
             finally:  # the window is this microbatch's only: score() and others see all logits
                 set_logits_from(model, 0)
             if sweep is not None:

@@ -101,6 +101,11 @@ class PackedMicrobatch(TrainMicrobatch):
         return rows, np.where(real, positions - cu[np.minimum(seg, len(cu) - 1)], -1)
 
 
+def packed(mb) -> bool:
+    """Whether a microbatch is packed (THD)."""
+    return isinstance(mb, PackedMicrobatch)
+
+
 def packed_microbatches(
     batch: StepBatch, bins: list[list[int]], multiple: int
 ) -> list[PackedMicrobatch]:
@@ -128,15 +133,17 @@ def packed_microbatches(
     return out
 
 
-def packed_layout(batch: StepBatch, index: list[int], budget: int, tp: int, dp_group=None):
+def packed_layout(batch: StepBatch, index: list[int], budget: int, tp: int, dp_group=None,
+                  multiple: int = 1):  # fmt: skip
     """A replica's rows `index` of `batch` as packed microbatches of at most `budget` tokens,
-    as many on every data-parallel replica (collective over `dp_group` when it has peers)."""
+    as many on every data-parallel replica (collective over `dp_group` when it has peers), a
+    multiple of `multiple` (the interleaved schedule runs them in groups of pp)."""
     lens = batch.lengths[torch.as_tensor(index, dtype=torch.int64)].tolist() if index else []
     bins = plan_bins(lens, budget) if lens else [[]]
-    count = _most(len(bins), dp_group)
+    count = -(-_most(len(bins), dp_group) // multiple) * multiple
     while len(bins) < count:  # spread over as many as the replica with the most
         bins = plan_bins(lens, budget, at_least=count) if lens else [[]] * count
-        grown = _most(len(bins), dp_group)
+        grown = -(-_most(len(bins), dp_group) // multiple) * multiple
         if grown == count:
             break
         count = grown

@@ -103,6 +103,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--tis-cap", type=float, default=2.0)
     ap.add_argument("--on-policy", action="store_true", help="old log-probs as computed")
     ap.add_argument("--fit-logits", action="store_true", help="logprobs(fit_logits=True)")
+    ap.add_argument(
+        "--pack", type=int, default=None, help="packed: this many tokens per microbatch"
+    )
     ap.add_argument("--own-forward", action="store_true",
                     help="no logprobs pass: the first step is train_step(on_policy=True)")  # fmt: skip
     return ap.parse_args(argv)
@@ -112,6 +115,7 @@ def run(a: argparse.Namespace, dims: ParallelDims) -> None:
     actor = Actor(
         load_policy(a.checkpoint, dims),
         OptimConfig(lr=1e-3, distributed=not a.no_dist_opt),
+        max_tokens_per_microbatch=a.pack,
     )
     whole = fixed_batch()
     batch = this_ranks_shard(actor, whole)

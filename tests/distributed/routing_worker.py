@@ -62,25 +62,22 @@ class UsedExperts:
 
 def expert_mismatches(used: UsedExperts, batch: StepBatch, source: str, mbs, sp: bool) -> dict:
     """Per layer: (positions with a stored id, positions whose used experts differ from it).
-    Router token j of a microbatch is row j % b at sequence position offset + j // b, where the
-    offset is this TP rank's slice start under sequence parallelism."""
-    from megatron.core import parallel_state as mpu
+    Router token j of a microbatch is the (sample, position) routing.layout.token_map names:
+    padded [b, s], row j % b at this rank's position j // b; packed [1, t], its sequences'."""
+    from megatron_gspo.routing.layout import current_layout, token_map
 
-    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    layout = current_layout(sp)
     out = {}
     for layer, maps in used.maps.items():
         checked = wrong = 0
         for mb, used_NE in zip(mbs, maps):
-            b, s = mb.tokens.shape
-            s_loc = s // tp if sp else s
-            offset = rank * s_loc if sp else 0
+            rows, pos = token_map(mb, layout)
             for j in range(used_NE.shape[0]):
-                i = int(mb.index[j % b])
+                i, t = int(rows[j]), int(pos[j])
                 if i < 0:
                     continue
                 store = getattr(batch.routing[i], source)
                 col = batch.routing[i].layers.index(layer)
-                t = offset + j // b
                 if t >= store.shape[0]:
                     continue
                 want = set(store[t, col].tolist())
@@ -114,7 +111,8 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
     init_distributed(dims)
     opts = BuildOptions(routing_replay=True, recompute="full" if layout.get("recompute") else None)
     chunks = load_policy(checkpoint, dims, opts)
-    actor = Actor(chunks, OptimConfig(lr=layout.get("lr", 1e-3)), routing_replay=mode)
+    actor = Actor(chunks, OptimConfig(lr=layout.get("lr", 1e-3)), routing_replay=mode,
+                  max_tokens_per_microbatch=layout.get("pack"))  # fmt: skip
     mbs = layout["mbs"]
     batch = load_batch(batch_path)
     old, record_metrics = actor.logprobs(batch, mbs)

@@ -1,6 +1,7 @@
 """Routing replay (R2, R3) under TP1, TP2 (+SP), EP2, PP2, PP2xVPP2, TP2xEP2, with and without
 activation recompute (PP, where several forwards run before their backwards), on a model whose first layer is dense and a batch of samples of different
-lengths (gloo, 4 ranks, every layout in one launch).
+lengths (gloo, 4 ranks, every layout in one launch), padded and packed (THD microbatches under a
+token budget).
 
 R3's routed experts come from the built-in rollout server serving checkpoint A; the trainer loads
 B, A with its router weights perturbed, so its natural routing differs from the server's and
@@ -38,6 +39,9 @@ PLAN = [  # 4 ranks: every layout has data-parallel replicas too
     {"name": "pp2xvpp2-recompute", "tp": 1, "pp": 2, "ep": 1, "vpp": 2, "mbs": 1,
      "recompute": True},
 ]  # fmt: skip
+# The same layouts with sequences packed into microbatches of at most 24 tokens (THD; the
+# samples have 9-14): every check below holds packed as padded, against the padded tp1.
+PLAN += [dict(layout, name=f"{layout['name']}-packed", pack=24) for layout in PLAN]
 REF = "tp1"
 # Layouts that also run mode "none" (training routes naturally), for the drift split: one
 # process, sequence parallel (each TP rank routes part of the tokens), two pipeline stages (a
