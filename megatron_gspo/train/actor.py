@@ -50,7 +50,7 @@ from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import StepBatch, loss_mask_tensor
 from megatron_gspo.train.layout import MicrobatchLayout
-from megatron_gspo.train.packing import check_packable, packed, token_logprobs
+from megatron_gspo.train.packing import packed, packing_budget, token_logprobs
 from megatron_gspo.train.results import Update
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
@@ -115,23 +115,15 @@ class Actor(MicrobatchLayout):
         self.world = dist.get_world_size()
         self._schedule = get_forward_backward_func()
         # packed microbatches of at most this many tokens (train/packing.py); None: padded
-        self.max_tokens = max_tokens_per_microbatch
-        if self.max_tokens is not None:
-            check_packable(self.config, mpu.get_context_parallel_world_size())
+        self.max_tokens = packing_budget(max_tokens_per_microbatch, self.config)
         use_routing = self.spec.is_moe or routing_replay != ReplayMode.NONE
         self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
         self._dp_group = mpu.get_data_parallel_group()
         # what every rank trains on, for rank 0 to send each its shard (once: a few numbers)
-        self.needs = needs_table(
-            RankNeeds(
-                self.dp_rank,
-                self.dp,
-                self.routing.layers if self.routing else (),
-                self.spec.num_layers,
-                tuple(self.spec.moe_layer_ids),
-                self.spec.num_experts or 0,
-            )
-        )
+        layers = self.routing.layers if self.routing else ()
+        self.needs = needs_table(RankNeeds(self.dp_rank, self.dp, layers, self.spec.num_layers,
+                                           tuple(self.spec.moe_layer_ids),
+                                           self.spec.num_experts or 0))  # fmt: skip
 
     def shard(self, batch: StepBatch | None, parts: list[list[int]]) -> StepBatch:
         """Rank 0's whole batch (None on the other ranks) -> this rank's shard, its replica's

@@ -177,14 +177,20 @@ def token_logprobs(mb: TrainMicrobatch, logits: torch.Tensor, vocab: int,
     return lp, ent
 
 
-def check_packable(config, cp: int) -> None:
-    """Packing needs what megatron's THD path needs here: no context parallelism (its THD
-    split is not wired), and variable sequence lengths between pipeline stages (set here)."""
+def packing_budget(budget: int | None, config) -> int | None:
+    """The actor's token budget (None: padded), checked against what megatron's THD path needs
+    here: no context parallelism (its THD split is not wired), and variable sequence lengths
+    between pipeline stages (set here)."""
+    from megatron.core import parallel_state as mpu
+
     from megatron_gspo.errors import UserError
 
-    if cp > 1:
+    if budget is None:
+        return None
+    if mpu.get_context_parallel_world_size() > 1:
         raise UserError(
             "train.pack with context parallelism is not supported; set train.pack=false"
         )
     if config.pipeline_model_parallel_size > 1:
         config.variable_seq_lengths = True
+    return budget
