@@ -107,16 +107,20 @@ def packed(mb) -> bool:
 
 
 def packed_microbatches(
-    batch: StepBatch, bins: list[list[int]], multiple: int
+    batch: StepBatch, bins: list[list[int]], multiple: int, same_length: bool = False
 ) -> list[PackedMicrobatch]:
-    """One packed microbatch per bin (positions in `batch`); t padded to `multiple`."""
+    """One packed microbatch per bin (positions in `batch`); t padded to `multiple`, or with
+    `same_length` to the longest microbatch's t (the interleaved schedule's stages exchange
+    one activation shape)."""
     out = []
+    total = [int(batch.lengths[torch.as_tensor(b, dtype=torch.int64)].sum()) for b in bins]
+    floor = max(total) if same_length else 0
     for rows in bins:
         lens = batch.lengths[torch.as_tensor(rows, dtype=torch.int64)].tolist() if rows else []
         longest = max(lens, default=1)
         real = sum(lens)
         # (at least 2 tokens: an empty microbatch still has a next-token position, masked)
-        t = max(-(-real // multiple) * multiple, -(-2 // multiple) * multiple)
+        t = max(-(-max(real, floor) // multiple) * multiple, -(-2 // multiple) * multiple)
         (padded,) = microbatches(batch, rows, max(len(rows), 1), longest if rows else t)
         tokens = torch.zeros((1, t), dtype=torch.int64)
         if rows:
@@ -137,7 +141,8 @@ def packed_layout(batch: StepBatch, index: list[int], budget: int, tp: int, dp_g
                   multiple: int = 1):  # fmt: skip
     """A replica's rows `index` of `batch` as packed microbatches of at most `budget` tokens,
     as many on every data-parallel replica (collective over `dp_group` when it has peers), a
-    multiple of `multiple` (the interleaved schedule runs them in groups of pp)."""
+    multiple of `multiple` (the interleaved schedule runs them in groups of pp; it also gets
+    them at one length: its stages exchange activations of one shape)."""
     lens = batch.lengths[torch.as_tensor(index, dtype=torch.int64)].tolist() if index else []
     bins = plan_bins(lens, budget) if lens else [[]]
     count = -(-_most(len(bins), dp_group) // multiple) * multiple
@@ -149,7 +154,8 @@ def packed_layout(batch: StepBatch, index: list[int], budget: int, tp: int, dp_g
         count = grown
     while len(bins) < count:  # (fewer rows than microbatches: empty ones)
         bins.append([])
-    return packed_microbatches(batch, [[index[p] for p in b] for b in bins], tp)
+    rows = [[index[p] for p in b] for b in bins]
+    return packed_microbatches(batch, rows, tp, same_length=multiple > 1)
 
 
 def _most(n: int, group) -> int:
@@ -191,6 +197,6 @@ def packing_budget(budget: int | None, config) -> int | None:
         raise UserError(
             "train.pack with context parallelism is not supported; set train.pack=false"
         )
-    if config.pipeline_model_parallel_size > 1:
-        config.variable_seq_lengths = True
+    if config.pipeline_model_parallel_size > 1 and not config.virtual_pipeline_model_parallel_size:
+        config.variable_seq_lengths = True  # (1F1B; the interleaved one gets equal lengths)
     return budget
