@@ -146,8 +146,9 @@ def packed_layout(batch: StepBatch, index: list[int], budget: int, tp: int, dp_g
     lens = batch.lengths[torch.as_tensor(index, dtype=torch.int64)].tolist() if index else []
     bins = plan_bins(lens, budget) if lens else [[]]
     count = -(-_most(len(bins), dp_group) // multiple) * multiple
-    while len(bins) < count:  # spread over as many as the replica with the most
-        bins = plan_bins(lens, budget, at_least=count) if lens else [[]] * count
+    while True:  # (every rank takes the same turns: `count` is the same on all of them)
+        if len(bins) < count:  # spread over as many as the replica with the most
+            bins = plan_bins(lens, budget, at_least=count) if lens else [[]] * count
         grown = -(-_most(len(bins), dp_group) // multiple) * multiple
         if grown == count:
             break
