@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 PROMPTS, GROUP, TOKENS = 64, 8, 8192
@@ -42,7 +44,7 @@ WORLD = 4
 def make_batch(scale: int, seed: int = 0):
     import numpy as np
 
-    from megatron_gspo.train.batch import RLBatch
+    from megatron_gspo.train.batch import StepBatch
 
     rng = np.random.default_rng(seed)
     n = PROMPTS * GROUP
@@ -56,7 +58,7 @@ def make_batch(scale: int, seed: int = 0):
         lps.append([None] * prompt + (-rng.random(length - prompt)).tolist())
         experts.append(rng.integers(0, EXPERTS, (length - 1, LAYERS, TOPK), dtype=np.int32))
         adv.append(float(rng.standard_normal()))
-    return RLBatch(tokens, masks, adv, rollout_logprobs=lps, rollout_experts=experts)
+    return StepBatch.from_rows(tokens, masks, adv, rollout_logprobs=lps, rollout_experts=experts)
 
 
 def table(dp: int, pp: int):
@@ -75,8 +77,8 @@ def table(dp: int, pp: int):
 def needed_bytes(batch, rows: list[int], layers: int) -> int:
     """What a rank must receive: its rows' token ids (4 B), loss mask (1 B) and rollout log-probs
     (4 B) per token, one advantage per row, and its layers' routing ids at one byte each."""
-    tokens = sum(len(batch.tokens[i]) for i in rows)
-    routing = sum((len(batch.tokens[i]) - 1) * layers * TOPK for i in rows)
+    tokens = int(batch.lengths[rows].sum())
+    routing = (tokens - len(rows)) * layers * TOPK
     return tokens * 9 + 4 * len(rows) + routing
 
 
@@ -127,9 +129,8 @@ class _LengthsOnly:
     """A shard's lengths placed at their rows of the whole batch (for bytes_needed)."""
 
     def __init__(self, shard, n):
-        self.tokens = [()] * n
-        for j, i in enumerate(shard.index):
-            self.tokens[i] = shard.tokens[j]
+        self.lengths = torch.zeros(n, dtype=torch.int64)
+        self.lengths[shard.index] = shard.lengths
 
 
 def launch(method: str, layout: str, scale: int, tmp: Path) -> list[dict]:

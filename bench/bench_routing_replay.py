@@ -53,19 +53,19 @@ from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import StepBatch
 
 VARIANTS = ("plain", "none", "r2", "r3")
 LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
 
 
-def make_batch(n: int, seq: int, vocab: int, seed: int = 0) -> RLBatch:
+def make_batch(n: int, seq: int, vocab: int, seed: int = 0) -> StepBatch:
     """n samples of lengths between seq/2 and seq, prompts of 16 tokens."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(seq // 2, seq + 1, (n,), generator=g).tolist()
     tokens = [torch.randint(0, vocab, (t,), generator=g).tolist() for t in lengths]
     masks = [[0] * 16 + [1] * (t - 16) for t in lengths]
-    return RLBatch(tokens, masks, torch.randn(n, generator=g).tolist())
+    return StepBatch.from_rows(tokens, masks, torch.randn(n, generator=g).tolist())
 
 
 def rollout_payload(recorded, spec, moved: float, seed: int = 0) -> list[np.ndarray]:
@@ -110,7 +110,8 @@ class Variants:
 
 
 def record(actor, batch, mbs: int, out: dict | None = None) -> None:
-    batch.old_logprobs, metrics = actor.logprobs(batch, mbs)
+    old, metrics = actor.logprobs(batch, mbs)
+    batch.set("old_logprobs", old)
     if out is not None:
         out.update(metrics)
 
@@ -312,7 +313,7 @@ def fmt(q: tuple[float, float, float]) -> str:
 def report(a, metrics, batches, cpu, wall, spec, shares, spent, missed) -> None:
     med = {k: statistics.median(v) for k, v in cpu.items()}
     medw = {k: statistics.median(v) for k, v in wall.items()}
-    n_tok = sum(len(t) for t in batches["r2"].tokens)
+    n_tok = batches["r2"].num_tokens
     print(
         f"model: hidden {a.hidden}, {spec.num_layers} layers ({len(spec.moe_layer_ids)} MoE), "
         f"{spec.num_experts} experts top-{spec.topk}; batch {a.batch} x <= {a.seq} tokens "

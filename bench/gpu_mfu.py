@@ -169,20 +169,20 @@ def static_memory(actor) -> dict:
 
 
 def random_batch(rows: int, seq: int, vocab: int, seed: int):
-    from megatron_gspo.train.batch import RLBatch
+    from megatron_gspo.train.batch import StepBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, seq), generator=g).tolist()
     advantages = torch.randn(rows, generator=g).tolist()
-    return RLBatch(tokens, [[0] + [1] * (seq - 1) for _ in range(rows)], advantages)
+    return StepBatch.from_rows(tokens, [[0] + [1] * (seq - 1) for _ in range(rows)], advantages)
 
 
 def one_step(actor, batch, mbs: int) -> tuple[float, float]:
     """One product train step; returns (loss, grad norm)."""
     from megatron_gspo.train.actor import LossConfig
 
-    metrics = actor.train_step(batch, LossConfig(kind="gspo"), mbs, on_policy=True)
-    return metrics["loss"], metrics["grad_norm"]
+    step = actor.train_step(batch, LossConfig(kind="gspo"), mbs, on_policy=True)
+    return step.loss, step.grad_norm
 
 
 def forward_only(actor, batch, mbs: int) -> None:

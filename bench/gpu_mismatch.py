@@ -65,12 +65,12 @@ def trainer_side(model: Path, seqs: list[list[int]], dtype: torch.dtype, mbs: in
     from megatron_gspo.model.parallel import ParallelDims
     from megatron_gspo.model.policy import load_policy
     from megatron_gspo.train.actor import Actor, OptimConfig
-    from megatron_gspo.train.batch import RLBatch
+    from megatron_gspo.train.batch import StepBatch
 
     chunks = load_policy(model, ParallelDims(), BuildOptions(params_dtype=dtype))
     actor = Actor(chunks, OptimConfig(lr=0.0))
-    batch = RLBatch(seqs, [[0] + [1] * (len(s) - 1) for s in seqs], [0.0] * len(seqs))
-    rows, _ = actor.logprobs(batch, mbs)
+    batch = StepBatch.from_rows(seqs, [[0] + [1] * (len(s) - 1) for s in seqs], [0.0] * len(seqs))
+    rows = batch.to_rows(actor.logprobs(batch, mbs)[0])
     logprobs = [np.array(r[1:], dtype=np.float64) for r in rows]
     routing = [s.recorded for s in batch.routing]
     layers = batch.routing[0].layers

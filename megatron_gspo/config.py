@@ -97,8 +97,13 @@ class TrainSection:
     keep_checkpoints: int = 2
     # a non-finite loss or grad norm skips the step's update; this many steps in a row end the run
     max_nonfinite_steps: int = 3
+    # pack whole sequences into microbatches of at most this many tokens (THD, no padding between
+    # them; train/packing.py); false: rows of micro_batch_size, padded to the step's longest
+    pack: bool = True
+    max_tokens_per_microbatch: int = 8192  # (a longer sequence gets a microbatch of its own)
 
     def check(self) -> None:
+        _positive(self.max_tokens_per_microbatch, "train.max_tokens_per_microbatch")
         names = ("steps", "micro_batch_size", "eval_prompts", "keep_checkpoints")
         for name in (*names, "max_nonfinite_steps"):
             _positive(getattr(self, name), f"train.{name}")

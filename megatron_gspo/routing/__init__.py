@@ -4,7 +4,8 @@ The RL loop uses it through the actor:
 
     actor = Actor(chunks, optim, routing_replay="r3")   # "none" | "r2" | "r3"
     batch.rollout_experts = [s.routed_experts for s in samples]   # R3 only
-    batch.old_logprobs, metrics = actor.logprobs(batch, mbs)     # records batch.routing;
+    old, metrics = actor.logprobs(batch, mbs)     # records batch.routing;
+    batch.set("old_logprobs", old)
     # metrics: routing/bytes_per_token, routing/rollout_train_agreement[/layer_i]
     actor.train_step(batch.rows(idx), loss_cfg, mbs)    # replays; routing/changed_fraction[/layer_i]
 

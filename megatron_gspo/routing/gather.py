@@ -9,8 +9,8 @@ with the RL loop's shard (train/shard.py) a replica keeps its own rows for every
 its tensor x context parallel peers, which hold other positions of the same rows, gather. The
 layers of other stages never reach them. Equal shapes on every member: a plain all_gather.
 
-Legend: M microbatches, L MoE layers of this stage, N router tokens per microbatch, b rows,
-k top-k, n tokens of a sample.
+Legend: M microbatches, L MoE layers of this stage, N router tokens per microbatch (the most
+of any), k top-k, n tokens of a sample.
 """
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from megatron_gspo.routing.layout import TokenLayout
+import torch.nn.functional as F
 
 
 def gather_stage(
     captured_MLNk: torch.Tensor,
-    rows_Mb: torch.Tensor,
-    layout: TokenLayout,
-    seq_len: int,
+    maps_M2N: torch.Tensor,
     lengths: list[int],
     within_replica: bool = False,
 ) -> dict[int, np.ndarray]:
     """{sample: [n, L, k]} for every sample any rank of this stage captured (`within_replica`:
-    of this data-parallel replica)."""
+    of this data-parallel replica). `maps_M2N`: each router token's (sample row, position),
+    -1 where none (layout.token_map)."""
     from megatron.core import parallel_state as mpu
 
     if within_replica:
@@ -39,19 +37,17 @@ def gather_stage(
     else:
         group = mpu.get_tensor_and_data_parallel_group(with_context_parallel=True)
     size = dist.get_world_size(group)
-    header = torch.tensor([layout.tp_rank, layout.cp_rank], device=captured_MLNk.device)
-    rows_Mb = rows_Mb.to(captured_MLNk.device)
-    parts = [_all_gather(t, group, size) for t in (captured_MLNk, rows_Mb, header)]
+    maps_M2N = maps_M2N.to(captured_MLNk.device)
+    if size > 1:  # packed microbatches: members may hold more or fewer tokens; pad to the most
+        n = torch.tensor([captured_MLNk.shape[2]], device=captured_MLNk.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        grow = int(n) - captured_MLNk.shape[2]
+        captured_MLNk = F.pad(captured_MLNk, (0, 0, 0, grow))
+        maps_M2N = F.pad(maps_M2N, (0, grow), value=-1)
+    parts = [_all_gather(t, group, size) for t in (captured_MLNk, maps_M2N)]
     out: dict[int, np.ndarray] = {}
-    for data, rows, head in zip(*parts):
-        member = TokenLayout(
-            tp_rank=int(head[0]),
-            tp=layout.tp,
-            sequence_parallel=layout.sequence_parallel,
-            cp_rank=int(head[1]),
-            cp=layout.cp,
-        )
-        _scatter(out, data.cpu().numpy(), rows.cpu().numpy(), member.positions(seq_len), lengths)
+    for data, maps in zip(*parts):
+        _scatter(out, data.cpu().numpy(), maps.cpu().numpy(), lengths)
     return out
 
 
@@ -63,17 +59,14 @@ def _all_gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return parts
 
 
-def _scatter(out: dict, data_MLNk, rows_Mb, positions, lengths) -> None:
-    m_count, n_layers, _, k = data_MLNk.shape
-    b = rows_Mb.shape[1]
-    grid = data_MLNk.reshape(m_count, n_layers, len(positions), b, k)
-    for m in range(m_count):
-        for r, i in enumerate(rows_Mb[m].tolist()):
-            if i < 0:
-                continue
+def _scatter(out: dict, data_MLNk, maps_M2N, lengths) -> None:
+    _, n_layers, _, k = data_MLNk.shape
+    for m in range(data_MLNk.shape[0]):
+        rows, pos = maps_M2N[m]
+        for i in np.unique(rows[rows >= 0]).tolist():
             n = lengths[i]
             arr = out.get(i)
             if arr is None:
                 arr = out[i] = np.zeros((n, n_layers, k), dtype=data_MLNk.dtype)
-            sel = positions < n
-            arr[positions[sel]] = grid[m, :, :, r][:, sel].transpose(1, 0, 2)
+            sel = (rows == i) & (pos < n)
+            arr[pos[sel]] = data_MLNk[m][:, sel].transpose(1, 0, 2)

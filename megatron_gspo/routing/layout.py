@@ -43,6 +43,21 @@ class TokenLayout:
         return self.sequence_parallel or self.tp == 1 or self.tp_rank == 0
 
 
+def token_map(mb, layout: TokenLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(sample row, position) of each of this rank's router tokens of microbatch `mb`, in
+    router order (-1, -1: padding or an empty row). A padded microbatch [b, s]: token j is
+    position positions[j // b] of row j % b. A packed one [1, t] (train/packing.py) maps its
+    packed positions to its sequences' (its `token_map`)."""
+    b, s = mb.tokens.shape
+    positions = layout.positions(s)
+    if hasattr(mb, "token_map"):
+        return mb.token_map(positions)
+    index = mb.index.cpu().numpy().astype(np.int64)
+    rows = np.tile(index, len(positions))
+    pos = np.repeat(positions, b)
+    return rows, np.where(rows >= 0, pos, -1)
+
+
 def current_layout(sequence_parallel: bool) -> TokenLayout:
     """This rank's layout from megatron's parallel state."""
     from megatron.core import parallel_state as mpu

@@ -103,7 +103,7 @@ class RoutingReplay:
 
     def finish_record(self, sweep: Sweep, batch) -> dict[str, float]:
         """Store the captured routing in batch.routing; the sweep's metrics."""
-        lengths = [len(t) for t in batch.tokens]
+        lengths = batch.lengths.tolist()
         captured = sweep.captured(lengths)
         differs = sweep.moved_positions(lengths)  # r3: natural vs rollout, whole model
         for i, s in enumerate(sweep.samples):
@@ -151,7 +151,7 @@ class RoutingReplay:
             )
         spec = self.spec
         return align_rollout_experts(
-            experts[i], len(batch.tokens[i]), spec.num_layers, spec.moe_layer_ids,
+            experts[i], int(batch.lengths[i]), spec.num_layers, spec.moe_layer_ids,
             self.layers, self.topk, self.num_experts, sample=batch.global_index()[i],
             given_layers=batch.expert_layers,
         )  # fmt: skip

@@ -90,21 +90,22 @@ class SampleRouting:
 
 
 def microbatch_targets(
-    rows: list[np.ndarray | None],
+    arrays: dict[int, np.ndarray | None],
+    rows_N: np.ndarray,
+    pos_N: np.ndarray,
     cols: list[int],
-    positions: np.ndarray,
     topk: int,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """int64 [L, N, k]: `cols` (columns of the per-sample [n, L_stage, k] arrays) of microbatch
-    `rows` (None: an empty row) at this rank's sequence `positions`, in router token order; -1
-    where there is no id (padding, a sample's last token under R3): those positions route
-    naturally (taps.py), so they match an unreplayed forward of the same microbatch."""
-    b, s_loc, n_cols = len(rows), len(positions), len(cols)
-    ids = np.full((n_cols, s_loc, b, topk), -1, dtype=np.int64)
-    for r, arr in enumerate(rows):
+    """int64 [L, N, k]: `cols` (columns of the per-sample [n, L_stage, k] arrays) at each router
+    token's (sample row `rows_N`, position `pos_N`) (layout.token_map); -1 where there is no id
+    (padding, row -1, a sample's last token under R3): those positions route naturally
+    (taps.py), so they match an unreplayed forward of the same microbatch."""
+    ids = np.full((len(cols), len(rows_N), topk), -1, dtype=np.int64)
+    for i in np.unique(rows_N[rows_N >= 0]).tolist():
+        arr = arrays.get(i)
         if arr is None:
             continue
-        sel = positions < arr.shape[0]
-        ids[:, sel, r] = arr[positions[sel]][:, cols].transpose(1, 0, 2)
-    return torch.from_numpy(ids.reshape(n_cols, s_loc * b, topk)).to(device)
+        sel = (rows_N == i) & (pos_N < arr.shape[0])
+        ids[:, sel] = arr[pos_N[sel]][:, cols].transpose(1, 0, 2)
+    return torch.from_numpy(ids).to(device)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.routing.gather import gather_stage
+from megatron_gspo.routing.layout import token_map
 from megatron_gspo.routing.storage import SampleRouting, microbatch_targets
 
 
@@ -33,12 +34,15 @@ class Sweep:
         self.within_replica = within_replica  # a shard: this replica's rows only
         self.samples: list[SampleRouting | None] = samples
         self.replay, self.compare, self.capture = replay, compare, capture
-        self.seq_len = seq_len
-        self.positions = owner.layout.positions(seq_len)
         self.order = {id(mb): m for m, mb in enumerate(mbs)}
-        self.rows_Mb = torch.stack([mb.index for mb in mbs])
+        # per microbatch: (sample row, position) of each router token of this rank
+        self.maps = [token_map(mb, owner.layout) for mb in mbs]
         self.buffer = None
-        n_tok = len(self.positions) * mbs[0].tokens.shape[0]  # router tokens per microbatch
+        n_tok = max(len(rows) for rows, _ in self.maps)  # router tokens per microbatch (most)
+        self.maps_M2N = torch.full((len(mbs), 2, n_tok), -1, dtype=torch.int64)
+        for m, (rows, pos) in enumerate(self.maps):
+            self.maps_M2N[m, 0, : len(rows)] = torch.from_numpy(rows)
+            self.maps_M2N[m, 1, : len(rows)] = torch.from_numpy(pos)
         if capture:
             shape = (len(mbs), len(owner.layers), n_tok, owner.topk)
             self.buffer = torch.zeros(shape, dtype=owner.torch_dtype, device=owner.device)
@@ -76,12 +80,14 @@ class Sweep:
             m = self.order[id(mb)]
             for tap in taps:
                 if tap.differs is not None:
-                    self.moved[m, 0, :, 0] |= tap.differs.to(self.moved.dtype)
+                    n = tap.differs.shape[0]
+                    self.moved[m, 0, :n, 0] |= tap.differs.to(self.moved.dtype)
                     tap.differs = None
         if self.capture:
             m = self.order[id(mb)]
             for tap in taps:
-                self.buffer[m, self.owner.column[tap.layer]] = tap.natural.to(self.buffer.dtype)
+                n = tap.natural.shape[0]
+                self.buffer[m, self.owner.column[tap.layer], :n] = tap.natural.to(self.buffer.dtype)
                 tap.natural = None
         if taps and self.owner.recompute and torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(partial(_to_recompute, taps))
@@ -90,9 +96,10 @@ class Sweep:
     def _targets(self, mb, kind, cols):
         if kind is None:
             return None
-        rows = [None if i < 0 else getattr(self.samples[i], kind) for i in mb.index.tolist()]
+        rows, pos = self.maps[self.order[id(mb)]]
+        arrays = {i: getattr(self.samples[i], kind) for i in set(rows.tolist()) if i >= 0}
         o = self.owner
-        return microbatch_targets(rows, cols, self.positions, o.topk, o.device)
+        return microbatch_targets(arrays, rows, pos, cols, o.topk, o.device)
 
     # ---- after the schedule -------------------------------------------------------------
 
@@ -101,8 +108,7 @@ class Sweep:
 
     def captured(self, lengths: list[int]) -> dict[int, np.ndarray]:
         """{sample: [n, L, k]} natural routing of every sample (collective over the stage)."""
-        return gather_stage(self.buffer, self.rows_Mb, self.owner.layout, self.seq_len, lengths,
-                            self.within_replica)  # fmt: skip
+        return gather_stage(self.buffer, self.maps_M2N, lengths, self.within_replica)
 
     def moved_positions(self, lengths: list[int]) -> list[np.ndarray] | None:
         """Per sample, [n] bool: position p's top-k set differs from the reference in at least
@@ -110,8 +116,7 @@ class Sweep:
         whose stages hold the other layers). None without a reference."""
         if self.moved is None:
             return None
-        mine = gather_stage(self.moved, self.rows_Mb, self.owner.layout, self.seq_len, lengths,
-                            self.within_replica)  # fmt: skip
+        mine = gather_stage(self.moved, self.maps_M2N, lengths, self.within_replica)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         flat = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=self.owner.device)
         for i, arr in mine.items():

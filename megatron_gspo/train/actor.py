@@ -25,7 +25,7 @@ Fixed costs per call are kept off the step (they dominate on a small model): the
 layout is read once, train()/eval() walk the modules only when the mode changes, world-size-1
 runs skip their object gathers, and torch's Adam takes its fused kernel on a CPU (one pass over
 memory per parameter instead of seven). `logprobs(..., fit_logits=True)` (the
-RL loop's choice) scores up to `_FORWARD_LOGITS` logits per microbatch without pipelining, never
+RL loop's choice) scores up to `_FORWARD_LOGITS` logits per microbatch (train/layout.py) without pipelining, never
 fewer rows than asked: a forward-only pass keeps no activations for a backward.
 """
 
@@ -38,33 +38,32 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algo import loss_denominator, policy_loss
-from megatron_gspo.algo.config import LossConfig, Mismatch
+from megatron_gspo.algo.config import LossConfig
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
-from megatron_gspo.model.forward import next_token_logprobs, on_device, padded_length, token_rows
 from megatron_gspo.model.lm_head import lm_head_of
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
-from megatron_gspo.train.batch import RLBatch, loss_mask_tensor, microbatches
+from megatron_gspo.train.batch import StepBatch, loss_mask_tensor
+from megatron_gspo.train.layout import MicrobatchLayout
+from megatron_gspo.train.packing import packed, packing_budget, token_logprobs
+from megatron_gspo.train.results import Update
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
-    _gather_rows,
     _moved_split,
     _optimizer_step,
     _reduce_stats,
     _tis_weights,
+    check_step,
+    flat_logprobs,
     fused_adam,
+    padding_stats,
 )
 
-# Logits one forward-only microbatch may produce (1 GiB in fp32) when it takes more rows than a
-# training microbatch; a large-vocabulary model at a real sequence length stays at the training
-# size, a small one scores its whole share of the batch at once.
-_FORWARD_LOGITS = 1 << 28
 
-
-class Actor:
+class Actor(MicrobatchLayout):
     """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
 
     def __init__(
@@ -72,6 +71,7 @@ class Actor:
         chunks,
         optim: OptimConfig | None = None,
         routing_replay: ReplayMode | str = ReplayMode.NONE,
+        max_tokens_per_microbatch: int | None = None,
     ):
         optim = optim or OptimConfig()
         from megatron.core import parallel_state as mpu
@@ -112,65 +112,23 @@ class Actor:
         self.pp = mpu.get_pipeline_model_parallel_world_size()
         self.world = dist.get_world_size()
         self._schedule = get_forward_backward_func()
+        # packed microbatches of at most this many tokens (train/packing.py); None: padded
+        self.max_tokens = packing_budget(max_tokens_per_microbatch, self.config)
         use_routing = self.spec.is_moe or routing_replay != ReplayMode.NONE
         self.routing = RoutingReplay(self.chunks, routing_replay) if use_routing else None
         self._dp_group = mpu.get_data_parallel_group()
         # what every rank trains on, for rank 0 to send each its shard (once: a few numbers)
-        self.needs = needs_table(
-            RankNeeds(
-                self.dp_rank,
-                self.dp,
-                self.routing.layers if self.routing else (),
-                self.spec.num_layers,
-                tuple(self.spec.moe_layer_ids),
-                self.spec.num_experts or 0,
-            )
-        )
+        layers = self.routing.layers if self.routing else ()
+        self.needs = needs_table(RankNeeds(self.dp_rank, self.dp, layers, self.spec.num_layers,
+                                           tuple(self.spec.moe_layer_ids),
+                                           self.spec.num_experts or 0))  # fmt: skip
 
-    def shard(self, batch: RLBatch | None, parts: list[list[int]]) -> RLBatch:
+    def shard(self, batch: StepBatch | None, parts: list[list[int]]) -> StepBatch:
         """Rank 0's whole batch (None on the other ranks) -> this rank's shard, its replica's
         rows of the step's minibatch split `parts` (collective; one process: the batch)."""
         return distribute(batch, parts, self.needs, device=self.device)
 
     # ---- helpers -----------------------------------------------------------------------------
-
-    def _extent(self, batch: RLBatch) -> tuple[int, int]:
-        """(the most rows a replica holds, the longest row): of a shard, over every replica
-        (one all-reduce over the data-parallel group)."""
-        longest = max((len(t) for t in batch.tokens), default=1)
-        if not batch.sharded:
-            return -(-len(batch) // self.dp), longest
-        if self.dp == 1:
-            return len(batch), longest
-        t = torch.tensor([len(batch), longest], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
-        return int(t[0]), int(t[1])
-
-    def _layout(self, batch: RLBatch, micro_batch_size: int, window: bool = False):
-        dp = self.dp
-        per_rank, longest = self._extent(batch)
-        seq_len = padded_length(longest, self.tp)
-        # Same number of microbatches on every replica (expert-parallel collectives span them).
-        if batch.sharded:
-            index = list(range(len(batch)))  # a shard: every row is this replica's
-        else:
-            index = list(range(self.dp_rank, len(batch), dp))
-        mbs = microbatches(batch, index, micro_batch_size, seq_len, window)
-        n_micro = max(1, -(-per_rank // micro_batch_size))
-        while len(mbs) < n_micro:
-            mbs += microbatches(batch, [], micro_batch_size, seq_len)
-        return [on_device(mb, self.device) for mb in mbs], seq_len, dp
-
-    def _fitted_micro_batch(self, batch: RLBatch, micro_batch_size: int) -> int:
-        """Rows per forward-only microbatch: the replica's whole share if its logits fit in
-        `_FORWARD_LOGITS`, else as many as fit, never fewer than `micro_batch_size`. Pipeline
-        stages overlap microbatches, so under PP their number is kept. The same on every rank."""
-        if self.pp > 1:
-            return micro_batch_size
-        per_rank, longest = self._extent(batch)
-        seq_len = padded_length(longest, self.tp)
-        fits = _FORWARD_LOGITS // (seq_len * -(-self.spec.vocab_size // self.tp))
-        return max(micro_batch_size, min(per_rank, fits))
 
     def _set_mode(self, training: bool) -> None:
         """train()/eval() walk every submodule; skip the walk when the chunks are there."""
@@ -187,8 +145,10 @@ class Actor:
             if sweep is not None:
                 sweep.enter(model, mb)
             set_logits_from(model, mb.logits_from)
+            # a packed microbatch: THD through megatron-core's PackedSeqParams
+            thd = {"packed_seq_params": mb.packed_seq_params()} if packed(mb) else {}
             try:
-                out = model(mb.tokens, mb.position_ids, None)
+                out = model(mb.tokens, mb.position_ids, None, **thd)
             finally:  # the window is this microbatch's only: score() and others see all logits
                 set_logits_from(model, 0)
             if sweep is not None:
@@ -199,6 +159,7 @@ class Actor:
 
     def _run(self, mbs, seq_len, micro_batch_size, forward_step, forward_only):
         iters = iter(mbs) if len(self.chunks) == 1 else [iter(mbs) for _ in self.chunks]
+        micro_batch_size = mbs[0].tokens.shape[0]  # (a packed microbatch is one flat row)
         return self._schedule(
             forward_step_func=forward_step,
             data_iterator=iters,
@@ -213,10 +174,12 @@ class Actor:
 
     @torch.no_grad()
     def logprobs(
-        self, batch: RLBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
-    ) -> tuple[list[list[float | None]], dict[str, float]]:
-        """Token-aligned log-probs of every sample under the current weights (entry 0 None),
-        and the forward's routing metrics ({} on a dense model).
+        self, batch: StepBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token-aligned log-probs of every sample under the current weights, flat over the
+        batch's tokens ([T] float32, as its "old_logprobs" field; NaN where there is none: each
+        row's entry 0, the prompt before the logits window, a shard's rows on a stage before the
+        last), and the forward's routing metrics ({} on a dense model).
 
         On an MoE model it also records every sample's natural routing into batch.routing (r3:
         while replaying batch.rollout_experts, whose agreement it measures).
@@ -225,9 +188,11 @@ class Actor:
         forward (unchanged weights give ratios of exactly 1). `fit_logits=True` takes more rows
         per microbatch where they fit (`_fitted_micro_batch`): one forward instead of several on
         a small model, values equal to fp32 rounding (matmuls blocked over other row counts)."""
+        budget = None
         if fit_logits:
             micro_batch_size = self._fitted_micro_batch(batch, micro_batch_size)
-        mbs, seq_len, _ = self._layout(batch, micro_batch_size)
+            budget = self._fitted_budget()
+        mbs, seq_len, _ = self._layout(batch, micro_batch_size, budget=budget)
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
         if self.routing is None or sweep is None:
@@ -236,9 +201,9 @@ class Actor:
 
     @torch.no_grad()
     def replayed_logprobs(
-        self, batch: RLBatch, micro_batch_size: int = 8
-    ) -> tuple[list, dict[str, float]]:
-        """Log-probs under the current weights with the batch's routing replayed as `train_step`
+        self, batch: StepBatch, micro_batch_size: int = 8
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Log-probs ([T], as `logprobs`) under the current weights with the batch's routing replayed as `train_step`
         would (r2: recorded, r3: rollout; "none": recorded too), and this forward's
         routing/changed_fraction. batch.routing is unchanged."""
         if self.routing is None:
@@ -249,41 +214,41 @@ class Actor:
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
         return rows, self.routing.finish_train(sweep)
 
-    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, batch: RLBatch) -> list:
-        """Every row's log-probs (a shard's: here, on the last stage; None elsewhere)."""
+    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, batch: StepBatch):
+        """Every row's log-probs [T] (a shard's: here, on the last stage; NaN elsewhere)."""
         self._set_mode(False)
         vocab = self.spec.vocab_size
 
-        def loss(mb, head, logits):
-            lp, _ = next_token_logprobs(logits, mb.tokens, vocab, head=head)
+        def loss(mb, head, logits):  # logits: hidden states under the chunked head
+            lp, _ = token_logprobs(mb, logits, vocab, head=head)
             return torch.zeros((), device=lp.device), {"lp": lp, "mb": mb}
 
         step = self._step(sweep, loss)
         outputs = self._run(mbs, seq_len, micro_batch_size, step, forward_only=True)
-        mine = [r for out in outputs for r in token_rows(out["mb"], out["lp"])]
-        return _gather_rows(mine, len(batch), self.world, local=batch.sharded)
+        pieces = [(out["mb"], out["lp"]) for out in outputs]
+        return flat_logprobs(pieces, batch, self.world, self.device)
 
     # ---- one optimizer step ------------------------------------------------------------------
 
     def train_step(
         self,
-        batch: RLBatch,
+        batch: StepBatch,
         loss_cfg: LossConfig,
         micro_batch_size: int = 8,
         *,
         on_policy: bool = False,
-    ) -> dict:
-        """Forward/backward over all microbatches, then one optimizer step. Returns metrics.
+    ) -> Update:
+        """Forward/backward over all microbatches, then one optimizer step: what it did.
 
         `on_policy=True`: the weights are the ones the batch's old log-probs would be computed
         with (the first update of a rollout batch), so this forward's own log-probs, detached,
         are the old ones (ratios exactly 1) and no separate old-log-prob forward is needed. The
         routing is the natural one (which is what R2 would record and replay); R3 needs the
-        rollout's routing aligned by `logprobs` and is refused. batch.old_logprobs is then set
-        from this forward."""
-        self._check_step(batch, loss_cfg, on_policy)
+        rollout's routing aligned by `logprobs` and is refused. The batch's "old_logprobs" is
+        then set from this forward."""
+        check_step(batch, loss_cfg, on_policy, self.routing.mode if self.routing else None)
         if on_policy:
-            batch.old_logprobs = None  # set from this forward below
+            batch.fields.pop("old_logprobs", None)  # set from this forward below
         self._set_mode(True)
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -304,35 +269,24 @@ class Actor:
         if self.routing:
             assert sweep is not None  # made above with routing
             if split is not None:
-                moved = sweep.moved_positions([len(t) for t in batch.tokens])
+                moved = sweep.moved_positions(batch.lengths.tolist())
                 assert moved is not None  # split is made only when the sweep tracks moves
                 outputs = [*outputs, *_moved_split(split, moved)]
             routing = self.routing.finish_train(sweep)
         if on_policy:
-            mine = [r for mb, lp in own for r in token_rows(mb, lp)]
-            batch.old_logprobs = _gather_rows(mine, len(batch), self.world, batch.sharded)
+            batch.set("old_logprobs", flat_logprobs(own, batch, self.world, self.device))
         ok, grad_norm, finite = _optimizer_step(self.optimizer)
         metrics = _reduce_stats(outputs, self.world, self.tp, self.device)
         if "tokens_moved_fraction" in metrics:
             routing[TOKENS_CHANGED] = metrics.pop("tokens_moved_fraction")
         metrics.update(routing)
-        metrics.update(
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-            update_ok=bool(ok),
-            nonfinite=float(not finite),
-            lr=self.optimizer.param_groups[0]["lr"],
-        )
-        return metrics
+        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics.update(grad_norm=norm, lr=self.optimizer.param_groups[0]["lr"])
+        metrics |= padding_stats(mbs)
+        return Update(finite=finite, applied=bool(ok), grad_norm=norm, loss=metrics["loss"],
+                      stats=metrics)  # fmt: skip
 
-    def _check_step(self, batch: RLBatch, loss_cfg: LossConfig, on_policy: bool) -> None:
-        if on_policy and self.routing is not None and self.routing.mode == ReplayMode.R3:
-            raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
-        if batch.old_logprobs is None and not on_policy:
-            raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
-        if loss_cfg.correction[0] != Mismatch.NONE and batch.rollout_logprobs is None:
-            raise ValueError(f"{loss_cfg.correction[0]} needs the batch's rollout_logprobs")
-
-    def _train_sweep(self, batch: RLBatch, mbs, seq_len: int, on_policy: bool):
+    def _train_sweep(self, batch: StepBatch, mbs, seq_len: int, on_policy: bool):
         """The routing replay of this step: natural routing (nothing compared) on policy, else
         the batch's (R2: recorded, R3: rollout); None on a dense model."""
         if self.routing and on_policy:
@@ -341,7 +295,7 @@ class Actor:
             return self.routing.train_sweep(batch, mbs, seq_len)
         return None
 
-    def _loss_fn(self, batch: RLBatch, loss_cfg: LossConfig, scale: int, on_policy: bool,
+    def _loss_fn(self, batch: StepBatch, loss_cfg: LossConfig, scale: int, on_policy: bool,
                  own: list, split: list | None):  # fmt: skip
         """The loss of one microbatch's logits, scaled for megatron's schedule; on policy it
         keeps its own log-probs in `own`, and the token log-ratios go to `split` when given."""
@@ -353,7 +307,7 @@ class Actor:
         vocab = self.spec.vocab_size
 
         def loss(mb, head, logits):  # logits: hidden states under the chunked head
-            lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=True, head=head)
+            lp, ent = token_logprobs(mb, logits, vocab, with_entropy=True, head=head)
             if on_policy:
                 mb.old_logprobs = lp.detach()
                 own.append((mb, mb.old_logprobs))

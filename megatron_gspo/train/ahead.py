@@ -155,4 +155,4 @@ def _generated(f: Future) -> float:
     """How long a finished generation's servers generated (0 if it failed)."""
     if f.exception() is not None:
         return 0.0
-    return float(f.result().metrics.get("time/rollout_s", 0.0))
+    return float(f.result().generation_s)

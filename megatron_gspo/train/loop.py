@@ -11,24 +11,22 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import cast
 
-import numpy as np
+import torch
 
 from megatron_gspo.comm import bcast
 from megatron_gspo.config import Config
-from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.ahead import Ahead
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import StepBatch
+from megatron_gspo.train.guard import NonFiniteGuard
 from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.protocols import PolicyActor, RolloutSource
+from megatron_gspo.train.results import Collected, Update
 from megatron_gspo.train.rollouts import Rollouts
-from megatron_gspo.train.samples import NONFINITE_INPUTS
 from megatron_gspo.train.setup import TrainerSetup
 from megatron_gspo.train.shard import minibatch_parts, reduce_sums
 from megatron_gspo.train.state import TrainState
@@ -67,7 +65,7 @@ def run(
                 finite = train_phase(actor, rl, collected, cfg, step, guard, metrics)
                 generating = ahead.before_sync()  # the weights change under no request
                 t1 = time.perf_counter()
-                busy = generating if cfg.rollout.max_staleness else metrics["time/rollout_s"]
+                busy = generating if cfg.rollout.max_staleness else collected.generation_s
                 metrics["time/servers_idle_s"] = servers_idle(rl, busy0, t1 - t0, busy)
                 metrics |= sync_weights(sync, rl, step)
                 ahead.after_sync()
@@ -92,71 +90,20 @@ def servers_idle(rl: RolloutSource, busy0: float | None, wall: float, generating
     return max(0.0, wall - (busy1 - busy0) / max(len(rl.urls), 1))
 
 
-def train_phase(actor, rl: RolloutSource, collected, cfg: Config, step: int,
+def train_phase(actor, rl: RolloutSource, collected: Collected, cfg: Config, step: int,
                 guard: NonFiniteGuard, metrics: dict) -> bool:  # fmt: skip
-    """The step's training, into `metrics`: whether it was finite (a checkpoint may follow)."""
+    """The step's training, its metrics into `metrics`: whether it was finite (a checkpoint
+    may follow)."""
     t0 = time.perf_counter()
     rl.release_memory()  # colocated GPUs: the servers' memory goes to training
+    updates: list[Update] = []
     if collected.rows:
-        metrics |= train_on(actor, collected.batch, cfg, step, collected.rows)
-    finite = guard.check(step, metrics)
+        trained, updates = train_on(actor, collected.batch, cfg, step, collected.rows)
+        metrics |= trained
+    finite = guard.check(step, updates, collected.nonfinite_inputs)
     rl.resume_memory()
     metrics["time/train_s"] = time.perf_counter() - t0
     return finite
-
-
-class NonFiniteGuard:
-    """A step whose loss or gradient norm is not finite has its update skipped (actor) and
-    writes no checkpoint; `limit` such steps in a row end the run with an error (the last
-    checkpoint is from before them) that names the step's inputs that were not finite
-    (advantages, the servers' log-probs: train/samples.py), or else points at the update's
-    size. Every rank sees the same reduced loss and norm."""
-
-    def __init__(self, limit: int):
-        self.limit, self.in_row = limit, 0
-        self.inputs: dict[str, float] = {}  # non-finite inputs over the steps in a row
-
-    def check(self, step: int, metrics: dict) -> bool:
-        bad = {k: metrics[k] for k in ("loss/policy", "grad_norm") if k in metrics}
-        bad = {k: v for k, v in bad.items() if not np.isfinite(v)}
-        if not bad and not metrics.get("update/nonfinite"):
-            self.in_row, self.inputs = 0, {}
-            return True
-        self.in_row += 1
-        for key in NONFINITE_INPUTS:
-            self.inputs[key] = self.inputs.get(key, 0.0) + metrics.get(key, 0.0)
-        what = ", ".join(f"{k} {v}" for k, v in bad.items()) or "a non-finite gradient"
-        inputs = _inputs(metrics)
-        log.warning("step %d: %s%s; its update was skipped (%d in a row)", step, what,
-                    f", with {inputs} not finite" if inputs else "", self.in_row)  # fmt: skip
-        self.last = (step, what)
-        return False
-
-    def stop_if_over(self) -> None:
-        """After the step's metrics are logged: the error, once `limit` steps in a row failed."""
-        if self.in_row < self.limit:
-            return
-        step, what = self.last
-        inputs = _inputs(self.inputs)
-        if inputs:
-            fix = (f"the cause is the steps' inputs, not the learning rate: {inputs} were not "
-                   "finite (advantages: rewards too large for them, where "
-                   "algo.adv_norm=none keeps the rewards' scale, so scale the rewards "
-                   "down; log-probs: check the rollout servers); fix that")  # fmt: skip
-        else:
-            fix = "lower optim.lr (or optim.clip_grad), check the data and rewards"
-        raise UserError(
-            f"training is not finite: {self.in_row} steps in a row up to step {step} had "
-            f"{what}; their updates were skipped and no checkpoint was written since; {fix}, "
-            f"then --resume from the last checkpoint (the limit is "
-            f"train.max_nonfinite_steps={self.limit})"
-        )
-
-
-def _inputs(metrics: dict) -> str:
-    """The inputs `metrics` counts as not finite: "3 advantages and 2 rollout log-probs"."""
-    named = [f"{int(metrics[k])} {name}" for k, name in NONFINITE_INPUTS.items() if metrics.get(k)]
-    return " and ".join(named)
 
 
 def take_batch(ahead: Ahead, sync: WeightSync, rl: RolloutSource, step: int, current: str):
@@ -170,10 +117,11 @@ def take_batch(ahead: Ahead, sync: WeightSync, rl: RolloutSource, step: int, cur
     else:
         collected, version = taken
     # every trained sample started on `version` or later (groups from older weights were
-    # dropped); the samples' own versions say which (rollouts.py: rollout/version_*)
-    m, now = collected.metrics, version_index(current)
-    oldest = m.get("rollout/version_oldest", float(version_index(version)))
-    mean = m.get("rollout/version_mean", oldest)
+    # dropped); the samples' own versions say which (rollouts.py)
+    now = version_index(current)
+    oldest = collected.version_oldest
+    oldest = float(version_index(version)) if oldest is None else oldest
+    mean = oldest if collected.version_mean is None else collected.version_mean
     return collected, {"time/trainer_idle_s": time.perf_counter() - t0,
                        "rollout/staleness_mean": now - mean,
                        "rollout/staleness_max": now - oldest}  # fmt: skip
@@ -187,16 +135,17 @@ def collect_current(
     same seeds: the same samples from the other servers), up to `tries` times in all; groups
     still stale after that are dropped (rollouts.py). Every rank sees the same metrics, so
     every rank takes the same turns (catch_up is collective)."""
-    regenerated = 0.0
+    regenerated = 0
     for attempt in range(tries):
         collected = rl.collect(prompts, step, current)
-        stale = collected.metrics.get("rollout/stale_samples", 0.0)
+        stale = collected.stale_samples
         if not stale or attempt == tries - 1:
             break
         log.warning("step %d: %d samples came from older weights; generating again", step, stale)
         catch_up(sync, rl, current)
         regenerated += stale
-    collected.metrics["rollout/regenerated_samples"] = regenerated
+    collected.regenerated_samples = regenerated
+    collected.metrics["rollout/regenerated_samples"] = float(regenerated)
     return collected
 
 
@@ -238,9 +187,10 @@ def sync_weights(sync: WeightSync, rl: RolloutSource, step: int) -> dict:
 
 
 def train_on(
-    actor: PolicyActor, batch: RLBatch | None, cfg: Config, step: int, rows: int | None = None
-) -> dict:
-    """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch.
+    actor: PolicyActor, batch: StepBatch | None, cfg: Config, step: int, rows: int | None = None
+) -> tuple[dict, list[Update]]:
+    """Old log-probs, then `algo.minibatches` optimizer steps over a shuffled split of the batch:
+    the step's metrics (for logging) and its updates (for deciding).
 
     `batch` is rank 0's whole batch of `rows` rows (None on the other ranks); every rank trains
     on its shard of it (train/shard.py: its replica's rows of each minibatch), and the
@@ -264,47 +214,42 @@ def train_on(
     metrics = _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
     metrics["time/old_logprobs_s"] = time.perf_counter() - t0
     loss_cfg, mbs = cfg.algo.loss_config(), cfg.train.micro_batch_size
-    per_update = []
+    updates: list[Update] = []
     for k, part in enumerate(parts):
         mine = batch.positions_of(part)  # (all of them when every rank holds the batch)
         sub = batch.rows(mine, total=len(part))
-        if k == 0 and first_on_policy:
-            update = actor.train_step(sub, loss_cfg, mbs, on_policy=True)
-            # both set: by this on-policy step, and by _old_logprobs above
-            assert sub.old_logprobs is not None and batch.old_logprobs is not None
-            for i, lp in zip(mine, sub.old_logprobs):
-                batch.old_logprobs[i] = lp
-        else:
-            update = actor.train_step(sub, loss_cfg, mbs)
-        per_update.append(update)
-        if update.get("nonfinite"):  # the weights stay as they were; the step ends here
+        on_policy = k == 0 and first_on_policy
+        updates.append(actor.train_step(sub, loss_cfg, mbs, on_policy=on_policy))
+        if on_policy:  # its old log-probs: those of this on-policy step
+            batch.set_rows("old_logprobs", mine, sub["old_logprobs"])
+        if not updates[-1].finite:  # the weights stay as they were; the step ends here
             break
+    per_update = [dict(u.stats) for u in updates]
     if first_on_policy and len(per_update) > 1:
         drift = {k for m in per_update[1:] for k in m if k.startswith((CHANGED, TOKENS_CHANGED))}
         per_update[0].update(dict.fromkeys(drift, 0.0))
     metrics |= _mismatch(batch)
-    return metrics | _combine_updates(per_update)
+    return metrics | _combine_updates(updates, per_update), updates
 
 
 def _old_logprobs(
-    actor: PolicyActor, batch: RLBatch, rows: list[int], micro_batch_size: int
+    actor: PolicyActor, batch: StepBatch, rows: list[int], micro_batch_size: int
 ) -> dict:
     """Old log-probs (and recorded routing) of the whole batch's `rows` into the batch (of a
-    shard: those it holds), None for the others; returns the forward's routing metrics."""
-    n = len(batch)
+    shard: those it holds), NaN for the others; returns the forward's routing metrics."""
     if len(rows) == batch.global_size:
         every, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True)
-        batch.old_logprobs = cast(list[list[float | None] | None], every)  # (no copy)
+        batch.set("old_logprobs", every)
         return metrics
     mine = batch.positions_of(rows)
-    sub = replace(batch, old_logprobs=None, routing=None).rows(mine, total=len(rows))
-    batch.old_logprobs = [None] * n
+    sub = batch.without("old_logprobs", "routing").rows(mine, total=len(rows))
+    batch.set("old_logprobs", torch.full((batch.num_tokens,), float("nan")))
     if not rows:  # one minibatch, on policy: no old-log-prob pass at all
         return {}
     old, metrics = actor.logprobs(sub, micro_batch_size, fit_logits=True)
-    routing = [None] * n if sub.routing is not None else None
+    batch.set_rows("old_logprobs", mine, old)
+    routing = [None] * len(batch) if sub.routing is not None else None
     for j, i in enumerate(mine):
-        batch.old_logprobs[i] = old[j]
         if routing is not None:
             assert sub.routing is not None  # routing is made only then
             routing[i] = sub.routing[j]
@@ -312,37 +257,38 @@ def _old_logprobs(
     return metrics
 
 
-def _mismatch(batch: RLBatch) -> dict:
+def _mismatch(batch: StepBatch) -> dict:
     """mean |old - rollout| log-prob over trained tokens: the train-vs-inference gap; under R3
     also split by whether the trainer's routing of the position that produced the token agreed
-    with the rollout server's in every MoE layer (`_routing_same`) or not (`_routing_differs`)."""
-    if batch.rollout_logprobs is None:
+    with the rollout server's in every MoE layer (`_routing_same`) or not (`_routing_differs`).
+    Tokens without both log-probs (a shard's rows on a stage before the last) are not counted."""
+    roll, old = batch.get("rollout_logprobs"), batch.get("old_logprobs")
+    if roll is None or old is None:
         return {}
-    sums = {"": [0.0, 0], "_routing_same": [0.0, 0], "_routing_differs": [0.0, 0]}
-    # train_on computed every row's old log-probs before this
-    old_rows = cast("list[list[float | None] | None]", batch.old_logprobs)
-    rows = zip(old_rows, batch.rollout_logprobs, batch.loss_mask)
-    for i, (old, roll, mask) in enumerate(rows):
-        if old is None:  # (a shard's rows on a stage before the last: no log-probs here)
-            continue
-        differs = _rollout_differs(batch, i)
-        for t, (o, r, m) in enumerate(zip(old, roll, mask)):
-            if m and o is not None and r is not None:
-                keys = [""]
-                if differs is not None and t >= 1:
-                    keys.append("_routing_differs" if differs[t - 1] else "_routing_same")
-                for key in keys:
-                    sums[key][0] += abs(o - r)
-                    sums[key][1] += 1
+    ok = batch["loss_mask"] & ~old.isnan() & ~roll.isnan()
+    diff = (old - roll).abs().double()
+    known, differs = _rollout_differs(batch)
+    keys = {"": ok, "_routing_same": ok & known & ~differs, "_routing_differs": ok & differs}
+    sums = [[float(diff[m].sum()), float(m.sum())] for m in keys.values()]
     if batch.sharded:  # every replica's tokens (counted once: on its last stage's first rank)
-        sums = dict(zip(sums, reduce_sums(list(sums.values()))))
-    return {f"mismatch/logprob_abs_diff{k}": total / n for k, (total, n) in sums.items() if n}
+        sums = reduce_sums(sums)
+    return {f"mismatch/logprob_abs_diff{k}": total / n for k, (total, n) in zip(keys, sums) if n}
 
 
-def _rollout_differs(batch: RLBatch, i: int):
-    """Sample i's per-position rollout-vs-trainer routing flags (R3), or None."""
-    routing = batch.routing[i] if batch.routing is not None else None
-    return getattr(routing, "rollout_differs", None)
+def _rollout_differs(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token [T] (R3): whether its producing position's rollout-vs-trainer routing flag is
+    known, and whether it differs (token t of a row: position t - 1; token 0 has none)."""
+    known = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    differs = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    cu = batch.cu_seqlens.tolist()
+    for i, s in enumerate(batch.routing or []):
+        flags = getattr(s, "rollout_differs", None)
+        if flags is None:
+            continue
+        n = min(len(flags), cu[i + 1] - cu[i] - 1)
+        known[cu[i] + 1 : cu[i] + 1 + n] = True
+        differs[cu[i] + 1 : cu[i] + 1 + n] = torch.as_tensor(flags[:n], dtype=torch.bool)
+    return known, differs
 
 
 # actor metric -> (metrics key, how the minibatch updates of one step combine)
@@ -364,10 +310,13 @@ _KEYS = {
     "sapo_gate_mean": ("sapo/gate_mean", "mean"),
     "log_ratio_std_same": ("ratio/token_std_routing_same", "mean"),
     "log_ratio_std_moved": ("ratio/token_std_routing_changed", "mean"),
+    "padding_fraction": ("train/padding_fraction", "mean"),
+    "tokens_per_microbatch": ("train/tokens_per_microbatch", "mean"),
 }
 
 
-def _combine_updates(per_update: list[dict]) -> dict:
+def _combine_updates(updates: list[Update], per_update: list[dict]) -> dict:
+    """The step's update metrics (logging): each actor statistic combined over the updates."""
     out: dict[str, float] = {}
     if not per_update:
         return out
@@ -378,8 +327,8 @@ def _combine_updates(per_update: list[dict]) -> dict:
     extra = {k for m in per_update for k in m if k.startswith("routing/")}
     for k in sorted(extra):
         out[k] = _reduce([m[k] for m in per_update if k in m], "mean")
-    out["update/skipped"] = float(sum(not m.get("update_ok", True) for m in per_update))
-    out["update/nonfinite"] = float(sum(m.get("nonfinite", 0.0) for m in per_update))
+    out["update/skipped"] = float(sum(not u.applied for u in updates))
+    out["update/nonfinite"] = float(sum(not u.finite for u in updates))
     out["ratio/first_update_mean"] = per_update[0].get("ratio_mean", float("nan"))
     return out
 

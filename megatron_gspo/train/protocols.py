@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from megatron_gspo.algo.config import LossConfig
-    from megatron_gspo.train.batch import RLBatch
-    from megatron_gspo.train.rollouts import Collected
+    from megatron_gspo.train.batch import StepBatch
+    from megatron_gspo.train.results import Collected, Update
     from megatron_gspo.train.state import TrainState
     from megatron_gspo.weight_sync.disk import RestorePoint
     from megatron_gspo.weight_sync.sync import WeightSync
@@ -20,20 +22,20 @@ if TYPE_CHECKING:
 class PolicyActor(Protocol):
     def set_lr(self, lr: float) -> None: ...
 
-    def shard(self, batch: RLBatch | None, parts: list[list[int]]) -> RLBatch: ...
+    def shard(self, batch: StepBatch | None, parts: list[list[int]]) -> StepBatch: ...
 
     def logprobs(
-        self, batch: RLBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
-    ) -> tuple[list[list[float | None]], dict[str, float]]: ...
+        self, batch: StepBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
     def train_step(
         self,
-        batch: RLBatch,
+        batch: StepBatch,
         loss_cfg: LossConfig,
         micro_batch_size: int = 8,
         *,
         on_policy: bool = False,
-    ) -> dict: ...
+    ) -> Update: ...
 
 
 class RolloutSource(Protocol):

@@ -2,7 +2,7 @@
 
 Global rank 0 owns it: it starts and supervises the rollout servers (or health-checks the ones a
 launch script started), samples G responses per prompt, scores them and computes the group
-advantages. The finished `RLBatch` and its metrics are broadcast to every trainer rank, so every
+advantages. The finished `StepBatch` and its metrics are broadcast to every trainer rank, so every
 rank trains on exactly the same batch. Other ranks only learn the server URLs (for the weight
 sync) and receive batches.
 
@@ -19,7 +19,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,8 +32,8 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend
 from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.routing.replay import ReplayMode
-from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.train.generate import Generation
+from megatron_gspo.train.results import Collected
 from megatron_gspo.train.samples import (
     _check_samples,
     _report_broken_rows,
@@ -42,7 +42,7 @@ from megatron_gspo.train.samples import (
     _topk,
     nonfinite_inputs,
     reward_failures,
-    version_metrics,
+    sample_versions,
 )
 
 if TYPE_CHECKING:
@@ -50,13 +50,6 @@ if TYPE_CHECKING:
     from megatron_gspo.rollout.launcher import ServerGroup
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Collected:
-    batch: RLBatch | None  # rank 0's whole batch (None elsewhere; everywhere when it is empty)
-    metrics: dict
-    rows: int = 0  # the batch's rows, on every rank (0: every group was dropped)
 
 
 class Rollouts:
@@ -299,11 +292,11 @@ class Rollouts:
         if dist.get_world_size() == 1:
             assert result is not None  # one process: it is rank 0
             return result
-        box = [None if result is None else (result.metrics, result.rows)]
-        dist.broadcast_object_list(box, src=0)  # (the step's metrics: numbers, not its rows)
-        assert box[0] is not None  # rank 0's, on every rank
-        metrics, rows = box[0]
-        return Collected(result.batch if result is not None else None, metrics, rows)
+        box = [None if result is None else replace(result, batch=None)]
+        dist.broadcast_object_list(box, src=0)  # (the step's facts and metrics, not its rows)
+        shared = box[0]
+        assert shared is not None  # rank 0's, on every rank
+        return replace(shared, batch=result.batch if result is not None else None)
 
     def _collect(self, prompt_index: list[int], step: int, version: str | None) -> Collected:
         from megatron_gspo.data.prompts import encode_prompt
@@ -325,6 +318,7 @@ class Rollouts:
         failed = reward_failures(scored, step)
         rewards = overlong_shaped(cfg, samples, [0.0 if v is None else v for v in scored.rewards])
         metrics = _rollout_metrics(samples, scored.rewards, t_gen)
+        facts = Collected(None, metrics, generation_s=t_gen)
         metrics["reward/failed_samples"] = float(len(failed))
         metrics["time/reward_wait_s"] = out.reward_wait_s  # (scoring after generation ended)
         G = r.group_size
@@ -334,6 +328,7 @@ class Rollouts:
                    if version_index(str(s.weight_version)) < version_index(version)]  # fmt: skip
             stale = {k // G for k in old}
             metrics["rollout/stale_samples"] = float(len(old))
+            facts.stale_samples = len(old)
             metrics["rollout/stale_groups_dropped"] = float(len(stale))
             if old:
                 log.warning("step %d: %d samples came from weights older than %s; their %d "
@@ -349,13 +344,14 @@ class Rollouts:
         dropped = stale | unscored
         keep = [g for g in keep if g not in dropped]
         if not keep:
-            return Collected(None, metrics)
+            return facts
         samples = [samples[g * G + j] for g in keep for j in range(G)]
-        metrics |= version_metrics(samples)  # (the weights the trained tokens came from)
+        facts.set_versions(*sample_versions(samples))  # (the weights the tokens came from)
         kept_rewards = torch.tensor(rewards, dtype=torch.float64).view(-1, G)[keep].flatten()
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
-        metrics |= nonfinite_inputs(samples, adv)  # (named by the non-finite guard's error)
-        return Collected(_to_batch(samples, adv.tolist()), metrics)
+        facts.set_nonfinite_inputs(nonfinite_inputs(samples, adv))  # (the guard names them)
+        facts.batch = _to_batch(samples, adv.tolist())
+        return facts
 
     def _encode(self, encode_prompt, text: str) -> list[int]:
         ids = encode_prompt(self.tokenizer, text, self.cfg.data.template)

@@ -1,4 +1,4 @@
-"""From rollout samples to the trainer's batch: their checks, the RLBatch, the rollout metrics, the
+"""From rollout samples to the trainer's batch: their checks, the StepBatch, the rollout metrics, the
 samples whose reward failed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.sample import version_index
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _check_samples(samples) -> None:
         )
 
 
-def _to_batch(samples, advantages: list[float]) -> RLBatch:
+def _to_batch(samples, advantages: list[float]) -> StepBatch:
     tokens, mask, rollout_lp, experts = [], [], [], []
     for s in samples:
         p = len(s.prompt_ids)
@@ -56,10 +56,10 @@ def _to_batch(samples, advantages: list[float]) -> RLBatch:
         lp = s.logprobs or [None] * len(s.tokens)
         rollout_lp.append([None] * p + list(lp))
         experts.append(s.routed_experts)
-    batch = RLBatch(tokens, mask, advantages, rollout_logprobs=rollout_lp)
-    if any(e is not None for e in experts):
-        batch.rollout_experts = experts
-    return batch
+    routed = experts if any(e is not None for e in experts) else None
+    return StepBatch.from_rows(
+        tokens, mask, advantages, rollout_logprobs=rollout_lp, rollout_experts=routed
+    )
 
 
 def _rollout_metrics(samples, rewards: list[float | None], seconds: float) -> dict:
@@ -93,18 +93,18 @@ def _episode_metrics(samples) -> dict:
     }
 
 
-def version_metrics(samples) -> dict:
+def sample_versions(samples) -> tuple[float, float, float]:
     """The weight versions the trained samples came from, by their servers' word: the oldest
     any sample started on, the mean over the model's tokens (a partial rollout's come from
     several: rollout/partial.py), and the share of samples written by more than one."""
     tokens = [v for s in samples
               for v in (s.token_versions or [str(s.weight_version)] * len(s.tokens))
               if v is not None]  # (the model's tokens: an environment's have None)  # fmt: skip
-    return {
-        "rollout/version_oldest": float(min(version_index(str(s.weight_version)) for s in samples)),
-        "rollout/version_mean": sum(map(version_index, tokens)) / max(len(tokens), 1),
-        "rollout/partial_fraction": sum(len(set(s.versions)) > 1 for s in samples) / len(samples),
-    }
+    return (
+        float(min(version_index(str(s.weight_version)) for s in samples)),
+        sum(map(version_index, tokens)) / max(len(tokens), 1),
+        sum(len(set(s.versions)) > 1 for s in samples) / len(samples),
+    )
 
 
 def reward_failures(scored, step: int) -> list[int]:
@@ -121,20 +121,20 @@ def reward_failures(scored, step: int) -> list[int]:
     return failed
 
 
-NONFINITE_INPUTS = {  # metric -> what the non-finite guard's error calls it (train/loop.py)
-    "input/nonfinite_advantages": "advantages",
-    "input/nonfinite_logprobs": "rollout log-probs",
+NONFINITE_INPUTS = {  # input -> what the non-finite guard's error calls it (train/loop.py)
+    "advantages": "advantages",
+    "logprobs": "rollout log-probs",
 }
 
 
-def nonfinite_inputs(samples, advantages: torch.Tensor) -> dict:
+def nonfinite_inputs(samples, advantages: torch.Tensor) -> dict[str, int]:
     """The step's inputs that are not finite, counted (absent when none): advantages (finite
     rewards too large for them), the servers' log-probs of the model's tokens. Rewards are
-    checked finite where they are scored."""
+    checked finite where they are scored. (Logged as input/nonfinite_<input>.)"""
     counts = {
-        "input/nonfinite_advantages": int((~torch.isfinite(advantages)).sum()),
-        "input/nonfinite_logprobs": sum(
+        "advantages": int((~torch.isfinite(advantages)).sum()),
+        "logprobs": sum(
             not math.isfinite(v) for s in samples for v in (s.logprobs or ()) if v is not None
         ),
     }
-    return {k: float(n) for k, n in counts.items() if n}
+    return {k: n for k, n in counts.items() if n}

@@ -93,7 +93,9 @@ class TrainerSetup:
             lm_head_chunk_tokens=m.lm_head_chunk,
         )
         chunks = load_policy(m.path, dims, opts)
-        return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay)
+        t = self.cfg.train  # packed microbatches under a token budget, or padded rows
+        return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay,
+                     max_tokens_per_microbatch=t.max_tokens_per_microbatch if t.pack else None)  # fmt: skip
 
     def sampler(self, n_rows: int):
         from megatron_gspo.data.prompts import PromptSampler

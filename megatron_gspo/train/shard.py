@@ -15,12 +15,15 @@ it). Tensor- and context-parallel peers of a replica receive the same rows, whic
 layout needs. Nothing is sent where there is one process: the batch is used as it is.
 
 Wire format, rank 0 to one rank (point-to-point; gloo on CPU tensors, NCCL on the device):
-    head  int64 [8]       rows, tokens, per-token advantages?, rollout log-probs?, routing?,
-                          routing ids, routing dtype code, 0
+    head  int64 [8]       rows, tokens, the fields sent (bit k: FIELDS[k]), routing?,
+                          routing ids, routing dtype code, 0, 0
     rows  int64 [n, 5]    global row, length, routing [rows (-1: none), columns, top-k]
-    tokens int32 [T], mask uint8 [T], advantages f32 [n or T],
-    rollout log-probs f32 [T] + present uint8 [T], routing ids [V]
-(T: the rows' tokens, V: their routing ids, in row order).
+    then each field the batch has, in registry order (train/batch.py FIELDS), in its wire
+    dtype: [T] per token, [n] per sequence (a log-prob field's "none" is its NaN fill);
+    routing ids [V]
+(T: the rows' tokens, V: their routing ids, in row order). Nothing here names a field: a field
+added to the registry travels as it is. The routing is the one part sent apart from it, since it
+is cut to each rank's pipeline stage.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.routing.storage import index_dtype
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import FIELDS, StepBatch
 
 _DTYPES = {0: torch.uint8, 1: torch.int16, 2: torch.int32}
 _CODES = {np.dtype(np.uint8): 0, np.dtype(np.int16): 1, np.dtype(np.int32): 2}
@@ -80,49 +83,29 @@ def needs_table(mine: RankNeeds) -> list[RankNeeds]:
 # ---- packing -------------------------------------------------------------------------------
 
 
-def pack(batch: RLBatch, rows: list[int], needs: RankNeeds) -> list[torch.Tensor]:
+def pack(batch: StepBatch, rows: list[int], needs: RankNeeds) -> list[torch.Tensor]:
     """The wire tensors of `rows` of the whole batch `batch` for a rank with `needs`."""
-    per_token = bool(batch.advantages) and isinstance(batch.advantages[0], list)
-    lengths = [len(batch.tokens[i]) for i in rows]
+    lengths = batch.lengths[torch.as_tensor(rows, dtype=torch.int64)]
     experts = [_stage_experts(batch, i, needs) for i in rows] if batch.rollout_experts else []
     dtype = _common_dtype([e for e in experts if e is not None], needs.num_experts)
-    table = torch.zeros((len(rows), 5), dtype=torch.int64)
-    for j, i in enumerate(rows):
-        e = experts[j] if experts else None
-        table[j] = torch.tensor([i, lengths[j], *((-1, 0, 0) if e is None else e.shape)])
-    tokens = torch.tensor([t for i in rows for t in batch.tokens[i]], dtype=torch.int32)
-    mask = torch.tensor([m for i in rows for m in batch.loss_mask[i]], dtype=torch.uint8)
-    if per_token:
-        adv = torch.tensor([a for i in rows for a in batch.advantages[i]], dtype=torch.float32)  # type: ignore[union-attr]
-    else:
-        adv = torch.tensor([batch.advantages[i] for i in rows], dtype=torch.float32)
-    out = [tokens, mask, adv]
-    has_lp = batch.rollout_logprobs is not None
-    if has_lp:
-        assert batch.rollout_logprobs is not None
-        lp = [v for j, i in enumerate(rows) for v in _row(batch.rollout_logprobs[i], lengths[j])]
-        out.append(torch.tensor([0.0 if v is None else v for v in lp], dtype=torch.float32))
-        out.append(torch.tensor([v is not None for v in lp], dtype=torch.uint8))
+    shapes = [(-1, 0, 0) if e is None else e.shape for e in experts] or [(-1, 0, 0)] * len(rows)
+    table = torch.cat([torch.tensor(rows, dtype=torch.int64).view(-1, 1), lengths.view(-1, 1),
+                       torch.tensor(shapes, dtype=torch.int64).view(-1, 3)], 1)  # fmt: skip
+    at = batch.token_positions(rows)
+    out = [batch[f.name][at if f.per_token else torch.as_tensor(rows, dtype=torch.int64)]
+           .to(f.wire) for f in FIELDS if f.name in batch.fields]  # fmt: skip
     if experts:
         parts = [torch.from_numpy(np.ascontiguousarray(e, dtype=dtype).reshape(-1))
                  for e in experts if e is not None]  # fmt: skip
         out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=_DTYPES[_CODES[dtype]]))
     n_ids = out[-1].numel() if experts else 0
-    head = torch.tensor(
-        [len(rows), len(tokens), int(per_token), int(has_lp), int(bool(experts)), n_ids,
-         _CODES[dtype], 0],
-        dtype=torch.int64,
-    )  # fmt: skip
+    present = sum(1 << k for k, f in enumerate(FIELDS) if f.name in batch.fields)
+    head = torch.tensor([len(rows), int(lengths.sum()), present, int(bool(experts)), n_ids,
+                         _CODES[dtype], 0, 0], dtype=torch.int64)  # fmt: skip
     return [head, table, *out]
 
 
-def _row(values, n: int) -> list:
-    """A token-aligned row of exactly n entries (None where missing)."""
-    values = list(values or [])
-    return (values + [None] * n)[:n]
-
-
-def _stage_experts(batch: RLBatch, i: int, needs: RankNeeds) -> np.ndarray | None:
+def _stage_experts(batch: StepBatch, i: int, needs: RankNeeds) -> np.ndarray | None:
     """Sample i's rollout routing, cut to the stage's MoE layers when its shape allows (every
     decoder layer, or the MoE layers only, as servers send it); else as it came (the actor's
     alignment then says what is wrong with it)."""
@@ -149,34 +132,19 @@ def _common_dtype(arrays: list[np.ndarray], num_experts: int) -> np.dtype:
     return small
 
 
-def unpack(tensors: list[torch.Tensor], total: int, layers: tuple[int, ...]) -> RLBatch:
+def unpack(tensors: list[torch.Tensor], total: int, layers: tuple[int, ...]) -> StepBatch:
     """The shard the wire tensors of `pack` describe (a shard of a `total`-row batch)."""
-    head, table, tokens, mask, adv, *rest = [t.cpu() for t in tensors]
-    n, _, per_token, has_lp, has_experts, _, _, _ = head.tolist()
-    rows = table.tolist()
-    offsets = np.concatenate([[0], np.cumsum([r[1] for r in rows])]).astype(int)
-    tok, msk = tokens.tolist(), mask.tolist()
-    batch = RLBatch(
-        [tok[offsets[j] : offsets[j + 1]] for j in range(n)],
-        [msk[offsets[j] : offsets[j + 1]] for j in range(n)],
-        [adv[offsets[j] : offsets[j + 1]].tolist() for j in range(n)]
-        if per_token
-        else adv.tolist(),
-        index=[r[0] for r in rows],
-        total=total,
-    )
-    if has_lp:
-        values, present = rest[0].tolist(), rest[1].tolist()
-        rest = rest[2:]
-        batch.rollout_logprobs = [
-            [v if p else None for v, p in zip(values[a:b], present[a:b])]
-            for a, b in zip(offsets[:-1], offsets[1:])
-        ]
+    head, table, *rest = [t.cpu() for t in tensors]
+    n, _, present, has_experts, _, _, _, _ = head.tolist()
+    sent = [f for k, f in enumerate(FIELDS) if present >> k & 1]
+    fields = dict(zip([f.name for f in sent], rest))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(table[:, 1], 0)])
+    batch = StepBatch(fields, cu, index=table[:, 0].tolist(), total=total)
     if has_experts:
-        ids = rest[0].numpy()
+        ids = rest[len(sent)].numpy()
         experts: list = []
         at = 0
-        for _, _, r, cols, k in rows:
+        for _, _, r, cols, k in table.tolist():
             if r < 0:
                 experts.append(None)
                 continue
@@ -192,13 +160,13 @@ def unpack(tensors: list[torch.Tensor], total: int, layers: tuple[int, ...]) -> 
 
 
 def distribute(
-    batch: RLBatch | None,
+    batch: StepBatch | None,
     parts: list[list[int]],
     table: list[RankNeeds],
     *,
     device: torch.device | str = "cpu",
     stats: dict | None = None,
-) -> RLBatch:
+) -> StepBatch:
     """Rank 0's whole `batch` (None elsewhere) -> this rank's shard (collective over the world;
     `parts` and `table` the same on every rank). One process: the batch itself. `stats`, when
     given, gets this rank's received bytes ("bytes")."""
@@ -238,15 +206,10 @@ def distribute(
 def _receive(device) -> list[torch.Tensor]:
     head = torch.zeros(8, dtype=torch.int64, device=device)
     dist.recv(head, 0)
-    n, tokens, per_token, has_lp, has_experts, n_ids, code, _ = head.tolist()
-    shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
-        ((n, 5), torch.int64),
-        ((tokens,), torch.int32),
-        ((tokens,), torch.uint8),
-        ((tokens if per_token else n,), torch.float32),
-    ]
-    if has_lp:
-        shapes += [((tokens,), torch.float32), ((tokens,), torch.uint8)]
+    n, tokens, present, has_experts, n_ids, code, _, _ = head.tolist()
+    shapes: list[tuple[tuple[int, ...], torch.dtype]] = [((n, 5), torch.int64)]
+    shapes += [((tokens if f.per_token else n,), f.wire)
+               for k, f in enumerate(FIELDS) if present >> k & 1]  # fmt: skip
     if has_experts:
         shapes.append(((n_ids,), _DTYPES[code]))
     out = [head]

@@ -1,10 +1,10 @@
 """The actor's helpers that need no actor: how moved weights split, a microbatch's TIS weights,
-the fused Adam, gathering rows and reducing step statistics over ranks."""
+the checks of a step, its padding, the fused Adam, gathering log-probs and reducing step
+statistics over ranks."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,8 +15,10 @@ from megatron_gspo.algo import (
     stat_reduce_op,
     summarize_stats,
 )
-from megatron_gspo.algo.config import LossConfig
+from megatron_gspo.algo.config import LossConfig, Mismatch
 from megatron_gspo.algo.mismatch import correction_weights
+from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.train.batch import scatter_token_logprobs
 
 
 def _moved_split(split: list, moved: list) -> list[dict]:
@@ -31,6 +33,27 @@ def _moved_split(split: list, moved: list) -> list[dict]:
                 moved_BS[r, :n] = torch.from_numpy(moved[i][:n])
         out.append(log_ratio_split_stats(log_ratio_BS, mask_BS, moved_BS.to(mask_BS.device)))
     return out
+
+
+def check_step(batch, loss_cfg: LossConfig, on_policy: bool, routing_mode) -> None:
+    """What `Actor.train_step` needs of its batch, checked before anything runs."""
+    if on_policy and routing_mode == ReplayMode.R3:
+        raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
+    if "old_logprobs" not in batch.fields and not on_policy:
+        raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
+    if loss_cfg.correction[0] != Mismatch.NONE and "rollout_logprobs" not in batch.fields:
+        raise ValueError(f"{loss_cfg.correction[0]} needs the batch's rollout_logprobs")
+
+
+def padding_stats(mbs) -> dict[str, float]:
+    """This replica's microbatches: the share of their token slots that are padding, and their
+    real tokens per microbatch (for logging)."""
+    real = sum(int(mb.lengths.sum()) for mb in mbs)
+    slots = sum(mb.tokens.numel() for mb in mbs)  # (padded: b * seq_len each)
+    return {
+        "padding_fraction": 1.0 - real / max(slots, 1),
+        "tokens_per_microbatch": real / len(mbs),
+    }
 
 
 def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
@@ -61,18 +84,26 @@ def fused_adam(optimizer) -> None:
                     group["foreach"], group["fused"] = False, True
 
 
-def _gather_rows(mine: list, n: int, world: int, local: bool = False) -> list:
-    """The batch's rows from (row, value) pairs: with `local` (a shard: its rows stay on the
-    rank that computed them) this rank's only, None elsewhere; else every rank's, gathered over
-    the whole world (a whole batch on every rank)."""
-    parts: list[Any] = [mine]  # every rank's list, once all_gather_object filled it
-    if world > 1 and not local:
-        parts = [None] * world
-        dist.all_gather_object(parts, mine)
-    out = [None] * n
+def flat_logprobs(pieces, batch, world: int, device="cpu") -> torch.Tensor:
+    """(microbatch, its log-probs [b, S]) pairs -> the batch's token-aligned field [T] (NaN
+    where none); of a whole batch (not a shard), gathered from every rank."""
+    flat = torch.full((batch.num_tokens,), float("nan"))
+    for mb, lp in pieces:
+        scatter_token_logprobs(flat, batch.cu_seqlens, mb, lp)
+    return flat if batch.sharded else _gather_flat(flat, world, device)
+
+
+def _gather_flat(flat_T: torch.Tensor, world: int, device="cpu") -> torch.Tensor:
+    """A whole batch's token field [T] from every rank's (NaN where a rank computed none: its
+    replica's other rows, a stage before the last): each position from a rank that has it."""
+    if world == 1:
+        return flat_T
+    parts = [torch.empty_like(flat_T, device=device) for _ in range(world)]
+    dist.all_gather(parts, flat_T.to(device))
+    out = flat_T.clone()
     for part in parts:
-        for i, v in part:
-            out[i] = v
+        part = part.cpu()
+        out = torch.where(out.isnan(), part, out)
     return out
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -24,10 +23,10 @@ from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import StepBatch
 
 
-def fixed_batch(n: int = 8, vocab: int = 100) -> RLBatch:
+def fixed_batch(n: int = 8, vocab: int = 100) -> StepBatch:
     g = torch.Generator().manual_seed(0)
     tokens, masks = [], []
     for _ in range(n):
@@ -35,55 +34,55 @@ def fixed_batch(n: int = 8, vocab: int = 100) -> RLBatch:
         prompt = int(torch.randint(2, 5, (1,), generator=g))
         tokens.append(torch.randint(0, vocab, (length,), generator=g).tolist())
         masks.append([0] * prompt + [1] * (length - prompt))
-    return RLBatch(tokens, masks, torch.randn(n, generator=g).tolist())
+    return StepBatch.from_rows(tokens, masks, torch.randn(n, generator=g).tolist())
 
 
-def off_policy(old: list, index: list[int]) -> list:
+def _row_shift(batch: StepBatch, a: int, scale: float) -> torch.Tensor:
+    """[T]: scale * ((i * a + j) % 5 - 2) at token j + 1 of the whole batch's row i."""
+    i = torch.repeat_interleave(torch.tensor(batch.global_index()), batch.lengths)
+    t = torch.arange(batch.num_tokens) - torch.repeat_interleave(batch.cu_seqlens[:-1],
+                                                                 batch.lengths)  # fmt: skip
+    return scale * ((i * a + t - 1) % 5 - 2).float()
+
+
+def off_policy(old: torch.Tensor, batch: StepBatch) -> torch.Tensor:
     """Shift the old log-probs a little so ratios differ from 1 and some tokens clip (row i of
-    the whole batch by its own amounts; None rows: another pipeline stage's)."""
-    return [
-        None
-        if r is None
-        else [None] + [v + 0.15 * ((i * 7 + j) % 5 - 2) for j, v in enumerate(r[1:])]
-        for i, r in zip(index, old)
-    ]
+    the whole batch by its own amounts; NaN stays: another pipeline stage's)."""
+    return old + _row_shift(batch, 7, 0.15)
 
 
-def rollout_of(old: list, index: list[int]) -> list:
+def rollout_of(old: torch.Tensor, batch: StepBatch) -> torch.Tensor:
     """Rollout log-probs that differ from the old ones by log rho = 0.3 * k, k in -2..2."""
-    return [
-        None
-        if r is None
-        else [None] + [v - 0.3 * ((i * 3 + j) % 5 - 2) for j, v in enumerate(r[1:])]
-        for i, r in zip(index, old)
-    ]
+    return old - _row_shift(batch, 3, 0.3)
 
 
-def this_ranks_shard(actor: Actor, whole: RLBatch) -> RLBatch:
+def this_ranks_shard(actor: Actor, whole: StepBatch) -> StepBatch:
     """The RL loop's way: rank 0 sends every rank its replica's rows (one minibatch of all 8);
     each checks that what came is the whole batch's rows it names."""
     shard = actor.shard(whole if dist.get_rank() == 0 else None, [list(range(len(whole)))])
     if dist.get_world_size() > 1:
         assert shard.sharded and shard.total == len(whole)
         assert shard.index == list(range(actor.dp_rank, len(whole), actor.dp)), shard.index
-        for j, i in enumerate(shard.index):
-            assert shard.tokens[j] == whole.tokens[i] and shard.loss_mask[j] == whole.loss_mask[i]
-            assert shard.advantages[j] == pytest.approx(whole.advantages[i], abs=0)
+        for name in ("tokens", "loss_mask", "advantages"):
+            assert shard.row_values(name) == [whole.row_values(name)[i] for i in shard.index]
     return shard
 
 
-def whole_rows(batch: RLBatch, field: str) -> list | None:
+def whole_rows(batch: StepBatch, field: str) -> list | None:
     """A shard's `field` gathered (here, for the test's output) into the whole batch's rows,
     from the ranks that hold values (the last pipeline stage)."""
-    rows = getattr(batch, field)
-    if rows is None or not batch.sharded:
+    if field not in batch.fields:
+        return None
+    rows = batch.row_values(field)
+    if not batch.sharded:
         return rows
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, list(zip(batch.index, rows)))
     out: list = [None] * batch.global_size
     for part in parts:
         for i, r in part:
-            out[i] = out[i] or r
+            if any(v is not None for v in r):  # (a stage before the last holds none)
+                out[i] = r
     return out
 
 
@@ -104,6 +103,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--tis-cap", type=float, default=2.0)
     ap.add_argument("--on-policy", action="store_true", help="old log-probs as computed")
     ap.add_argument("--fit-logits", action="store_true", help="logprobs(fit_logits=True)")
+    ap.add_argument(
+        "--pack", type=int, default=None, help="packed: this many tokens per microbatch"
+    )
     ap.add_argument("--own-forward", action="store_true",
                     help="no logprobs pass: the first step is train_step(on_policy=True)")  # fmt: skip
     return ap.parse_args(argv)
@@ -113,14 +115,15 @@ def run(a: argparse.Namespace, dims: ParallelDims) -> None:
     actor = Actor(
         load_policy(a.checkpoint, dims),
         OptimConfig(lr=1e-3, distributed=not a.no_dist_opt),
+        max_tokens_per_microbatch=a.pack,
     )
     whole = fixed_batch()
     batch = this_ranks_shard(actor, whole)
     if not a.own_forward:
         old, _ = actor.logprobs(batch, a.mbs, fit_logits=a.fit_logits)
-        batch.old_logprobs = old if a.on_policy else off_policy(old, batch.global_index())
+        batch.set("old_logprobs", old if a.on_policy else off_policy(old, batch))
     if a.tis != "none":
-        batch.rollout_logprobs = rollout_of(batch.old_logprobs, batch.global_index())
+        batch.set("rollout_logprobs", rollout_of(batch["old_logprobs"], batch))
     loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28, tis=a.tis, tis_cap=a.tis_cap)
     if a.load:
         actor.load(a.load)
@@ -132,16 +135,19 @@ def run(a: argparse.Namespace, dims: ParallelDims) -> None:
             dist.barrier()
             actor.save(a.save_dir)
         own = a.own_forward and i == 0
-        steps.append(actor.train_step(batch, loss_cfg, a.mbs, on_policy=own))
+        update = actor.train_step(batch, loss_cfg, a.mbs, on_policy=own)
+        assert update.finite and update.applied and update.grad_norm == update.stats["grad_norm"]
+        steps.append(update.stats)
     # After training (whose forward skips the prompts' logits): every position, both ways.
     # (the whole batch on every rank: the actor's other way, gathering to every rank)
-    after = {"score": score([c.module for c in actor.chunks], whole.tokens, micro_batch_size=a.mbs),
-             "logprobs": actor.logprobs(whole, a.mbs)[0]}  # fmt: skip
+    seqs = whole.row_values("tokens")
+    after = {"score": score([c.module for c in actor.chunks], seqs, micro_batch_size=a.mbs),
+             "logprobs": whole.to_rows(actor.logprobs(whole, a.mbs)[0])}  # fmt: skip
     old, rollout = whole_rows(batch, "old_logprobs"), whole_rows(batch, "rollout_logprobs")
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
             json.dump({"steps": steps, "old": old, "rollout": rollout,
-                       "mask": whole.loss_mask, "adv": whole.advantages, "after": after}, f)  # fmt: skip
+                       "mask": [[int(v) for v in r] for r in whole.row_values("loss_mask")], "adv": whole.row_values("advantages"), "after": after}, f)  # fmt: skip
     dist.barrier()
 
 

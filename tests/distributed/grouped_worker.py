@@ -28,13 +28,13 @@ from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_s
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.model.weights import iter_hf
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import RLBatch, StepBatch
 
 LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-3, clip_grad=0.0, distributed=False)
 
 
-def fixed_batch(spec, n: int = 8) -> RLBatch:
+def fixed_batch(spec, n: int = 8) -> StepBatch:
     """Samples of different lengths; routed experts [len - 1, layers, k], distinct per token."""
     g = torch.Generator().manual_seed(0)
     tokens, masks, experts = [], [], []
@@ -116,8 +116,8 @@ def run_kind(ckpt, dims, layout, grouped: bool, workdir: str) -> dict:
     inputs = ExpertInputs(modules)
     old, _ = actor.logprobs(batch, layout["mbs"])
     inputs.close()
-    batch.old_logprobs = old
-    step = actor.train_step(batch, LOSS, layout["mbs"])
+    batch.set("old_logprobs", old)
+    step = actor.train_step(batch, LOSS, layout["mbs"]).stats
     kept = dict(old=old, step=step, inputs=inputs.seen, grads=per_expert(modules, "grad"), hf=hf)
     kept["kinds"] = sorted({type(m.mlp.experts).__name__ for c in modules for m in c.decoder.layers
                             if hasattr(m.mlp, "experts")})  # fmt: skip
@@ -136,9 +136,9 @@ def run_kind(ckpt, dims, layout, grouped: bool, workdir: str) -> dict:
     return kept
 
 
-def second_step(actor: Actor, batch: RLBatch, layout) -> dict:
+def second_step(actor: Actor, batch: StepBatch, layout) -> dict:
     """A second step (its update uses the Adam moments of the first); the weights after it."""
-    metrics = actor.train_step(batch, LOSS, layout["mbs"])
+    metrics = actor.train_step(batch, LOSS, layout["mbs"]).stats
     return dict(metrics=metrics, params=per_expert([c.module for c in actor.chunks], "param"))
 
 
@@ -160,10 +160,10 @@ def input_diffs(a: dict, b: dict) -> tuple[bool, float]:
     return same, diff
 
 
-def logprob_diff(a: list, b: list) -> float:
-    vals = [abs(x - y) for ra, rb in zip(a, b) if ra is not None for x, y in zip(ra, rb)
-            if x is not None]  # fmt: skip
-    return max(vals, default=0.0)
+def logprob_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference of two flat log-prob tensors where both have one (NaN: none)."""
+    both = ~(a.isnan() | b.isnan())
+    return float((a[both] - b[both]).abs().max()) if both.any() else 0.0
 
 
 def cross_load(ckpt, dims, layout, runs: dict) -> dict:

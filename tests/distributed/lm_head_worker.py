@@ -129,7 +129,8 @@ def actor_steps(ckpt, chunk_tokens: int) -> dict:
     tokens = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
     masks = [[0] * 3 + [1] * (len(t) - 3) for t in tokens]
     batch = RLBatch(tokens, masks, torch.randn(4, generator=g).tolist())
-    steps = [actor.train_step(batch, LossConfig(kind="grpo"), 2, on_policy=True) for _ in range(2)]
+    loss = LossConfig(kind="grpo")
+    steps = [actor.train_step(batch, loss, 2, on_policy=True).stats for _ in range(2)]
     weight = actor.chunks[0].module.output_layer.weight.detach().float().clone()
     return {"steps": steps, "weight": weight, "head": lm_head_of(actor.chunks[0]) is not None}
 

@@ -23,16 +23,17 @@ from megatron_gspo.model.builder import BuildOptions
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import StepBatch
 
 LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
 MINIBATCH = [5, 2, 7, 0]
 
 
-def load_batch(path: str) -> RLBatch:
+def load_batch(path: str) -> StepBatch:
     d = json.loads(open(path).read())
     experts = [np.array(e, dtype=np.int32) for e in d["rollout_experts"]]
-    return RLBatch(d["tokens"], d["loss_mask"], d["advantages"], rollout_experts=experts)
+    return StepBatch.from_rows(d["tokens"], d["loss_mask"], d["advantages"],
+                               rollout_experts=experts)  # fmt: skip
 
 
 class UsedExperts:
@@ -59,27 +60,24 @@ class UsedExperts:
             h.remove()
 
 
-def expert_mismatches(used: UsedExperts, batch: RLBatch, source: str, mbs, sp: bool) -> dict:
+def expert_mismatches(used: UsedExperts, batch: StepBatch, source: str, mbs, sp: bool) -> dict:
     """Per layer: (positions with a stored id, positions whose used experts differ from it).
-    Router token j of a microbatch is row j % b at sequence position offset + j // b, where the
-    offset is this TP rank's slice start under sequence parallelism."""
-    from megatron.core import parallel_state as mpu
+    Router token j of a microbatch is the (sample, position) routing.layout.token_map names:
+    padded [b, s], row j % b at this rank's position j // b; packed [1, t], its sequences'."""
+    from megatron_gspo.routing.layout import current_layout, token_map
 
-    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    layout = current_layout(sp)
     out = {}
     for layer, maps in used.maps.items():
         checked = wrong = 0
         for mb, used_NE in zip(mbs, maps):
-            b, s = mb.tokens.shape
-            s_loc = s // tp if sp else s
-            offset = rank * s_loc if sp else 0
+            rows, pos = token_map(mb, layout)
             for j in range(used_NE.shape[0]):
-                i = int(mb.index[j % b])
+                i, t = int(rows[j]), int(pos[j])
                 if i < 0:
                     continue
                 store = getattr(batch.routing[i], source)
                 col = batch.routing[i].layers.index(layer)
-                t = offset + j // b
                 if t >= store.shape[0]:
                     continue
                 want = set(store[t, col].tolist())
@@ -90,7 +88,7 @@ def expert_mismatches(used: UsedExperts, batch: RLBatch, source: str, mbs, sp: b
     return out
 
 
-def full_recorded(batch: RLBatch) -> list:
+def full_recorded(batch: StepBatch) -> list:
     """Every sample's recorded routing over all MoE layers, gathered from every stage."""
     mine = {}
     for i, s in enumerate(batch.routing):
@@ -117,12 +115,13 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
         moe_grouped_gemm=layout.get("grouped", False),
     )
     chunks = load_policy(checkpoint, dims, opts)
-    actor = Actor(chunks, OptimConfig(lr=layout.get("lr", 1e-3)), routing_replay=mode)
+    actor = Actor(chunks, OptimConfig(lr=layout.get("lr", 1e-3)), routing_replay=mode,
+                  max_tokens_per_microbatch=layout.get("pack"))  # fmt: skip
     mbs = layout["mbs"]
     batch = load_batch(batch_path)
     old, record_metrics = actor.logprobs(batch, mbs)
-    batch.old_logprobs = old
-    step1 = actor.train_step(batch, LOSS, mbs)
+    batch.set("old_logprobs", old)
+    step1 = actor.train_step(batch, LOSS, mbs).stats
     used = UsedExperts(chunks)
     replayed, replay_metrics = actor.replayed_logprobs(batch, mbs)
     used.close()
@@ -132,17 +131,18 @@ def run_mode(checkpoint, batch_path, layout, mode) -> dict:
     local = expert_mismatches(used, batch, source, layout_mbs, sp)
     natural = {}
     if mode == "none":
-        probe = RLBatch(batch.tokens, batch.loss_mask, batch.advantages)
-        natural["natural_logprobs"] = actor.logprobs(probe, mbs)[0]
+        probe = batch.without("old_logprobs", "routing")
+        probe.rollout_experts = None
+        natural["natural_logprobs"] = probe.to_rows(actor.logprobs(probe, mbs)[0])
         natural["natural_recorded"] = full_recorded(probe)
-    step2 = actor.train_step(batch.rows(MINIBATCH), LOSS, mbs)
+    step2 = actor.train_step(batch.rows(MINIBATCH), LOSS, mbs).stats
     checks = [None] * dist.get_world_size()
     dist.all_gather_object(checks, {str(k): v for k, v in local.items()})
     result = {
-        "old": old,
+        "old": batch.to_rows(old),
         "record_metrics": record_metrics,
         "step1": step1,
-        "replayed": replayed,
+        "replayed": batch.to_rows(replayed),
         "replay_metrics": replay_metrics,
         "step2": step2,
         "experts": checks,

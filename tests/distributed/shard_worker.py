@@ -21,14 +21,14 @@ from megatron_gspo.config import load_config
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, OptimConfig
-from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.train.batch import StepBatch
 from megatron_gspo.train.loop import train_on
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_grpo.yaml"
 MODES = ("none", "r2", "r3")
 
 
-def whole_batch(num_layers: int, num_experts: int, topk: int, n: int = 12) -> RLBatch:
+def whole_batch(num_layers: int, num_experts: int, topk: int, n: int = 12) -> StepBatch:
     """Samples of different lengths; rollout log-probs near the policy's scale; the server's
     routing as it sends it: every decoder layer, distinct top-k ids per token (int32)."""
     g = torch.Generator().manual_seed(1)
@@ -43,7 +43,7 @@ def whole_batch(num_layers: int, num_experts: int, topk: int, n: int = 12) -> RL
         ids = np.argsort(rng.random((length - 1, num_layers, num_experts)), axis=-1)[..., :topk]
         experts.append(ids.astype(np.int32))
     adv = torch.randn(n, generator=g).tolist()
-    return RLBatch(tokens, masks, adv, rollout_logprobs=lps, rollout_experts=experts)
+    return StepBatch.from_rows(tokens, masks, adv, rollout_logprobs=lps, rollout_experts=experts)
 
 
 class ObjectCollectives:
@@ -101,8 +101,9 @@ def main() -> None:
         spec = actor.spec
         whole = whole_batch(spec.num_layers, spec.num_experts, spec.topk)
         with ObjectCollectives() as seen:
-            metrics = train_on(actor, whole if dist.get_rank() == 0 else None, cfg, 1, len(whole))
-        per_token_bytes = sum(len(t) for t in whole.tokens) * (4 + 1 + 4 + 1)
+            metrics, _ = train_on(actor, whole if dist.get_rank() == 0 else None, cfg, 1,
+                                  len(whole))  # fmt: skip
+        per_token_bytes = whole.num_tokens * (4 + 1 + 4)  # tokens, mask, rollout log-probs
         per_token_bytes += sum(e.nbytes for e in whole.rollout_experts or [])
         results[mode] = {
             "metrics": metrics,

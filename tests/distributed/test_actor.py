@@ -66,8 +66,17 @@ RESUME = {  # name: (the save it resumes, resume layout)
     "distopt-ep2-to-pp2xep2": ("distopt-ep2", "pp2xep2"),
 }
 
+PACK = ("--pack", "40")  # tokens per packed microbatch: 2-3 of the batch's 6-20 token rows
+PACKED = ("grpo", "gspo")
+
 JOBS: dict[str, Job] = {  # (a layout's jobs run in this order: a save before its resumes)
     "reference": Job("single", 8),  # TP1, one process, the whole batch in one microbatch
+    "reference/gspo": Job("single", 8, kind="gspo"),
+    **{
+        f"pack/{kind}/{name}": Job(group, mbs, PACK, kind=kind)
+        for name, (group, mbs) in LAYOUTS.items()
+        for kind in PACKED
+    },
     **{f"layout/{name}": Job(group, mbs) for name, (group, mbs) in LAYOUTS.items()},
     "fit": Job("single", 2, ("--fit-logits",)),
     **{
@@ -174,6 +183,27 @@ def test_reference_step_is_meaningful(reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_gives_the_same_step(runs, reference, layout):
     assert_same_steps(runs[f"layout/{layout}"], reference)
+
+
+@pytest.mark.parametrize("kind", PACKED)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_microbatches_give_the_padded_step(runs, layout, kind):
+    """Sequences packed into microbatches of at most 40 tokens (THD), under every layout: the
+    loss, gradient norm and clip statistics of the padded reference (one microbatch of all 8
+    rows), and the updated weights' log-probs of every token (scored by the padded path)."""
+    got, ref = (
+        runs[f"pack/{kind}/{layout}"],
+        runs["reference" if kind == "grpo" else "reference/gspo"],
+    )
+    assert_same_steps(got, ref)
+    flat = [(g, r) for gs, rs in zip(got["after"]["score"], ref["after"]["score"])
+            for g, r in zip(gs, rs) if r is not None]  # fmt: skip
+    assert [g for g, _ in flat] == pytest.approx([r for _, r in flat], rel=1e-5, abs=1e-6)
+    # the packed forward of the whole batch scores every token as the padded path does
+    both = [(g, r) for gs, rs in zip(got["after"]["logprobs"], got["after"]["score"])
+            for g, r in zip(gs, rs) if r is not None]  # fmt: skip
+    assert None not in [g for g, _ in both]
+    assert [g for g, _ in both] == pytest.approx([r for _, r in both], rel=1e-5, abs=1e-6)
 
 
 def test_fitted_forward_scores_the_batch_in_one_microbatch(runs, reference):

@@ -1,7 +1,8 @@
 """Routing replay (R2, R3) under TP1, TP2 (+SP), EP2, PP2, PP2xVPP2, TP2xEP2 (also with grouped
 experts), with and without activation recompute (PP, where several forwards run before their
 backwards), on a model whose first layer is dense and a batch of samples of different lengths
-(gloo, 4 ranks, every layout in one launch).
+(gloo, 4 ranks, every layout in one launch), padded and packed (THD microbatches under a token
+budget).
 
 R3's routed experts come from the built-in rollout server serving checkpoint A; the trainer loads
 B, A with its router weights perturbed, so its natural routing differs from the server's and
@@ -42,6 +43,9 @@ PLAN = [  # 4 ranks: every layout has data-parallel replicas too
     {"name": "grouped-tp2xep2-recompute", "tp": 2, "pp": 1, "ep": 2, "mbs": 2, "grouped": True,
      "recompute": True},
 ]  # fmt: skip
+# The same layouts with sequences packed into microbatches of at most 24 tokens (THD; the
+# samples have 9-14): every check below holds packed as padded, against the padded tp1.
+PLAN += [dict(layout, name=f"{layout['name']}-packed", pack=24) for layout in PLAN]
 REF = "tp1"
 # Layouts that also run mode "none" (training routes naturally), for the drift split: one
 # process, sequence parallel (each TP rank routes part of the tokens), two pipeline stages (a

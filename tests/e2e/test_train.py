@@ -92,6 +92,25 @@ def test_tiny_config_runs(config, task_model, tmp_path):
     assert (run_dir / "checkpoints" / "step_2" / "trainer_state.json").is_file()
     assert (run_dir / "config.yaml").is_file()
     assert not list((run_dir / "checkpoints").glob(".*tmp"))
+    # the same run with padded microbatches (train.pack=false): the same steps
+    padded_dir = tmp_path / "padded"
+    rc, out = train(config, padded_dir, task_model, "train.pack=false")
+    assert rc == 0, out[-3000:]
+    assert_same_metrics(rows, metrics(padded_dir))
+
+
+SAME = ("reward/mean", "loss/policy", "grad_norm", "ratio/mean", "ratio/max", "kl/old", "entropy",
+        "ratio/clip_fraction_tokens", "response/length_mean")  # fmt: skip
+
+
+def assert_same_metrics(packed: list[dict], padded: list[dict]) -> None:
+    """Packed and padded runs: the same rollouts (the same weights drew them) and the same
+    updates to float rounding (1e-5 relative; a clip fraction may not move a whole token)."""
+    assert [r["step"] for r in packed] == [r["step"] for r in padded]
+    for p, q in zip(packed[1:], padded[1:]):
+        for key in SAME:
+            assert p[key] == pytest.approx(q[key], rel=1e-5, abs=1e-7), (p["step"], key)
+        assert p["train/padding_fraction"] == 0.0 < q["train/padding_fraction"]
 
 
 def test_bf16_servers_open_a_train_inference_gap_that_r3_measures(task_model, tmp_path):

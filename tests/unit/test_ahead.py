@@ -41,7 +41,7 @@ class Recorder:
 
 class _Collected:
     def __init__(self, step):
-        self.step, self.metrics = step, {"time/rollout_s": 0.5}
+        self.step, self.metrics, self.generation_s = step, {}, 0.5
 
 
 class Untouchable:

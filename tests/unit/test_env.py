@@ -174,12 +174,14 @@ def test_an_episode_is_scored_by_its_environment_else_reward_fn_on_its_last_turn
 def test_an_episode_becomes_a_row_with_the_environment_masked_out():
     s = _sample([5, 6, 7, 8, 9], [1, 1, 0, 0, 1], logprobs=[-0.1, -0.2, None, None, -0.3])
     batch = _to_batch([s, _sample([5, 6], logprobs=[-1.0, -2.0])], [1.0, -1.0])
-    assert batch.tokens == [[1, 2, 5, 6, 7, 8, 9], [1, 2, 5, 6]]
-    assert batch.loss_mask == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 1]]
-    assert batch.rollout_logprobs == [
-        [None, None, -0.1, -0.2, None, None, -0.3],
-        [None, None, -1.0, -2.0],
-    ]
+    assert batch.row_values("tokens") == [[1, 2, 5, 6, 7, 8, 9], [1, 2, 5, 6]]
+    assert batch.row_values("loss_mask") == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 1]]
+    want = [[None, None, -0.1, -0.2, None, None, -0.3], [None, None, -1.0, -2.0]]
+    got = batch.row_values("rollout_logprobs")  # (float32)
+    assert [[v is None for v in r] for r in got] == [[v is None for v in r] for r in want]
+    assert [v for r in got for v in r if v is not None] == pytest.approx(
+        [v for r in want for v in r if v is not None]
+    )
 
 
 @pytest.mark.parametrize("kind", ["gspo", "gspo_token", "grpo"])

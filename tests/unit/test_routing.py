@@ -1,13 +1,15 @@
 """Routing replay pieces without megatron: token layout, storage, R3 alignment, metrics."""
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.routing import align_rollout_experts, bytes_per_token, index_dtype
-from megatron_gspo.routing.layout import TokenLayout
+from megatron_gspo.routing.layout import TokenLayout, token_map
 from megatron_gspo.routing.metrics import fraction_metrics
 from megatron_gspo.routing.storage import microbatch_targets
 
@@ -48,8 +50,11 @@ def test_microbatch_targets_in_router_token_order():
     a = np.arange(5 * 3 * k).reshape(5, 3, k).astype(np.uint8)  # 5 tokens, 3 layers
     b = (100 + np.arange(3 * 3 * k)).reshape(3, 3, k).astype(np.uint8)  # 3 tokens
     rows = [a, None, b]  # row 1 is an empty row
-    positions = np.array([2, 3, 4, 5])  # e.g. TP rank 1 of 2 with s = 8
-    got = microbatch_targets(rows, [2, 0], positions, k).numpy()
+    positions = np.array([0, 1, 2, 3])  # TP rank 0 of 2 with s = 8
+    mb = SimpleNamespace(tokens=torch.zeros((3, 8)), index=torch.tensor([7, -1, 9]))
+    rows_N, pos_N = token_map(mb, TokenLayout(tp_rank=0, tp=2, sequence_parallel=True))
+    arrays = {7: a, 9: b}
+    got = microbatch_targets(arrays, rows_N, pos_N, [2, 0], k).numpy()
     assert got.shape == (2, len(positions) * 3, k)
     for j in range(len(positions) * 3):
         t, r = positions[j // 3], j % 3
@@ -57,6 +62,19 @@ def test_microbatch_targets_in_router_token_order():
             arr = rows[r]
             want = arr[t, col] if arr is not None and t < len(arr) else [-1, -1]
             assert got[li, j].tolist() == list(want), (li, j)
+
+
+def test_a_packed_microbatch_maps_its_tokens_to_its_sequences():
+    """Packed [1, t]: sequences of 3 and 4 tokens, a tail of 1; SP rank 1 of 2 sees 4..7."""
+    from megatron_gspo.train.packing import PackedMicrobatch
+
+    mb = PackedMicrobatch(
+        torch.zeros((1, 8)), torch.zeros((2, 3)), torch.zeros(2), None, None,
+        torch.tensor([5, 2]), torch.tensor([3, 4]), 0, torch.tensor([0, 3, 7, 8]), 4,
+    )  # fmt: skip
+    rows_N, pos_N = token_map(mb, TokenLayout(tp_rank=1, tp=2, sequence_parallel=True))
+    assert rows_N.tolist() == [2, 2, 2, -1] and pos_N.tolist() == [1, 2, 3, -1]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
 
 
 def rollout(n_rows, n_layers, k=2, experts=8, seed=0):

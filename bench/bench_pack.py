@@ -1,0 +1,184 @@
+"""The training phase with packed token-budget microbatches against padded ones, side by side.
+
+The model and the update are the TRL comparison's `small` cycle (bench_rl_step.py: Qwen3-MoE
+~90M params, 32 experts top-2, fp32; GSPO, clip 3e-4/4e-4; 64 samples = 8 prompts x 8, old
+log-probs then 4 minibatch updates of 16, `train.micro_batch_size` 16). One training phase is
+what the RL loop runs (`train_on`): old log-probs, then the 4 updates. Padded: 16 rows per
+microbatch, padded to the step's longest sequence. Packed: whole sequences in microbatches of at
+most `16 x (prompt + max answer)` tokens, the same budget a padded microbatch has.
+
+Two length draws of the answers (prompts: 24 tokens; answers at most 128 new tokens):
+  - cycle:     the small cycle's own: nearly every answer at the limit (the cycle measured 126.6
+               of 128 tokens on average; drawn here as 95% at 128, the rest uniform in 64..128)
+  - long-tail: one answer in ten at the maximum, the rest at a quarter of it (32)
+Per draw, the two variants alternate `--reps` times (each rep a fresh actor on the same
+weights); the median training-phase seconds are reported as tokens/s (the batch's real tokens,
+prompt + answer, trained per second), the padding fraction of the microbatches (padding / token
+slots), and the training phase's model FLOP rate (the useful tokens' FLOPs: 6 x active params
+per token for each update, 2 x for the old-log-prob forward, plus causal attention) against a
+plain fp32 torch matmul's rate measured in the same run (this CPU's practical ceiling).
+
+Goals (issue 43): >= 1.5x tokens/s packed on the long tail, with padding fraction <= 5%; packed
+FLOP rate >= 0.7x the matmul's.
+
+    .venv/bin/python bench/bench_pack.py [--reps 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+PROMPT, MAX_NEW, ROWS, MINIBATCHES, MBS = 24, 128, 64, 4, 16
+
+
+def draw(kind: str, seed: int = 0) -> list[int]:
+    """Answer lengths of the 64 samples."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(ROWS, generator=g)
+    if kind == "cycle":
+        short = torch.randint(64, MAX_NEW + 1, (ROWS,), generator=g)
+        return [MAX_NEW if u[i] < 0.95 else int(short[i]) for i in range(ROWS)]
+    return [MAX_NEW if i % 10 == 0 else MAX_NEW // 4 for i in range(ROWS)]
+
+
+def make_batch(answers: list[int], vocab: int):
+    from megatron_gspo.train.batch import StepBatch
+
+    g = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(1, vocab, (PROMPT + n,), generator=g).tolist() for n in answers]
+    mask = [[0] * PROMPT + [1] * n for n in answers]
+    adv = torch.randn(ROWS, generator=g).tolist()
+    roll = [[None] * PROMPT + [-2.0] * n for n in answers]
+    return StepBatch.from_rows(tokens, mask, adv, rollout_logprobs=roll)
+
+
+def config(budget: int | None):
+    from bench_rl_step import CLIP_HIGH, CLIP_LOW, LR
+
+    from megatron_gspo.config import load_config
+
+    return load_config(ROOT / "configs" / "tiny_moe_gspo.yaml", [
+        "algo.loss=gspo", f"algo.clip_low={CLIP_LOW}", f"algo.clip_high={CLIP_HIGH}",
+        f"algo.minibatches={MINIBATCHES}", "algo.routing_replay=none", f"optim.lr={LR}",
+        f"train.micro_batch_size={MBS}", f"train.pack={budget is not None}",
+        f"train.max_tokens_per_microbatch={budget or 1}",
+    ])  # fmt: skip
+
+
+def phase(model: Path, batch, budget: int | None) -> tuple[float, float]:
+    """One training phase on a fresh actor: (seconds, padding fraction)."""
+    from megatron_gspo.model.builder import BuildOptions
+    from megatron_gspo.model.parallel import ParallelDims
+    from megatron_gspo.model.policy import load_policy
+    from megatron_gspo.train.actor import Actor, OptimConfig
+    from megatron_gspo.train.loop import train_on
+
+    cfg = config(budget)
+    actor = Actor(load_policy(model, ParallelDims(), BuildOptions()), OptimConfig(lr=cfg.optim.lr),
+                  max_tokens_per_microbatch=budget)  # fmt: skip
+    fresh = batch.without("old_logprobs")
+    t0 = time.perf_counter()
+    metrics, updates = train_on(actor, fresh, cfg, 1, len(fresh))
+    seconds = time.perf_counter() - t0
+    assert all(u.finite for u in updates)
+    return seconds, metrics["train/padding_fraction"]
+
+
+def active_params(spec) -> int:
+    """Parameters one token passes through (attention, router, top-k experts, LM head)."""
+    h, d = spec.hidden, spec.head_dim
+    attn = h * d * (2 * spec.heads + 2 * spec.kv_heads)
+    mlp = 3 * h * spec.moe_ffn * spec.topk + h * spec.experts
+    return spec.layers * (attn + mlp) + h * spec.vocab_size
+
+
+def model_flops(spec, lengths: list[int]) -> float:
+    """The phase's useful FLOPs: 4 updates (forward + backward, 6 per active param and token)
+    and the old-log-prob forward (2), each over the batch once; causal attention 2 x 2 x
+    (heads x head_dim) per key a query sees, times 3 for backward."""
+    tokens = sum(lengths)
+    dense = (6 + 2) * active_params(spec) * tokens
+    keys = sum(n * (n + 1) / 2 for n in lengths)
+    attn = 4 * spec.heads * spec.head_dim * keys * spec.layers * (3 + 1)
+    return dense + attn
+
+
+def matmul_rate(seconds: float = 2.0) -> float:
+    """FLOP/s of a plain fp32 torch matmul of this model's shapes (tokens x hidden x ffn)."""
+    a, b = torch.randn(2048, 512), torch.randn(512, 1024)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return n * 2 * 2048 * 512 * 1024 / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    from bench_rl_step import SIZES
+
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.model.parallel import ParallelDims, init_distributed
+
+    spec = TinySpec(**SIZES["small"].spec)
+    model = make_tiny_model(spec, Path(tempfile.mkdtemp()) / "small")
+    init_distributed(ParallelDims())
+    budget = MBS * (PROMPT + MAX_NEW)
+    print(f"small model: {active_params(spec) / 1e6:.1f}M active params per token; 64 samples, "
+          f"prompts {PROMPT}, answers <= {MAX_NEW}; packed budget {budget} tokens; "
+          f"{a.threads} thread(s)")  # fmt: skip
+    out = {}
+    for kind in ("cycle", "long-tail"):
+        answers = draw(kind)
+        batch = make_batch(answers, spec.vocab_size)
+        lengths = batch.lengths.tolist()
+        runs: dict[str, list] = {"padded": [], "packed": []}
+        for _ in range(a.reps):
+            for name, b in (("padded", None), ("packed", budget)):
+                runs[name].append(phase(model, batch, b))
+        rate = matmul_rate()
+        row = {}
+        for name, rs in runs.items():
+            s = statistics.median(r[0] for r in rs)
+            row[name] = {"seconds": s, "tokens_per_s": sum(lengths) / s, "padding": rs[0][1],
+                         "flop_rate": model_flops(spec, lengths) / s}  # fmt: skip
+        row["speedup"] = row["packed"]["tokens_per_s"] / row["padded"]["tokens_per_s"]
+        row["matmul_flop_rate"] = rate
+        out[kind] = row
+        mean = sum(answers) / len(answers)
+        print(f"\n{kind}: answers mean {mean:.1f} tokens, {sum(lengths)} tokens in the batch")
+        print("variant | phase s (median) | tokens/s | padding fraction | model GFLOP/s | / matmul")
+        for name in ("padded", "packed"):
+            r = row[name]
+            print(f"{name} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['padding']:.3f} | "
+                  f"{r['flop_rate'] / 1e9:.2f} | {r['flop_rate'] / rate:.2f}x")  # fmt: skip
+        print(f"packed / padded tokens/s: {row['speedup']:.2f}x; matmul {rate / 1e9:.2f} GFLOP/s")
+    tail = out["long-tail"]
+    print(f"\ngoals: long tail >= 1.5x: {tail['speedup']:.2f}x; padding <= 5%: "
+          f"{tail['packed']['padding']:.1%}; packed FLOP rate >= 0.7x matmul: "
+          f"{tail['packed']['flop_rate'] / tail['matmul_flop_rate']:.2f}x")  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    main()
