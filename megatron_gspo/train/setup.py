@@ -90,7 +90,7 @@ class TrainerSetup:
             recompute="full" if m.recompute else None,
             routing_replay=True,
         )
-        chunks = load_policy(m.path, dims, opts)
+        chunks = load_policy(m.path, dims, opts, self.cfg.lora, self.cfg.seed)
         return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay)
 
     def sampler(self, n_rows: int):
