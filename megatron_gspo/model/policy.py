@@ -9,6 +9,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.hf.io import HFReader
 from megatron_gspo.model import checkpoint as mckpt
+from megatron_gspo.model import lora_ckpt
 from megatron_gspo.model.builder import BuildOptions, build_model
 from megatron_gspo.model.lora import LoraConfig
 from megatron_gspo.model.lora_apply import apply_lora
@@ -58,6 +59,8 @@ def load_policy(
         )
         chunks = build_model(spec, dims, opts)
         mckpt.load_model(chunks, Path(path) / "model")
-    if lora is not None:
-        apply_lora(chunks, lora, seed)
+    if lora is not None and apply_lora(chunks, lora, seed):
+        rec = lora_ckpt.record(path, lora)  # the base a checkpoint of adapters needs
+        for chunk in chunks:
+            chunk.lora_record = rec
     return chunks

@@ -6,6 +6,7 @@ torchrun --nproc-per-node N tests/distributed/lora_worker.py CKPT OUT.pt [--tp .
 """
 
 import argparse
+import os
 import sys
 import zlib
 
@@ -53,9 +54,42 @@ def main(argv: list[str]) -> None:
     ap.add_argument("out")
     for axis in ("tp", "pp", "ep"):
         ap.add_argument(f"--{axis}", type=int, default=1)
+    ap.add_argument("--resume", default=None, help="check save + resume in this directory")
     a = ap.parse_args(argv)
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
+    if a.resume:
+        resume(a, dims)
+    else:
+        compare(a, dims)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resume(a, dims) -> None:
+    """Three steps straight vs two, a checkpoint, a fresh actor loading it, the third: the same
+    log-probs after (exact); the checkpoint holds no base weight."""
+    batch = fixed_batch()
+    loss_cfg = LossConfig(kind="gspo", clip_low=0.2, clip_high=0.28)
+    runs = []
+    for fresh in (False, True):
+        actor = Actor(load_policy(a.checkpoint, dims, lora=LORA), OptimConfig(lr=1e-2))
+        for i in range(3):
+            if fresh and i == 2:
+                actor = Actor(load_policy(a.checkpoint, dims, lora=LORA), OptimConfig(lr=1e-2))
+                actor.load(a.resume)
+            elif not fresh and i == 2:
+                if dist.get_rank() == 0:
+                    os.makedirs(a.resume)
+                dist.barrier()
+                actor.save(a.resume)
+            actor.train_step(batch, loss_cfg, 4, on_policy=True)
+        runs.append(actor.logprobs(batch, 4)[0])
+    if dist.get_rank() == 0:
+        torch.save(dict(straight=runs[0], resumed=runs[1]), a.out)
+
+
+def compare(a, dims) -> None:
     chunks = load_policy(a.checkpoint, dims, lora=LORA)
     set_b(chunks)
     trainable = [n for c in chunks for n, p in c.named_parameters() if p.requires_grad]
@@ -76,8 +110,6 @@ def main(argv: list[str]) -> None:
         merged_all = {k: v for p in parts for k, v in p.items()}
         torch.save(dict(logprobs=logprobs, values=values, grads=grads, merged=merged_all,
                         grad_norm=metrics["grad_norm"]), a.out)  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

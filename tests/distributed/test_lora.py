@@ -96,3 +96,19 @@ def test_lora_matches_peft(layout, tiny_models, tmp_path, monkeypatch):
     assert set(got["merged"]) <= set(merged)
     for name, t in got["merged"].items():
         torch.testing.assert_close(t, merged[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2xep2"])
+def test_lora_checkpoint_resumes_exactly_without_the_base(layout, tiny_models, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    nproc, flags = LAYOUTS[layout]
+    out, ckpt = tmp_path / "out.pt", tmp_path / "ckpt"
+    run_distributed(WORKER, nproc, str(tiny_models["moe"]), str(out), *flags,
+                    "--resume", str(ckpt), out=None)  # fmt: skip
+    got = torch.load(out)
+    assert got["straight"] == got["resumed"]
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.endswith((".weight", ".A")) or ".B." in k]
+    assert weights and all("_lora." in k for k in weights), weights[:5]
+    assert (ckpt / "lora.json").is_file()
