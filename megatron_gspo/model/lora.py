@@ -286,6 +286,10 @@ def merged_weight(param: torch.Tensor) -> torch.Tensor:
         return w + adapter.delta_weight().to(w.dtype)
 
 
+def has_adapter(param: torch.Tensor) -> bool:
+    return getattr(param, "lora_adapter", None) is not None
+
+
 def is_lora_param(name: str) -> bool:
     return "_lora." in name
 
