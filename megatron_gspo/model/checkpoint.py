@@ -200,11 +200,11 @@ def load_model(chunks, directory: str | Path) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot read dist-checkpoint {directory} ({first}); re-copy it") from e
     for i, chunk in enumerate(chunks):
-        _take_over(chunk, state[f"model{i}"], directory)
+        take_over(chunk, state[f"model{i}"], directory)
 
 
 @torch.no_grad()
-def _take_over(chunk, state: dict, directory, copy: bool = False, keep=None) -> None:
+def take_over(chunk, state: dict, directory, copy: bool = False, keep=None) -> None:
     """Point each parameter at its loaded tensor (no second copy). Unlike
     `load_state_dict(assign=True)` this keeps the Parameter objects and the attributes megatron
     set on them (tensor_model_parallel, sequence_parallel, ...). With `copy`, copy into the
@@ -229,3 +229,6 @@ def _take_over(chunk, state: dict, directory, copy: bool = False, keep=None) -> 
             p.copy_(t)
         else:
             p.data = t.to(p.dtype).contiguous()
+
+
+_take_over = take_over  # its former name

@@ -31,9 +31,10 @@ _MODULES = {
 }
 
 
-def peft_config(cfg: LoraConfig) -> dict:
-    """PEFT LoraConfig keyword arguments for the same adapters."""
-    targets = set(cfg.targets)
+def peft_config(cfg: LoraConfig, dense: bool = True) -> dict:
+    """PEFT LoraConfig keyword arguments for the same adapters. `dense=False` (every layer MoE)
+    leaves out the dense MLP's names, which PEFT would otherwise turn into expert targets."""
+    targets = set(cfg.targets) - (set() if dense else {Target.FC1, Target.FC2})
     modules = [m.rpartition(".")[2] for t, ms in _MODULES.items() if t in targets for m in ms]
     params = [p for t, p in ((Target.EXPERT_FC1, "experts.gate_up_proj"),
                              (Target.EXPERT_FC2, "experts.down_proj")) if t in targets]  # fmt: skip

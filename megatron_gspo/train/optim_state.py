@@ -210,7 +210,7 @@ def load_actor(chunks, optimizer, directory) -> None:
     """Load `save_actor`'s checkpoint under any layout and either optimizer kind (collective)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_gspo.model.checkpoint import _take_over
+    from megatron_gspo.model.checkpoint import take_over
 
     lora_ckpt.check(directory, [c.module for c in chunks])
     state = dist_checkpointing.load(
@@ -219,5 +219,5 @@ def load_actor(chunks, optimizer, directory) -> None:
     modules = [c.module for c in chunks]
     for i, c in enumerate(modules):
         keep = is_lora_param if lora_ckpt.lora_record(modules) is not None else None
-        _take_over(c, state["model"][f"model{i}"], directory, copy=True, keep=keep)
+        take_over(c, state["model"][f"model{i}"], directory, copy=True, keep=keep)
     restore(optimizer, modules, state["optimizer"])

@@ -21,6 +21,7 @@ from megatron_gspo.model.policy import load_policy
 from megatron_gspo.model.weights import iter_hf
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
 from megatron_gspo.train.batch import RLBatch
+from megatron_gspo.weight_sync.gather import iter_stage
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -83,10 +84,11 @@ def resume(a, dims) -> None:
                     os.makedirs(a.resume)
                 dist.barrier()
                 actor.save(a.resume)
+                at_save = actor.logprobs(batch, 4)[0]
             actor.train_step(batch, loss_cfg, 4, on_policy=True)
         runs.append(actor.logprobs(batch, 4)[0])
     if dist.get_rank() == 0:
-        torch.save(dict(straight=runs[0], resumed=runs[1]), a.out)
+        torch.save(dict(straight=runs[0], resumed=runs[1], at_save=at_save), a.out)
 
 
 def compare(a, dims) -> None:
@@ -97,6 +99,7 @@ def compare(a, dims) -> None:
     merged = {}
     for name, t in iter_hf(chunks):
         merged[name] = t.clone()
+    changed = [name for name, _ in iter_stage(chunks, changed_only=True)]  # a LoRA sync's
     actor = Actor(chunks, OptimConfig(lr=1e-30, clip_grad=0.0, distributed=False))
     batch = fixed_batch()
     logprobs, _ = actor.logprobs(batch, 4)
@@ -105,10 +108,11 @@ def compare(a, dims) -> None:
     values = peft_tensors(all_factors(actor.chunks), LORA)
     grads = peft_tensors(all_factors(actor.chunks, grads=True), LORA)
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, merged)
+    dist.all_gather_object(parts, (merged, changed))
     if dist.get_rank() == 0:
-        merged_all = {k: v for p in parts for k, v in p.items()}
-        torch.save(dict(logprobs=logprobs, values=values, grads=grads, merged=merged_all,
+        merged_all = {k: v for p in parts for k, v in p[0].items()}
+        changed_all = sorted(n for p in parts for n in p[1])
+        torch.save(dict(logprobs=logprobs, values=values, grads=grads, merged=merged_all, changed=changed_all,
                         grad_norm=metrics["grad_norm"]), a.out)  # fmt: skip
 
 

@@ -15,7 +15,7 @@ import torch
 from megatron_gspo.algo import loss_denominator, policy_loss
 from megatron_gspo.model.lora_peft import peft_config
 from tests.distributed.lora_worker import LORA, fixed_batch
-from tests.helpers import run_distributed
+from tests.helpers import hf_token_logprobs, run_cli, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -96,6 +96,11 @@ def test_lora_matches_peft(layout, tiny_models, tmp_path, monkeypatch):
     assert set(got["merged"]) <= set(merged)
     for name, t in got["merged"].items():
         torch.testing.assert_close(t, merged[name], atol=1e-6, rtol=0, msg=name)
+    # a sync after the first sends the adapted tensors only: every attention and MLP
+    # projection, no embedding, norm or router
+    adapted = ("_proj.weight",)
+    assert got["changed"] == sorted(n for n in got["merged"] if n.endswith(adapted))
+    assert len(got["changed"]) < len(got["merged"])
 
 
 @pytest.mark.parametrize("layout", ["single", "tp2xep2"])
@@ -112,3 +117,29 @@ def test_lora_checkpoint_resumes_exactly_without_the_base(layout, tiny_models, t
     weights = [k for k in keys if k.endswith((".weight", ".A")) or ".B." in k]
     assert weights and all("_lora." in k for k in weights), weights[:5]
     assert (ckpt / "lora.json").is_file()
+
+
+def test_convert_exports_the_merged_model_and_a_peft_adapter(tiny_models, tmp_path):
+    """A checkpoint saved under EP2, exported on one rank: the merged HF model and PEFT's
+    loading of the adapter onto the base both give the trainer's log-probs at the save."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, out, step = tiny_models["moe_all"], tmp_path / "out.pt", tmp_path / "step_2"
+    run_distributed(WORKER, 2, str(base), str(out), "--ep", "2", "--resume", str(step / "model"),
+                    out=None)  # fmt: skip
+    want = [torch.tensor(r[1:]) for r in torch.load(out)["at_save"]]
+    hf = tmp_path / "hf"
+    proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(hf)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seqs = fixed_batch().tokens
+    for mine, ref in zip(hf_token_logprobs(hf, seqs), want):
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)
+    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), hf / "adapter")
+    with torch.no_grad():
+        for tokens, ref in zip(seqs, want):
+            logp = pm(torch.tensor([tokens])).logits[0].log_softmax(-1)[:-1]
+            got = logp.gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    untrained = hf_token_logprobs(base, seqs)
+    assert max((a - b).abs().max() for a, b in zip(untrained, want)) > 1e-3  # it moved
