@@ -139,7 +139,7 @@ class LoraAdapter(nn.Module):
             Kind.COLUMN,
             Kind.ROW,
         )
-        weight = base.weight
+        weight: torch.Tensor = base.weight  # type: ignore[assignment]
         row_split = site.kind in (Kind.ROW, Kind.EXPERT_ROW)
         blocks = 1 + max(a for a, _ in site.parts)
         a_full = _init_a(blocks * self.r, site.in_full, seed, site.name, weight.device)
@@ -159,9 +159,9 @@ class LoraAdapter(nn.Module):
             set_tensor_model_parallel_attributes(p, True, 1 if row_split else 0, 1)
         replicated = list(self.B) if row_split else [self.A]
         for p in replicated:
-            p.sequence_parallel = self.sp  # a partial sum over sequence shards under SP
-        for p in self.parameters():
-            p.allreduce = getattr(weight, "allreduce", True)  # False: an expert's (EP) param
+            p.sequence_parallel = self.sp  # type: ignore[union-attr,attr-defined]  # SP: partial sums
+        for p in self.parameters():  # allreduce False: an expert's param under EP (DDP's mark)
+            p.allreduce = getattr(weight, "allreduce", True)  # type: ignore[attr-defined]
 
     def b_block(self) -> torch.Tensor:
         """B_blk [out_local, blocks * r]: each part's B in its A block's columns, rows in the
@@ -312,12 +312,13 @@ def attach(parent: nn.Module, child: str, site: Site, cfg: LoraConfig, seed: int
 def _adapter_input(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The input the base weight multiplies: Transformer Engine's LayerNorm-fused column linear
     normalizes inside, so its RMSNorm (weight, eps; zero-centred gamma) is applied here."""
-    w = getattr(base, "layer_norm_weight", None)
+    w: torch.Tensor | None = getattr(base, "layer_norm_weight", None)
     if w is None:
         return x
     if getattr(base, "normalization", "RMSNorm") != "RMSNorm":
         raise UserError("LoRA on a LayerNorm-fused linear supports RMSNorm only")
     gamma = w + 1 if getattr(base, "zero_centered_gamma", False) else w
     xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + base.eps)
+    eps: float = getattr(base, "eps", 1e-6)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * gamma.float()).to(x.dtype)

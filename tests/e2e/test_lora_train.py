@@ -36,5 +36,6 @@ def test_resuming_lora_on_another_base_is_refused(task_model, tmp_path):  # noqa
     run = tmp_path / "run"
     rc, out = train(CONFIG, run, task_model, steps=1)
     assert rc == 0, out[-3000:]
-    rc, out = train(CONFIG, run, task_model, "--resume", "lora.rank=0", steps=2)
+    rc, out = train(CONFIG, run, task_model, "--resume", "--allow-config-change", "lora.rank=0",
+                    steps=2)  # fmt: skip
     assert rc != 0 and "holds LoRA adapters; set lora.rank" in out, out[-2000:]
