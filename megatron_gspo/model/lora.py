@@ -67,7 +67,12 @@ class Target(StrEnum):
 
 
 class ExpertAdapters(StrEnum):
-    PER_EXPERT = "per_expert"  # one adapter per expert (PEFT's target_parameters on MoE)
+    """One adapter per expert: what PEFT (`target_parameters` on 3-D expert tensors), prime-rl
+    (grouped LoRA, A [E, r, in]) and Megatron-Bridge (an adapter on each expert linear) do. An
+    adapter shared by a layer's experts is not offered: it would need its gradient reduced
+    across EP ranks outside megatron's expert/dense split, for a model few runs use."""
+
+    PER_EXPERT = "per_expert"
 
 
 @dataclass
