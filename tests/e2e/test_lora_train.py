@@ -39,3 +39,18 @@ def test_resuming_lora_on_another_base_is_refused(task_model, tmp_path):  # noqa
     rc, out = train(CONFIG, run, task_model, "--resume", "--allow-config-change", "lora.rank=0",
                     steps=2)  # fmt: skip
     assert rc != 0 and "holds LoRA adapters; set lora.rank" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("config", ["tiny_moe_grpo_r2.yaml", "tiny_moe_grpo_r3.yaml"])
+def test_lora_with_routing_replay(config, task_model, tmp_path):  # noqa: F811
+    """GRPO with R2 / R3 replays routing through a frozen router as with full weights."""
+    run = tmp_path / "run"
+    rc, out = train(config, run, task_model, "lora.rank=8", "lora.alpha=16", steps=2)
+    assert rc == 0, out[-3000:]
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert r["mismatch/logprob_abs_diff"] < 1e-5, r
+        assert "routing/changed_fraction" in r, sorted(r)
+    if config.endswith("r3.yaml"):
+        assert all("routing/rollout_train_agreement" in r for r in rows[1:])
