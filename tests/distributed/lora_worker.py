@@ -55,9 +55,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("out")
     for axis in ("tp", "pp", "ep"):
         ap.add_argument(f"--{axis}", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--resume", default=None, help="check save + resume in this directory")
     a = ap.parse_args(argv)
-    dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
+    dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
     init_distributed(dims)
     if a.resume:
         resume(a, dims)

@@ -1,7 +1,7 @@
 """LoRA on the tiny MoE (a dense layer, then MoE) against PEFT on the HF model: the same adapter
 weights give the same token log-probs, the same adapter gradients of an on-policy GSPO step
 (1e-5), and the weight sync's merged HF tensors equal PEFT's merge_and_unload, on 1 rank and under
-TP2 (+SP, expert-TP 2), EP2, PP2 and TP2xEP2 (gloo).
+TP2 (+SP, expert-TP 2), EP2, PP2, PP2 x VPP2 and TP2xEP2 (gloo).
 
 PEFT 0.21 rewrites target_modules named gate_proj/up_proj/down_proj into expert targets for
 Qwen3-MoE (a transformers-4 adapter conversion) and so drops the dense layer's MLP adapters; the
@@ -26,6 +26,7 @@ LAYOUTS = {
     "ep2": (2, ["--ep", "2"]),
     "pp2": (2, ["--pp", "2"]),
     "tp2xep2": (4, ["--tp", "2", "--ep", "2"]),
+    "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),  # on moe4 (4 layers, unnormalized top-k)
 }
 
 
@@ -81,10 +82,10 @@ def per_expert(state: dict) -> dict:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_matches_peft(layout, tiny_models, tmp_path, monkeypatch):
     nproc, flags = LAYOUTS[layout]
-    out = tmp_path / "out.pt"
-    run_distributed(WORKER, nproc, str(tiny_models["moe"]), str(out), *flags, out=None)
+    out, model = tmp_path / "out.pt", tiny_models["moe4" if "--vpp" in flags else "moe"]
+    run_distributed(WORKER, nproc, str(model), str(out), *flags, out=None)
     got = torch.load(out)
-    pm = peft_model(tiny_models["moe"], got["values"], monkeypatch)
+    pm = peft_model(model, got["values"], monkeypatch)
     logp, grads = reference(pm)
     for mine, ref in zip(got["logprobs"], logp):
         torch.testing.assert_close(torch.tensor(mine[1:]), ref, atol=1e-5, rtol=0)
