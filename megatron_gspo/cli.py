@@ -34,6 +34,10 @@ def _cmd_convert(args) -> None:
 
     if args.direction == "hf-to-megatron":
         hf_to_megatron(args.hf, args.out, _dims(args))
+    elif args.direction == "lora-to-hf":
+        from megatron_gspo.model.lora_export import lora_to_hf
+
+        lora_to_hf(args.checkpoint, args.out, _dims(args))
     else:
         megatron_to_hf(args.megatron, args.out, _dims(args))
 
@@ -92,6 +96,10 @@ def _add_convert(sub) -> None:
     b.add_argument("--megatron", required=True, help="Megatron checkpoint directory")
     b.add_argument("--out", required=True, help="new directory for the HF checkpoint")
     _layout_args(b)
+    c = csub.add_parser("lora-to-hf", help="LoRA run checkpoint -> merged HF model + PEFT adapter")
+    c.add_argument("--checkpoint", required=True, help="a LoRA run's checkpoints/step_N")
+    c.add_argument("--out", required=True, help="new directory: merged model, PEFT in adapter/")
+    _layout_args(c)
     p.set_defaults(func=_cmd_convert)
 
 

@@ -31,6 +31,7 @@ from megatron_gspo.checks import need as _need
 from megatron_gspo.checks import positive as _positive
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS
+from megatron_gspo.model.lora import LoraConfig
 from megatron_gspo.model.modes import GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.rewards.config import RewardSection
@@ -159,6 +160,7 @@ class Config:
     reward: RewardSection = field(default_factory=RewardSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full-weight training
     train: TrainSection = field(default_factory=TrainSection)
     sync: SyncSection = field(default_factory=SyncSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

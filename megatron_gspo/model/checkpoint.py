@@ -204,12 +204,13 @@ def load_model(chunks, directory: str | Path) -> None:
 
 
 @torch.no_grad()
-def take_over(chunk, state: dict, directory, copy: bool = False) -> None:
+def take_over(chunk, state: dict, directory, copy: bool = False, keep=None) -> None:
     """Point each parameter at its loaded tensor (no second copy). Unlike
     `load_state_dict(assign=True)` this keeps the Parameter objects and the attributes megatron
     set on them (tensor_model_parallel, sequence_parallel, ...). With `copy`, copy into the
-    existing storage instead (needed once DDP has laid the parameters out in its buffers)."""
-    params = dict(chunk.named_parameters())
+    existing storage instead (needed once DDP has laid the parameters out in its buffers).
+    `keep(name)` picks the parameters the state holds (LoRA: the adapters only)."""
+    params = {n: p for n, p in chunk.named_parameters() if keep is None or keep(n)}
     missing = sorted(set(params) - set(state))
     unexpected = sorted(k for k in set(state) - set(params) if not k.endswith("_extra_state"))
     if missing or unexpected:
@@ -228,3 +229,6 @@ def take_over(chunk, state: dict, directory, copy: bool = False) -> None:
             p.copy_(t)
         else:
             p.data = t.to(p.dtype).contiguous()
+
+
+_take_over = take_over  # its former name

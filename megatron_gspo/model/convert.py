@@ -46,7 +46,7 @@ def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool)
     return spec
 
 
-def _shared_tmpdir(out: Path) -> Path:
+def shared_tmpdir(out: Path) -> Path:
     """Rank 0 makes a temporary directory beside `out`; every rank learns its path."""
     box = [None]
     if dist.get_rank() == 0:
@@ -56,7 +56,7 @@ def _shared_tmpdir(out: Path) -> Path:
     return Path(box[0])
 
 
-def _finish(tmp: Path, out: Path, ok: bool) -> None:
+def finish_output(tmp: Path, out: Path, ok: bool) -> None:
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, ok)
     if dist.get_rank() == 0:
@@ -94,7 +94,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
     hf_dir, out = Path(hf_dir), Path(out)
     spec = _check_inputs(hf_dir, out, dims, want_megatron=False)
     init_distributed(dims)
-    tmp = _shared_tmpdir(out)
+    tmp = shared_tmpdir(out)
     ok = False
     try:
         reader = hf_io.HFReader(hf_dir)
@@ -112,7 +112,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
             mckpt.write_meta(tmp, spec=spec, padded_vocab=chunks[0].padded_vocab_size, dtype=dtype)
         ok = True
     finally:
-        _finish(tmp, out, ok)
+        finish_output(tmp, out, ok)
 
 
 @_without_gc
@@ -120,22 +120,22 @@ def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> 
     meg_dir, out = Path(meg_dir), Path(out)
     spec = _check_inputs(meg_dir, out, dims, want_megatron=True)
     init_distributed(dims)
-    tmp = _shared_tmpdir(out)
+    tmp = shared_tmpdir(out)
     ok = False
     try:
         reader = DistCheckpointReader(meg_dir / "model")
         try:
             mine = _my_share(weights.stored_params(reader, spec), reader)
             tensors = (t for sp in mine for t in weights.read_stored(reader, sp, spec))
-            written = _write_rank_shards(tensors, tmp)
+            written = write_rank_shards(tensors, tmp)
         finally:
             reader.close()
-        _name_shards(tmp, written)
+        name_shards(tmp, written)
         if dist.get_rank() == 0:
             hf_io.copy_non_weight_files(hf_files_dir(meg_dir), tmp)
         ok = True
     finally:
-        _finish(tmp, out, ok)
+        finish_output(tmp, out, ok)
 
 
 def _my_share(params: list, reader) -> list:
@@ -151,7 +151,7 @@ def _my_share(params: list, reader) -> list:
     return sorted(mine, key=lambda sp: (reader.where(sp.key), sp.index))
 
 
-def _write_rank_shards(tensors, tmp: Path) -> list[tuple[str, list[str], int]]:
+def write_rank_shards(tensors, tmp: Path) -> list[tuple[str, list[str], int]]:
     """Save (name, tensor) pairs in files of at most SHARD_BYTES; returns
     [(filename, tensor names, bytes)] for this rank."""
     rank = dist.get_rank()
@@ -174,7 +174,7 @@ def _write_rank_shards(tensors, tmp: Path) -> list[tuple[str, list[str], int]]:
     return files
 
 
-def _name_shards(tmp: Path, written) -> None:
+def name_shards(tmp: Path, written) -> None:
     """Rank 0 renames every rank's files to HF's model-0000i-of-0000N and writes the index."""
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, written)

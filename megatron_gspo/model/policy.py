@@ -9,7 +9,10 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.hf.io import HFReader
 from megatron_gspo.model import checkpoint as mckpt
+from megatron_gspo.model import lora_ckpt
 from megatron_gspo.model.builder import BuildOptions, build_model
+from megatron_gspo.model.lora import LoraConfig
+from megatron_gspo.model.lora_apply import apply_lora
 from megatron_gspo.model.parallel import ParallelDims
 
 
@@ -30,8 +33,12 @@ def hf_files_dir(path: str | Path) -> Path:
     return path / "hf" if mckpt.is_megatron_checkpoint(path) else path
 
 
-def load_policy(path: str | Path, dims: ParallelDims, opts: BuildOptions | None = None):
-    """Build the chunks for `dims` and fill them from `path`. Parallel state must exist."""
+def load_policy(
+    path: str | Path, dims: ParallelDims, opts: BuildOptions | None = None,
+    lora: LoraConfig | None = None, seed: int = 0,
+):  # fmt: skip
+    """Build the chunks for `dims` and fill them from `path`; with `lora` on, freeze them and
+    attach adapters (initialized from `seed`). Parallel state must exist."""
     import torch
 
     spec, meta = checkpoint_spec(path)
@@ -52,4 +59,8 @@ def load_policy(path: str | Path, dims: ParallelDims, opts: BuildOptions | None 
         )
         chunks = build_model(spec, dims, opts)
         mckpt.load_model(chunks, Path(path) / "model")
+    if lora is not None and apply_lora(chunks, lora, seed):
+        rec = lora_ckpt.record(path, lora)  # the base a checkpoint of adapters needs
+        for chunk in chunks:
+            chunk.lora_record = rec
     return chunks

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.bridge import get_bridge
 from megatron_gspo.model.bridge.base import Layout, ParamMap, merge, shard, split, unshard
+from megatron_gspo.model.lora import is_lora_param, merged_weight
 
 EXPERTS = ".mlp.experts.experts."  # SequentialMLP's checkpoint key: experts on a leading axis
 
@@ -66,6 +67,8 @@ def local_params(chunks) -> list[LocalParam]:
     for i, chunk in enumerate(chunks):
         layer_ids = {j: layer.layer_number - 1 for j, layer in enumerate(chunk.decoder.layers)}
         for name, p in chunk.named_parameters():
+            if is_lora_param(name):  # adapters are merged into their base weight (lora.py)
+                continue
             for view_name, t in _per_expert(name, p, local_experts, spec.hidden_size):
                 pm = bridge.param_map(
                     view_name, layer_ids, ep_rank * local_experts, spec.tie_embeddings
@@ -130,8 +133,9 @@ def load_hf(chunks, reader) -> None:
 
 @torch.no_grad()
 def gather_full(lp: LocalParam, info: ShardInfo) -> torch.Tensor:
-    """The full megatron tensor of one parameter, gathered over its TP group (on every member)."""
-    t = lp.param.detach()
+    """The full megatron tensor of one parameter, gathered over its TP group (on every member);
+    with a LoRA adapter, the merged W + s * B A."""
+    t = merged_weight(lp.param)
     if info.size == 1 or lp.map.layout is Layout.REPLICATED:
         return t
     parts = [torch.empty_like(t) for _ in range(info.size)]

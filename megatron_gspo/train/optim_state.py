@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.model import lora_ckpt
+from megatron_gspo.model.lora import is_lora_param
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -186,6 +188,8 @@ def _sharded_actor_state(chunks, optimizer, is_loading: bool) -> dict:
 
     modules = [c.module for c in chunks]
     model = sharded_model_state(modules)
+    if lora_ckpt.lora_record(modules) is not None:  # the frozen base stays at its own path
+        model = {k: {n: v for n, v in sd.items() if is_lora_param(n)} for k, sd in model.items()}
     return {"model": model, "optimizer": sharded_state(optimizer, modules, model, is_loading)}
 
 
@@ -197,6 +201,8 @@ def save_actor(chunks, optimizer, directory) -> None:
     from megatron_gspo.model.checkpoint import save_sharded
 
     save_sharded(_sharded_actor_state(chunks, optimizer, is_loading=False), directory)
+    if dist.get_rank() == 0:
+        lora_ckpt.write(directory, [c.module for c in chunks])
 
 
 def load_actor(chunks, optimizer, directory) -> None:
@@ -205,10 +211,12 @@ def load_actor(chunks, optimizer, directory) -> None:
 
     from megatron_gspo.model.checkpoint import take_over
 
+    lora_ckpt.check(directory, [c.module for c in chunks])
     state = dist_checkpointing.load(
         _sharded_actor_state(chunks, optimizer, is_loading=True), str(directory)
     )
     modules = [c.module for c in chunks]
     for i, c in enumerate(modules):
-        take_over(c, state["model"][f"model{i}"], directory, copy=True)
+        keep = is_lora_param if lora_ckpt.lora_record(modules) is not None else None
+        take_over(c, state["model"][f"model{i}"], directory, copy=True, keep=keep)
     restore(optimizer, modules, state["optimizer"])

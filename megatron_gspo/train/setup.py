@@ -92,7 +92,7 @@ class TrainerSetup:
             routing_replay=True,
             lm_head_chunk_tokens=m.lm_head_chunk,
         )
-        chunks = load_policy(m.path, dims, opts)
+        chunks = load_policy(m.path, dims, opts, self.cfg.lora, self.cfg.seed)
         t = self.cfg.train  # packed microbatches under a token budget, or padded rows
         return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay,
                      max_tokens_per_microbatch=t.max_tokens_per_microbatch if t.pack else None)  # fmt: skip

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_gspo.comm import bcast, rank
 from megatron_gspo.model.bridge import get_bridge
 from megatron_gspo.model.bridge.base import split
+from megatron_gspo.model.lora import has_adapter
 from megatron_gspo.model.weights import gather_full, local_params, shard_info
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,10 @@ def _layer_ids(chunk) -> dict[int, int]:
 
 
 @torch.no_grad()
-def iter_stage(chunks) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, full tensor) for every tensor of this rank's pipeline stage, on its sender."""
+def iter_stage(chunks, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) for every tensor of this rank's pipeline stage, on its sender.
+    `changed_only`: skip frozen weights without a LoRA adapter (they stay the base model's,
+    which every server starts from); the same on every rank, so the collectives match."""
     from megatron.core import parallel_state as mpu
 
     chunks = unwrap(chunks)
@@ -144,6 +147,8 @@ def iter_stage(chunks) -> Iterator[tuple[str, torch.Tensor]]:
     pace = not sender and next(chunks[0].parameters()).is_cuda
     for lp in local_params(chunks):
         if not first[lp.map.expert]:
+            continue
+        if changed_only and not lp.param.requires_grad and not has_adapter(lp.param):
             continue
         if pace:
             torch.cuda.current_stream().synchronize()

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_gspo.comm import bcast, rank
+from megatron_gspo.model.lora import has_adapter
 from megatron_gspo.weight_sync import gather, verify
 from megatron_gspo.weight_sync.bucket import BufferPool, pack, release
 from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
@@ -60,6 +61,7 @@ class WeightSync(Coordinator):
         from megatron_gspo.model.policy import hf_files_dir
 
         self.chunks = gather.unwrap(chunks)
+        self._lora = any(has_adapter(p) for c in self.chunks for p in c.parameters())
         self.config = config = config or SyncConfig()
         self.servers = Servers(servers, config.timeout_s)
         self.transport = transport or make_transport(config)
@@ -181,7 +183,8 @@ class WeightSync(Coordinator):
             self._relay_pools = {s: self._new_pool() for s in self._relay_pools}
 
     def _stream_stage(self, version: str, plan: dict) -> dict | None:
-        named = gather.iter_stage(self.chunks)
+        # LoRA: frozen weights are the base's on every server; files need every tensor
+        named = gather.iter_stage(self.chunks, changed_only=self._lora and not plan["write"])
         if self._turns is not None:
             self._turns.wait(self.serial)  # the stage before is done
         if not gather.is_stage_sender():

@@ -55,6 +55,10 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("model: {path: m}\n", ["algo.tis=seq"], "algo.tis must be one of"),
         ("model: {path: m}\n", ["algo.tis_cap=0.5"], "tis_cap must be a finite number >= 1"),
         ("model: {path: m}\n", ["optim.decay=step"], "optim.decay must be one of"),
+        ("model: {path: m}\n", ["lora.targets=[router]"], "unknown target 'router'; choose"),
+        ("model: {path: m}\n", ["lora.rank=8", "lora.targets=[]"], "lora.targets is empty"),
+        ("model: {path: m}\n", ["lora.experts=shared"], "lora.experts must be one of"),
+        ("model: {path: m}\n", ["lora.dropout=1"], "lora.dropout must be a finite number in"),
         ("model: {path: m}\n", ["optim.min_lr=1"], "min_lr must be a finite number in"),
         ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
         (
@@ -78,6 +82,13 @@ def test_bad_config_is_one_clear_error(tmp_path, text, override, message):
     with pytest.raises(UserError, match=message) as e:
         load_config(_write(tmp_path, text), override)
     assert "\n" not in str(e.value)
+
+
+def test_lora_is_off_by_default_and_reads_its_keys(tmp_path):
+    assert not load_config(_write(tmp_path, "model: {path: m}\n")).lora.enabled
+    over = ["lora.rank=16", "lora.alpha=32", "lora.targets=[linear_qkv, expert_fc2]"]
+    lora = load_config(_write(tmp_path, "model: {path: m}\n"), over).lora
+    assert lora.enabled and lora.scale == 2.0 and lora.targets == ["linear_qkv", "expert_fc2"]
 
 
 def test_missing_config_file(tmp_path):

@@ -1,0 +1,96 @@
+"""Put LoRA adapters (model/lora.py) on a built model's targeted linears and freeze the rest.
+
+Called once the base weights are loaded and before the actor wraps the chunks in megatron's DDP:
+DDP buckets, and the optimizer holds, only parameters with requires_grad, so the frozen base
+keeps no gradient buffer and no optimizer state; the adapters are all there is to train and to
+all-reduce. Pipeline stages and experts need nothing of their own: an adapter lives in the same
+chunk and expert as its base weight (global layer and expert indices name it).
+"""
+
+from __future__ import annotations
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.lora import Kind, LoraAdapter, LoraConfig, Rows, Site, Target, attach
+
+
+def apply_lora(chunks, cfg: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
+    """Freeze every parameter of `chunks` and attach adapters on cfg.targets; returns them
+    (none when LoRA is off: then nothing is frozen)."""
+    if not cfg.enabled:
+        return []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+    out: list[LoraAdapter] = []
+    for chunk in chunks:
+        spec = chunk.model_spec
+        for layer in chunk.decoder.layers:
+            out += _layer(layer, layer.layer_number - 1, spec, cfg, seed)
+    return out
+
+
+def _layer(layer, lid: int, spec, cfg: LoraConfig, seed: int) -> list[LoraAdapter]:
+    targets = set(cfg.targets)
+    h, d = spec.hidden_size, spec.head_dim
+    nq, nkv = spec.num_heads, spec.num_kv_heads
+    attn, mlp = layer.self_attention, layer.mlp
+    sites = []
+    if Target.QKV in targets:
+        parts = ((0, nq * d), (1, nkv * d), (2, nkv * d))
+        sites.append((attn, "linear_qkv", Site(f"layers.{lid}.linear_qkv", Kind.COLUMN,
+                                               Rows.QKV, parts, h, nkv)))  # fmt: skip
+    if Target.PROJ in targets:
+        sites.append(
+            (
+                attn,
+                "linear_proj",
+                Site(f"layers.{lid}.linear_proj", Kind.ROW, Rows.ONE, ((0, h),), nq * d),
+            )
+        )
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        f = spec.ffn_hidden_size
+        if Target.FC1 in targets:
+            sites.append((mlp, "linear_fc1", Site(f"layers.{lid}.linear_fc1", Kind.COLUMN,
+                                                  Rows.GLU, ((0, f), (1, f)), h)))  # fmt: skip
+        if Target.FC2 in targets:
+            sites.append(
+                (
+                    mlp,
+                    "linear_fc2",
+                    Site(f"layers.{lid}.linear_fc2", Kind.ROW, Rows.ONE, ((0, h),), f),
+                )
+            )
+    elif targets & {Target.EXPERT_FC1, Target.EXPERT_FC2}:
+        sites += _expert_sites(experts, lid, spec, targets)
+    return [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
+
+
+def _expert_sites(experts, lid: int, spec, targets: set) -> list:
+    """One site per local expert and target, named by the expert's global index."""
+    from megatron.core import parallel_state as mpu
+
+    local = getattr(experts, "local_experts", None)
+    if local is None:
+        raise UserError(
+            f"LoRA on experts needs megatron's per-expert MLPs (SequentialMLP); this model's "
+            f"experts are {type(experts).__name__}; remove expert_fc1 and expert_fc2 from "
+            "lora.targets, or set model.moe_grouped_gemm=false (SequentialMLP)"
+        )
+    h, f = spec.hidden_size, spec.moe_ffn_hidden_size
+    first = mpu.get_expert_model_parallel_rank() * len(local)
+    sites = []
+    for i, expert in enumerate(local):
+        name = f"layers.{lid}.experts.{first + i}"
+        if Target.EXPERT_FC1 in targets:
+            site = Site(f"{name}.linear_fc1", Kind.EXPERT_COLUMN, Rows.GLU, ((0, f), (0, f)), h)
+            sites.append((expert, "linear_fc1", site))
+        if Target.EXPERT_FC2 in targets:
+            site = Site(f"{name}.linear_fc2", Kind.EXPERT_ROW, Rows.ONE, ((0, h),), f)
+            sites.append((expert, "linear_fc2", site))
+    return sites
+
+
+def adapters(chunks) -> list[LoraAdapter]:
+    """Every adapter of this rank's chunks (DDP-wrapped or not), in module order."""
+    return [m for c in chunks for m in c.modules() if isinstance(m, LoraAdapter)]

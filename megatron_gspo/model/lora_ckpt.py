@@ -1,0 +1,77 @@
+"""A LoRA run's checkpoint: the adapters and their optimizer state, plus `lora.json` naming the
+frozen base (its path and a fingerprint) and the adapters' config.
+
+The base weights are not written again: on `--resume` they are loaded from the base path (the
+run's model.path) and the fingerprint must match. The fingerprint is a SHA-256 over each weight
+file's name, size, safetensors header and its first and last MiB, plus config.json: it catches
+another checkpoint or a rewritten file without reading a 60 GB model at every save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from megatron_gspo.errors import UserError
+
+LORA_FILE = "lora.json"
+_MIB = 1 << 20
+
+
+def fingerprint(path: str | Path) -> str:
+    """SHA-256 over the base checkpoint's config and weight files (see the module docstring)."""
+    root = Path(path)
+    h = hashlib.sha256()
+    files = sorted([*root.glob("*.safetensors"), *root.glob("model/**/*"), root / "config.json"])
+    for f in files:
+        if not f.is_file():
+            continue
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(root)}:{size}\n".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(_MIB))
+            if size > 2 * _MIB:
+                fh.seek(size - _MIB)
+                h.update(fh.read(_MIB))
+    return h.hexdigest()
+
+
+def record(path: str | Path, cfg) -> dict:
+    """What a checkpoint of adapters on the base at `path` stores about it."""
+    return {
+        "base_path": str(Path(path).resolve()),
+        "base_fingerprint": fingerprint(path),
+        "lora": {
+            k: str(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(cfg).items()
+        },
+    }
+
+
+def lora_record(modules) -> dict | None:
+    """The record the chunks carry (set when adapters were attached), None without LoRA."""
+    return getattr(modules[0], "lora_record", None)
+
+
+def write(directory: Path, modules) -> None:
+    rec = lora_record(modules)
+    if rec is not None:
+        (Path(directory) / LORA_FILE).write_text(json.dumps(rec, indent=2) + "\n")
+
+
+def check(directory: Path, modules) -> None:
+    """The checkpoint at `directory` holds adapters for this model's base (or neither has)."""
+    rec, path = lora_record(modules), Path(directory) / LORA_FILE
+    if rec is None and not path.is_file():
+        return
+    if rec is None:
+        raise UserError(f"{directory} holds LoRA adapters; set lora.rank (see {path}) to resume it")
+    if not path.is_file():
+        raise UserError(f"{directory} is a full-weight checkpoint; set lora.rank=0 to resume it")
+    saved = json.loads(path.read_text())
+    if saved["base_fingerprint"] != rec["base_fingerprint"]:
+        raise UserError(
+            f"{directory}'s adapters were trained on {saved['base_path']}, whose files differ "
+            f"from model.path {rec['base_path']}; point model.path at that base"
+        )

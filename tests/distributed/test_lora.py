@@ -1,0 +1,146 @@
+"""LoRA on the tiny MoE (a dense layer, then MoE) against PEFT on the HF model: the same adapter
+weights give the same token log-probs, the same adapter gradients of an on-policy GSPO step
+(1e-5), and the weight sync's merged HF tensors equal PEFT's merge_and_unload, on 1 rank and under
+TP2 (+SP, expert-TP 2), EP2, PP2, PP2 x VPP2 and TP2xEP2 (gloo).
+
+PEFT 0.21 rewrites target_modules named gate_proj/up_proj/down_proj into expert targets for
+Qwen3-MoE (a transformers-4 adapter conversion) and so drops the dense layer's MLP adapters; the
+reference turns that conversion off (model/lora_peft.py)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_gspo.algo import loss_denominator, policy_loss
+from megatron_gspo.model.lora_peft import peft_config
+from tests.distributed.lora_worker import LORA, fixed_batch
+from tests.helpers import hf_token_logprobs, run_cli, run_distributed
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("lora_worker.py")
+LAYOUTS = {
+    "single": (1, []),
+    "tp2": (2, ["--tp", "2"]),
+    "ep2": (2, ["--ep", "2"]),
+    "pp2": (2, ["--pp", "2"]),
+    "tp2xep2": (4, ["--tp", "2", "--ep", "2"]),
+    "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),  # on moe4 (4 layers, unnormalized top-k)
+}
+
+
+def peft_model(checkpoint: Path, values: dict, monkeypatch):
+    import peft
+    import peft.utils.transformers_weight_conversion as conv
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(conv, "convert_peft_config_for_transformers", lambda *a, **k: None)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    pm = peft.get_peft_model(model, peft.LoraConfig(**peft_config(LORA)))
+    result = peft.set_peft_model_state_dict(pm, values)
+    assert not result.unexpected_keys, result.unexpected_keys
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    assert not missing, missing
+    return pm
+
+
+def reference(pm) -> tuple[list[torch.Tensor], dict]:
+    """PEFT's token log-probs and its adapter gradients of the worker's GSPO step."""
+    batch = fixed_batch()
+    rows = [pm(torch.tensor([t])).logits[0].log_softmax(-1) for t in batch.tokens]
+    logp = [r[:-1].gather(-1, torch.tensor(t[1:]).unsqueeze(-1)).squeeze(-1)
+            for r, t in zip(rows, batch.tokens)]  # fmt: skip
+    n = max(len(t) for t in batch.tokens) - 1
+    logp_BT = torch.stack([torch.nn.functional.pad(lp, (0, n - len(lp))) for lp in logp])
+    mask_BT = torch.tensor([m[1:] + [0] * (n - len(m) + 1) for m in batch.loss_mask])
+    loss, _ = policy_loss(logp_BT, logp_BT.detach(), torch.tensor(batch.advantages), mask_BT,
+                          kind="gspo", clip_low=0.2, clip_high=0.28,
+                          loss_scale_denominator=loss_denominator(mask_BT, kind="gspo"))  # fmt: skip
+    loss.backward()
+    grads = {n.replace(".default", ""): p.grad for n, p in pm.named_parameters() if "lora_" in n}
+    return [lp.detach() for lp in logp], grads
+
+
+def per_expert(state: dict) -> dict:
+    """transformers 5's fused expert tensors [E, 2F, H] / [E, H, F] under the checkpoint's
+    per-expert names (experts.{e}.gate_proj / up_proj / down_proj), as the bridge writes them."""
+    out = {}
+    for name, t in state.items():
+        base, _, leaf = name.rpartition(".")
+        if leaf == "gate_up_proj":
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = gate, up
+        elif leaf == "down_proj" and t.dim() == 3:
+            out.update({f"{base}.{e}.down_proj.weight": w for e, w in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_matches_peft(layout, tiny_models, tmp_path, monkeypatch):
+    nproc, flags = LAYOUTS[layout]
+    out, model = tmp_path / "out.pt", tiny_models["moe4" if "--vpp" in flags else "moe"]
+    run_distributed(WORKER, nproc, str(model), str(out), *flags, out=None)
+    got = torch.load(out)
+    pm = peft_model(model, got["values"], monkeypatch)
+    logp, grads = reference(pm)
+    for mine, ref in zip(got["logprobs"], logp):
+        torch.testing.assert_close(torch.tensor(mine[1:]), ref, atol=1e-5, rtol=0)
+    assert set(got["grads"]) == set(grads)
+    for key, ref in grads.items():
+        torch.testing.assert_close(got["grads"][key], ref, atol=1e-5, rtol=0, msg=key)
+    assert max(g.abs().max() for g in grads.values()) > 1e-3  # the gradients are not all zero
+    merged = per_expert(pm.merge_and_unload().state_dict())
+    assert set(got["merged"]) <= set(merged)
+    for name, t in got["merged"].items():
+        torch.testing.assert_close(t, merged[name], atol=1e-6, rtol=0, msg=name)
+    # a sync after the first sends the adapted tensors only: every attention and MLP
+    # projection, no embedding, norm or router
+    adapted = ("_proj.weight",)
+    assert got["changed"] == sorted(n for n in got["merged"] if n.endswith(adapted))
+    assert len(got["changed"]) < len(got["merged"])
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2xep2"])
+def test_lora_checkpoint_resumes_exactly_without_the_base(layout, tiny_models, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    nproc, flags = LAYOUTS[layout]
+    out, ckpt = tmp_path / "out.pt", tmp_path / "ckpt"
+    run_distributed(WORKER, nproc, str(tiny_models["moe"]), str(out), *flags,
+                    "--resume", str(ckpt), out=None)  # fmt: skip
+    got = torch.load(out)
+    assert got["straight"] == got["resumed"]
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.endswith((".weight", ".A")) or ".B." in k]
+    assert weights and all("_lora." in k for k in weights), weights[:5]
+    assert (ckpt / "lora.json").is_file()
+
+
+def test_convert_exports_the_merged_model_and_a_peft_adapter(tiny_models, tmp_path):
+    """A checkpoint saved under EP2, exported on one rank: the merged HF model and PEFT's
+    loading of the adapter onto the base both give the trainer's log-probs at the save."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, out, step = tiny_models["moe_all"], tmp_path / "out.pt", tmp_path / "step_2"
+    run_distributed(WORKER, 2, str(base), str(out), "--ep", "2", "--resume", str(step / "model"),
+                    out=None)  # fmt: skip
+    want = [torch.tensor(r[1:]) for r in torch.load(out)["at_save"]]
+    hf = tmp_path / "hf"
+    proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(hf)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seqs = fixed_batch().tokens
+    for mine, ref in zip(hf_token_logprobs(hf, seqs), want):
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)
+    pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), hf / "adapter")
+    with torch.no_grad():
+        for tokens, ref in zip(seqs, want):
+            logp = pm(torch.tensor([tokens])).logits[0].log_softmax(-1)[:-1]
+            got = logp.gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    untrained = hf_token_logprobs(base, seqs)
+    assert max((a - b).abs().max() for a, b in zip(untrained, want)) > 1e-3  # it moved
