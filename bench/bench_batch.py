@@ -30,9 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, TOPK, EXPERTS = 48, 8, 128
