@@ -92,6 +92,9 @@ GROUPS: dict[str, dict[str, str]] = {
         "time/trainer_idle_s": "the trainer waiting for its batch",
         "time/servers_idle_s": "the step's time before its sync that a server's engine did not work",
         "tokens_per_s": "tokens trained on per second of the step",
+        "train/padding_fraction": "share of the microbatches' token slots that are padding "
+        "(`train.pack`: packed under `train.max_tokens_per_microbatch`, else padded rows)",
+        "train/tokens_per_microbatch": "real tokens per microbatch",
         "sync/gb_per_s": "weight-sync bandwidth",
         "sync/failed_servers": "servers the sync failed on",
         "sync/caught_up_servers": "servers caught up after a restart",
