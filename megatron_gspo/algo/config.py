@@ -49,6 +49,14 @@ class TisReduce(StrEnum):
     MEAN = "mean"  # its geometric mean per token (length-normalized, like GSPO's ratio)
 
 
+class KLEstimator(StrEnum):
+    """Schulman's per-token estimators of KL(pi || pi_ref) (algo/kl.py); k3 the low-variance one."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
+
+
 class Mismatch(StrEnum):
     """The train-vs-rollout correction (algo/mismatch.py decides its weights)."""
 
@@ -97,6 +105,9 @@ class LossConfig:
     mis_low: float = 0.5
     mis_high: float = 2.0
     icepop_k: float = 2.0
+    # KL(pi || pi_ref) to the run's starting weights in the loss, per token (0: off, no reference)
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = KLEstimator.K3
 
     def check(self, section: str = "algo") -> None:
         """Ranges (the modes are checked where the config is read); keys named `section.key`."""
@@ -110,6 +121,7 @@ class LossConfig:
         in_range(self.mis_low, f"{section}.mis_low", 0)
         in_range(self.mis_high, f"{section}.mis_high", self.mis_low, lo_open=True)
         in_range(self.icepop_k, f"{section}.icepop_k", 1, lo_open=True)
+        in_range(self.kl_coef, f"{section}.kl_coef", 0)
 
     def loss_kwargs(self) -> dict:
         """The keywords of `policy_loss` this config sets (all but the mismatch weights)."""

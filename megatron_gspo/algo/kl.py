@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from megatron_gspo.algo.config import KLEstimator
+
 KLKind = Literal["k1", "k2", "k3"]
 
 
@@ -57,12 +59,15 @@ def kl_k3(
     return k3 if max_value is None else k3.clamp(0.0, max_value)
 
 
-def kl_estimate(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, kind: KLKind = "k3") -> Tensor:
+def kl_estimate(
+    logprobs_BT: Tensor, ref_logprobs_BT: Tensor, kind: KLKind | KLEstimator | str = "k3"
+) -> Tensor:
     """Per-token KL(pi || pi_ref) estimate of the named kind ("k1", "k2" or "k3")."""
-    if kind == "k1":
-        return kl_k1(logprobs_BT, ref_logprobs_BT)
-    if kind == "k2":
-        return kl_k2(logprobs_BT, ref_logprobs_BT)
-    if kind == "k3":
-        return kl_k3(logprobs_BT, ref_logprobs_BT)
-    raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+    try:
+        estimator = _ESTIMATORS[KLEstimator(kind)]
+    except ValueError:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3") from None
+    return estimator(logprobs_BT, ref_logprobs_BT)
+
+
+_ESTIMATORS = {KLEstimator.K1: kl_k1, KLEstimator.K2: kl_k2, KLEstimator.K3: kl_k3}

@@ -123,7 +123,7 @@ def summarize_stats(stats: Mapping[str, Tensor]) -> dict[str, float]:
     ratio_mean/std (population std)/min/max; approx_kl_old = mean k3 over tokens;
     logprob_mismatch_abs = mean |old - rollout| over tokens; tis_weight_mean over tokens;
     mismatch_masked_frac_tokens / _seqs = dropped tokens / tokens, sequences with one / sequences;
-    sapo_gate_mean over tokens.
+    sapo_gate_mean over tokens; kl_ref = mean KL(pi || pi_ref) estimate over tokens.
     """
     s = {key: float(value) for key, value in stats.items()}
     tokens, seqs, n = s["num_tokens"], s["num_seqs"], s["ratio_count"]
@@ -148,6 +148,8 @@ def summarize_stats(stats: Mapping[str, Tensor]) -> dict[str, float]:
         out["mismatch_masked_frac_seqs"] = _div(s["mismatch_masked_seqs"], seqs)
     if "sapo_gate_sum" in s:
         out["sapo_gate_mean"] = _div(s["sapo_gate_sum"], tokens)
+    if "kl_ref_sum" in s:
+        out["kl_ref"] = _div(s["kl_ref_sum"], tokens)
     out.update(_split_summary(s))
     return out
 

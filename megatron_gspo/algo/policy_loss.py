@@ -35,10 +35,13 @@ Legend: B = sequences in the microbatch, T = padded tokens per sequence; m = mas
 number of masked-in tokens. Suffixes name shapes: logprobs_BT is [B, T], advantages_B is [B].
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from megatron_gspo.algo.config import Agg, LossKind
+from megatron_gspo.algo.kl import kl_estimate
 from megatron_gspo.algo.loss_stats import ratio_stats, token_stats
 from megatron_gspo.algo.mismatch import logprob_abs_diff
 from megatron_gspo.algo.objectives import (
@@ -85,6 +88,19 @@ def loss_denominator(mask_BT: Tensor, agg: str | None = None, kind: str = LossKi
     return mask_BT.any(dim=-1).sum().float()
 
 
+@dataclass(frozen=True)
+class KLPenalty:
+    """A KL penalty to a reference policy (the run's starting weights, model/reference.py):
+    the objective of every trained token becomes o_{i,t} - coef * KL_{i,t}, with KL_{i,t} the
+    per-token estimator `estimator` of KL(pi || pi_ref) (algo/kl.py: k3 is GRPO's), aggregated
+    like the rest; for GSPO each sequence's term so gets its tokens' mean KL. The stat
+    kl_ref_sum is the estimate summed over the trained tokens (loss_stats: `kl_ref`)."""
+
+    ref_logprobs: Tensor  # [B, T], detached; any value at masked-out tokens (NaN included)
+    coef: float
+    estimator: str = "k3"
+
+
 def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keyword-only
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -102,6 +118,7 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
     norm_length: int | None = None,
+    kl: KLPenalty | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss of the given kind; returns (loss, stats).
 
@@ -111,14 +128,14 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
         (for GSPO that is the paper's sequence mean of one clipped term per sequence; for GRPO
         the original token-mean-then-sequence-mean), token-mean for cispo.
     tis_weights: [B, T] or [B], detached, the mismatch weights (algo.mismatch; 0 drops a token).
-    sapo_tau_pos, sapo_tau_neg: SAPO's temperatures; norm_length: the -norm aggregation's L.
+    sapo_tau_pos, sapo_tau_neg: SAPO's temperatures; norm_length: the -norm aggregation's L;
+    kl: a KL penalty to a reference policy in the objective (`KLPenalty`).
     loss_scale_denominator: the step's global count from `loss_denominator` (sequences for
         seq-mean-*, tokens for token-mean); None = this microbatch's count.
     log_ratio_clamp: log-ratios are clamped to [-c, c] before exp (zero gradient beyond).
-    Ratios come from log differences in fp32 (fp64 stays fp64); the loss has that dtype.
-    Masked-out tokens and empty rows contribute nothing; the result is finite for finite inputs.
-    stats: detached 0-d tensors of sums, counts, min and max (see loss_stats; combine across
-    microbatches with combine_stats, turn into floats with summarize_stats).
+    Ratios come from log differences in fp32 (fp64 stays fp64); the loss has that dtype. Masked
+    tokens and empty rows contribute nothing; the result is finite for finite inputs. stats:
+    detached 0-d sums, counts, min and max (loss_stats: combine_stats, summarize_stats).
     """
     agg = resolve_agg(kind, agg)
     _check_args(logprobs, old_logprobs, mask, clip_low, clip_high, log_ratio_clamp)
@@ -131,20 +148,28 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     log_ratio_BT = _masked_log_ratio_BT(logp_BT, old_BT, mask_BT, log_ratio_clamp)
     log_rho_BT = log_ratio_BT.detach()  # for the metrics
     ratio_BT, report = _ratio_BT(kind, log_ratio_BT, logp_BT, old_BT, mask_BT, log_ratio_clamp)
-
     taus = (sapo_tau_pos, sapo_tau_neg)
     objective_BT = _objective(kind, ratio_BT, adv_BT, logp_BT, clip_low, clip_high, taus)
     tis_BT = None if tis_weights is None else _per_token(tis_weights, mask_BT).to(dtype)
     objective_BT = torch.where(mask_BT, objective_BT * (1.0 if tis_BT is None else tis_BT), 0.0)
-
+    objective_BT, kl_stats = _with_kl(kl, objective_BT, logp_BT, mask_BT)
     denominator = _denominator(mask_BT, agg, kind, loss_scale_denominator, objective_BT)
     denominator = denominator * _norm_length(agg, norm_length)
     loss = -_objective_sum(objective_BT, mask_BT, agg) / denominator
-
     low_BT, high_BT = _clipped_BT(kind, ratio_BT.detach(), adv_BT, mask_BT, clip_low, clip_high)
-    stats = token_stats(mask_BT, low_BT, high_BT, log_rho_BT) | report
+    stats = token_stats(mask_BT, low_BT, high_BT, log_rho_BT) | report | kl_stats
     stats |= _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus)
     return loss, stats | _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT)
+
+
+def _with_kl(kl: KLPenalty | None, objective_BT: Tensor, logp_BT: Tensor, mask_BT: Tensor):
+    """(the objective less the KL term, the KL stats); unchanged without a penalty. NaN in the
+    reference at masked-out tokens is replaced before the estimator, so none reaches a gradient."""
+    if kl is None:
+        return objective_BT, {}
+    ref_BT = torch.where(mask_BT, kl.ref_logprobs.detach().to(logp_BT.dtype), logp_BT.detach())
+    kl_BT = torch.where(mask_BT, kl_estimate(logp_BT, ref_BT, kl.estimator), 0.0)
+    return objective_BT - kl.coef * kl_BT, {"kl_ref_sum": kl_BT.detach().sum()}
 
 
 def _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus) -> dict[str, Tensor]:

@@ -13,6 +13,7 @@ from megatron_gspo.algo.config import (
     DEFAULT_CLIP,
     AdvNorm,
     Agg,
+    KLEstimator,
     Level,
     LossConfig,
     LossKind,
@@ -53,6 +54,11 @@ class AlgoSection:
     mis_low: float = _LOSS.mis_low  # mis: keep rho in [mis_low, mis_high]
     mis_high: float = _LOSS.mis_high
     icepop_k: float = _LOSS.icepop_k  # icepop: keep rho_t in [1/k, k]
+    # KL penalty to a reference policy, the run's starting weights (model/reference.py), in the
+    # loss per token as GRPO's paper puts it: 0 is off (no reference weights are kept)
+    kl_coef: float = _LOSS.kl_coef
+    kl_estimator: KLEstimator = _LOSS.kl_estimator  # k1 | k2 | k3 (low variance)
+    ref_offload: bool = False  # keep the reference weights in host memory between uses (GPU)
 
     @property
     def advantage_std_norm(self) -> bool:
@@ -88,4 +94,6 @@ class AlgoSection:
             mis_low=self.mis_low,
             mis_high=self.mis_high,
             icepop_k=self.icepop_k,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
         )

@@ -44,6 +44,7 @@ from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.lm_head import lm_head_of
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
+from megatron_gspo.model.reference import ReferenceWeights
 from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import StepBatch, loss_mask_tensor
@@ -59,12 +60,16 @@ from megatron_gspo.train.step_parts import (
     check_step,
     flat_logprobs,
     fused_adam,
+    kl_penalty,
     padding_stats,
 )
 
 
 class Actor(MicrobatchLayout):
     """Owns the DDP-wrapped model chunks and the megatron optimizer of this rank."""
+
+    # the KL's reference policy (`keep_reference`): the starting weights; None without a KL
+    reference: ReferenceWeights | None = None
 
     def __init__(
         self,
@@ -199,6 +204,25 @@ class Actor(MicrobatchLayout):
             return rows, {}
         return rows, self.routing.finish_record(sweep, batch)
 
+    def keep_reference(self, offload: bool = False) -> None:
+        """Keep the chunks' current weights (the run's starting ones: call before a resume
+        loads a checkpoint) as the reference policy of a KL penalty (model/reference.py)."""
+        self.reference = ReferenceWeights(self.chunks, offload=offload)
+
+    def reference_logprobs(self, batch: StepBatch, micro_batch_size: int = 8) -> torch.Tensor:
+        """The reference policy's log-probs [T] (as `logprobs`), the batch untouched. The
+        forward is the old-log-prob forward's with the reference weights swapped in: the same
+        microbatches and the same routing (R3: the rollout's, replayed; otherwise each token's
+        natural routing under the reference weights, recorded into a copy of the batch and
+        dropped). So at the first update, with the policy still the reference, KL is 0, and
+        under R3 the KL compares the two weights along the expert paths the rollout took."""
+        if self.reference is None:
+            raise UserError("reference_logprobs needs keep_reference (algo.kl_coef > 0)")
+        copy = batch.without("old_logprobs", "ref_logprobs", "routing")
+        with self.reference.swapped_in(self.chunks):
+            lp, _ = self.logprobs(copy, micro_batch_size, fit_logits=True)
+        return lp
+
     @torch.no_grad()
     def replayed_logprobs(
         self, batch: StepBatch, micro_batch_size: int = 8
@@ -313,7 +337,7 @@ class Actor(MicrobatchLayout):
                 own.append((mb, mb.old_logprobs))
             value, stats = policy_loss(
                 lp, mb.old_logprobs, mb.advantages, mb.mask, **loss_cfg.loss_kwargs(),
-                rollout_logprobs=mb.rollout_logprobs,
+                rollout_logprobs=mb.rollout_logprobs, kl=kl_penalty(mb, loss_cfg),
                 tis_weights=_tis_weights(mb, loss_cfg),
                 loss_scale_denominator=denom,
             )  # fmt: skip

@@ -49,9 +49,10 @@ FIELDS: tuple[Field, ...] = (
     Field("token_advantages", torch.float32, True, 0.0, torch.float32),  # or one per token
     Field("rollout_logprobs", torch.float32, True, math.nan, torch.float32),  # the server's
     Field("old_logprobs", torch.float32, True, math.nan, torch.float32),  # the trainer's
+    Field("ref_logprobs", torch.float32, True, math.nan, torch.float32),  # the KL's reference
 )
 REGISTRY = {f.name: f for f in FIELDS}
-LOGPROB_FIELDS = ("rollout_logprobs", "old_logprobs")
+LOGPROB_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
 
 
 @dataclass
@@ -248,6 +249,7 @@ class TrainMicrobatch:
     index: torch.Tensor  # [b] row in the caller's batch, -1 for an empty row
     lengths: torch.Tensor | None = field(default=None)  # [b]
     logits_from: int = 0  # the first position whose logits are computed (the logits window)
+    ref_logprobs: torch.Tensor | None = field(default=None, kw_only=True)  # [b, S] (algo.kl_coef)
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -274,7 +276,7 @@ def microbatches(
         lps = [
             _trained_values(batch.padded(k, idx, b, seq_len)[:, 1:], mask)
             if k in batch.fields else None
-            for k in ("old_logprobs", "rollout_logprobs")
+            for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs")
         ]  # fmt: skip
         lengths = torch.zeros(b, dtype=torch.int64)
         lengths[: len(idx)] = batch.lengths[torch.as_tensor(idx, dtype=torch.int64)]
@@ -285,6 +287,7 @@ def microbatches(
         out.append(TrainMicrobatch(
             batch.padded("tokens", idx, b, seq_len), mask,
             adv[:, 1:] if adv.dim() == 2 else adv, lps[0], lps[1], index_t, lengths, start,
+            ref_logprobs=lps[2],
         ))  # fmt: skip
     return out
 

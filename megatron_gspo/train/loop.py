@@ -211,6 +211,8 @@ def train_on(
     ahead = [i for p in parts[1:] for i in p] if first_on_policy else list(range(n))
     # As many rows per forward as fit (one forward on a small model). The minibatches below are
     # other row sets with their own padding, so their forwards equal these to fp32 rounding.
+    if actor.reference is not None:  # algo.kl_coef > 0: once per step, every row
+        batch.set("ref_logprobs", actor.reference_logprobs(batch, cfg.train.micro_batch_size))
     metrics = _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
     metrics["time/old_logprobs_s"] = time.perf_counter() - t0
     loss_cfg, mbs = cfg.algo.loss_config(), cfg.train.micro_batch_size
@@ -308,6 +310,7 @@ _KEYS = {
     "mismatch_masked_frac_tokens": ("mismatch/masked_fraction_tokens", "mean"),
     "mismatch_masked_frac_seqs": ("mismatch/masked_fraction_seqs", "mean"),
     "sapo_gate_mean": ("sapo/gate_mean", "mean"),
+    "kl_ref": ("kl/ref", "mean"),
     "log_ratio_std_same": ("ratio/token_std_routing_same", "mean"),
     "log_ratio_std_moved": ("ratio/token_std_routing_changed", "mean"),
     "padding_fraction": ("train/padding_fraction", "mean"),

@@ -26,6 +26,8 @@ GROUPS: dict[str, dict[str, str]] = {
         "lr": "learning rate of the last update",
         "entropy": "mean token entropy of the policy on the trained tokens",
         "kl/old": "approximate KL to the old policy (k3 on the trained tokens)",
+        "kl/ref": "KL to the reference policy (the run's starting weights; `algo.kl_coef` > 0): "
+        "the mean of `algo.kl_estimator` over the trained tokens",
         "ratio/mean": "importance ratio: the sequence ratio for GSPO, the token ratio for GRPO",
         "ratio/std": "its std",
         "ratio/max": "its largest value",

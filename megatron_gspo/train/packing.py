@@ -131,7 +131,7 @@ def packed_microbatches(
         mb = PackedMicrobatch(
             tokens, padded.mask, padded.advantages, padded.old_logprobs, padded.rollout_logprobs,
             padded.index, padded.lengths, 0, torch.tensor(cu, dtype=torch.int32),
-            max(longest, t - real),
+            max(longest, t - real), ref_logprobs=padded.ref_logprobs,
         )  # fmt: skip
         out.append(mb)
     return out

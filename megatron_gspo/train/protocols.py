@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 
 class PolicyActor(Protocol):
+    @property
+    def reference(self) -> object | None: ...  # the KL's reference weights (None: no KL)
+
     def set_lr(self, lr: float) -> None: ...
 
     def shard(self, batch: StepBatch | None, parts: list[list[int]]) -> StepBatch: ...
@@ -27,6 +30,8 @@ class PolicyActor(Protocol):
     def logprobs(
         self, batch: StepBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+    def reference_logprobs(self, batch: StepBatch, micro_batch_size: int = 8) -> torch.Tensor: ...
 
     def train_step(
         self,

@@ -94,8 +94,11 @@ class TrainerSetup:
         )
         chunks = load_policy(m.path, dims, opts, self.cfg.lora, self.cfg.seed)
         t = self.cfg.train  # packed microbatches under a token budget, or padded rows
-        return Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay,
-                     max_tokens_per_microbatch=t.max_tokens_per_microbatch if t.pack else None)  # fmt: skip
+        actor = Actor(chunks, self.cfg.optim, routing_replay=self.cfg.algo.routing_replay,
+                      max_tokens_per_microbatch=t.max_tokens_per_microbatch if t.pack else None)  # fmt: skip
+        if self.cfg.algo.kl_coef > 0:  # the starting weights, before a resume loads others
+            actor.keep_reference(offload=self.cfg.algo.ref_offload)
+        return actor
 
     def sampler(self, n_rows: int):
         from megatron_gspo.data.prompts import PromptSampler

@@ -17,6 +17,7 @@ from megatron_gspo.algo import (
 )
 from megatron_gspo.algo.config import LossConfig, Mismatch
 from megatron_gspo.algo.mismatch import correction_weights
+from megatron_gspo.algo.policy_loss import KLPenalty
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.batch import scatter_token_logprobs
 
@@ -43,6 +44,16 @@ def check_step(batch, loss_cfg: LossConfig, on_policy: bool, routing_mode) -> No
         raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
     if loss_cfg.correction[0] != Mismatch.NONE and "rollout_logprobs" not in batch.fields:
         raise ValueError(f"{loss_cfg.correction[0]} needs the batch's rollout_logprobs")
+    if loss_cfg.kl_coef and "ref_logprobs" not in batch.fields:
+        raise ValueError("kl_coef > 0 needs the batch's ref_logprobs (Actor.reference_logprobs)")
+
+
+def kl_penalty(mb, loss_cfg: LossConfig) -> KLPenalty | None:
+    """The microbatch's KL penalty to the reference policy (algo.kl_coef > 0), or None."""
+    if not loss_cfg.kl_coef:
+        return None
+    assert mb.ref_logprobs is not None, "checked by check_step"
+    return KLPenalty(mb.ref_logprobs, loss_cfg.kl_coef, loss_cfg.kl_estimator)
 
 
 def padding_stats(mbs) -> dict[str, float]:

@@ -85,9 +85,9 @@ def resume(a, dims) -> None:
                     os.makedirs(a.resume)
                 dist.barrier()
                 actor.save(a.resume)
-                at_save = actor.logprobs(batch, 4)[0]
+                at_save = batch.to_rows(actor.logprobs(batch, 4)[0])
             actor.train_step(batch, loss_cfg, 4, on_policy=True)
-        runs.append(actor.logprobs(batch, 4)[0])
+        runs.append(batch.to_rows(actor.logprobs(batch, 4)[0]))
     if dist.get_rank() == 0:
         torch.save(dict(straight=runs[0], resumed=runs[1], at_save=at_save), a.out)
 

@@ -48,13 +48,14 @@ def peft_model(checkpoint: Path, values: dict, monkeypatch):
 def reference(pm) -> tuple[list[torch.Tensor], dict]:
     """PEFT's token log-probs and its adapter gradients of the worker's GSPO step."""
     batch = fixed_batch()
-    rows = [pm(torch.tensor([t])).logits[0].log_softmax(-1) for t in batch.tokens]
+    tokens, masks = batch.row_values("tokens"), batch.row_values("loss_mask")
+    rows = [pm(torch.tensor([t])).logits[0].log_softmax(-1) for t in tokens]
     logp = [r[:-1].gather(-1, torch.tensor(t[1:]).unsqueeze(-1)).squeeze(-1)
-            for r, t in zip(rows, batch.tokens)]  # fmt: skip
-    n = max(len(t) for t in batch.tokens) - 1
+            for r, t in zip(rows, tokens)]  # fmt: skip
+    n = max(len(t) for t in tokens) - 1
     logp_BT = torch.stack([torch.nn.functional.pad(lp, (0, n - len(lp))) for lp in logp])
-    mask_BT = torch.tensor([m[1:] + [0] * (n - len(m) + 1) for m in batch.loss_mask])
-    loss, _ = policy_loss(logp_BT, logp_BT.detach(), torch.tensor(batch.advantages), mask_BT,
+    mask_BT = torch.tensor([[int(v) for v in m[1:]] + [0] * (n - len(m) + 1) for m in masks])
+    loss, _ = policy_loss(logp_BT, logp_BT.detach(), batch["advantages"], mask_BT,
                           kind="gspo", clip_low=0.2, clip_high=0.28,
                           loss_scale_denominator=loss_denominator(mask_BT, kind="gspo"))  # fmt: skip
     loss.backward()
@@ -133,7 +134,7 @@ def test_convert_exports_the_merged_model_and_a_peft_adapter(tiny_models, tmp_pa
     hf = tmp_path / "hf"
     proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(hf)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    seqs = fixed_batch().tokens
+    seqs = fixed_batch().row_values("tokens")
     for mine, ref in zip(hf_token_logprobs(hf, seqs), want):
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)
     pm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), hf / "adapter")

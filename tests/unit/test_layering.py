@@ -18,7 +18,15 @@ PKG = ROOT / "megatron_gspo"
 # parts that must stay free of the Megatron side (model/, train/)
 MEGATRON_FREE = ("algo", "hf", "server", "rollout")
 MODE_ENUMS = {  # every mode's enum, by the module that owns it
-    "megatron_gspo.algo.config": ("LossKind", "Agg", "Tis", "AdvNorm", "Mismatch", "Level"),
+    "megatron_gspo.algo.config": (
+        "LossKind",
+        "Agg",
+        "Tis",
+        "AdvNorm",
+        "Mismatch",
+        "Level",
+        "KLEstimator",
+    ),
     "megatron_gspo.routing.replay": ("ReplayMode",),
     "megatron_gspo.weight_sync.config": ("SyncMethod",),
     "megatron_gspo.rollout.modes": ("Backend", "Placement"),
