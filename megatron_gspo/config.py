@@ -4,7 +4,7 @@
 
 Every key is checked when the config is built: an unknown key is an error that suggests the
 nearest valid one, a value of the wrong type or out of range is an error naming the key and what
-it accepts. Every number goes through one check, `_in_range`: finite (no NaN or inf) and within
+it accepts. Every number goes through one check, `checks.in_range`: finite (no NaN or inf) and within
 the bounds its section gives. A section is its component's own config dataclass (`optim`: model/optim.py), or builds it
 (`algo.loss_config()`, algo/section.py; `sync.build()`) from defaults defined once there; modes are StrEnums.
 """
@@ -24,11 +24,7 @@ from typing import Any
 import yaml
 
 from megatron_gspo.algo.section import AlgoSection
-from megatron_gspo.checks import INT_MAX, show
-from megatron_gspo.checks import choice as _choice
-from megatron_gspo.checks import in_range as _in_range
-from megatron_gspo.checks import need as _need
-from megatron_gspo.checks import positive as _positive
+from megatron_gspo.checks import INT_MAX, choice, in_range, need, positive, show
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS
 from megatron_gspo.model.lora import LoraConfig
@@ -48,9 +44,9 @@ class ModelSection:
     lm_head_chunk: int = DEFAULT_CHUNK_TOKENS  # LM head tokens per chunk (0: whole logits)
 
     def check(self) -> None:
-        _need(self.path, "model.path", "the HF checkpoint directory to start from")
-        _choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
-        _in_range(self.lm_head_chunk, "model.lm_head_chunk", 0, INT_MAX)
+        need(self.path, "model.path", "the HF checkpoint directory to start from")
+        choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+        in_range(self.lm_head_chunk, "model.lm_head_chunk", 0, INT_MAX)
 
 
 @dataclass
@@ -64,7 +60,7 @@ class ParallelSection:
     def check(self) -> None:
         for name in ("tp", "pp", "ep", "vpp", "etp"):
             if getattr(self, name) is not None:
-                _positive(getattr(self, name), f"parallel.{name}")
+                positive(getattr(self, name), f"parallel.{name}")
 
 
 @dataclass
@@ -75,7 +71,7 @@ class DataSection:
     max_prompt_tokens: int = 256
 
     def check(self) -> None:
-        _need(self.train, "data.train", "builtin:<task> or a .jsonl/.parquet path")
+        need(self.train, "data.train", "builtin:<task> or a .jsonl/.parquet path")
         if "{prompt}" not in self.template:
             raise UserError("data.template must contain {prompt}")
         try:
@@ -85,7 +81,7 @@ class DataSection:
                 f"data.template {show(self.template)} cannot be filled ({type(e).__name__}: "
                 f"{e}); its only field is {{prompt}}, and literal braces are written {{{{ and }}}}"
             ) from None
-        _positive(self.max_prompt_tokens, "data.max_prompt_tokens")
+        positive(self.max_prompt_tokens, "data.max_prompt_tokens")
 
 
 @dataclass
@@ -104,12 +100,12 @@ class TrainSection:
     max_tokens_per_microbatch: int = 8192  # (a longer sequence gets a microbatch of its own)
 
     def check(self) -> None:
-        _positive(self.max_tokens_per_microbatch, "train.max_tokens_per_microbatch")
+        positive(self.max_tokens_per_microbatch, "train.max_tokens_per_microbatch")
         names = ("steps", "micro_batch_size", "eval_prompts", "keep_checkpoints")
         for name in (*names, "max_nonfinite_steps"):
-            _positive(getattr(self, name), f"train.{name}")
+            positive(getattr(self, name), f"train.{name}")
         for name in ("eval_every", "checkpoint_every"):  # 0 turns it off
-            _in_range(getattr(self, name), f"train.{name}", 0)
+            in_range(getattr(self, name), f"train.{name}", 0)
 
 
 _SYNC = SyncConfig()  # the sync keys' defaults, defined once (weight_sync/config.py)
@@ -166,7 +162,7 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def check(self) -> None:
-        _in_range(self.seed, "seed", 0, 2**63 - 1)
+        in_range(self.seed, "seed", 0, 2**63 - 1)
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "check"):
@@ -322,7 +318,7 @@ _UNIONS = (typing.Union, types.UnionType)
 def _convert(hint, value: Any, key: str):
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         value = getattr(hint, "coerce", lambda v: v)(value)  # a mode's YAML spellings
-        _choice(value, key, tuple(hint))
+        choice(value, key, tuple(hint))
         return hint(value)
     if dataclasses.is_dataclass(hint):
         return build(hint, value if value is not None else {}, key)

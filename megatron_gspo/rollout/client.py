@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from megatron_gspo.rollout.answers import RolloutError, decode_routed_experts
-from megatron_gspo.rollout.answers import message as _message
-from megatron_gspo.rollout.answers import read_json as _read_json
+from megatron_gspo.rollout.answers import RolloutError, decode_routed_experts, message, read_json
 from megatron_gspo.rollout.partial import Hold
 from megatron_gspo.rollout.sample import Sample
 
@@ -225,11 +223,11 @@ class RolloutClient:
                 async with session.post(
                     server.url + "/generate", json=body, timeout=self.timeout
                 ) as resp:
-                    data = await _read_json(resp)
+                    data = await read_json(resp)
                     if resp.status >= 500:
-                        raise _Retryable(f"HTTP {resp.status}: {_message(data)}")
+                        raise _Retryable(f"HTTP {resp.status}: {message(data)}")
                     if resp.status != 200:
-                        raise RolloutError(f"{server.url} refused the request: {_message(data)}")
+                        raise RolloutError(f"{server.url} refused the request: {message(data)}")
             except TimeoutError:
                 await asyncio.gather(*(self._abort_rid(server.url, rid) for rid in rids))
                 raise _Retryable("timed out") from None
@@ -283,17 +281,17 @@ class RolloutClient:
     async def get(self, url: str, path: str) -> dict:
         session, _ = self._state()
         async with session.get(url + path, timeout=self.timeout) as resp:
-            data = await _read_json(resp)
+            data = await read_json(resp)
             if resp.status != 200:
-                raise RolloutError(f"GET {url}{path}: HTTP {resp.status}: {_message(data)}")
+                raise RolloutError(f"GET {url}{path}: HTTP {resp.status}: {message(data)}")
             return data
 
     async def post(self, url: str, path: str, body: dict | None = None) -> dict:
         session, _ = self._state()
         async with session.post(url + path, json=body or {}, timeout=self.timeout) as resp:
-            data = await _read_json(resp)
+            data = await read_json(resp)
             if resp.status != 200:
-                raise RolloutError(f"POST {url}{path}: HTTP {resp.status}: {_message(data)}")
+                raise RolloutError(f"POST {url}{path}: HTTP {resp.status}: {message(data)}")
             return data
 
     async def busy_seconds(self) -> float | None:

@@ -6,11 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from megatron_gspo.checks import choice as _choice
-from megatron_gspo.checks import in_range as _in_range
-from megatron_gspo.checks import positive as _positive
-from megatron_gspo.checks import seconds as _seconds
-from megatron_gspo.checks import show
+from megatron_gspo.checks import choice, in_range, positive, seconds, show
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
 
@@ -69,18 +65,18 @@ class RolloutSection:
 
     def check(self) -> None:
         if self.dtype is not None:
-            _choice(self.dtype, "rollout.dtype", SERVER_DTYPES)
+            choice(self.dtype, "rollout.dtype", SERVER_DTYPES)
         if self.quantization is not None:
-            _choice(self.quantization, "rollout.quantization", ("fp8",))
+            choice(self.quantization, "rollout.quantization", ("fp8",))
         if not self.urls:
-            _positive(self.servers, "rollout.servers")
+            positive(self.servers, "rollout.servers")
         if self.url_nodes and len(self.url_nodes) != len(self.urls):
             raise UserError(
                 f"rollout.url_nodes has {len(self.url_nodes)} entries for {len(self.urls)} "
                 "rollout.urls; give the node index of each URL's server, in the same order"
             )
         for i, node in enumerate(self.url_nodes):
-            _in_range(node, f"rollout.url_nodes[{i}]", 0)
+            in_range(node, f"rollout.url_nodes[{i}]", 0)
         for i, url in enumerate(self.urls):
             check_url(url, f"rollout.urls[{i}]")
         if self.router_url and not self.urls:
@@ -91,14 +87,14 @@ class RolloutSection:
         if self.router_url:
             check_url(self.router_url, "rollout.router_url")
         for name in ("server_tp", "group_size", "prompts_per_step", "max_new_tokens"):
-            _positive(getattr(self, name), f"rollout.{name}")
+            positive(getattr(self, name), f"rollout.{name}")
         if self.group_size < 2:
             raise UserError("rollout.group_size must be >= 2 (group advantages need a spread)")
-        _in_range(self.temperature, "rollout.temperature", 0)
-        _in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
+        in_range(self.temperature, "rollout.temperature", 0)
+        in_range(self.top_p, "rollout.top_p", 0, 1, lo_open=True)
         for name in ("health_timeout_s", "connect_grace_s"):
-            _seconds(getattr(self, name), f"rollout.{name}")
-        _in_range(self.max_staleness, "rollout.max_staleness", 0, MAX_STALENESS)
+            seconds(getattr(self, name), f"rollout.{name}")
+        in_range(self.max_staleness, "rollout.max_staleness", 0, MAX_STALENESS)
         if self.partial and not self.max_staleness:
             raise UserError(
                 "rollout.partial continues generations across a weight update, which only "
@@ -153,9 +149,9 @@ class EnvSection:
         if self.tools and self.fn != "tools":
             raise UserError("env.tools is used by env.fn=tools only; set env.fn=tools or drop it")
         for name in ("max_turns", "max_tokens"):
-            _positive(getattr(self, name), f"env.{name}")
+            positive(getattr(self, name), f"env.{name}")
         if self.max_turn_tokens is not None:
-            _positive(self.max_turn_tokens, "env.max_turn_tokens")
-        _seconds(self.timeout_s, "env.timeout_s")
+            positive(self.max_turn_tokens, "env.max_turn_tokens")
+        seconds(self.timeout_s, "env.timeout_s")
         if self.workers is not None:
-            _in_range(self.workers, "env.workers", 1, 1024)
+            in_range(self.workers, "env.workers", 1, 1024)

@@ -16,8 +16,8 @@ from megatron_gspo.train.report import (
     draw_layers,
     draw_panel,
     layer_keys,
+    save_png,
 )
-from megatron_gspo.train.report import save_png as _save
 
 Runs = list[tuple[str, list[dict]]]  # (label, rows aggregated over seeds)
 
@@ -64,13 +64,13 @@ CAPTIONS = {
 def write_figures(out: Path, by_algo: Runs, levels: dict[str, str], per_seed, events) -> list[str]:
     """Every figure into `out`; returns the file names in CAPTIONS order."""
     flat = _without_layers(by_algo)  # per-layer routing has its own figure
-    _save(build_figure(flat, REWARDS, ncols=2), out / "rewards.png")
-    _save(_ratio_figure(flat, levels), out / "ratio_variance.png")
-    _save(build_figure(flat, CLIP, ncols=2), out / "clip_fractions.png")
-    _save(_routing_figure(by_algo), out / "routing.png")
-    _save(build_figure(flat, MISMATCH, ncols=3), out / "mismatch.png")
-    _save(build_figure(flat, MECHANISM, ncols=2), out / "mechanism.png")
-    _save(_collapse_figure(per_seed, events), out / "collapse.png")
+    save_png(build_figure(flat, REWARDS, ncols=2), out / "rewards.png")
+    save_png(_ratio_figure(flat, levels), out / "ratio_variance.png")
+    save_png(build_figure(flat, CLIP, ncols=2), out / "clip_fractions.png")
+    save_png(_routing_figure(by_algo), out / "routing.png")
+    save_png(build_figure(flat, MISMATCH, ncols=3), out / "mismatch.png")
+    save_png(build_figure(flat, MECHANISM, ncols=2), out / "mechanism.png")
+    save_png(_collapse_figure(per_seed, events), out / "collapse.png")
     return list(CAPTIONS)
 
 

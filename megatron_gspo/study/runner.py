@@ -60,7 +60,7 @@ def ensure_model(study: Study) -> None:
     if path is None or path.exists():
         return
     task = task_of(study.config, study.common)
-    args = ["--task", task, *_preset_for(task)]
+    args = ["--task", task, *preset_for(task)]
     print(f"starting model: making {path} (make-task-model {' '.join(args)})", flush=True)
     cmd = [sys.executable, "-m", "megatron_gspo", "make-task-model", "--out", str(path)]
     log = study.out / "logs" / "make-task-model.log"
@@ -68,7 +68,7 @@ def ensure_model(study: Study) -> None:
         raise UserError(f"make-task-model failed; see {log}")
 
 
-def _preset_for(task: str) -> list[str]:
+def preset_for(task: str) -> list[str]:
     """`--preset NAME` of the model preset made for `task` (sortlong: drift), else nothing."""
     from megatron_gspo.data.warmstart import PRESETS
 

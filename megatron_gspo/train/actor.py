@@ -53,15 +53,15 @@ from megatron_gspo.train.packing import packed, packing_budget, token_logprobs
 from megatron_gspo.train.results import Update
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
-    _moved_split,
-    _optimizer_step,
-    _reduce_stats,
-    _tis_weights,
     check_step,
+    correction_weights_of,
     flat_logprobs,
     fused_adam,
     kl_penalty,
+    moved_split,
+    optimizer_step,
     padding_stats,
+    reduce_stats,
 )
 
 
@@ -295,12 +295,12 @@ class Actor(MicrobatchLayout):
             if split is not None:
                 moved = sweep.moved_positions(batch.lengths.tolist())
                 assert moved is not None  # split is made only when the sweep tracks moves
-                outputs = [*outputs, *_moved_split(split, moved)]
+                outputs = [*outputs, *moved_split(split, moved)]
             routing = self.routing.finish_train(sweep)
         if on_policy:
             batch.set("old_logprobs", flat_logprobs(own, batch, self.world, self.device))
-        ok, grad_norm, finite = _optimizer_step(self.optimizer)
-        metrics = _reduce_stats(outputs, self.world, self.tp, self.device)
+        ok, grad_norm, finite = optimizer_step(self.optimizer)
+        metrics = reduce_stats(outputs, self.world, self.tp, self.device)
         if "tokens_moved_fraction" in metrics:
             routing[TOKENS_CHANGED] = metrics.pop("tokens_moved_fraction")
         metrics.update(routing)
@@ -338,7 +338,7 @@ class Actor(MicrobatchLayout):
             value, stats = policy_loss(
                 lp, mb.old_logprobs, mb.advantages, mb.mask, **loss_cfg.loss_kwargs(),
                 rollout_logprobs=mb.rollout_logprobs, kl=kl_penalty(mb, loss_cfg),
-                tis_weights=_tis_weights(mb, loss_cfg),
+                tis_weights=correction_weights_of(mb, loss_cfg),
                 loss_scale_denominator=denom,
             )  # fmt: skip
             stats = dict(stats, loss_sum=value.detach(), entropy_sum=(ent.detach() * mb.mask).sum())

@@ -230,7 +230,7 @@ def train_on(
     if first_on_policy and len(per_update) > 1:
         drift = {k for m in per_update[1:] for k in m if k.startswith((CHANGED, TOKENS_CHANGED))}
         per_update[0].update(dict.fromkeys(drift, 0.0))
-    metrics |= _mismatch(batch)
+    metrics |= mismatch_metrics(batch)
     return metrics | _combine_updates(updates, per_update), updates
 
 
@@ -259,7 +259,7 @@ def _old_logprobs(
     return metrics
 
 
-def _mismatch(batch: StepBatch) -> dict:
+def mismatch_metrics(batch: StepBatch) -> dict:
     """mean |old - rollout| log-prob over trained tokens: the train-vs-inference gap; under R3
     also split by whether the trainer's routing of the position that produced the token agreed
     with the rollout server's in every MoE layer (`_routing_same`) or not (`_routing_differs`).

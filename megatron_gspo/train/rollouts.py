@@ -35,14 +35,14 @@ from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.generate import Generation
 from megatron_gspo.train.results import Collected
 from megatron_gspo.train.samples import (
-    _check_samples,
-    _report_broken_rows,
-    _rollout_metrics,
-    _to_batch,
-    _topk,
+    check_samples,
+    model_topk,
     nonfinite_inputs,
+    report_broken_rows,
     reward_failures,
+    rollout_metrics,
     sample_versions,
+    to_batch,
 )
 
 if TYPE_CHECKING:
@@ -100,9 +100,9 @@ class Rollouts:
         cfg = self.cfg
         self.train_rows = load_prompts(cfg.data.train, "train", cfg.seed)
         self.eval_rows = load_prompts(cfg.data.eval or cfg.data.train, "eval", cfg.seed)
-        _report_broken_rows(self.train_rows, "data.train")
+        report_broken_rows(self.train_rows, "data.train")
         if cfg.data.eval and cfg.data.eval != cfg.data.train:
-            _report_broken_rows(self.eval_rows, "data.eval")
+            report_broken_rows(self.eval_rows, "data.eval")
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.gen = Generation(cfg, self.tokenizer, self.run_dir)
         # Servers we start get a random key (a local user or a web page cannot drive them);
@@ -114,7 +114,7 @@ class Rollouts:
         self._loop = asyncio.new_event_loop()
         self._io = threading.Thread(target=self._loop.run_forever, name="rollout-io", daemon=True)
         self._io.start()
-        topk = _topk(self.hf_dir)
+        topk = model_topk(self.hf_dir)
         outage = cfg.rollout.health_timeout_s  # servers down: wait this long for a restart
         self.client = RolloutClient(
             self.urls, api_key=self.api_key, topk=topk, timeout_s=cfg.rollout.health_timeout_s,
@@ -314,10 +314,10 @@ class Rollouts:
         t_gen = time.perf_counter() - t0 - out.reward_wait_s  # (until the generation ended)
         groups, scored = out.groups, out.scored
         samples = [s for g in groups for s in g]
-        _check_samples(samples)
+        check_samples(samples)
         failed = reward_failures(scored, step)
         rewards = overlong_shaped(cfg, samples, [0.0 if v is None else v for v in scored.rewards])
-        metrics = _rollout_metrics(samples, scored.rewards, t_gen)
+        metrics = rollout_metrics(samples, scored.rewards, t_gen)
         facts = Collected(None, metrics, generation_s=t_gen)
         metrics["reward/failed_samples"] = float(len(failed))
         metrics["time/reward_wait_s"] = out.reward_wait_s  # (scoring after generation ended)
@@ -350,7 +350,7 @@ class Rollouts:
         kept_rewards = torch.tensor(rewards, dtype=torch.float64).view(-1, G)[keep].flatten()
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
         facts.set_nonfinite_inputs(nonfinite_inputs(samples, adv))  # (the guard names them)
-        facts.batch = _to_batch(samples, adv.tolist())
+        facts.batch = to_batch(samples, adv.tolist())
         return facts
 
     def _encode(self, encode_prompt, text: str) -> list[int]:

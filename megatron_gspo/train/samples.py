@@ -16,7 +16,7 @@ from megatron_gspo.train.batch import StepBatch
 log = logging.getLogger(__name__)
 
 
-def _report_broken_rows(ps, key: str) -> None:
+def report_broken_rows(ps, key: str) -> None:
     from megatron_gspo.data.prompts import broken_rows
 
     line = broken_rows(ps, key)
@@ -24,14 +24,14 @@ def _report_broken_rows(ps, key: str) -> None:
         print(line, flush=True)
 
 
-def _topk(hf_dir: Path) -> int | None:
+def model_topk(hf_dir: Path) -> int | None:
     from megatron_gspo.hf.config import load_hf_config, model_spec
 
     spec = model_spec(load_hf_config(hf_dir))
     return spec.topk if spec.is_moe else None
 
 
-def _check_samples(samples) -> None:
+def check_samples(samples) -> None:
     # (an episode whose environment failed before the model wrote is a failed reward instead)
     bad = [s for s in samples if s.aborted or (not s.tokens and s.env_error is None)]
     if bad:
@@ -47,7 +47,7 @@ def _check_samples(samples) -> None:
         )
 
 
-def _to_batch(samples, advantages: list[float]) -> StepBatch:
+def to_batch(samples, advantages: list[float]) -> StepBatch:
     tokens, mask, rollout_lp, experts = [], [], [], []
     for s in samples:
         p = len(s.prompt_ids)
@@ -62,7 +62,7 @@ def _to_batch(samples, advantages: list[float]) -> StepBatch:
     )
 
 
-def _rollout_metrics(samples, rewards: list[float | None], seconds: float) -> dict:
+def rollout_metrics(samples, rewards: list[float | None], seconds: float) -> dict:
     """The step's rollout metrics; reward statistics over the samples whose reward was scored
     (None: the reward function failed on it)."""
     r = torch.tensor([v for v in rewards if v is not None] or [0.0], dtype=torch.float64)

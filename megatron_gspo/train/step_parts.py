@@ -22,7 +22,7 @@ from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.batch import scatter_token_logprobs
 
 
-def _moved_split(split: list, moved: list) -> list[dict]:
+def moved_split(split: list, moved: list) -> list[dict]:
     """log_ratio_split_stats of each microbatch the loss saw, `moved[i]` ([n] bool per position
     of sample i) placed on its columns: column j is position j, which produced token j + 1."""
     out = []
@@ -67,7 +67,7 @@ def padding_stats(mbs) -> dict[str, float]:
     }
 
 
-def _tis_weights(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
+def correction_weights_of(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
     """The microbatch's mismatch-correction weights (tis, mis, icepop; algo/mismatch.py)."""
     return correction_weights(loss_cfg, mb.old_logprobs, mb.rollout_logprobs, mb.mask)
 
@@ -122,7 +122,7 @@ _IDENTITY = {"sum": 0.0, "min": float("inf"), "max": float("-inf")}
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
-def _reduce_stats(outputs: list[dict], world: int, tp: int, device="cpu") -> dict:
+def reduce_stats(outputs: list[dict], world: int, tp: int, device="cpu") -> dict:
     """Sum/min/max the microbatch stats over the data-parallel replicas (on the last pipeline
     stage), then share them with every rank: three tensor all-reduces over the keys (which the
     ranks agree on first: those of the last stage's loss)."""
@@ -150,7 +150,7 @@ def _reduce_stats(outputs: list[dict], world: int, tp: int, device="cpu") -> dic
     return metrics
 
 
-def _optimizer_step(opt) -> tuple[bool, float | None, bool]:
+def optimizer_step(opt) -> tuple[bool, float | None, bool]:
     """The optimizer step, unless the gradient norm is not finite (a NaN/Inf loss, an
     overflow): then the gradients are dropped and the weights stay as they were. The norm
     is reduced over the model-parallel (and, with the distributed optimizer, data-parallel)

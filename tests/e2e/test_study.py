@@ -146,7 +146,7 @@ def test_the_drift_study_reads_its_family_and_makes_its_model_with_the_preset(tm
     DIR/model made by make-task-model with the drift preset (the shape sortlong is tuned for)."""
     from megatron_gspo.data.warmstart import PRESETS
     from megatron_gspo.study.plan import task_of
-    from megatron_gspo.study.runner import _preset_for
+    from megatron_gspo.study.runner import preset_for
 
     base = ROOT / "configs" / "drift_moe_gspo.yaml"
     table = algo_table(base=base)
@@ -158,7 +158,7 @@ def test_the_drift_study_reads_its_family_and_makes_its_model_with_the_preset(tm
     assert study.made_model == (tmp_path / "model").resolve()
     task = task_of(base, study.common)
     assert task == "sortlong" and PRESETS["drift"]["task"] == task
-    assert _preset_for(task) == ["--preset", "drift"] and _preset_for("arith") == []
+    assert preset_for(task) == ["--preset", "drift"] and preset_for("arith") == []
 
 
 def test_unknown_algorithm_is_a_user_error():

@@ -145,7 +145,7 @@ def test_the_trainer_takes_the_configured_sequence_tis_reduction():
     from types import SimpleNamespace
 
     from megatron_gspo.algo.config import LossConfig, Tis, TisReduce
-    from megatron_gspo.train.step_parts import _tis_weights
+    from megatron_gspo.train.step_parts import correction_weights_of
 
     old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -0.1, 0.0]])
     rollout = torch.tensor([[-1.3, -0.9, -9.0], [-0.1, -0.3, 0.0]])
@@ -155,4 +155,4 @@ def test_the_trainer_takes_the_configured_sequence_tis_reduction():
     for reduce, want in ((TisReduce.SUM, [min(math.exp(sum(d)), 1.5) for d in diffs]),
                          (TisReduce.MEAN, [min(math.exp(sum(d) / len(d)), 1.5) for d in diffs])):  # fmt: skip
         cfg = LossConfig(tis=Tis.SEQUENCE, tis_cap=1.5, tis_reduce=reduce)
-        assert torch.allclose(_tis_weights(mb, cfg), torch.tensor(want)), reduce
+        assert torch.allclose(correction_weights_of(mb, cfg), torch.tensor(want)), reduce

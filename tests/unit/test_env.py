@@ -22,7 +22,7 @@ from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn, load_env
 from megatron_gspo.rollout.sample import Sample
 from megatron_gspo.rollout.tool_env import tool_env
 from megatron_gspo.train.generate import Generation
-from megatron_gspo.train.samples import _to_batch
+from megatron_gspo.train.samples import to_batch
 
 pytestmark = pytest.mark.unit
 
@@ -173,7 +173,7 @@ def test_an_episode_is_scored_by_its_environment_else_reward_fn_on_its_last_turn
 
 def test_an_episode_becomes_a_row_with_the_environment_masked_out():
     s = _sample([5, 6, 7, 8, 9], [1, 1, 0, 0, 1], logprobs=[-0.1, -0.2, None, None, -0.3])
-    batch = _to_batch([s, _sample([5, 6], logprobs=[-1.0, -2.0])], [1.0, -1.0])
+    batch = to_batch([s, _sample([5, 6], logprobs=[-1.0, -2.0])], [1.0, -1.0])
     assert batch.row_values("tokens") == [[1, 2, 5, 6, 7, 8, 9], [1, 2, 5, 6]]
     assert batch.row_values("loss_mask") == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 1]]
     want = [[None, None, -0.1, -0.2, None, None, -0.3], [None, None, -1.0, -2.0]]

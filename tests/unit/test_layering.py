@@ -179,3 +179,21 @@ def test_no_module_over_400_lines_and_no_function_over_60():
                 if length > 60:
                     long_functions.append(f"{rel}:{node.lineno} {node.name}: {length}")
     assert long_files == [] and long_functions == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A `_private` name is its module's own: another module (or a test) that needs it gets a
+    public name, never an import of the private one (nor a public one renamed private)."""
+    offenders = []
+    for path in [
+        *PKG.rglob("*.py"),
+        *(ROOT / "tests").rglob("*.py"),
+        *(ROOT / "bench").rglob("*.py"),
+    ]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_gspo"):
+                for alias in node.names:
+                    names = [alias.name, alias.asname or ""]
+                    if any(n.startswith("_") and not n.startswith("__") for n in names):
+                        offenders.append(f"{path.relative_to(ROOT)}: {alias.name}")
+    assert offenders == []

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_gspo.routing.storage import SampleRouting
 from megatron_gspo.train.batch import RLBatch
-from megatron_gspo.train.loop import _mismatch
+from megatron_gspo.train.loop import mismatch_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -28,14 +28,14 @@ def _batch(with_flags: bool) -> RLBatch:
 
 def test_gap_over_trained_tokens():
     # trained: sample 0 tokens 2, 3, 4 (|diffs| 0.5, 0, 0.25); sample 1 tokens 1, 2 (0.25, 0.5)
-    assert _mismatch(_batch(False)) == {"mismatch/logprob_abs_diff": pytest.approx(1.5 / 5)}
+    assert mismatch_metrics(_batch(False)) == {"mismatch/logprob_abs_diff": pytest.approx(1.5 / 5)}
 
 
 def test_gap_split_by_routing_agreement():
     # sample 0: token 2 <- position 1 (differs) 0.5; token 3 <- position 2 (same) 0.0;
     # token 4 <- position 3 (differs) 0.25. sample 1: token 1 <- position 0 (differs) 0.25;
     # token 2 <- position 1 (same) 0.5.
-    out = _mismatch(_batch(True))
+    out = mismatch_metrics(_batch(True))
     assert out["mismatch/logprob_abs_diff"] == pytest.approx(1.5 / 5)
     assert out["mismatch/logprob_abs_diff_routing_differs"] == pytest.approx(1.0 / 3)
     assert out["mismatch/logprob_abs_diff_routing_same"] == pytest.approx(0.5 / 2)
