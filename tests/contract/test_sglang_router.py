@@ -27,6 +27,9 @@ pytestmark = [pytest.mark.contract, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
+# As the launch scripts do (launch/torchrun.sh makes one): servers, router and trainer share a
+# key; the tensor sync's shared-memory payloads are loaded only for a client holding it.
+KEY = "router-test-key"
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def _start_router(python: Path, urls: list[str], log_dir: Path) -> tuple[subproc
     cmd = [sys.executable, str(ROOT / "launch" / "serve_node.py"), "router", "--worker-urls",
            *urls, "--port", str(free_port()), "--policy", "round_robin",
            "--log-dir", str(log_dir), "--urls-file", str(urls_file)]  # fmt: skip
-    env = cli_env() | {"SGLANG_PYTHON": str(python)}
+    env = cli_env() | {"SGLANG_PYTHON": str(python), "MEGATRON_GSPO_API_KEY": KEY}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     deadline = time.monotonic() + 180
     while not urls_file.is_file():
@@ -65,7 +68,8 @@ def _routed_generate_ids(log_dir: Path) -> set[str]:
 
 
 def _weight_version(url: str) -> str:
-    with urllib.request.urlopen(url + "/model_info", timeout=10) as r:
+    req = urllib.request.Request(url + "/model_info", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())["weight_version"]
 
 
@@ -75,7 +79,9 @@ def test_train_generates_through_sglang_router(router, task_model, tmp_path):
     r = subprocess.run([str(python), "-c", "import sglang_router"], capture_output=True)
     if r.returncode != 0:
         pytest.fail("the SGLang venv has no sglang-router; run `bash scripts/sglang_env.sh`")
-    cfg = ServerConfig(model_path=str(task_model), threads=1, env={"OMP_NUM_THREADS": "1"})
+    cfg = ServerConfig(
+        model_path=str(task_model), threads=1, api_key=KEY, env={"OMP_NUM_THREADS": "1"}
+    )
     router_logs = tmp_path / "router"
     router_logs.mkdir()
     run_dir = tmp_path / "run"
@@ -90,7 +96,8 @@ def test_train_generates_through_sglang_router(router, task_model, tmp_path):
                    f"rollout.router_url={router_url}"]  # fmt: skip
             log = tmp_path / "train.log"
             with open(log, "wb") as f:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=cli_env(),
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    env=cli_env() | {"MEGATRON_GSPO_API_KEY": KEY},
                                     cwd=ROOT, timeout=900).returncode  # fmt: skip
             assert rc == 0, log.read_text()[-3000:]
             versions = [_weight_version(u) for u in urls]
