@@ -55,8 +55,10 @@ def loop_mm(x_TH: torch.Tensor, w_EHN: torch.Tensor, tokens_per_expert) -> torch
             f"tokens_per_expert {sizes} does not split {x_TH.shape[0]} rows over "
             f"{w_EHN.shape[0]} experts"
         )
-    parts = torch.split(x_TH, sizes)
-    return torch.cat([part @ w_EHN[e] for e, part in enumerate(parts)])
+    # unbind, not w[e]: its backward stacks the E gradients once, where indexing would give
+    # each expert's gradient as a zero-filled [E, H, N] tensor (E^2 work in the backward)
+    parts, weights = torch.split(x_TH, sizes), w_EHN.unbind(0)
+    return torch.cat([part @ w for part, w in zip(parts, weights, strict=True)])
 
 
 def grouped_kernel_applies(x_TH: torch.Tensor, w_EHN: torch.Tensor) -> bool:
