@@ -57,10 +57,12 @@ def apply() -> None:
 
         cwo.__init__ = init
     if torch.cuda.is_available():
-        _use_foreach_grad_ops()
+        use_foreach_grad_ops()
 
 
-def _use_foreach_grad_ops() -> None:
+def use_foreach_grad_ops() -> None:
+    """Megatron's per-tensor fallbacks become `foreach_l2_norm` / `foreach_scale` (only those:
+    Transformer Engine's or apex's kernels, where megatron found them, stay)."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
 

@@ -157,3 +157,36 @@ def test_foreach_scale_equals_megatrons_fallback_bit_for_bit():
         foreach_scale(2048, flag, [src, mine], scale)
         local_multi_tensor_scale(2048, flag, [src, theirs], scale)
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+def test_megatrons_grad_norm_and_clipping_run_on_the_foreach_ops():
+    """Swapped into megatron's clip_grads (what a GPU without TE or apex gets), its own grad
+    norm and clipping give what its per-tensor fallback gives (a CPU process, cpu_compat)."""
+    from tests.unit.test_cpu_compat import run
+
+    run(
+        "import torch\n"
+        "from megatron_gspo.model import cpu_compat, without_te\n"
+        "from megatron_gspo.comm import free_port\n"
+        "cpu_compat.apply()\n"
+        "torch.distributed.init_process_group(\n"
+        "    'gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "from megatron.core.optimizer import clip_grads\n"
+        "def norm_and_clip():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    ps = [torch.nn.Parameter(torch.zeros(s)) for s in [(7, 3), (64,), (2, 2, 5)]]\n"
+        "    for p in ps:\n"
+        "        p.grad = torch.randn(p.shape, generator=g)\n"
+        "    n = clip_grads.get_grad_norm_fp32([p.grad for p in ps])\n"
+        "    clip_grads.clip_grad_by_total_norm_fp32(ps, 1.0, n)\n"
+        "    return n, [p.grad for p in ps]\n"
+        "before = norm_and_clip()\n"
+        "without_te.use_foreach_grad_ops()\n"
+        "assert clip_grads.l2_norm_impl is without_te.foreach_l2_norm\n"
+        "after = norm_and_clip()\n"
+        "assert before[0] == after[0] and before[0] > 1, (before[0], after[0])\n"
+        "assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))\n"
+        "assert abs(float(torch.cat([g.view(-1) for g in after[1]]).norm()) - 1) < 1e-5\n"
+        "print('ok')\n",
+        "ok",
+    )
