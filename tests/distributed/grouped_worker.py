@@ -10,7 +10,8 @@ r3: the batch's own random expert choices), recording what every experts module 
 per-expert views, read back through them), then one optimizer step (no clipping, the plain
 optimizer: every rank's gradient buffer holds the reduced gradient), keeping each parameter's
 gradient under its per-expert (SequentialMLP) name. With `cross_load` each kind saves its actor
-after the step; a fresh actor of the other kind loads it, and both take a second step.
+after the step; a fresh actor of the other kind loads it, and both take a second step; and
+the HF checkpoint converted to a Megatron one (sequential experts) is loaded into grouped ones.
 Reported: the largest differences (max over ranks) between the kinds.
 """
 
@@ -161,9 +162,10 @@ def input_diffs(a: dict, b: dict) -> tuple[bool, float]:
 
 
 def logprob_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference of two flat log-prob tensors where both have one (NaN: none)."""
+    """Largest difference of two flat log-prob tensors where both have one."""
     both = ~(a.isnan() | b.isnan())
-    return float((a[both] - b[both]).abs().max()) if both.any() else 0.0
+    assert both.any(), "no log-probs to compare"
+    return float((a[both] - b[both]).abs().max())
 
 
 def cross_load(ckpt, dims, layout, runs: dict) -> dict:
@@ -182,6 +184,18 @@ def cross_load(ckpt, dims, layout, runs: dict) -> dict:
             step2_grad_norm=(step2["metrics"]["grad_norm"], saver["step2"]["metrics"]["grad_norm"]),
         )
     return out
+
+
+def from_converted(ckpt, dims, layout, workdir, grp: dict) -> float:
+    """`convert hf-to-megatron` (sequential experts) loaded into grouped experts: log-probs as
+    from the HF checkpoint loaded into them."""
+    from megatron_gspo.model.convert import hf_to_megatron
+
+    out = os.path.join(workdir, f"{layout['name']}-converted")
+    hf_to_megatron(ckpt, out, dims)
+    actor = build(out, dims, layout, grouped=True)
+    old, _ = actor.logprobs(fixed_batch(actor.spec), layout["mbs"])
+    return logprob_diff(old, grp["old"])
 
 
 def compare(seq: dict, grp: dict) -> dict:
@@ -231,6 +245,7 @@ def main() -> None:
         result = compare(runs[False], runs[True])
         if layout.get("cross_load"):
             result["cross_load"] = cross_load(a.checkpoint, dims, layout, runs)
+            result["converted"] = from_converted(a.checkpoint, dims, layout, a.workdir, runs[True])
         results[layout["name"]] = reduce_max(result)
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
