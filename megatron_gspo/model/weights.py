@@ -3,9 +3,10 @@
 `local_params` resolves every parameter of every chunk to its `ParamMap` (global layer and expert
 indices); a grouped experts' weight (one tensor for all local experts, model/experts.py) is
 listed as its per-expert views under SequentialMLP's names, so everything below sees the same
-names and shapes whichever experts the model was built with. `load_hf` fills the chunks from an HF reader, each rank reading only the tensors it
-needs. `iter_hf` yields full HF tensors gathered over TP / expert-TP one parameter at a time, so
-the extra memory is one full tensor; weight sync consumes it.
+names and shapes whichever experts the model was built with. `load_hf` fills the chunks from an
+HF reader, each rank reading only the tensors it needs. `iter_hf` yields full HF tensors
+gathered over TP / expert-TP one parameter at a time, so the extra memory is one full tensor;
+weight sync consumes it.
 
 Conversion moves tensors between the two formats without a model holding them:
 `hf_sharded_state` is the model's own sharded state dict (so the checkpoint has exactly the keys,
