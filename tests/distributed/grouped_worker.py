@@ -30,6 +30,7 @@ from megatron_gspo.model.policy import load_policy
 from megatron_gspo.model.weights import iter_hf
 from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
 from megatron_gspo.train.batch import RLBatch, StepBatch
+from megatron_gspo.weight_sync.gather import iter_stage
 
 LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-3, clip_grad=0.0, distributed=False)
@@ -114,6 +115,8 @@ def run_kind(ckpt, dims, layout, grouped: bool, workdir: str) -> dict:
     batch = fixed_batch(modules[0].model_spec)
     # the loaded weights as HF tensors (TP-gathered; weight sync's and export's view of them)
     hf = {n: t.clone() for n, t in iter_hf(modules, only_writer=False)}
+    # and as weight sync gathers them (over EP too) on each pipeline stage's sender
+    hf.update({f"sync:{n}": t.clone() for n, t in iter_stage(modules)})
     inputs = ExpertInputs(modules)
     old, _ = actor.logprobs(batch, layout["mbs"])
     inputs.close()
@@ -203,6 +206,7 @@ def compare(seq: dict, grp: dict) -> dict:
     return dict(
         hf_weights=max_diff(seq["hf"], grp["hf"]),
         hf_tensors=len(seq["hf"]),
+        sync_tensors=sum(k.startswith("sync:") for k in seq["hf"]),  # rank 0: a stage sender
         logprobs=logprob_diff(seq["old"], grp["old"]),
         grads=max_diff(seq["grads"], grp["grads"]),
         grad_scale=max(float(g.abs().max()) for g in seq["grads"].values()),
