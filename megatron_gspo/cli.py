@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse(argv: list[str] | None):
+def parse_args(argv: list[str] | None):
     """Overrides (`key.sub=value`) may sit between or after the flags: argparse stops filling a
     positional list at the first flag, so the rest are collected here."""
     parser = build_parser()
@@ -235,7 +235,7 @@ def _parse(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parse(argv)
+    args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # megatron-core announces at import that optional CUDA extensions are missing; on a CPU run
     # that is expected (model/cpu_compat.py), so keep the console for our own messages.

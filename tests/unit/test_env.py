@@ -221,11 +221,11 @@ def test_loss_counts_model_tokens_only(kind, agg):
     assert grad[~mask].abs().max() == 0  # no gradient through the environment's tokens
 
 
-def test_readme_example_environment_plays_its_game(tmp_path):
-    """The example in README.md, as written there: higher/lower hints, reward 1 when found."""
+def test_documented_example_environment_plays_its_game(tmp_path):
+    """The example in docs/training.md, as written there: higher/lower hints, reward 1 when found."""
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
     code = readme.split("```python\n")[1].split("```")[0]
     assert len(code.splitlines()) <= 24
     path = tmp_path / "guess.py"
