@@ -20,7 +20,10 @@ from megatron_gspo.study.analysis import RunSummary, Spread, spread
 from megatron_gspo.study.plan import Study
 
 FIGURE = "scaling.png"
-CAPTION = "Final and best eval reward per arm against the swept value (and training FLOPs)"
+CAPTION = (
+    "Final and best eval reward per arm against the swept value (and training FLOPs): the mean"
+    " over seeds, the seeds' range shaded"
+)
 
 
 def active_params(config_json: Path) -> float | None:
@@ -142,10 +145,12 @@ def _draw(ax, pts: dict[str, list[Point]], what: str, x_of, title: str) -> None:
         got = [(x, s) for x, s in got if x is not None and s is not None]
         if not got:
             continue
+        got.sort(key=lambda g: g[0])
         x = [g[0] for g in got]
-        y = [s.mean for _, s in got]
-        err = [[s.mean - s.lo for _, s in got], [s.hi - s.mean for _, s in got]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=4, color=f"C{n}", label=arm)
+        ax.plot(x, [s.mean for _, s in got], marker="o", color=f"C{n}", label=arm)
+        # the seeds' range, shaded
+        ax.fill_between(x, [s.lo for _, s in got], [s.hi for _, s in got], color=f"C{n}",
+                        alpha=0.15, linewidth=0)  # fmt: skip
     ax.set_title(title, fontsize="medium")
     ax.set_ylabel("eval/reward", fontsize="small")
     ax.grid(alpha=0.3)
