@@ -21,7 +21,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from harness import Variant, finish, markdown_table, measure, parser  # (bench/ on the path)
+# (bench/ on the path)
+from harness import Variant, finish, markdown_table, measure, parser
 from safetensors.torch import load_file, save_file
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model

@@ -36,7 +36,9 @@ import sys
 import time
 
 import torch
-from harness import Variant, finish, markdown_table, measure, parser  # (bench/ on the path)
+
+# (bench/ on the path)
+from harness import Variant, finish, markdown_table, measure, parser
 
 from megatron_gspo.model.lm_head import lm_head_logprobs
 from megatron_gspo.model.logprobs import vocab_parallel_logprobs

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness import finish, markdown_table, parser  # (bench/ is on the path: run as a script)
+# (bench/ is on the path: run as a script)
+from harness import finish, markdown_table, parser
 from train_runs import CPU, ROOT, side_by_side
 
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "response/length_mean",

@@ -12,7 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import Result, Variant, measure, summarize  # (bench/ is on the path: run as a script)
+# (bench/ is on the path: run as a script)
+from harness import Result, Variant, measure, summarize
 from transfer_floors import cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
