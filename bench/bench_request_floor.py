@@ -85,9 +85,7 @@ def main() -> None:
     res = Result("request_floor")
     with tempfile.TemporaryDirectory() as logs:
         for s in (builtin, sglang):
-            got = time_server(s, a.reps, a.new_tokens, Path(logs))
-            for way in got.variants:  # one result: variants "<server> <way>"
-                res.add(f"{s.kind} {way}", got.samples[way])
+            res.include(time_server(s, a.reps, a.new_tokens, Path(logs)), s.kind)
     print(f"one step: {PROMPTS} prompts x {GROUP} samples x {a.new_tokens} new tokens")
     rows = [[k, f"{res.median(f'{k} groups'):.4f}s", f"{res.median(f'{k} one'):.4f}s"]
             for k in ("builtin", "sglang")]  # fmt: skip

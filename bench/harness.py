@@ -154,6 +154,15 @@ class Result:
         self.samples.setdefault(variant, []).extend(dict(r) for r in rows)
         self.order.append(variant)
 
+    def include(self, other: Result, prefix: str) -> None:
+        """Another run's variants, ratios and extras, under "prefix variant" (e.g. one measure per
+        model size, one JSON)."""
+        for v, rows in other.samples.items():
+            self.samples[f"{prefix} {v}"] = [dict(r) for r in rows]
+        self.order += [f"{prefix} {v}" for v in other.order]
+        self.ratios.update({f"{prefix} {k}": r for k, r in other.ratios.items()})
+        self.extra[prefix] = other.extra
+
     @property
     def variants(self) -> list[str]:
         return list(self.samples)

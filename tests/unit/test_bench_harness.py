@@ -136,3 +136,13 @@ def test_bad_arguments_are_refused_with_the_reason():
     ap = harness.parser("d", reps=2, warmup=None, reps_flags=("--rounds", "--reps"), quick="q")
     a = ap.parse_args(["--rounds", "4", "--quick"])
     assert a.reps == 4 and a.quick and not hasattr(a, "warmup")
+
+
+def test_results_of_several_runs_combine_under_a_prefix():
+    clock = FakeClock()
+    one = measure([Variant("a", clock.costs("a", [2.0]))], reps=1, clocks={"seconds": clock})
+    one.extra["x"] = 1
+    res = harness.Result("both")
+    res.include(one, "tiny")
+    assert res.samples == {"tiny a": [{"seconds": 2.0}]} and res.order == ["tiny a"]
+    assert res.extra["tiny"]["x"] == 1
