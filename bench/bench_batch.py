@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:  # (harness, when this file is imported by path)
+    sys.path.insert(0, str(ROOT / "bench"))
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 PROMPTS, GROUP, TOKENS = 64, 8, 8192
 LAYOUTS = {"DP4": (4, 1), "PP2xDP2": (2, 2), "PP4": (1, 4)}  # name: (dp, pp)
