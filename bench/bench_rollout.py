@@ -111,6 +111,8 @@ def main() -> None:
         pair = [Variant("server", lambda: run_server(url, pid, batch, n, new)),
                 Variant("hf", lambda: run_hf(hf, batch, n, new))]  # fmt: skip
         res = measure(pair, args.reps, args.warmup, name="rollout", on_sample=_print_rep)
+    print(res.table({"tokens_per_s": "tokens/s", "tokens_per_cpu_s": "tokens per CPU-second"},
+                    fmt=".0f"))  # fmt: skip
     a, b = res.median("server", "tokens_per_s"), res.median("hf", "tokens_per_s")
     a_cpu, b_cpu = res.median("server", "tokens_per_cpu_s"), res.median("hf", "tokens_per_cpu_s")
     paired = median(res.paired("server", "hf", "tokens_per_s"))

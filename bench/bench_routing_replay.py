@@ -46,7 +46,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import Result, Variant, bootstrap_ci, finish, measure, parser  # (bench/ on the path)
+from harness import (  # (bench/ on the path)
+    Result,
+    Variant,
+    bootstrap_ci,
+    finish,
+    markdown_table,
+    measure,
+    parser,
+)
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
@@ -315,12 +323,12 @@ def report(a, metrics, batches, res: Result, spec, shares, missed) -> None:
         f"{spec.num_experts} experts top-{spec.topk}; batch {a.batch} x <= {a.seq} tokens "
         f"({n_tok}), microbatch {a.mbs}, {a.reps} reps"
     )
-    print(f"{'variant':8} {'logprobs cpu/wall ms':>22} {'train_step cpu/wall ms':>24}")
+    rows = []
     for v in VARIANTS:
         m = {k: 1e3 * res.median(v, k) for k in res.metrics(v)}
-        lp = f"{m['logprobs_cpu']:.1f} / {m['logprobs_wall']:.1f}"
-        st = f"{m['step_cpu']:.1f} / {m['step_wall']:.1f}"
-        print(f"{v:8} {lp:>22} {st:>24}")
+        rows.append([v, f"{m['logprobs_cpu']:.1f} / {m['logprobs_wall']:.1f}",
+                     f"{m['step_cpu']:.1f} / {m['step_wall']:.1f}"])  # fmt: skip
+    print(markdown_table(["variant", "logprobs cpu/wall ms", "train_step cpu/wall ms"], rows))
     r3 = metrics["r3"]
     print(f"r3 rollout/train agreement: {r3['routing/rollout_train_agreement']:.3f}")
     payload = spec.num_layers * spec.topk * 4
