@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -67,3 +68,33 @@ def test_benchmark_runs_and_writes_the_harness_json(script, tmp_path):
         num, den, metric = ratio
         med = {v: statistics.median(got["variants"][v]["samples"][metric]) for v in (num, den)}
         assert got["ratios"][f"{num}/{den}:{metric}"] == pytest.approx(med[num] / med[den])
+
+
+def quoted_flags() -> dict[str, set[str]]:
+    """Every `--flag` that README.md and docs/ give a bench/ script, by script: in code spans
+    (which may wrap), fenced blocks and indented command lines."""
+    found: dict[str, set[str]] = {}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        fenced = re.findall(r"```(.*?)```", text, re.S)
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        commands = [line for block in fenced for line in block.splitlines()]
+        commands += re.findall(r"`([^`]+)`", text) + re.findall(r"^    (.*)$", text, re.M)
+        for command in commands:
+            for m in re.finditer(r"bench/(\w+\.py)([^`|]*)", command):
+                found.setdefault(m.group(1), set()).update(re.findall(r"(--[\w-]+)", m.group(2)))
+    return found
+
+
+def test_every_flag_the_docs_quote_is_accepted():
+    """The command lines README.md and docs/ quote keep working: each script exists and lists
+    every flag they give it in its --help."""
+    quoted = quoted_flags()
+    assert {"bench_rl_step.py", "bench_pack.py", "bench_lm_head.py"} <= set(quoted)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for script, flags in sorted(quoted.items()):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, (script, proc.stderr[-2000:])
+        missing = {f for f in flags if not re.search(rf"{re.escape(f)}\b", proc.stdout)}
+        assert not missing, (script, missing)
