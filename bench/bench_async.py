@@ -1,7 +1,7 @@
 """The RL loop with rollouts ahead of training (`rollout.max_staleness=1`, then also with
 `rollout.partial=true`, and `--staleness N` more) against the synchronous loop (0), side by side
 in one run: the same config, model, seed and steps, each a `megatron-gspo train` run started
-from the documented keys, reversing their order every other rep.
+from the documented keys, their order rotating every rep (harness.measure).
 
 Prints, per mode, the medians over steps 2.. (step 1 pays for first use) of the step time and
 its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, the trained
@@ -83,7 +83,7 @@ def main() -> None:
 
 def contend(a, extra: list[str]) -> Result:
     """The synchronous loop alone, then beside a process that keeps the other core busy (in
-    alternating order over reps): how much a training step slows while the other core works,
+    rotating order over reps): how much a training step slows while the other core works,
     which an overlapped step pays for the part of it that the servers generate."""
     flags = ["rollout.max_staleness=0", "train.checkpoint_every=0", *extra]
     parts = ("time/train_s", CPU[0])

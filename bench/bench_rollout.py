@@ -1,8 +1,9 @@
 """Rollout throughput: the built-in server (over HTTP, the async client) vs HF transformers
 `generate`, on the same tiny Qwen3-MoE, prompts and lengths, measured side by side in one run.
 
-Each repetition runs both (harness.measure: after a warm-up call each, alternating which goes first): 8 prompts x 8 samples, NEW tokens each
-(ignore_eos / min_new_tokens, temperature 1), the server also returning log-probs. Prints
+Each repetition runs both (harness.measure: after a warm-up call each, alternating which goes
+first): 8 prompts x 8 samples, NEW tokens each (ignore_eos / min_new_tokens, temperature 1), the
+server also returning log-probs. Prints
 generated tokens/s of each (median over repetitions) and the ratio server / HF last (goal >= 2).
 Both use the same number of torch threads; the server is idle while HF runs.
 
