@@ -4,8 +4,8 @@ batch (train/shard.py), per parallel layout, on 4 gloo ranks.
 The batch has the shapes of `configs/qwen3_30b_a3b_gspo.yaml`'s step scaled to this machine:
 64 prompts x 8 samples, prompt + response averaging 8k tokens cut by `--scale` (default 1/64:
 about 65k tokens), and the model's real routing: 48 MoE layers x top-8 of 128 experts, as SGLang
-sends it (int32, every layer). Rank 0 makes it; then, side by side in one run (harness.measure; each method
-and layout in a fresh launch, so that peak memory is its own):
+sends it (int32, every layer). Rank 0 makes it; then, side by side in one run (harness.measure;
+each method and layout in a fresh launch, so that peak memory is its own):
   - broadcast: `broadcast_object_list` of the whole batch, as the loop did before the shards
   - sharded:   `shard.distribute`: each rank gets its replica's rows and its stage's layers
 Per layout it prints, for the receiving ranks (1-3): bytes received, against what the layout

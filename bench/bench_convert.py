@@ -91,8 +91,11 @@ def main() -> None:
         for s in res.samples[v]:
             s["gbps"] = gb / s["seconds"]
     res.extra["model_gb"] = gb
-    rows = [[v, f"{gb / res.median(v):.2f}", "1" if v == "plain" else f"{res.ratio('plain', v):.2f}x"]
-            for v in res.variants]  # fmt: skip
+
+    def x_plain(v: str) -> str:
+        return "1" if v == "plain" else f"{res.ratio('plain', v):.2f}x"
+
+    rows = [[v, f"{gb / res.median(v):.2f}", x_plain(v)] for v in res.variants]
     print(markdown_table(["phase", "GB/s (median)", "x plain read+write"], rows))
     print("(goal: hf->megatron and megatron->hf >= 0.5x plain)")
     print(f"load average {_load()}")

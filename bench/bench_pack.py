@@ -13,11 +13,11 @@ Two length draws of the answers (prompts: 24 tokens; answers at most 128 new tok
   - long-tail: one answer in ten at the maximum, the rest at a quarter of it (32)
 The four (draw, variant) pairs run side by side `--reps` times (harness.measure: the order rotates
 every rep; each run a fresh actor on the same weights); the median training-phase seconds are
-reported as tokens/s (the batch's real tokens,
-prompt + answer, trained per second), the padding fraction of the microbatches (padding / token
-slots), and the training phase's model FLOP rate (the useful tokens' FLOPs: 6 x active params
-per token for each update, 2 x for the old-log-prob forward, plus causal attention) against a
-plain fp32 torch matmul's rate measured in the same run (this CPU's practical ceiling).
+reported as tokens/s (the batch's real tokens, prompt + answer, trained per second), the padding
+fraction of the microbatches (padding / token slots), and the training phase's model FLOP rate (the
+useful tokens' FLOPs: 6 x active params per token for each update, 2 x for the old-log-prob forward,
+plus causal attention) against a plain fp32 torch matmul's rate measured in the same run (this CPU's
+practical ceiling).
 `--quick`: the tiny model (a check that it runs).
 
 Goals (issue 43): >= 1.5x tokens/s packed on the long tail, with padding fraction <= 5%; packed

@@ -2,11 +2,11 @@
 started as the trainer starts it (rollout/server_config.py), on the tiny task model.
 
 A step of the tiny configs is 8 prompts x 8 samples of a few tokens, so its rollout time is
-almost all per-request cost (HTTP, tokenizer manager, scheduler passes), not compute. Each
-server gets the same step sent two ways, side by side over --reps (harness.measure, after 3
-warm-up calls each): as 8 concurrent requests of one prompt group each (`rollout.group_requests`,
-the trainer's way), and as one request of all 64 samples. Prints the median wall time of each, the ratio SGLang / built-in of each way, and what
-one request per step would save.
+almost all per-request cost (HTTP, tokenizer manager, scheduler passes), not compute. Each server
+gets the same step sent two ways, side by side over --reps (harness.measure, after 3 warm-up calls
+each): as 8 concurrent requests of one prompt group each (`rollout.group_requests`, the trainer's
+way), and as one request of all 64 samples. Prints the median wall time of each, the ratio SGLang /
+built-in of each way, and what one request per step would save.
 
     .venv/bin/python bench/bench_request_floor.py --model runs/task_model [--reps 15]
         [--sglang-python ~/.cache/megatron-gspo/sglang-venv/bin/python] [--new-tokens 3]

@@ -9,10 +9,10 @@ few percent on their own, which is larger than the effect measured):
   - r3:    the step replays rollout routing: the SGLang-format int32 payload [n - 1, layers, k]
            (dense layers zero) made from the natural routing with 10% of the (token, MoE layer)
            positions moved to other experts, as a different engine would route them
-Each rep runs every variant once, in a rotating order (harness.measure, after a warm-up call each): `logprobs` (recording) and `train_step`
-(replaying), timed as process CPU time and wall time, torch on one thread (`--threads 1`) so that
-idle OpenMP workers spinning on a busy machine do not count as work (lr 1e-7: the weights barely
-move). The overhead is measured two ways:
+Each rep runs every variant once, in a rotating order (harness.measure, after a warm-up call each):
+`logprobs` (recording) and `train_step` (replaying), timed as process CPU time and wall time, torch
+on one thread (`--threads 1`) so that idle OpenMP workers spinning on a busy machine do not count as
+work (lr 1e-7: the weights barely move). The overhead is measured two ways:
   - in-line: the routing code's own CPU time, timed at its entry points (ROUTING_ENTRIES: the
     calls the actor and megatron-core make into it) less the core's top-k inside them, over the
     rest of that rep's logprobs + train_step; mean over reps with a 95% bootstrap interval. Both
