@@ -1,7 +1,7 @@
 """The RL loop with rollouts ahead of training (`rollout.max_staleness=1`, then also with
 `rollout.partial=true`, and `--staleness N` more) against the synchronous loop (0), side by side
 in one run: the same config, model, seed and steps, each a `megatron-gspo train` run started
-from the documented keys, reversing their order every other rep.
+from the documented keys, their order rotating every rep (harness.measure).
 
 Prints, per mode, the medians over steps 2.. (step 1 pays for first use) of the step time and
 its parts, the trainer's idle time (waiting for rollouts), the servers' idle time, the trained
@@ -13,7 +13,7 @@ the built-in server generates on one core while the trainer trains on the other.
 Goal (issue 28): >= 1.3x the synchronous loop's trained tokens/s at staleness 1.
 
     .venv/bin/python bench/bench_async.py --model runs/task_model [--steps 8] [--reps 2]
-        [--staleness 2] [key=value ...]   # overrides for every run, e.g. rollout.max_new_tokens=64
+        [--staleness 2] [--json OUT] [key=value ...]   # overrides for every run, e.g. rollout.max_new_tokens=64
     .venv/bin/python bench/bench_async.py --cycle small [--steps 4] [--reps 1]
     .venv/bin/python bench/bench_async.py --cycle small --contend [--steps 4] [--reps 1]
 
@@ -30,7 +30,6 @@ generation and training take about the same time, the setting where overlapping 
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 import bench_rl_step as rl_step  # (bench/ is on the path: run as a script)
+from harness import Result, finish, markdown_table, parser
 from train_runs import CPU, ROOT, side_by_side, train_medians
 
 PARTS = ("time/step_s", "time/rollout_s", "time/train_s", "time/sync_s", "time/trainer_idle_s",
@@ -57,12 +57,11 @@ BURNERS = {  # (--contend) one thread that keeps the other core busy: in cache, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, reps=2, warmup=None)
     ap.add_argument("--model", help="an HF task model (make-task-model)")
     ap.add_argument("--cycle", choices=("tiny", "small"), help="bench_rl_step.py's cycle instead")
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_moe_gspo.yaml"))
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--staleness", type=int, default=0, help="also a mode with this staleness")
     ap.add_argument("--contend", action="store_true",
                     help="instead: the synchronous loop's training step with the other core idle "
@@ -78,24 +77,22 @@ def main() -> None:
             extra = [*rl_step.cycle_overrides(data, size), *extra]
             os.environ["PYTHONPATH"] = rl_step.bench_path()
             print(f"cycle {a.cycle}: Qwen3-MoE {mparams:.1f}M params, <= {size.new_tokens} tokens")
-        if a.contend:
-            contend(a, extra)
-        else:
-            run(a, extra)
+        res = contend(a, extra) if a.contend else run(a, extra)
+    finish(res, a)
 
 
-def contend(a, extra: list[str]) -> None:
+def contend(a, extra: list[str]) -> Result:
     """The synchronous loop alone, then beside a process that keeps the other core busy (in
-    alternating order over reps): how much a training step slows while the other core works,
+    rotating order over reps): how much a training step slows while the other core works,
     which an overlapped step pays for the part of it that the servers generate."""
     flags = ["rollout.max_staleness=0", "train.checkpoint_every=0", *extra]
     parts = ("time/train_s", CPU[0])
-    med = side_by_side([(name, flags) for name in BURNERS], a, parts, run=beside_burner)
-    print(f"{'other core':12s} {'train_s':>10s} {'cpu_trainer_s':>14s} {'/ idle':>8s}")
-    for name, m in med.items():
-        slow = m["time/train_s"] / med["idle"]["time/train_s"]
-        print(f"{name:12s} {m['time/train_s']:10.3f} {m[CPU[0]]:14.3f} {slow:7.2f}x")
+    res = side_by_side([(n, flags) for n in BURNERS], a, parts, run=beside_burner, name="contend")
+    rows = [[n, f"{res.median(n, 'time/train_s'):.3f}", f"{res.median(n, CPU[0]):.3f}",
+             f"{res.ratio(n, 'idle', 'time/train_s'):.2f}x"] for n in res.variants]  # fmt: skip
+    print(markdown_table(["other core", "train_s", "cpu_trainer_s", "/ idle"], rows))
     print(f"(load average {os.getloadavg()[0]:.1f})")
+    return res
 
 
 def beside_burner(name: str, flags: list[str], a, parts: tuple[str, ...]) -> dict[str, float]:
@@ -110,24 +107,24 @@ def beside_burner(name: str, flags: list[str], a, parts: tuple[str, ...]) -> dic
             burner.wait()
 
 
-def run(a, extra: list[str]) -> None:
+def run(a, extra: list[str]) -> Result:
     modes = dict(MODES)
     if a.staleness > 1:
         modes[f"ahead{a.staleness}"] = [f"rollout.max_staleness={a.staleness}"]
     # (no checkpoints: their writes would weigh on both modes alike and hide the difference)
     order = [(name, [*flags, "train.checkpoint_every=0", *extra]) for name, flags in modes.items()]
-    med = side_by_side(order, a, PARTS)
+    res = side_by_side(order, a, PARTS, name="async")
     for name, flags in modes.items():  # the servers' CPU per batch, not per step
-        med[name]["cpu/servers_s"] *= (a.steps - 1) / max(batches_in_window(flags, a.steps), 1)
+        for sample in res.samples[name]:
+            sample["cpu/servers_s"] *= (a.steps - 1) / max(batches_in_window(flags, a.steps), 1)
     heads = [k.replace("/", "_") if k in CPU else k.split("/")[-1] for k in PARTS]
-    print(f"{'mode':8s} " + " ".join(f"{h:>16s}" for h in heads))
-    for name, m in med.items():
-        print(f"{name:8s} " + " ".join(f"{m[k]:16.3f}" for k in PARTS))
-    for name in med:
-        if name != "sync":
-            ratio = med[name]["tokens_per_s"] / med["sync"]["tokens_per_s"]
-            print(f"trained tokens/s, {name} / sync: {ratio:.2f}x")
+    rows = [[n, *(f"{res.median(n, k):.3f}" for k in PARTS)] for n in res.variants]
+    print(markdown_table(["mode", *heads], rows))
+    for name in res.variants[1:]:
+        ratio = res.ratio(name, "sync", "tokens_per_s")
+        print(f"trained tokens/s, {name} / sync: {ratio:.2f}x")
     print(f"(load average {os.getloadavg()[0]:.1f})")
+    return res
 
 
 def batches_in_window(flags: list[str], steps: int) -> int:

@@ -4,8 +4,8 @@ batch (train/shard.py), per parallel layout, on 4 gloo ranks.
 The batch has the shapes of `configs/qwen3_30b_a3b_gspo.yaml`'s step scaled to this machine:
 64 prompts x 8 samples, prompt + response averaging 8k tokens cut by `--scale` (default 1/64:
 about 65k tokens), and the model's real routing: 48 MoE layers x top-8 of 128 experts, as SGLang
-sends it (int32, every layer). Rank 0 makes it; then, side by side in one run (each method and
-layout in a fresh launch, so that peak memory is its own):
+sends it (int32, every layer). Rank 0 makes it; then, side by side in one run (harness.measure;
+each method and layout in a fresh launch, so that peak memory is its own):
   - broadcast: `broadcast_object_list` of the whole batch, as the loop did before the shards
   - sharded:   `shard.distribute`: each rank gets its replica's rows and its stage's layers
 Per layout it prints, for the receiving ranks (1-3): bytes received, against what the layout
@@ -18,11 +18,11 @@ Goal (issue 27): bytes within 1.1x of the need; at least 4x fewer than the broad
 DP4.
 
     .venv/bin/python bench/bench_batch.py [--scale 64 --layouts DP4,PP2xDP2,PP4 --json out.json]
+                                          [--reps 1]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:  # (harness, when this file is imported by path)
+    sys.path.insert(0, str(ROOT / "bench"))
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 PROMPTS, GROUP, TOKENS = 64, 8, 8192
 LAYOUTS = {"DP4": (4, 1), "PP2xDP2": (2, 2), "PP4": (1, 4)}  # name: (dp, pp)
@@ -150,39 +152,59 @@ def _port() -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from harness import Variant, finish, measure, parser  # (bench/ is on the path)
+
+    ap = parser(__doc__, reps=1, warmup=None)
     ap.add_argument("--scale", type=int, default=64, help="tokens per sample: 8192 / scale")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
     layouts = a.layouts.split(",")
-    results: dict = {"scale": a.scale, "layouts": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for layout in layouts:
-            results["layouts"][layout] = {
-                m: launch(m, layout, a.scale, Path(tmp)) for m in ("broadcast", "sharded")
-            }
+    with tempfile.TemporaryDirectory() as tmp:  # a sample per rank and launch
+        runs = [Variant(f"{layout} {m}", lambda m=m, lay=layout: launch(m, lay, a.scale, Path(tmp)))
+                for layout in layouts for m in ("broadcast", "sharded")]  # fmt: skip
+        res = measure(runs, a.reps, name="batch")
     tokens = PROMPTS * GROUP * (TOKENS // a.scale)
     print(f"batch: {PROMPTS}x{GROUP} samples, ~{tokens} tokens, routing {LAYERS} layers x top-"
           f"{TOPK} of {EXPERTS} (int32 from the server); 4 gloo ranks; receivers are ranks 1-3")  # fmt: skip
+    res.extra["summary"] = {layout: summary(res, layout) for layout in layouts}
+    print(report_table(res, layouts))
+    return finish(res, a)
+
+
+def summary(res, layout: str) -> dict:
+    """Receivers (ranks 1-3) of each launch: the worst bytes / need, the fewest broadcast bytes
+    / sharded bytes of one rank, the largest RSS growth; rank 0's seconds (medians over reps)."""
+    sh, bc = (
+        [r for r in res.samples[f"{layout} {m}"] if r["rank"] > 0] for m in ("sharded", "broadcast")
+    )
+    worst = max(sh, key=lambda r: r["bytes"] / r["need"])
+    return {"recv_over_need": worst["bytes"] / worst["need"], "recv_mb": worst["bytes"] / 1e6,
+            "need_mb": worst["need"] / 1e6, "broadcast_mb": max(r["bytes"] for r in bc) / 1e6,
+            "broadcast_over_recv": min(b["bytes"] / s["bytes"] for b, s in zip(bc, sh)),
+            "rss_mb": [max(r["rss"] for r in rows) / 1e6 for rows in (sh, bc)],
+            "seconds": [_rank0_seconds(res, f"{layout} {m}") for m in ("sharded", "broadcast")]}  # fmt: skip
+
+
+def _rank0_seconds(res, variant: str) -> float:
+    from harness import median
+
+    return median(r["seconds"] for r in res.samples[variant] if r["rank"] == 0)
+
+
+def report_table(res, layouts: list[str]) -> str:
+    from harness import markdown_table
+
     head = ("layout", "MB recv (max rank)", "need MB", "recv/need", "broadcast MB",
             "broadcast/recv", "RSS MB sharded/broadcast", "time s sharded/broadcast")  # fmt: skip
-    print(" | ".join(head))
-    for layout, by in results["layouts"].items():
-        sh, bc = by["sharded"][1:], by["broadcast"][1:]
-        worst = max(sh, key=lambda r: r["bytes"] / r["need"])
-        ratio = max(r["bytes"] / r["need"] for r in sh)
-        fewer = min(b["bytes"] / s["bytes"] for b, s in zip(bc, sh))
-        rss = (max(r["rss"] for r in sh) / 1e6, max(r["rss"] for r in bc) / 1e6)
-        t = (by["sharded"][0]["seconds"], by["broadcast"][0]["seconds"])
-        by["summary"] = {"recv_over_need": ratio, "broadcast_over_recv": fewer,
-                         "rss_mb": rss, "seconds": t}  # fmt: skip
-        print(f"{layout} | {worst['bytes'] / 1e6:.1f} | {worst['need'] / 1e6:.1f} | {ratio:.3f} | "
-              f"{max(r['bytes'] for r in bc) / 1e6:.1f} | {fewer:.1f}x | {rss[0]:.0f} / {rss[1]:.0f}"
-              f" | {t[0]:.2f} / {t[1]:.2f}")  # fmt: skip
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
-    return results
+    rows = []
+    for layout in layouts:
+        s = res.extra["summary"][layout]
+        rows.append([layout, f"{s['recv_mb']:.1f}", f"{s['need_mb']:.1f}",
+                     f"{s['recv_over_need']:.3f}", f"{s['broadcast_mb']:.1f}",
+                     f"{s['broadcast_over_recv']:.1f}x",
+                     f"{s['rss_mb'][0]:.0f} / {s['rss_mb'][1]:.0f}",
+                     f"{s['seconds'][0]:.2f} / {s['seconds'][1]:.2f}"])  # fmt: skip
+    return markdown_table(head, rows)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,28 @@
 """Checkpoint conversion throughput beside the physical limit, measured side by side in one run.
 
-Makes a random Qwen3-MoE of about 1 GB (fp32), then alternates:
-  - limit:  plain safetensors read of every tensor + write of the same bytes to a new file
-  - ours:   `convert hf-to-megatron` (1 rank) and `convert megatron-to-hf` (1 rank)
-and prints GB/s of each and the ratio ours / limit (goal: >= 0.5) last, with the load average
-before and after (the machine may be shared; only ratios from one run compare). Process start-up
-(torch.distributed, importing megatron: seconds, whatever the checkpoint size) happens once before
-the timed phases, so rep 0 times the conversion like the others.
+Makes a random Qwen3-MoE of about 1 GB (fp32; `--quick`: a tiny one), then measures side by side
+(harness.measure: the order rotates every rep):
+  - plain:         plain safetensors read of every tensor + write of the same bytes to a new file
+  - hf->megatron:  `convert hf-to-megatron` (1 rank)
+  - megatron->hf:  `convert megatron-to-hf` (1 rank), from a Megatron checkpoint made before
+and prints GB/s of each (the checkpoint's bytes over the median seconds) and the ratio ours / limit
+(goal: >= 0.5) last, with the load average before and after (the machine may be shared; only
+ratios from one run compare). Process start-up (torch.distributed, importing megatron: seconds,
+whatever the checkpoint size) happens once before the timed phases, and each phase starts with no
+dirty pages left by the one before (os.sync, untimed).
 
-    .venv/bin/python bench/bench_convert.py [--reps 3] [--workdir /tmp/bench-convert]
+    .venv/bin/python bench/bench_convert.py [--reps 3] [--workdir /tmp/bench-convert] [--json OUT]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import statistics
 import tempfile
-import time
-from functools import partial
 from pathlib import Path
 
+# (bench/ on the path)
+from harness import Variant, finish, markdown_table, measure, parser
 from safetensors.torch import load_file, save_file
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
@@ -57,47 +58,48 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def timed(fn) -> float:
-    os.sync()  # every phase starts with no dirty pages left by the one before
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def fresh(path: Path) -> None:
+    """(untimed) The output directory gone, and no dirty pages left by the phase before."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=3)
+    ap = parser(__doc__, reps=3, warmup=0, quick="a tiny model (a check that it runs)")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-convert-"))
-    src = work / "hf"
+    src = work / ("hf-tiny" if args.quick else "hf")
     if not src.exists():
-        make_tiny_model(ONE_GB_MOE, src)
+        make_tiny_model(TinySpec(seed=0) if args.quick else ONE_GB_MOE, src)
     gb = model_bytes(src) / 1e9
     print(f"model: {gb:.2f} GB fp32 safetensors at {src}; load average {_load()}")
     dims = ParallelDims()
     init_distributed(dims)
-    limit, to_meg, to_hf = [], [], []
-    for rep in range(args.reps):
-        for p in work.glob("out-*"):
-            shutil.rmtree(p)
-        plain, meg, back = (work / f"out-{kind}-{rep}" for kind in ("plain", "meg", "hf"))
-        limit.append(timed(partial(plain_copy, src, plain)))
-        to_meg.append(timed(partial(hf_to_megatron, src, meg, dims)))
-        to_hf.append(timed(partial(megatron_to_hf, meg, back, dims)))
-        print(
-            f"rep {rep}: plain {gb / limit[-1]:.2f} GB/s, hf->megatron {gb / to_meg[-1]:.2f} GB/s, "
-            f"megatron->hf {gb / to_hf[-1]:.2f} GB/s"
-        )
-    plain, meg, hf = (gb / statistics.median(x) for x in (limit, to_meg, to_hf))
-    print(
-        f"median GB/s: plain read+write {plain:.2f} | hf->megatron {meg:.2f} | megatron->hf {hf:.2f}"
-    )
-    print(
-        f"ratio vs plain safetensors read+write: hf->megatron {meg / plain:.2f}x, "
-        f"megatron->hf {hf / plain:.2f}x (goal >= 0.5x)"
-    )
+    meg_src = work / "meg-src"
+    fresh(meg_src)
+    hf_to_megatron(src, meg_src, dims)
+    plain, meg, back = (work / f"out-{kind}" for kind in ("plain", "meg", "hf"))
+    res = measure(
+        [Variant("plain", lambda: plain_copy(src, plain), lambda: fresh(plain)),
+         Variant("hf->megatron", lambda: hf_to_megatron(src, meg, dims), lambda: fresh(meg)),
+         Variant("megatron->hf", lambda: megatron_to_hf(meg_src, back, dims), lambda: fresh(back))],
+        args.reps, args.warmup, name="convert",
+        on_sample=lambda v, rep, s: print(f"rep {rep}: {v} {gb / s[0]['seconds']:.2f} GB/s"),
+    )  # fmt: skip
+    for v in res.variants:  # GB/s of each call
+        for s in res.samples[v]:
+            s["gbps"] = gb / s["seconds"]
+    res.extra["model_gb"] = gb
+
+    def x_plain(v: str) -> str:
+        return "1" if v == "plain" else f"{res.ratio('plain', v):.2f}x"
+
+    rows = [[v, f"{gb / res.median(v):.2f}", x_plain(v)] for v in res.variants]
+    print(markdown_table(["phase", "GB/s (median)", "x plain read+write"], rows))
+    print("(goal: hf->megatron and megatron->hf >= 0.5x plain)")
     print(f"load average {_load()}")
+    finish(res, args)
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -16,7 +16,11 @@ torch.cuda.max_memory_allocated beyond the inputs. Time: the wall time of that s
 after a warm-up step and synchronized). Both include W's gradient (V x H), which any head forms.
 
     .venv/bin/python bench/bench_lm_head.py [--tokens 2048] [--chunk 1024] [--dtype fp32|bf16]
-                                            [--variants whole,whole_fused,chunked]
+                                            [--variants whole,whole_fused,chunked] [--reps 1]
+                                            [--json OUT]
+
+With `--reps` > 1 each variant runs that many times (a fresh subprocess each, in rotating order),
+and the medians are shown.
 
 On a CPU use fp32 (this torch's bf16 GEMM on a CPU without bf16 instructions is ~300x slower).
 """
@@ -32,6 +36,9 @@ import sys
 import time
 
 import torch
+
+# (bench/ on the path)
+from harness import Variant, finish, markdown_table, measure, parser
 
 from megatron_gspo.model.lm_head import lm_head_logprobs
 from megatron_gspo.model.logprobs import vocab_parallel_logprobs
@@ -103,7 +110,7 @@ def run_variant(variant: str, a) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, reps=1, warmup=None)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=151936)
@@ -120,16 +127,22 @@ def main() -> None:
     logits = a.tokens * a.vocab * torch.empty((), dtype=DTYPES[a.dtype]).element_size()
     print(f"LM head step: {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, {a.dtype}, "
           f"{a.device}; chunk {a.chunk} tokens; the logits are {logits / 2**30:.2f} GiB")  # fmt: skip
-    print(f"{'variant':<12} {'peak beyond inputs':>20} {'x logits':>9} {'seconds':>9}", flush=True)
-    results = {}
-    for v in a.variants.split(","):  # each row as soon as it is measured
-        r = results[v] = run_variant(v, a)
-        print(f"{v:<12} {r['peak_bytes'] / 2**30:>16.2f} GiB {r['peak_bytes'] / logits:>9.2f} "
-              f"{r['seconds']:>9.2f}", flush=True)  # fmt: skip
-    if "whole" in results and "chunked" in results:
-        ratio = results["chunked"]["peak_bytes"] / results["whole"]["peak_bytes"]
-        print(f"chunked / whole peak: {ratio:.2f}")
-    print(json.dumps({"args": vars(a), "results": results}))
+
+    def row(v: str, rep: int, s: list[dict]) -> None:  # each row as soon as it is measured
+        r = s[0]
+        print(f"{v} (rep {rep}): peak beyond inputs {r['peak_bytes'] / 2**30:.2f} GiB, "
+              f"{r['peak_bytes'] / logits:.2f}x logits, {r['seconds']:.2f} s", flush=True)  # fmt: skip
+
+    variants = [Variant(v, lambda v=v: run_variant(v, a)) for v in a.variants.split(",")]
+    res = measure(variants, a.reps, name="lm_head", on_sample=row)
+    res.extra["logits_bytes"] = logits
+    rows = [[v, f"{res.median(v, 'peak_bytes') / 2**30:.2f} GiB",
+             f"{res.median(v, 'peak_bytes') / logits:.2f}", f"{res.median(v):.2f}"]
+            for v in res.variants]  # fmt: skip
+    print(markdown_table(["variant", "peak beyond inputs", "x logits", "seconds"], rows))
+    if "whole" in res.samples and "chunked" in res.samples:
+        print(f"chunked / whole peak: {res.ratio('chunked', 'whole', 'peak_bytes'):.2f}")
+    finish(res, a)
 
 
 if __name__ == "__main__":

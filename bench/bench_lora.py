@@ -8,7 +8,11 @@ world size 1), so peak RSS is that mode's alone. Gradient memory is megatron DDP
 buffers; optimizer memory is Adam's state tensors (exp_avg, exp_avg_sq). The goal: LoRA's
 gradient + optimizer memory <= 5% of full training's.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_lora.py [--steps 3] [--rank 16]
+The modes run side by side `--rounds` times (harness.measure: alternating which goes first); the
+step time is the median over every timed step of every run, peak RSS the largest of the runs.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_lora.py [--steps 3] [--rank 16] [--rounds 2]
+                                                           [--json OUT]
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,17 +83,8 @@ def child(model: str, rank: int, steps: int) -> dict:
         "grad_mb": _bytes(grads) / 2**20,
         "adam_mb": _bytes(states) / 2**20,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "train_s": statistics.median(times[1:]),
         "times": times[1:],
     }
-
-
-def _merge(runs: list[dict]) -> dict:
-    """One mode's runs: the median step time over all runs, the largest peak RSS."""
-    out = dict(runs[0])
-    out["train_s"] = statistics.median(t for r in runs for t in r["times"])
-    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
-    return out
 
 
 # hidden, layers, heads, kv heads, head dim, experts, expert ffn, vocab (its config.json)
@@ -110,7 +104,8 @@ def trainable_share(m: dict, r: int) -> float:
     return lora / (m["layers"] * layer + 2 * m["vocab"] * h)
 
 
-def run_child(model: Path, rank: int, steps: int) -> dict:
+def run_child(model: Path, rank: int, steps: int) -> list[dict]:
+    """One mode in its own process: a sample per timed step (train_s) with the run's memory."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))  # fmt: skip
     cmd = [
@@ -126,7 +121,9 @@ def run_child(model: Path, rank: int, steps: int) -> dict:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    times = got.pop("times")
+    return [{**got, "train_s": t} for t in times]
 
 
 def _port() -> int:
@@ -136,11 +133,12 @@ def _port() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    from harness import Variant, finish, markdown_table, measure, parser  # (bench/ on the path)
+
+    p = parser(__doc__, reps=2, warmup=None, reps_flags=("--rounds", "--reps"))
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating")
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(a.child, a.rank, a.steps)))
@@ -149,23 +147,25 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as work:
         model = make_tiny_model(TinySpec(**SMALL), Path(work) / "small")
-        runs: dict[int, list[dict]] = {0: [], a.rank: []}
-        for _ in range(a.rounds):  # the modes alternate, so a change in load hits both
-            for rank in runs:
-                runs[rank].append(run_child(model, rank, a.steps))
-    full, lora = (_merge(runs[0]), _merge(runs[a.rank]))
-    print(f"small model, {ROWS} x {LENGTH} tokens, micro batch {MICRO}, {a.rounds} runs x "
-          f"{a.steps} steps per mode (train_s: median)")  # fmt: skip
-    print(f"| | full | LoRA r{a.rank} | LoRA / full |")
-    print("|---|---|---|---|")
+        modes = [Variant(n, lambda r=r: run_child(model, r, a.steps))
+                 for n, r in (("full", 0), (f"lora_r{a.rank}", a.rank))]  # fmt: skip
+        res = measure(modes, a.reps, name="lora")
+    full, lora = "full", f"lora_r{a.rank}"
+    print(f"small model, {ROWS} x {LENGTH} tokens, micro batch {MICRO}, {a.reps} runs x "
+          f"{a.steps} steps per mode (train_s: median; peak_rss_mb: the largest run's)")  # fmt: skip
+    rows = []
     for key in ("params", "trainable", "grad_mb", "adam_mb", "peak_rss_mb", "train_s"):
-        f, lo = full[key], lora[key]
-        print(f"| {key} | {f:.4g} | {lo:.4g} | {lo / f:.4f} |")
-    ratio = (lora["grad_mb"] + lora["adam_mb"]) / (full["grad_mb"] + full["adam_mb"])
+        f, lo = (res.spread(m, key)[1] if key == "peak_rss_mb" else res.median(m, key)
+                 for m in (full, lora))  # fmt: skip
+        rows.append([key, f"{f:.4g}", f"{lo:.4g}", f"{lo / f:.4f}"])
+    print(markdown_table(["", "full", f"LoRA r{a.rank}", "LoRA / full"], rows))
+    mem = {m: res.median(m, "grad_mb") + res.median(m, "adam_mb") for m in (full, lora)}
+    ratio = res.extra["grad_adam_lora_over_full"] = mem[lora] / mem[full]
     print(f"gradient + optimizer memory, LoRA / full: {ratio:.4f} (goal <= 0.05: "
           f"{'met' if ratio <= 0.05 else 'missed'})")  # fmt: skip
-    share = trainable_share(QWEN3_30B_A3B, a.rank)
+    share = res.extra["qwen3_30b_a3b_trainable_share"] = trainable_share(QWEN3_30B_A3B, a.rank)
     print(f"the same share computed for Qwen3-30B-A3B's shapes: {share:.4f}")
+    finish(res, a)
 
 
 if __name__ == "__main__":

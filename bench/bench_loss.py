@@ -7,8 +7,9 @@ Qwen3 vocabulary):
   - gspo:     the same log-probs into `policy_loss(kind="gspo")` (per-sequence advantages)
   - grpo:     the same log-probs into `policy_loss(kind="grpo")`
 
-Time: all three in one process, interleaved (the order rotates every rep, so a noisy neighbour on
-a shared machine hits all of them alike), median over the reps of the process CPU time (all
+Time: all three in one process, interleaved (harness.measure: one warm-up call each, then the
+order rotates every rep, so a noisy neighbour on a shared machine hits all of them alike), median
+over the reps of the process CPU time (all
 threads) and of the wall time. The headline ratio uses CPU time: on a shared machine the wall time
 also counts the waits for other processes' CPU and swings by 2x from rep to rep; on a quiet
 machine the ratios agree. Because the loss works on [B, T] tensors, its own cost is far below the
@@ -28,7 +29,7 @@ chunked log-probs keep the whole step at about 1.0-1.3x logits (the gradient plu
 temporaries); the plain-autograd version they replaced measured 5.0x.
 
     .venv/bin/python bench/bench_loss.py [--batch 2] [--seq 256] [--vocab 151936] [--reps 9]
-                                        [--dtype fp32|bf16] [--no-entropy]
+                                        [--dtype fp32|bf16] [--no-entropy] [--json OUT]
 """
 
 from __future__ import annotations
@@ -37,12 +38,11 @@ import argparse
 import ctypes
 import json
 import resource
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
+from harness import WALL_AND_CPU, Result, Variant, finish, markdown_table, measure, parser
 
 from megatron_gspo.algo import policy_loss
 from megatron_gspo.model.logprobs import vocab_parallel_logprobs
@@ -87,32 +87,23 @@ def step(variant: str, x: dict, with_entropy: bool) -> None:
     x["logits"].grad = None
 
 
-def time_interleaved(x: dict, reps: int, with_entropy: bool) -> dict[str, dict[str, list]]:
-    """Wall and process CPU seconds of each variant's step, the order rotating every rep."""
-    times: dict[str, dict[str, list]] = {v: {"wall": [], "cpu": []} for v in VARIANTS}
-    step("logprobs", x, with_entropy)  # warm-up
-    for rep in range(reps):
-        for variant in VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]:
-            wall, cpu = time.perf_counter(), time.process_time()
-            step(variant, x, with_entropy)
-            times[variant]["cpu"].append(time.process_time() - cpu)
-            times[variant]["wall"].append(time.perf_counter() - wall)
-    return times
+def time_interleaved(x: dict, reps: int, with_entropy: bool) -> Result:
+    """Wall and process CPU seconds of each variant's step, side by side."""
+    steps = [Variant(v, lambda v=v: step(v, x, with_entropy)) for v in VARIANTS]
+    return measure(steps, reps, warmup=1, name="loss", clocks=WALL_AND_CPU)
 
 
-def time_loss_alone(x: dict, reps: int = 200) -> dict[str, float]:
-    """Median seconds of forward + backward of each loss from detached log-probs [B, T]."""
+def time_loss_alone(x: dict, reps: int = 200) -> Result:
+    """Forward + backward of each loss from detached log-probs [B, T] (a fresh leaf per call,
+    made untimed)."""
     lp0_BT = x["old"] + 1e-3 * torch.randn_like(x["old"])
-    out = {}
-    for variant in VARIANTS:
-        samples = []
-        for _ in range(reps):
-            lp_BT = lp0_BT.clone().requires_grad_()
-            t = time.perf_counter()
-            loss_of(variant, lp_BT, x).backward()
-            samples.append(time.perf_counter() - t)
-        out[variant] = statistics.median(samples)
-    return out
+    leaf: list[torch.Tensor] = []
+
+    def fresh() -> None:
+        leaf[:] = [lp0_BT.clone().requires_grad_()]
+
+    losses = [Variant(v, lambda v=v: loss_of(v, leaf[0], x).backward(), fresh) for v in VARIANTS]
+    return measure(losses, reps, name="loss alone")
 
 
 def reset_peak_rss() -> int:
@@ -156,13 +147,13 @@ def measure_peak(variant: str, args: argparse.Namespace) -> int:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, reps=9, warmup=None)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dtype", choices=DTYPES, default="fp32")
     ap.add_argument("--no-entropy", action="store_true", help="log-probs without the entropy")
+    ap.add_argument("--alone-reps", type=int, default=200, help="reps of the loss timed alone")
     ap.add_argument("--probe", choices=VARIANTS, help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -176,36 +167,39 @@ def main() -> None:
     print(f"logits [{args.batch}, {args.seq}, {args.vocab}] {args.dtype}: "
           f"{logits_bytes / 1e9:.2f} GB; entropy {'off' if args.no_entropy else 'on'}; "
           f"{torch.get_num_threads()} threads; {args.reps} reps")  # fmt: skip
-    times = time_interleaved(x, args.reps, not args.no_entropy)
-    alone = time_loss_alone(x)
+    res = time_interleaved(x, args.reps, not args.no_entropy)
+    alone = time_loss_alone(x, args.alone_reps)
     del x
     peak = {v: measure_peak(v, args) / logits_bytes for v in VARIANTS}
-    report(times, alone, peak, logits_bytes)
+    res.extra.update(logits_bytes=logits_bytes, peak_x_logits=peak,
+                     loss_alone_s={v: alone.median(v) for v in VARIANTS})  # fmt: skip
+    report(res, peak, logits_bytes)
+    finish(res, args)
 
 
-def report(times: dict, alone: dict, peak: dict, logits_bytes: int) -> None:
-    med = {v: {k: statistics.median(t) for k, t in kv.items()} for v, kv in times.items()}
-    print(f"{'variant':<10}{'wall s':>8}{'(min-max)':>14}{'cpu s':>8}{'loss alone ms':>15}"
-          f"{'peak extra GB':>15}{'x logits':>10}")  # fmt: skip
-    for v in VARIANTS:
-        lo, hi = min(times[v]["wall"]), max(times[v]["wall"])
-        print(f"{v:<10}{med[v]['wall']:>8.3f}{f'({lo:.2f}-{hi:.2f})':>14}{med[v]['cpu']:>8.3f}"
-              f"{alone[v] * 1e3:>15.3f}{peak[v] * logits_bytes / 1e9:>15.2f}{peak[v]:>10.2f}")  # fmt: skip
+def report(res: Result, peak: dict, logits_bytes: int) -> None:
+    alone = res.extra["loss_alone_s"]
+    rows = [[v, res.cell(v, "seconds", ".3f"), f"{res.median(v, 'cpu_s'):.3f}",
+             f"{alone[v] * 1e3:.3f}", f"{peak[v] * logits_bytes / 1e9:.2f}", f"{peak[v]:.2f}"]
+            for v in VARIANTS]  # fmt: skip
+    heads = ["variant", "wall s (min-max)", "cpu s", "loss alone ms", "peak extra GB", "x logits"]
+    print(markdown_table(heads, rows))
     print(
         "(wall and cpu: medians of the full step; peak extra includes the logits gradient, "
         "1.00x logits, which backward must produce)"
     )
 
     def adds(kind: str, clock: str) -> float:
-        return 100 * (med[kind][clock] / med["logprobs"][clock] - 1)
+        return 100 * (res.ratio(kind, "logprobs", clock) - 1)
 
-    base = med["logprobs"]["wall"]
+    base = res.median("logprobs", "seconds")
     print(f"peak extra memory: log-probs {peak['logprobs']:.2f}x logits, "
           f"+GSPO {peak['gspo']:.2f}x, +GRPO {peak['grpo']:.2f}x")  # fmt: skip
     print(
-        f"GSPO adds {adds('gspo', 'cpu'):+.1f}% time, GRPO adds {adds('grpo', 'cpu'):+.1f}% "
-        f"(median process cpu; wall {adds('gspo', 'wall'):+.1f}%, {adds('grpo', 'wall'):+.1f}%; "
-        f"the loss alone {100 * alone['gspo'] / base:.3f}%, {100 * alone['grpo'] / base:.3f}%)"
+        f"GSPO adds {adds('gspo', 'cpu_s'):+.1f}% time, GRPO adds {adds('grpo', 'cpu_s'):+.1f}% "
+        f"(median process cpu; wall {adds('gspo', 'seconds'):+.1f}%, "
+        f"{adds('grpo', 'seconds'):+.1f}%; the loss alone {100 * alone['gspo'] / base:.3f}%, "
+        f"{100 * alone['grpo'] / base:.3f}%)"
     )
 
 

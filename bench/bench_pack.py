@@ -11,24 +11,24 @@ Two length draws of the answers (prompts: 24 tokens; answers at most 128 new tok
   - cycle:     the small cycle's own: nearly every answer at the limit (the cycle measured 126.6
                of 128 tokens on average; drawn here as 95% at 128, the rest uniform in 64..128)
   - long-tail: one answer in ten at the maximum, the rest at a quarter of it (32)
-Per draw, the two variants alternate `--reps` times (each rep a fresh actor on the same
-weights); the median training-phase seconds are reported as tokens/s (the batch's real tokens,
-prompt + answer, trained per second), the padding fraction of the microbatches (padding / token
-slots), and the training phase's model FLOP rate (the useful tokens' FLOPs: 6 x active params
-per token for each update, 2 x for the old-log-prob forward, plus causal attention) against a
-plain fp32 torch matmul's rate measured in the same run (this CPU's practical ceiling).
+The four (draw, variant) pairs run side by side `--reps` times (harness.measure: the order rotates
+every rep; each run a fresh actor on the same weights); the median training-phase seconds are
+reported as tokens/s (the batch's real tokens, prompt + answer, trained per second), the padding
+fraction of the microbatches (padding / token slots), and the training phase's model FLOP rate (the
+useful tokens' FLOPs: 6 x active params per token for each update, 2 x for the old-log-prob forward,
+plus causal attention) against a plain fp32 torch matmul's rate measured in the same run (this CPU's
+practical ceiling).
+`--quick`: the tiny model (a check that it runs).
 
 Goals (issue 43): >= 1.5x tokens/s packed on the long tail, with padding fraction <= 5%; packed
 FLOP rate >= 0.7x the matmul's.
 
-    .venv/bin/python bench/bench_pack.py [--reps 3] [--threads 1]
+    .venv/bin/python bench/bench_pack.py [--reps 3] [--threads 1] [--json OUT] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 PROMPT, MAX_NEW, ROWS, MINIBATCHES, MBS = 24, 128, 64, 4, 16
+KINDS = ("cycle", "long-tail")
 
 
 def draw(kind: str, seed: int = 0) -> list[int]:
@@ -77,8 +78,8 @@ def config(budget: int | None):
     ])  # fmt: skip
 
 
-def phase(model: Path, batch, budget: int | None) -> tuple[float, float]:
-    """One training phase on a fresh actor: (seconds, padding fraction)."""
+def phase(model: Path, batch, budget: int | None) -> dict[str, float]:
+    """One training phase on a fresh actor (made untimed): its seconds and padding fraction."""
     from megatron_gspo.model.builder import BuildOptions
     from megatron_gspo.model.parallel import ParallelDims
     from megatron_gspo.model.policy import load_policy
@@ -93,7 +94,7 @@ def phase(model: Path, batch, budget: int | None) -> tuple[float, float]:
     metrics, updates = train_on(actor, fresh, cfg, 1, len(fresh))
     seconds = time.perf_counter() - t0
     assert all(u.finite for u in updates)
-    return seconds, metrics["train/padding_fraction"]
+    return {"seconds": seconds, "padding": metrics["train/padding_fraction"]}
 
 
 def active_params(spec) -> int:
@@ -126,8 +127,9 @@ def matmul_rate(seconds: float = 2.0) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser()
-    p.add_argument("--reps", type=int, default=3)
+    from harness import Variant, finish, measure, parser
+
+    p = parser(__doc__, reps=3, warmup=None, quick="the tiny model (a check that it runs)")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -140,44 +142,49 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
     from megatron_gspo.model.parallel import ParallelDims, init_distributed
 
-    spec = TinySpec(**SIZES["small"].spec)
-    model = make_tiny_model(spec, Path(tempfile.mkdtemp()) / "small")
+    size = "tiny" if a.quick else "small"
+    spec = TinySpec(**SIZES[size].spec)
+    model = make_tiny_model(spec, Path(tempfile.mkdtemp()) / size)
     init_distributed(ParallelDims())
     budget = MBS * (PROMPT + MAX_NEW)
-    print(f"small model: {active_params(spec) / 1e6:.1f}M active params per token; 64 samples, "
+    print(f"{size} model: {active_params(spec) / 1e6:.1f}M active params per token; 64 samples, "
           f"prompts {PROMPT}, answers <= {MAX_NEW}; packed budget {budget} tokens; "
           f"{a.threads} thread(s)")  # fmt: skip
-    out = {}
-    for kind in ("cycle", "long-tail"):
-        answers = draw(kind)
-        batch = make_batch(answers, spec.vocab_size)
-        lengths = batch.lengths.tolist()
-        runs: dict[str, list] = {"padded": [], "packed": []}
-        for _ in range(a.reps):
-            for name, b in (("padded", None), ("packed", budget)):
-                runs[name].append(phase(model, batch, b))
-        rate = matmul_rate()
-        row = {}
-        for name, rs in runs.items():
-            s = statistics.median(r[0] for r in rs)
-            row[name] = {"seconds": s, "tokens_per_s": sum(lengths) / s, "padding": rs[0][1],
-                         "flop_rate": model_flops(spec, lengths) / s}  # fmt: skip
-        row["speedup"] = row["packed"]["tokens_per_s"] / row["padded"]["tokens_per_s"]
-        row["matmul_flop_rate"] = rate
-        out[kind] = row
-        mean = sum(answers) / len(answers)
-        print(f"\n{kind}: answers mean {mean:.1f} tokens, {sum(lengths)} tokens in the batch")
-        print("variant | phase s (median) | tokens/s | padding fraction | model GFLOP/s | / matmul")
-        for name in ("padded", "packed"):
-            r = row[name]
-            print(f"{name} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['padding']:.3f} | "
-                  f"{r['flop_rate'] / 1e9:.2f} | {r['flop_rate'] / rate:.2f}x")  # fmt: skip
-        print(f"packed / padded tokens/s: {row['speedup']:.2f}x; matmul {rate / 1e9:.2f} GFLOP/s")
-    tail = out["long-tail"]
+    batches = {k: make_batch(draw(k), spec.vocab_size) for k in KINDS}
+    variants = [Variant(f"{k}/{name}", lambda k=k, b=b: phase(model, batches[k], b))
+                for k in KINDS for name, b in (("padded", None), ("packed", budget))]  # fmt: skip
+    res = measure(variants, a.reps, name="pack")
+    rate = res.extra["matmul_flop_rate"] = matmul_rate(0.2 if a.quick else 2.0)
+    for k in KINDS:
+        report(res, k, spec, batches[k], rate)
+    tail = res.extra["long-tail"]
     print(f"\ngoals: long tail >= 1.5x: {tail['speedup']:.2f}x; padding <= 5%: "
-          f"{tail['packed']['padding']:.1%}; packed FLOP rate >= 0.7x matmul: "
-          f"{tail['packed']['flop_rate'] / tail['matmul_flop_rate']:.2f}x")  # fmt: skip
-    return out
+          f"{res.median('long-tail/packed', 'padding'):.1%}; packed FLOP rate >= 0.7x matmul: "
+          f"{tail['packed_flop_rate'] / rate:.2f}x")  # fmt: skip
+    return finish(res, a)
+
+
+def report(res, kind: str, spec, batch, rate: float) -> None:
+    """One draw's table: tokens/s, padding and FLOP rate of the median phase of each variant."""
+    from harness import markdown_table
+
+    lengths = batch.lengths.tolist()
+    tokens, flops = sum(lengths), model_flops(spec, lengths)
+    answers = [n - PROMPT for n in lengths]
+    print(f"\n{kind}: answers mean {sum(answers) / len(answers):.1f} tokens, {tokens} tokens in "
+          "the batch")  # fmt: skip
+    rows = []
+    for name in ("padded", "packed"):
+        s = res.median(f"{kind}/{name}")
+        rows.append([name, f"{s:.2f}", f"{tokens / s:.0f}",
+                     f"{res.median(f'{kind}/{name}', 'padding'):.3f}", f"{flops / s / 1e9:.2f}",
+                     f"{flops / s / rate:.2f}x"])  # fmt: skip
+    print(markdown_table(["variant", "phase s (median)", "tokens/s", "padding fraction",
+                          "model GFLOP/s", "/ matmul"], rows))  # fmt: skip
+    speedup = res.ratio(f"{kind}/padded", f"{kind}/packed")  # tokens/s packed / padded
+    res.extra[kind] = {"speedup": speedup, "tokens": tokens,
+                       "packed_flop_rate": flops / res.median(f"{kind}/packed")}  # fmt: skip
+    print(f"packed / padded tokens/s: {speedup:.2f}x; matmul {rate / 1e9:.2f} GFLOP/s")
 
 
 if __name__ == "__main__":

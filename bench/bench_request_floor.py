@@ -2,27 +2,29 @@
 started as the trainer starts it (rollout/server_config.py), on the tiny task model.
 
 A step of the tiny configs is 8 prompts x 8 samples of a few tokens, so its rollout time is
-almost all per-request cost (HTTP, tokenizer manager, scheduler passes), not compute. Each
-server gets the same step sent two ways, interleaved over --reps: as 8 concurrent requests of one
-prompt group each (`rollout.group_requests`, the trainer's way), and as one request of all 64
-samples. Prints the median wall time of each, the ratio SGLang / built-in of each way, and what
-one request per step would save.
+almost all per-request cost (HTTP, tokenizer manager, scheduler passes), not compute. Each server
+gets the same step sent two ways, side by side over --reps (harness.measure, after 3 warm-up calls
+each): as 8 concurrent requests of one prompt group each (`rollout.group_requests`, the trainer's
+way), and as one request of all 64 samples. Prints the median wall time of each, the ratio SGLang /
+built-in of each way, and what one request per step would save.
 
     .venv/bin/python bench/bench_request_floor.py --model runs/task_model [--reps 15]
         [--sglang-python ~/.cache/megatron-gspo/sglang-venv/bin/python] [--new-tokens 3]
+        [--json OUT]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+
+# (bench/ on the path)
+from harness import Result, Variant, finish, markdown_table, measure, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,41 +62,39 @@ async def _step(url: str, grouped: bool, new: int) -> float:
         return time.perf_counter() - t
 
 
-def measure(server: ServerConfig, reps: int, new: int, logs: Path) -> dict[str, float]:
+def time_server(server: ServerConfig, reps: int, new: int, logs: Path) -> Result:
+    """The two ways side by side on one server: each sample the step's wall seconds."""
     with ServerGroup([server], logs / server.kind, health_timeout_s=300) as group:
         url = group.urls[0]
-        for _ in range(3):  # warm up both paths
-            asyncio.run(_step(url, True, new))
-            asyncio.run(_step(url, False, new))
-        times: dict[str, list[float]] = {"groups": [], "one": []}
-        for _ in range(reps):
-            times["groups"].append(asyncio.run(_step(url, True, new)))
-            times["one"].append(asyncio.run(_step(url, False, new)))
-    return {way: statistics.median(v) for way, v in times.items()}
+        ways = [Variant(w, lambda g=g: {"seconds": asyncio.run(_step(url, g, new))})
+                for w, g in (("groups", True), ("one", False))]  # fmt: skip
+        return measure(ways, reps, warmup=3, name=f"request_floor {server.kind}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, reps=15, warmup=None)
     ap.add_argument("--model", required=True)
     default = Path.home() / ".cache" / "megatron-gspo" / "sglang-venv" / "bin" / "python"
     ap.add_argument("--sglang-python", default=str(default))
-    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--new-tokens", type=int, default=3)
     a = ap.parse_args()
     cfg = load_config(ROOT / "configs" / "tiny_moe_gspo.yaml", [f"model.path={a.model}"])
     builtin = ServerConfig(model_path=a.model, threads=1)
     sglang = ServerConfig(model_path=a.model, kind="sglang", python=a.sglang_python)
     size_sglang(sglang, cfg, Path(a.model), longest_prompt=16, gpu=False)
+    res = Result("request_floor")
     with tempfile.TemporaryDirectory() as logs:
-        med = {s.kind: measure(s, a.reps, a.new_tokens, Path(logs)) for s in (builtin, sglang)}
+        for s in (builtin, sglang):
+            res.include(time_server(s, a.reps, a.new_tokens, Path(logs)), s.kind)
     print(f"one step: {PROMPTS} prompts x {GROUP} samples x {a.new_tokens} new tokens")
-    print(f"{'server':10s} {'8 group requests':>18s} {'1 request':>10s}")
-    for kind, m in med.items():
-        print(f"{kind:10s} {m['groups']:17.4f}s {m['one']:9.4f}s")
+    rows = [[k, f"{res.median(f'{k} groups'):.4f}s", f"{res.median(f'{k} one'):.4f}s"]
+            for k in ("builtin", "sglang")]  # fmt: skip
+    print(markdown_table(["server", "8 group requests", "1 request"], rows))
     for way in ("groups", "one"):
-        print(f"sglang / builtin, {way}: {med['sglang'][way] / med['builtin'][way]:.2f}x")
-    saved = med["sglang"]["groups"] - med["sglang"]["one"]
+        print(f"sglang / builtin, {way}: {res.ratio(f'sglang {way}', f'builtin {way}'):.2f}x")
+    saved = res.median("sglang groups") - res.median("sglang one")
     print(f"one request per step would save SGLang {saved * 1000:.1f} ms a step")
+    finish(res, a)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,19 @@ its share of the serial cost; and the worker processes' resident memory (RSS, sa
 runs: each worker's, and all of them together).
 
     .venv/bin/python bench/bench_reward_workers.py [--model runs/task_model] [--steps 6]
-        [--reps 3] [--delay 0.05] [key=value ...]   # e.g. reward.workers=16
+        [--reps 3] [--delay 0.05] [--json OUT] [key=value ...]   # e.g. reward.workers=16
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import threading
 from pathlib import Path
 
-from train_runs import ROOT, side_by_side, train_medians  # (bench/ is on the path: run as a script)
+# (bench/ is on the path: run as a script)
+from harness import Result, finish, markdown_table, parser
+from train_runs import ROOT, side_by_side, train_medians
 
 PARTS = ("time/step_s", "time/rollout_s", "time/reward_wait_s", "time/train_s", "reward/mean")
 RSS = ("rss/workers", "rss/worker_max_mb", "rss/workers_mb")
@@ -42,12 +43,11 @@ WORKER = b"megatron_gspo.bounded.worker"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, reps=3, warmup=None)
     ap.add_argument("--model", default=str(ROOT / "runs" / "task_model"),
                     help="an HF task model (make-task-model); made here if absent")  # fmt: skip
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_moe_gspo.yaml"))
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--delay", type=float, default=0.05, help="seconds the slow reward waits")
     a, extra = ap.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="bench-reward-") as work:
@@ -57,8 +57,9 @@ def main() -> None:
         plugin.write_text(SLOW.format(delay=a.delay))
         order = [("exact", ["reward.fn=exact", "train.checkpoint_every=0", *extra]),
                  ("slow", [f"reward.fn={plugin}:score", "train.checkpoint_every=0", *extra])]  # fmt: skip
-        med = side_by_side(order, a, PARTS + RSS, run=with_worker_memory)
-    report(med, a)
+        res = side_by_side(order, a, PARTS + RSS, run=with_worker_memory, name="reward_workers")
+    report(res, a)
+    finish(res, a)
 
 
 def make_model(out: Path) -> str:
@@ -68,17 +69,16 @@ def make_model(out: Path) -> str:
     return str(make_task_model(out, seed=0, clean_steps=30, sloppy_steps=10))
 
 
-def report(med: dict, a) -> None:
-    heads = [k.split("/")[-1] for k in PARTS]
-    print(f"{'reward':8s} " + " ".join(f"{h:>14s}" for h in heads))
-    for name, m in med.items():
-        print(f"{name:8s} " + " ".join(f"{m[k]:14.3f}" for k in PARTS))
+def report(res: Result, a) -> None:
+    rows = [[n, *(f"{res.median(n, k):.3f}" for k in PARTS)] for n in res.variants]
+    print(markdown_table(["reward", *(k.split("/")[-1] for k in PARTS)], rows))
     samples = 64  # the config's 8 prompts x 8
     serial = samples * a.delay
-    added = med["slow"]["time/step_s"] - med["exact"]["time/step_s"]
+    added = res.median("slow", "time/step_s") - res.median("exact", "time/step_s")
+    res.extra["slow_adds_s"] = added
     print(f"the slow reward adds {added:.3f} s a step: {added / serial:.3f} of its serial cost "
           f"({samples} x {a.delay:g} s = {serial:.2f} s; goal <= 1/8 = {serial / 8:.2f} s)")  # fmt: skip
-    w = med["slow"]
+    w = res.medians("slow")
     print(f"reward workers: {w['rss/workers']:.0f}, RSS {w['rss/worker_max_mb']:.1f} MB the "
           f"largest, {w['rss/workers_mb']:.1f} MB together")  # fmt: skip
     print(f"(medians over steps 2..{a.steps} and {a.reps} reps; "

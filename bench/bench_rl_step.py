@@ -12,7 +12,8 @@ length of each is printed.
 
 Two sizes: `tiny` (~0.1M params, 16-token completions: fixed overheads dominate) and `small`
 (~90M params, 32 experts top-2, 128-token completions: the work dominates). For each size the two
-stacks alternate, `--rounds` times each, every run a fresh process; the first `--warmup` cycles
+stacks run side by side (harness.measure: alternating which goes first), `--rounds` times each,
+every run a fresh process; the first `--warmup` cycles
 of a run are dropped (start-up effects) and the medians of the rest are reported. The ratio printed last is TRL's
 cycle time / ours (> 1: ours is faster); goals: >= 1.5 at `small`, >= 0.67 at `tiny`. The load
 average is printed before each size and at the end: other work on the machine slows both stacks,
@@ -23,7 +24,7 @@ TRL is installed on first use into its own virtual environment ($TRL_VENV, defau
 through a .pth file, so nothing here is changed and torch is not downloaded again.
 
     .venv/bin/python bench/bench_rl_step.py [--sizes tiny,small] [--rounds 2] [--cycles N]
-                                            [--warmup N] [--threads 1]
+                                            [--warmup N] [--threads 1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,11 +291,11 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def median(cycles: list[Cycle], field: str) -> float:
-    return statistics.median(getattr(c, field) for c in cycles)
+def bench_size(name: str, args, py: Path, work: Path):
+    """Both stacks side by side at one size: a harness Result whose samples are the kept cycles
+    of every run (pooled: the medians are over cycles)."""
+    from harness import Variant, measure, median
 
-
-def bench_size(name: str, args, py: Path, work: Path) -> float:
     size = SIZES[name]
     cycles = args.cycles or size.cycles
     warmup = size.warmup if args.warmup is None else args.warmup
@@ -305,34 +305,37 @@ def bench_size(name: str, args, py: Path, work: Path) -> float:
     print(f"\n{name}: Qwen3-MoE {mparams:.2f}M params, {PROMPTS} prompts x {GROUP} completions of "
           f"<= {size.new_tokens} tokens, {MINIBATCHES} updates per rollout batch, "
           f"{args.threads} thread(s); load average {_load()}", flush=True)  # fmt: skip
-    kept: dict[str, list[Cycle]] = {"ours": [], "trl": []}
-    for rnd in range(args.rounds):
-        order = ("ours", "trl") if rnd % 2 == 0 else ("trl", "ours")
-        for who in order:
-            if who == "ours":
-                got = run_ours(model, data, size, cycles, args.threads, work)
-            else:
-                got = run_trl(py, model, size, cycles, args.threads, work)
-            kept[who] += got[warmup:]
-            print(f"  round {rnd + 1} {who:4s}: median cycle {median(got[warmup:], 'step_s'):.3f} s",
-                  flush=True)  # fmt: skip
-    _table(kept)
-    return median(kept["trl"], "step_s") / median(kept["ours"], "step_s")
+
+    def ours():
+        return [asdict(c) for c in run_ours(model, data, size, cycles, args.threads, work)[warmup:]]
+
+    def trl():
+        return [asdict(c) for c in run_trl(py, model, size, cycles, args.threads, work)[warmup:]]
+
+    def show(who: str, rnd: int, got: list[dict]) -> None:
+        step = median(c["step_s"] for c in got)
+        print(f"  round {rnd + 1} {who:4s}: median cycle {step:.3f} s", flush=True)
+
+    res = measure([Variant("ours", ours), Variant("trl", trl)], args.reps, on_sample=show)
+    _table(res)
+    return res
 
 
-def _table(kept: dict[str, list[Cycle]]) -> None:
-    print(f"  {'median per cycle':22s} {'megatron-gspo':>14s} {'TRL GRPOTrainer':>16s}")
-    for field, title in [("rollout_s", "rollout (s)"), ("train_s", "train (s)"),
-                         ("sync_s", "weight sync (s)"), ("step_s", "full cycle (s)"),
-                         ("length", "completion tokens")]:  # fmt: skip
-        a, b = median(kept["ours"], field), median(kept["trl"], field)
-        print(f"  {title:22s} {a:14.3f} {b:16.3f}")
+def _table(res) -> None:
+    from harness import markdown_table
+
+    rows = [[title, f"{res.median('ours', field):.3f}", f"{res.median('trl', field):.3f}"]
+            for field, title in [("rollout_s", "rollout (s)"), ("train_s", "train (s)"),
+                                 ("sync_s", "weight sync (s)"), ("step_s", "full cycle (s)"),
+                                 ("length", "completion tokens")]]  # fmt: skip
+    print(markdown_table(["median per cycle", "megatron-gspo", "TRL GRPOTrainer"], rows))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from harness import Result, finish, parser  # (bench/ is on the path: run as a script)
+
+    p = parser(__doc__, reps=2, warmup=None, reps_flags=("--rounds", "--reps"))
     p.add_argument("--sizes", default="tiny,small")
-    p.add_argument("--rounds", type=int, default=2, help="runs of each stack per size")
     p.add_argument("--cycles", type=int, help="RL cycles per run (default: tiny 8, small 3)")
     p.add_argument("--warmup", type=int, help="cycles dropped per run (default: tiny 2, small 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each stack")
@@ -347,14 +350,17 @@ def main() -> None:
     if not sizes or any(s not in SIZES for s in sizes):
         sys.exit(f"error: --sizes: choose from {', '.join(SIZES)}")
     py = trl_python()
-    ratios = {}
+    res, ratios = Result("rl_step"), {}
     with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp:
         for name in sizes:
-            ratios[name] = bench_size(name, args, py, Path(tmp))
+            got = bench_size(name, args, py, Path(tmp))
+            ratios[name] = got.ratio("trl", "ours", "step_s")
+            res.include(got, name)
     goals = {"tiny": 1 / 1.5, "small": 1.5}
     print("\nratio TRL cycle time / megatron-gspo cycle time (> 1: ours faster): " + ", ".join(
         f"{n} {r:.2f}x (goal >= {goals[n]:.2f}x)" for n, r in ratios.items()))  # fmt: skip
     print(f"load average {_load()}")
+    finish(res, args)
 
 
 if __name__ == "__main__":

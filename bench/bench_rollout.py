@@ -1,8 +1,9 @@
 """Rollout throughput: the built-in server (over HTTP, the async client) vs HF transformers
 `generate`, on the same tiny Qwen3-MoE, prompts and lengths, measured side by side in one run.
 
-Each repetition runs both (alternating which goes first): 8 prompts x 8 samples, NEW tokens each
-(ignore_eos / min_new_tokens, temperature 1), the server also returning log-probs. Prints
+Each repetition runs both (harness.measure: after a warm-up call each, alternating which goes
+first): 8 prompts x 8 samples, NEW tokens each (ignore_eos / min_new_tokens, temperature 1), the
+server also returning log-probs. Prints
 generated tokens/s of each (median over repetitions) and the ratio server / HF last (goal >= 2).
 Both use the same number of torch threads; the server is idle while HF runs.
 
@@ -11,22 +12,21 @@ per CPU-second: the server process's CPU time (all its threads, HTTP included; t
 not counted) against the CPU time of the process running HF `generate`.
 
     .venv/bin/python bench/bench_rollout.py [--reps 5] [--new-tokens 64] [--threads 1]
-                                            [--decode-kernel auto|c|torch]
+                                            [--decode-kernel auto|c|torch] [--json OUT]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import torch
-from transfer_floors import cpu_seconds  # (bench/ is on the path: run as a script)
+from harness import Variant, finish, measure, median, parser  # (bench/ is on the path)
+from transfer_floors import cpu_seconds
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
@@ -42,10 +42,8 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [torch.randint(10, vocab, (k,), generator=g).tolist() for k in lens]
 
 
-def run_server(
-    url: str, pid: int, batch: list[list[int]], samples: int, new: int
-) -> tuple[float, float]:
-    """(tokens/s, tokens per CPU-second of the server process)."""
+def run_server(url: str, pid: int, batch: list[list[int]], samples: int, new: int) -> dict:
+    """tokens/s, and tokens per CPU-second of the server process."""
     sp = {"max_new_tokens": new, "ignore_eos": True, "temperature": 1.0}
 
     async def go():
@@ -55,13 +53,13 @@ def run_server(
             dt, dcpu = time.perf_counter() - t, cpu_seconds(pid) - cpu
         tokens = sum(len(s.tokens) for g in out for s in g)
         assert tokens == len(batch) * samples * new, tokens
-        return tokens / dt, tokens / max(dcpu, 1e-9)
+        return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / max(dcpu, 1e-9)}
 
     return asyncio.run(go())
 
 
-def run_hf(model, batch: list[list[int]], samples: int, new: int) -> tuple[float, float]:
-    """(tokens/s, tokens per CPU-second of this process)."""
+def run_hf(model, batch: list[list[int]], samples: int, new: int) -> dict:
+    """tokens/s, and tokens per CPU-second of this process."""
     width = max(map(len, batch))
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -77,12 +75,11 @@ def run_hf(model, batch: list[list[int]], samples: int, new: int) -> tuple[float
     dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     tokens = (out.shape[1] - width) * out.shape[0]
     assert tokens == len(batch) * samples * new, tokens
-    return tokens / dt, tokens / max(dcpu, 1e-9)
+    return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / max(dcpu, 1e-9)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=5)
+    ap = parser(__doc__, reps=5, warmup=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -108,30 +105,31 @@ def main() -> None:
     n, new = args.samples, args.new_tokens
     print(f"model: {ckpt} ({sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M params), "
           f"{len(batch)} prompts x {n} samples x {new} new tokens, {args.threads} thread(s)")  # fmt: skip
-    ours, theirs = [], []
     with ServerGroup([cfg], work / "logs") as servers:
         url, pid = servers.urls[0], servers.servers[0].pid
         with urllib.request.urlopen(url + "/server_info", timeout=30) as r:
             print(f"built-in server decode steps: {json.load(r).get('decode_kernel', 'torch')}")
-        run_server(url, pid, batch, n, new)  # warm-up, both sides
-        run_hf(hf, batch, n, new)
-        for rep in range(args.reps):
-            pair = [("server", lambda: run_server(url, pid, batch, n, new)),
-                    ("hf", lambda: run_hf(hf, batch, n, new))]  # fmt: skip
-            for name, fn in pair if rep % 2 == 0 else pair[::-1]:
-                (ours if name == "server" else theirs).append(fn())
-            (a, a_cpu), (b, b_cpu) = ours[-1], theirs[-1]
-            print(f"rep {rep}: built-in server {a:8.0f} tok/s   HF generate {b:8.0f} tok/s   "
-                  f"ratio {a / b:.2f}x | per CPU-second: server {a_cpu:.0f}, HF {b_cpu:.0f}, "
-                  f"ratio {a_cpu / b_cpu:.2f}x")  # fmt: skip
-    med = statistics.median
-    a, b = med(x for x, _ in ours), med(x for x, _ in theirs)
-    a_cpu, b_cpu = med(x for _, x in ours), med(x for _, x in theirs)
-    paired = med(x / y for (x, _), (y, _) in zip(ours, theirs))
+        pair = [Variant("server", lambda: run_server(url, pid, batch, n, new)),
+                Variant("hf", lambda: run_hf(hf, batch, n, new))]  # fmt: skip
+        res = measure(pair, args.reps, args.warmup, name="rollout", on_sample=_print_rep)
+    print(res.table({"tokens_per_s": "tokens/s", "tokens_per_cpu_s": "tokens per CPU-second"},
+                    fmt=".0f"))  # fmt: skip
+    a, b = res.median("server", "tokens_per_s"), res.median("hf", "tokens_per_s")
+    a_cpu, b_cpu = res.median("server", "tokens_per_cpu_s"), res.median("hf", "tokens_per_cpu_s")
+    paired = median(res.paired("server", "hf", "tokens_per_s"))
     print(f"median tokens per CPU-second: built-in server {a_cpu:.0f}, HF generate {b_cpu:.0f} "
-          f"(ratio {a_cpu / b_cpu:.2f}x); median of per-repetition ratios {paired:.2f}x")  # fmt: skip
+          f"(ratio {res.ratio('server', 'hf', 'tokens_per_cpu_s'):.2f}x); median of "
+          f"per-repetition ratios {paired:.2f}x")  # fmt: skip
     print(f"median generated tokens/s: built-in server {a:.0f}, HF transformers generate {b:.0f}")
-    print(f"ratio built-in server / HF generate: {a / b:.2f}x (goal >= 2x)")
+    print(f"ratio built-in server / HF generate: {res.ratio('server', 'hf', 'tokens_per_s'):.2f}x "
+          "(goal >= 2x)")  # fmt: skip
+    finish(res, args)
+
+
+def _print_rep(variant: str, rep: int, samples: list[dict]) -> None:
+    s = samples[0]
+    print(f"rep {rep}: {variant:6s} {s['tokens_per_s']:8.0f} tok/s, "
+          f"{s['tokens_per_cpu_s']:.0f} per CPU-second", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

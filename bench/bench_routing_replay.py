@@ -9,10 +9,10 @@ few percent on their own, which is larger than the effect measured):
   - r3:    the step replays rollout routing: the SGLang-format int32 payload [n - 1, layers, k]
            (dense layers zero) made from the natural routing with 10% of the (token, MoE layer)
            positions moved to other experts, as a different engine would route them
-Each rep runs every variant once, in a rotating order: `logprobs` (recording) and `train_step`
-(replaying), timed as process CPU time and wall time, torch on one thread (`--threads 1`) so that
-idle OpenMP workers spinning on a busy machine do not count as work (lr 1e-7: the weights barely
-move). The overhead is measured two ways:
+Each rep runs every variant once, in a rotating order (harness.measure, after a warm-up call each):
+`logprobs` (recording) and `train_step` (replaying), timed as process CPU time and wall time, torch
+on one thread (`--threads 1`) so that idle OpenMP workers spinning on a busy machine do not count as
+work (lr 1e-7: the weights barely move). The overhead is measured two ways:
   - in-line: the routing code's own CPU time, timed at its entry points (ROUTING_ENTRIES: the
     calls the actor and megatron-core make into it) less the core's top-k inside them, over the
     rest of that rep's logprobs + train_step; mean over reps with a 95% bootstrap interval. Both
@@ -32,7 +32,7 @@ int32 payload SGLang sends per token (every decoder layer x k x 4).
 Goal (issue 6): under 3% step overhead; 4x smaller storage than the int32 payload.
 
     .venv/bin/python bench/bench_routing_replay.py [--hidden 256 --layers 4 --experts 64
-        --topk 8 --batch 8 --seq 256 --reps 24]
+        --topk 8 --batch 8 --seq 256 --reps 24 --json OUT]
 """
 
 from __future__ import annotations
@@ -40,14 +40,21 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import statistics
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness import (  # (bench/ on the path)
+    Result,
+    Variant,
+    bootstrap_ci,
+    finish,
+    markdown_table,
+    measure,
+    parser,
+)
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
@@ -224,13 +231,31 @@ def timed(fn) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - w0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def one_rep(variants, clock, actor, batch, v: str, mbs: int, metrics: dict) -> dict[str, float]:
+    """One variant's logprobs + train_step: process CPU and wall seconds of each, and the routing
+    code's own CPU time (the in-line clock)."""
+    variants.use(v)
+    clock.reset()
+    metrics[v] = {}
+    c, w = timed(lambda: record(actor, batch, mbs, metrics[v]))
+    c2, w2 = timed(lambda: actor.train_step(batch, LOSS, mbs))
+    return {"logprobs_cpu": c, "logprobs_wall": w, "step_cpu": c2, "step_wall": w2,
+            "total_cpu": c + c2, "routing_s": clock.reset()}  # fmt: skip
+
+
+def parse_args() -> argparse.Namespace:
+    ap = parser(__doc__, reps=24, warmup=1)
+    ap.formatter_class = argparse.RawTextHelpFormatter
+    ap.description = __doc__
     for name, default in [("hidden", 256), ("layers", 4), ("experts", 64), ("topk", 8)]:
         ap.add_argument(f"--{name}", type=int, default=default)
-    for name, default in [("batch", 8), ("seq", 256), ("reps", 24), ("mbs", 4), ("threads", 1)]:
+    for name, default in [("batch", 8), ("seq", 256), ("mbs", 4), ("threads", 1)]:
         ap.add_argument(f"--{name}", type=int, default=default)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     spec = TinySpec(
@@ -254,76 +279,56 @@ def main() -> None:
     record(actor, batches["none"], a.mbs)
     payload = rollout_payload([s.recorded for s in batches["none"].routing], model_spec, 0.10)
     batches["r3"].rollout_experts = payload
-    cpu = {f"{v}/{p}": [] for v in VARIANTS for p in ("logprobs", "step")}
-    wall = {k: [] for k in cpu}
-    spent = {v: [] for v in VARIANTS}  # routing CPU time per rep (in-line clock)
-    metrics = {}
-    for rep in range(a.reps + 1):  # rep 0 warms up
-        order = VARIANTS[rep % 4 :] + VARIANTS[: rep % 4]
-        for v in order:
-            variants.use(v)
-            clock.reset()
-            metrics[v] = {}
-            c, w = timed(partial(record, actor, batches[v], a.mbs, metrics[v]))
-            c2, w2 = timed(partial(actor.train_step, batches[v], LOSS, a.mbs))
-            routing_s = clock.reset()
-            if rep:
-                spent[v].append(routing_s)
-                for key, (ci, wi) in {"logprobs": (c, w), "step": (c2, w2)}.items():
-                    cpu[f"{v}/{key}"].append(ci)
-                    wall[f"{v}/{key}"].append(wi)
+    metrics: dict = {}
+    steps = [Variant(v, lambda v=v: one_rep(variants, clock, actor, batches[v], v, a.mbs, metrics))
+             for v in VARIANTS]  # fmt: skip
+    res = measure(steps, a.reps, a.warmup, name="routing_replay")
     shares, missed = {}, set()
     for v in VARIANTS[1:]:
         variants.use(v)
         shares[v], m = routing_share(actor, batches[v], a.mbs)
         missed.update(m)
-    report(a, metrics, batches, cpu, wall, model_spec, shares, spent, sorted(missed))
+    report(a, metrics, batches, res, model_spec, shares, sorted(missed))
+    finish(res, a)
 
 
-def paired_overhead(variant: list[float], plain: list[float]) -> tuple[float, float, float]:
+def paired_overhead(res: Result, variant: str, metric: str) -> tuple[float, float, float]:
     """Per-rep ratios variant / plain - 1 in percent: their median and a 95% bootstrap
     confidence interval of that median (resampling the reps, seeded)."""
-    r = np.array([100 * (v / p - 1) for v, p in zip(variant, plain)])
-    rng = np.random.default_rng(0)
-    boot = np.median(rng.choice(r, size=(4000, len(r)), replace=True), axis=1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(np.median(r)), float(lo), float(hi)
+    return bootstrap_ci([100 * (r - 1) for r in res.paired(variant, "plain", metric)])
 
 
-def min_overhead(variant: list[float], plain: list[float]) -> float:
+def min_overhead(res: Result, variant: str, metric: str) -> float:
     """Fastest rep against fastest rep, in percent."""
-    return 100 * (min(variant) / min(plain) - 1)
+    return 100 * (res.spread(variant, metric)[0] / res.spread("plain", metric)[0] - 1)
 
 
-def timed_overhead(spent: list[float], total: list[float]) -> tuple[float, float, float]:
+def timed_overhead(res: Result, variant: str) -> tuple[float, float, float]:
     """Per rep: the routing code's CPU time (in-line clock) over the rest of the variant's
     logprobs + train_step, in percent; their mean and a 95% bootstrap interval of the mean. Both
     parts come from the same run of the same rep, so the machine's speed cancels out."""
-    r = np.array([100 * s / (t - s) for s, t in zip(spent, total)])
-    rng = np.random.default_rng(0)
-    boot = rng.choice(r, size=(4000, len(r)), replace=True).mean(axis=1)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return float(r.mean()), float(lo), float(hi)
+    rows = res.samples[variant]
+    return bootstrap_ci([100 * r["routing_s"] / (r["total_cpu"] - r["routing_s"]) for r in rows],
+                        stat="mean")  # fmt: skip
 
 
 def fmt(q: tuple[float, float, float]) -> str:
     return f"{q[0]:+.1f}% [{q[1]:+.1f}, {q[2]:+.1f}]"
 
 
-def report(a, metrics, batches, cpu, wall, spec, shares, spent, missed) -> None:
-    med = {k: statistics.median(v) for k, v in cpu.items()}
-    medw = {k: statistics.median(v) for k, v in wall.items()}
+def report(a, metrics, batches, res: Result, spec, shares, missed) -> None:
     n_tok = batches["r2"].num_tokens
     print(
         f"model: hidden {a.hidden}, {spec.num_layers} layers ({len(spec.moe_layer_ids)} MoE), "
         f"{spec.num_experts} experts top-{spec.topk}; batch {a.batch} x <= {a.seq} tokens "
         f"({n_tok}), microbatch {a.mbs}, {a.reps} reps"
     )
-    print(f"{'variant':8} {'logprobs cpu/wall ms':>22} {'train_step cpu/wall ms':>24}")
+    rows = []
     for v in VARIANTS:
-        lp = f"{1e3 * med[v + '/logprobs']:.1f} / {1e3 * medw[v + '/logprobs']:.1f}"
-        st = f"{1e3 * med[v + '/step']:.1f} / {1e3 * medw[v + '/step']:.1f}"
-        print(f"{v:8} {lp:>22} {st:>24}")
+        m = {k: 1e3 * res.median(v, k) for k in res.metrics(v)}
+        rows.append([v, f"{m['logprobs_cpu']:.1f} / {m['logprobs_wall']:.1f}",
+                     f"{m['step_cpu']:.1f} / {m['step_wall']:.1f}"])  # fmt: skip
+    print(markdown_table(["variant", "logprobs cpu/wall ms", "train_step cpu/wall ms"], rows))
     r3 = metrics["r3"]
     print(f"r3 rollout/train agreement: {r3['routing/rollout_train_agreement']:.3f}")
     payload = spec.num_layers * spec.topk * 4
@@ -336,19 +341,16 @@ def report(a, metrics, batches, cpu, wall, spec, shares, spent, missed) -> None:
           "[95% confidence interval] (fastest rep vs fastest rep)")  # fmt: skip
     side, inline = {}, {}
     for v in ("none", "r2", "r3"):
-        over = {
-            p: paired_overhead(cpu[f"{v}/{p}"], cpu[f"plain/{p}"]) for p in ("logprobs", "step")
-        }
-        total = [x + y for x, y in zip(cpu[f"{v}/logprobs"], cpu[f"{v}/step"])]
-        plain = [x + y for x, y in zip(cpu["plain/logprobs"], cpu["plain/step"])]
-        side[v] = paired_overhead(total, plain)
-        inline[v] = timed_overhead(spent[v], total)
+        over = {p: paired_overhead(res, v, f"{p}_cpu") for p in ("logprobs", "step")}
+        side[v] = paired_overhead(res, v, "total_cpu")
+        inline[v] = timed_overhead(res, v)
         print(
             f"  {v:4}: train_step {fmt(over['step'])}, logprobs {fmt(over['logprobs'])}, "
-            f"both {fmt(side[v])} ({min_overhead(total, plain):+.1f}%)"
+            f"both {fmt(side[v])} ({min_overhead(res, v, 'total_cpu'):+.1f}%)"
         )
-    spread = np.std([100 * (x / y - 1) for x, y in zip(cpu["r2/step"], cpu["plain/step"])])
+    spread = np.std([100 * (r - 1) for r in res.paired("r2", "plain", "step_cpu")])
     print(f"  (per-rep spread of the side-by-side ratio: {spread:.1f}%, the machine's noise)")
+    res.extra.update(side_by_side_pct=side, inline_pct=inline, profiled_share=shares)
     print("routing code's own CPU time, timed in-line at its entry points, over the rest of the "
           "step: mean over reps [95% confidence interval]; cProfile's share beside it")  # fmt: skip
     for v in ("none", "r2", "r3"):

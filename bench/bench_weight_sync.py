@@ -46,7 +46,6 @@ import os
 import re
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from harness import Variant, measure, median
 from transfer_floors import (  # (bench/ is on the path: run as a script)
     Memcpy,
     cpu_seconds,
@@ -245,7 +245,7 @@ def run(a, model: Path, url: str, server_pid: int) -> dict:
     naive = naive_cpu = None
     if not (a.quick or on_gpu):  # CUDA tensors cannot reach a CPU server one by one
         naives = [timed(naive_sync, chunks, url, f"naive-{i}")[1:] for i in range(3)]
-        naive, naive_cpu = (statistics.median(x) for x in zip(*naives))
+        naive, naive_cpu = (median(x) for x in zip(*naives))
         print(f"{'naive':12s} {naive:6.2f} s ({naive_cpu:.2f} CPU s, one request per tensor; "
               f"range {min(t for t, _ in naives):.2f}-{max(t for t, _ in naives):.2f} s)")  # fmt: skip
     memcpy.sample()
@@ -274,8 +274,8 @@ def sync_transport(a, name, chunks, model, url, nbytes, timed, own_floor) -> dic
     probe = ws.verify(f"{name}-{a.reps - 1}")[0].max_diff
     ws.close()
     rest = slice(1, None) if a.reps > 1 else slice(None)
-    row = {"first": times[0], "steady": statistics.median(times[rest]),
-           "cpu_s": statistics.median(cpus[rest]), "floor": statistics.median(floor[rest]),
+    row = {"first": times[0], "steady": median(times[rest]),
+           "cpu_s": median(cpus[rest]), "floor": median(floor[rest]),
            "probe_max_diff": probe}  # fmt: skip
     print(f"{name:12s} first {times[0]:6.2f} s  then {row['steady']:6.2f} s  "
           f"({row['cpu_s']:.2f} CPU s)  load {load()}", flush=True)  # fmt: skip
@@ -292,9 +292,10 @@ def transfer_floors(a, nbytes: int, on_gpu: bool) -> dict:
                 "cuda_ipc": cuda_ipc_gbps(nbytes, piece), "nccl": None}  # fmt: skip
     if a.quick:
         return {}
-    samples = [(gloo_gbps(nbytes, piece), tcp_gbps(nbytes, piece), tmpfs_gbps(nbytes, piece))
-               for _ in range(3)]  # fmt: skip
-    return dict(zip(("gloo", "tcp", "tmpfs"), (statistics.median(x) for x in zip(*samples))))
+    kinds = {"gloo": gloo_gbps, "tcp": tcp_gbps, "tmpfs": tmpfs_gbps}
+    floors = [Variant(k, lambda f=f: {"gbps": f(nbytes, piece)}) for k, f in kinds.items()]
+    res = measure(floors, 3, name="transfer floors")  # side by side, the order rotating
+    return {k: res.median(k, "gbps") for k in kinds}
 
 
 def results(a, nbytes, device, memcpy, rows, naive, floors) -> dict:

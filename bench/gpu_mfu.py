@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import math
-import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from gpu_meters import (  # noqa: E402 - bench/ is on the path: run as a script
+from gpu_meters import (  # noqa: E402
     OptimizerClock,
     gb,
     matmul_tflops,
@@ -57,6 +56,7 @@ from gpu_meters import (  # noqa: E402 - bench/ is on the path: run as a script
     static_memory,
     timed,
 )
+from harness import median  # noqa: E402 - bench/ is on the path: run as a script
 
 from megatron_gspo.hf.config import ModelSpec  # noqa: E402
 
@@ -200,7 +200,7 @@ def measure_parts(res: Result, actor, a, shape: Shape, device) -> None:
                    "backward_and_loss": step - fwd - clock.seconds}  # fmt: skip
     if a.micro_batches > 1:  # t = fixed + c * tokens, from this and a one-microbatch step
         small = time_steps(actor, a, shape, mbs, device, 1)
-        t1, n1, t2 = statistics.median(small), mbs * seq, res.step_s
+        t1, n1, t2 = median(small), mbs * seq, res.step_s
         n2 = res.tokens_per_step
         res.fixed_cost_s = t1 - (t2 - t1) / (n2 - n1) * n1
     if a.profile:
@@ -233,7 +233,7 @@ def run_config(impl, layers, a, shape: Shape, device, candidates: list[int]) -> 
 
 def fill(res: Result, times: list[float], shape: Shape, a) -> None:
     res.tokens_per_step = res.micro_batch * a.micro_batches * a.seq
-    res.step_s = statistics.median(times)
+    res.step_s = median(times)
     res.step_s_range = (min(times), max(times))
     rows = res.micro_batch * a.micro_batches
     flops = res.layers * layer_flops(shape, res.tokens_per_step, rows, a.seq)

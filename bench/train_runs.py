@@ -1,19 +1,20 @@
 """Shared by the benchmarks that compare whole `megatron-gspo train` runs side by side
-(bench_sglang_step.py, bench_async.py): one run's steady-state medians, and several variants run
-in alternating order over reps."""
+(bench_sglang_step.py, bench_async.py, bench_reward_workers.py): one run's steady-state medians,
+and several variants run side by side (harness.measure: interleaved over reps)."""
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from transfer_floors import cpu_seconds  # (bench/ is on the path: run as a script)
+# (bench/ is on the path: run as a script)
+from harness import Result, Variant, measure, summarize
+from transfer_floors import cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,7 @@ def train_medians(name: str, flags: list[str], a, parts: tuple[str, ...]) -> dic
             sys.exit(f"{name} run ({' '.join(flags)}) failed:\n{log.read_text()[-3000:]}")
         rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     steady = [r for r in rows if r["step"] >= 2]
-    out = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in parts if k not in CPU}
+    out = summarize(steady, [k for k in parts if k not in CPU])
     return {**out, **{k: v for k, v in cpu.items() if k in parts}}
 
 
@@ -103,13 +104,11 @@ def _cpu(pid: int) -> float:
 
 
 def side_by_side(
-    order: list[tuple[str, list[str]]], a, parts: tuple[str, ...], run=train_medians
-) -> dict:
-    """{variant: median over a.reps of each part}: the variants (name, flags) run in turn,
-    reversing the order every other rep, so that drift in the machine's load hits all alike.
-    `run(name, flags, a, parts)` is one run's medians (train_medians, or a wrapper of it)."""
-    got: dict[str, list[dict]] = {name: [] for name, _ in order}
-    for rep in range(a.reps):
-        for name, flags in order if rep % 2 == 0 else order[::-1]:
-            got[name].append(run(name, flags, a, parts))
-    return {n: {k: statistics.median(r[k] for r in rs) for k in parts} for n, rs in got.items()}
+    order: list[tuple[str, list[str]]], a, parts: tuple[str, ...], run=train_medians, name=""
+) -> Result:
+    """The variants (name, flags) measured side by side over a.reps (harness.measure: the order
+    rotates every rep, so that drift in the machine's load hits all alike); each rep's sample is
+    `run(name, flags, a, parts)`, one run's medians (train_medians, or a wrapper of it). The
+    result's medians are over the reps."""
+    variants = [Variant(n, lambda n=n, f=f: run(n, f, a, parts)) for n, f in order]
+    return measure(variants, a.reps, name=name)

@@ -91,6 +91,6 @@ def test_bench_batch_sends_each_rank_what_its_layout_needs(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = bench.main(["--scale", "512", "--layouts", "PP2xDP2", "--json", str(tmp_path / "b.json")])
-    summary = out["layouts"]["PP2xDP2"]["summary"]
+    summary = out["extra"]["summary"]["PP2xDP2"]
     assert 1.0 <= summary["recv_over_need"] <= 1.1
     assert summary["broadcast_over_recv"] >= 4
