@@ -8,11 +8,14 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_gspo.config import Config
 from megatron_gspo.train.protocols import RolloutSource, Servers, Setup
-from megatron_gspo.weight_sync.sync import WeightSync
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.prompts import PromptSampler
+    from megatron_gspo.weight_sync.sync import WeightSync
 
 
 @dataclass
@@ -24,8 +27,8 @@ class Parts:
     setup: Setup  # the actor, checkpoints, the restore on --resume
     fleet: Servers  # the rollout servers: supervision, restore point, memory release
     rollouts: RolloutSource  # a step's batch and the eval, every rank
-    sampler: Any  # the prompt sampler (data/prompts.py PromptSampler)
-    sync: WeightSync
+    sampler: PromptSampler  # the step's prompts; its position is checkpointed
+    sync: WeightSync  # the trainer's weights into the servers
     stack: ExitStack = field(default_factory=ExitStack, repr=False)
 
     def __enter__(self) -> Parts:
