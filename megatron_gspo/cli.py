@@ -118,18 +118,15 @@ def _cmd_train(args) -> None:
 
     from megatron_gspo.config import load_config
     from megatron_gspo.train.loop import run
+    from megatron_gspo.train.parts import build_parts
 
     if args.steps is not None and args.steps < 0:
         raise UserError(f"--steps must be >= 0, not {args.steps}")
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
-    run(
-        cfg,
-        run_dir,
-        resume=args.resume,
-        max_steps=args.steps,
-        allow_config_change=args.allow_config_change,
-    )
+    resume, change = args.resume, args.allow_config_change
+    with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
+        run(parts, max_steps=args.steps)
 
 
 def _add_train(sub) -> None:

@@ -2,16 +2,15 @@
 
 One step: prompts -> G rollouts each -> rewards -> group advantages -> old log-probs (R2 records
 routing) -> minibatch updates (R2/R3 replay) -> weight sync -> metrics -> checkpoint.
-`run` reads like that list; the parts live in rollouts.py (servers, generation, rewards),
-actor.py (log-probs, the Megatron train step), weight_sync/ and the step hooks in hooks.py
-(eval, metrics, checkpoints).
+`run` reads like that list; its parts come built (parts.py): the servers (fleet.py), the batches
+(producer.py, shared to every rank by share.py), actor.py (log-probs, the Megatron train step),
+weight_sync/, and the step hooks in hooks.py (eval, metrics, checkpoints).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 
@@ -24,10 +23,9 @@ from megatron_gspo.train.ahead import Ahead
 from megatron_gspo.train.batch import StepBatch
 from megatron_gspo.train.guard import NonFiniteGuard
 from megatron_gspo.train.hooks import StepHooks
-from megatron_gspo.train.protocols import PolicyActor, RolloutSource
+from megatron_gspo.train.parts import Parts
+from megatron_gspo.train.protocols import PolicyActor, RolloutSource, Servers
 from megatron_gspo.train.results import Collected, Update
-from megatron_gspo.train.rollouts import Rollouts
-from megatron_gspo.train.setup import TrainerSetup
 from megatron_gspo.train.shard import minibatch_parts, reduce_sums
 from megatron_gspo.train.state import TrainState
 from megatron_gspo.weight_sync.session import SyncReport, VerificationFailed
@@ -36,88 +34,80 @@ from megatron_gspo.weight_sync.sync import WeightSync, WeightSyncError
 log = logging.getLogger(__name__)
 
 
-def run(
-    cfg: Config,
-    run_dir: Path,
-    *,
-    resume: bool = False,
-    max_steps: int | None = None,
-    allow_config_change: bool = False,
-) -> None:
-    setup = TrainerSetup(cfg, run_dir, resume, allow_config_change)
-    with setup, Rollouts(cfg, run_dir, setup.hf_dir) as rl:
-        actor, sampler = setup.actor, setup.sampler(rl.n_train_prompts)
-        sync = setup.weight_sync(rl.urls, rl.api_key)
-        ahead = Ahead(rl, sampler, cfg.rollout.max_staleness, cfg.rollout.partial)
-        try:
-            hooks = StepHooks(cfg, run_dir, setup, rl)
-            state = setup.restore(sampler, sync, rl)  # resume: weights, optimizer, data position
-            last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
-            hooks.begin(state, last)
-            current = str(state.weight_version) if state.step else sync.base_version
-            guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
-            for step in range(state.step + 1, last + 1):
-                t0, busy0 = time.perf_counter(), rl.servers_busy_s()
-                caught_up = catch_up(sync, rl, current)
-                collected, waited = take_batch(ahead, sync, rl, step, current)
-                ahead.fill(step, last, current)  # (the next batches generate while this trains)
-                metrics = dict(collected.metrics) | caught_up | waited
-                finite = train_phase(actor, rl, collected, cfg, step, guard, metrics)
-                generating = ahead.before_sync()  # the weights change under no request
-                t1 = time.perf_counter()
-                busy = generating if cfg.rollout.max_staleness else collected.generation_s
-                metrics["time/servers_idle_s"] = servers_idle(rl, busy0, t1 - t0, busy)
-                metrics |= sync_weights(sync, rl, step)
-                ahead.after_sync()
-                current = str(step)
-                metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
-                state = TrainState(step, step, ahead.sampler_state())
-                hooks.end_step(step, metrics, state, t0, last, checkpoint=finite)
-                guard.stop_if_over()
-            hooks.finish(state)
-        finally:  # also after a failure: e.g. the update groups kept with the servers
-            ahead.close()
-            sync.close()
+def run(parts: Parts, *, max_steps: int | None = None) -> None:
+    """Train on `parts` (parts.py `build_parts`) up to `train.steps` (or `max_steps`)."""
+    cfg, setup, fleet, rl, sync = parts.cfg, parts.setup, parts.fleet, parts.rollouts, parts.sync
+    ahead = Ahead(rl, parts.sampler, cfg.rollout.max_staleness, cfg.rollout.partial)
+    try:
+        hooks = StepHooks(cfg, parts.run_dir, setup, rl)
+        state = setup.restore(parts.sampler, sync, fleet)  # resume: weights, optimizer, data
+        last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
+        hooks.begin(state, last)
+        current = str(state.weight_version) if state.step else sync.base_version
+        guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
+        for step in range(state.step + 1, last + 1):
+            t0, busy0 = time.perf_counter(), fleet.servers_busy_s()
+            caught_up = catch_up(sync, fleet, current)
+            collected, waited = take_batch(ahead, sync, parts, step, current)
+            ahead.fill(step, last, current)  # (the next batches generate while this trains)
+            metrics = dict(collected.metrics) | caught_up | waited
+            finite = train_phase(setup.actor, fleet, collected, cfg, step, guard, metrics)
+            generating = ahead.before_sync()  # the weights change under no request
+            t1 = time.perf_counter()
+            busy = generating if cfg.rollout.max_staleness else collected.generation_s
+            metrics["time/servers_idle_s"] = servers_idle(fleet, busy0, t1 - t0, busy)
+            metrics |= sync_weights(sync, fleet, step)
+            ahead.after_sync()
+            current = str(step)
+            metrics |= {"time/sync_s": time.perf_counter() - t1, "weight_version": step}
+            state = TrainState(step, step, ahead.sampler_state())
+            hooks.end_step(step, metrics, state, t0, last, checkpoint=finite)
+            guard.stop_if_over()
+        hooks.finish(state)
+    finally:  # also after a failure: the generations in flight end before the servers stop
+        ahead.close()
 
 
-def servers_idle(rl: RolloutSource, busy0: float | None, wall: float, generating: float) -> float:
+def servers_idle(fleet: Servers, busy0: float | None, wall: float, generating: float) -> float:
     """A server's mean idle seconds in the `wall` seconds of this step before its sync: from the
     servers' own working time where they report it (the built-in server; `busy0` at the step's
     start), else the trainer's view (`wall` minus the time it had generation in flight)."""
-    busy1 = rl.servers_busy_s() if busy0 is not None else None
+    busy1 = fleet.servers_busy_s() if busy0 is not None else None
     if busy0 is None or busy1 is None:
         return max(0.0, wall - generating)
-    return max(0.0, wall - (busy1 - busy0) / max(len(rl.urls), 1))
+    return max(0.0, wall - (busy1 - busy0) / max(len(fleet.urls), 1))
 
 
-def train_phase(actor, rl: RolloutSource, collected: Collected, cfg: Config, step: int,
+def train_phase(actor, fleet: Servers, collected: Collected, cfg: Config, step: int,
                 guard: NonFiniteGuard, metrics: dict) -> bool:  # fmt: skip
     """The step's training, its metrics into `metrics`: whether it was finite (a checkpoint
     may follow)."""
     t0 = time.perf_counter()
-    rl.release_memory()  # colocated GPUs: the servers' memory goes to training
+    fleet.release_memory()  # colocated GPUs: the servers' memory goes to training
     updates: list[Update] = []
     if collected.rows:
         trained, updates = train_on(actor, collected.batch, cfg, step, collected.rows)
         metrics |= trained
     finite = guard.check(step, updates, collected.nonfinite_inputs)
-    rl.resume_memory()
+    fleet.resume_memory()
     metrics["time/train_s"] = time.perf_counter() - t0
     return finite
 
 
-def take_batch(ahead: Ahead, sync: WeightSync, rl: RolloutSource, step: int, current: str):
+def take_batch(ahead: Ahead, sync: WeightSync, parts: Parts, step: int, current: str):
     """The step's batch: the one generated ahead during the last step (staleness 1), else one
     generated now (`collect_current`); with its staleness (the versions between the weights
     that generated it and `current`, the trainer's) and the trainer's wait for it."""
     t0 = time.perf_counter()
     taken = ahead.take(step)
     if taken is None:
-        collected, version = collect_current(sync, rl, ahead.next_prompts(), step, current), current
+        prompts = ahead.next_prompts()
+        collected = collect_current(sync, parts.rollouts, parts.fleet, prompts, step, current)
+        version = current
     else:
         collected, version = taken
     # every trained sample started on `version` or later (groups from older weights were
-    # dropped); the samples' own versions say which (rollouts.py)
+    # dropped); the samples' own versions say which (producer.py)
     now = version_index(current)
     oldest = collected.version_oldest
     oldest = float(version_index(version)) if oldest is None else oldest
@@ -128,12 +118,18 @@ def take_batch(ahead: Ahead, sync: WeightSync, rl: RolloutSource, step: int, cur
 
 
 def collect_current(
-    sync: WeightSync, rl: RolloutSource, prompts, step: int, current: str, tries: int = 3
-):
+    sync: WeightSync,
+    rl: RolloutSource,
+    fleet: Servers,
+    prompts: list[int],
+    step: int,
+    current: str,
+    tries: int = 3,
+) -> Collected:
     """The step's rollouts, from the trainer's weights: when a server restarted during them
     (onto older weights) gave some samples, it is caught up and the batch generated again (the
     same seeds: the same samples from the other servers), up to `tries` times in all; groups
-    still stale after that are dropped (rollouts.py). Every rank sees the same metrics, so
+    still stale after that are dropped (producer.py). Every rank sees the same metrics, so
     every rank takes the same turns (catch_up is collective)."""
     regenerated = 0
     for attempt in range(tries):
@@ -142,32 +138,32 @@ def collect_current(
         if not stale or attempt == tries - 1:
             break
         log.warning("step %d: %d samples came from older weights; generating again", step, stale)
-        catch_up(sync, rl, current)
+        catch_up(sync, fleet, current)
         regenerated += stale
     collected.regenerated_samples = regenerated
     collected.metrics["rollout/regenerated_samples"] = float(regenerated)
     return collected
 
 
-def catch_up(sync: WeightSync, rl: RolloutSource, current: str) -> dict:
+def catch_up(sync: WeightSync, fleet: Servers, current: str) -> dict:
     """Before a step's rollouts: wait for the servers their supervisor is restarting (onto
     the restore point), then bring every ready server that is on other weights to `current`."""
     t0 = time.perf_counter()
-    rl.wait_for_restarts()
-    urls = sync.catch_up(current, among=rl.ready_servers())
+    fleet.wait_for_restarts()
+    urls = sync.catch_up(current, among=fleet.ready_servers())
     return {"sync/caught_up_servers": len(urls), "time/catch_up_s": time.perf_counter() - t0}
 
 
-def sync_weights(sync: WeightSync, rl: RolloutSource, step: int) -> dict:
+def sync_weights(sync: WeightSync, fleet: Servers, step: int) -> dict:
     """The step's weight sync, as version `step`, into the servers that are ready (one that
     is being restarted is caught up before the next rollouts). A server that fails it while
     its supervisor restarts it (it died) does not end the run: it is restored or lost, never
     half-updated, and caught up next step. Any other failure ends the run."""
-    before = rl.restart_counts()
+    before = fleet.restart_counts()
     lost: list[str] = []
     report: SyncReport | None
     try:
-        report = sync.sync(step, only=rl.ready_servers())
+        report = sync.sync(step, only=fleet.ready_servers())
     except WeightSyncError as e:
         report = e.report
         if isinstance(e, VerificationFailed):  # synced, then its probe got no answer: it died?
@@ -175,11 +171,11 @@ def sync_weights(sync: WeightSync, rl: RolloutSource, step: int) -> dict:
         else:
             died = report is not None and not report.trainer_error
             lost = list(report.failures) if report is not None else []
-        restarted = died and rl.being_restarted(lost, since=before)
-        if not bcast(restarted if rl.rank0 else None):
+        # (rank 0's answer: only its fleet has the supervisor)
+        if not bcast(died and fleet.being_restarted(lost, since=before)):
             raise
         log.warning("%s\ntheir supervisor restarts them; the next step catches them up", e)
-    rl.weights_at(sync.restore_point)  # what a restarted server loads
+    fleet.weights_at(sync.restore_point)  # what a restarted server loads
     # a failure the run goes on after carries its sync's report (sync() attaches it)
     assert report is not None
     failed = len(set(report.failures) | set(lost))

@@ -1,7 +1,8 @@
 """What the RL loop needs of its parts, as protocols: the actor (log-probs and updates), the
-rollouts (samples from the servers, and their supervision around a weight sync) and the setup.
-`Actor`, `Rollouts` and `TrainerSetup` are the implementations; an asynchronous rollout source
-or another trainer backend fits the loop by providing the same methods."""
+rollouts (a step's batch on every rank), the servers (their supervision around a weight sync)
+and the setup. `Actor`, `SharedRollouts`, `ServerFleet` and `TrainerSetup` are the
+implementations (parts.py builds them); an asynchronous rollout source or another trainer
+backend fits the loop by providing the same methods."""
 
 from __future__ import annotations
 
@@ -44,12 +45,10 @@ class PolicyActor(Protocol):
 
 
 class RolloutSource(Protocol):
-    rank0: bool
-    urls: list[str]
-    api_key: str | None
+    """A step's batch and the eval (share.py): rank 0 produces, every rank receives."""
 
-    @property
-    def n_train_prompts(self) -> int: ...
+    rank0: bool
+    n_train_prompts: int
 
     def collect(
         self, prompt_index: list[int], step: int, version: str | None = None
@@ -61,7 +60,18 @@ class RolloutSource(Protocol):
 
     def share(self, result: Collected | None) -> Collected: ...
 
+    def evaluate(self) -> float: ...
+
+    def hold_generation(self, on: bool) -> None: ...
+
     def abort_generation(self) -> None: ...
+
+
+class Servers(Protocol):
+    """The rollout servers (fleet.py): their supervision around a weight sync, and memory."""
+
+    urls: list[str]
+    api_key: str | None
 
     def weights_at(self, point: RestorePoint) -> None: ...
 
@@ -88,15 +98,16 @@ class Setup(Protocol):
 
     def weight_sync(self, urls: list[str], api_key: str | None = None) -> WeightSync: ...
 
-    def restore(self, sampler: Any, sync: WeightSync, rollouts: Any) -> TrainState: ...
+    def restore(self, sampler: Any, sync: WeightSync, fleet: Servers) -> TrainState: ...
 
 
 if TYPE_CHECKING:  # mypy checks that the implementations provide what the loop needs
     from megatron_gspo.train.actor import Actor
-    from megatron_gspo.train.rollouts import Rollouts
+    from megatron_gspo.train.fleet import ServerFleet
     from megatron_gspo.train.setup import TrainerSetup
+    from megatron_gspo.train.share import SharedRollouts
 
     def _implementations(
-        actor: Actor, rollouts: Rollouts, setup: TrainerSetup
-    ) -> tuple[PolicyActor, RolloutSource, Setup]:
-        return actor, rollouts, setup
+        actor: Actor, rollouts: SharedRollouts, fleet: ServerFleet, setup: TrainerSetup
+    ) -> tuple[PolicyActor, RolloutSource, Servers, Setup]:
+        return actor, rollouts, fleet, setup

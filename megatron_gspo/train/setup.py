@@ -126,7 +126,7 @@ class TrainerSetup:
             print(f"weight sync: {self.sync.relay.describe(self.sync.servers)}", flush=True)
         return self.sync
 
-    def restore(self, sampler, sync, rollouts) -> TrainState:
+    def restore(self, sampler, sync, fleet) -> TrainState:
         """Fresh run: step 0. Resume: load the newest complete checkpoint and bring the rollout
         servers to its weights (they started from the base model)."""
         if self.resume_from is None:
@@ -137,7 +137,7 @@ class TrainerSetup:
         report = sync.sync(version)
         if not report.ok:
             raise UserError(report.message().splitlines()[0])
-        rollouts.weights_at(sync.restore_point)
+        fleet.weights_at(sync.restore_point)
         if self.rank0:
             log.info("resumed from %s (step %d)", self.resume_from, state.step)
         return state

@@ -145,7 +145,7 @@ KILL = """
 import os, signal, sys
 import psutil
 import megatron_gspo.rollout.client as client
-import megatron_gspo.train.rollouts as rollouts
+import megatron_gspo.train.share as share
 import megatron_gspo.weight_sync.transports.tensor as transport
 from megatron_gspo.cli import main
 
@@ -159,11 +159,11 @@ def kill_server():
             print(f"killing server pid {child.pid} at {where}", flush=True)
             os.kill(child.pid, signal.SIGKILL)
 
-real_collect = rollouts.Rollouts.collect
+real_collect = share.SharedRollouts.collect
 def collect(self, prompt_index, step, version=None):
     state["step"] = step
     return real_collect(self, prompt_index, step, version)
-rollouts.Rollouts.collect = collect
+share.SharedRollouts.collect = collect
 
 real_post = client.RolloutClient._post_generate
 async def post(self, *args, **kwargs):

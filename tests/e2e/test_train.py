@@ -358,12 +358,14 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron_gspo.config import load_config
 from megatron_gspo.comm import free_port
-from megatron_gspo.train.rollouts import Rollouts
+from contextlib import ExitStack
+from megatron_gspo.train.share import rollout_side
 
 config, model, run_dir = sys.argv[1:4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 cfg = load_config(config, [f"model.path={model}", *sys.argv[4:]])
-with Rollouts(cfg, Path(run_dir), Path(model)) as rl:
+with ExitStack() as stack:
+    fleet, rl = rollout_side(cfg, Path(run_dir), Path(model), stack)
     for version in ("default", "7"):  # the servers' (the base model's), and the trainer's step 7
         got = rl.collect([0, 1, 2, 3], step=1, version=version)
         m = got.metrics

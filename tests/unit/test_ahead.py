@@ -1,6 +1,6 @@
 """train/ahead.py's schedule, on its own: what is queued, on which weights, what a checkpoint
-keeps, what a sync waits for. The rollout side is a recorder (`Rollouts` runs real servers in
-tests/e2e/test_train.py and test_episodes.py); the prompt sampler is the real one."""
+keeps, what a sync waits for. The rollout side is a recorder (the real one, share.py, runs on
+real servers in tests/e2e/test_train.py and test_episodes.py); the prompt sampler is real."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import megatron_gspo.train as train
 
 pytestmark = pytest.mark.unit
 
-DECIDERS = ("loop.py", "ahead.py", "rollouts.py", "guard.py")
+DECIDERS = ("loop.py", "ahead.py", "fleet.py", "producer.py", "share.py", "guard.py")
 
 
 def metric_reads(source: str) -> list[str]:
