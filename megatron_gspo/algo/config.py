@@ -89,15 +89,13 @@ DEFAULT_CLIP: dict[LossKind, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    loss: LossKind = LossKind.GSPO
+    loss: LossKind = LossKind.GSPO  # the policy loss (algo/policy_loss.py)
     clip_low: float | None = None  # None: the loss's published range (DEFAULT_CLIP)
-    clip_high: float | None = None
+    clip_high: float | None = None  # None: the loss's published one
     agg: Agg | None = None  # None: the loss's published aggregation
     norm_length: int | None = None  # agg seq-mean-token-sum-norm's constant
-    # loss sapo: the gate's temperature for A > 0 (the paper's 1.0 and 1.05: negative
-    # advantages are damped faster off policy)
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05  # ... and for A < 0
+    sapo_tau_pos: float = 1.0  # loss sapo: the gate's temperature for A > 0 (the paper's)
+    sapo_tau_neg: float = 1.05  # ... and for A < 0 (the paper's: damped faster off policy)
     minibatches: int = 4  # optimizer steps per rollout batch
     # The first update takes its old log-probs from its own forward (exact: the weights have not
     # moved yet), so the old-log-prob forward skips that minibatch. Not under r3.
@@ -108,7 +106,7 @@ class AlgoConfig:
     # the train-vs-rollout mismatch correction: none | tis | mis | icepop (algo/mismatch.py)
     mismatch: Mismatch = Mismatch.NONE
     mismatch_level: Level = Level.TOKEN  # tis, mis: token | sequence
-    tis_cap: float = 2.0
+    tis_cap: float = 2.0  # tis: the weight is min(rho, tis_cap)
     tis_reduce: TisReduce = TisReduce.SUM  # sequence level: sum (likelihood ratio) | mean
     mis_low: float = 0.5  # mis: keep rho in [mis_low, mis_high]
     mis_high: float = 2.0

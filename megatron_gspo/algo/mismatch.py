@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megatron_gspo.algo.config import Level, AlgoConfig, Mismatch, TisReduce
+from megatron_gspo.algo.config import AlgoConfig, Level, Mismatch, TisReduce
 
 SeqReduce = Literal["sum", "mean"]
 

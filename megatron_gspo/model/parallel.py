@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.comm import free_port
 from megatron_gspo.checks import positive
+from megatron_gspo.comm import free_port
 from megatron_gspo.errors import UserError
 
 

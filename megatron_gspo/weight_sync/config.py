@@ -26,7 +26,7 @@ class SyncConfig:
     GPU), distributed (disaggregated: a broadcast group per pipeline stage, gloo on CPU, NCCL on
     GPU) or disk (safetensors shards + /update_weights_from_disk)."""
 
-    method: SyncMethod = SyncMethod.TENSOR
+    method: SyncMethod = SyncMethod.TENSOR  # (above)
     bucket_mb: float = 512.0  # flattened bucket size; tensors larger than this go alone
     buffers: int = 2  # buckets in flight per sender: one is packed while the other is sent
     verify_every: int = 0  # compare probe log-probs with the servers' after every N-th sync
@@ -34,9 +34,9 @@ class SyncConfig:
     # dtype: 1e-4 for float32, 0.049 for float16, 0.39 for bfloat16, 1.5 for fp8 weights;
     # weight_sync/verify.py)
     verify_tolerance: float | None = None
-    probe_sequences: int = 4
-    probe_length: int = 32
-    probe_seed: int = 0
+    probe_sequences: int = 4  # verify_every: the probe's sequences ...
+    probe_length: int = 32  # ... their tokens ...
+    probe_seed: int = 0  # ... and the seed that draws them
     # Disk versions, snapshots and the restore record live here. Unset: RUN_DIR/weights for a
     # run's disk method; otherwise a fresh directory in /dev/shm (memory, not disk), allowed
     # when the trainer is one node and every server local; WeightSync.close() removes it.

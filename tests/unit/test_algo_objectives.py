@@ -4,8 +4,6 @@ formulas written out here, on random inputs: values and gradients, token and seq
 Legend: B = sequences, T = padded tokens.
 """
 
-import math
-
 import pytest
 import torch
 
