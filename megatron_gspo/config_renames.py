@@ -2,8 +2,9 @@
 
 A YAML file or an override that writes the earlier name loads as with the new one and prints one
 line saying so (`config: 'algo.tis' is now 'algo.mismatch' ...; the old name will be removed`).
-The earlier and the new name given together (in one YAML file, or among the overrides) are an
-error: which one is meant cannot be told. An override of either name replaces the YAML file's
+The earlier and the new name given together with values that disagree (in one YAML file, or
+among the overrides) are an error: which one is meant cannot be told. Given together with values
+that agree they load (the config.yaml a run wrote before a rename lists both). An override of either name replaces the YAML file's
 value, as overrides do. `tests/unit/test_config_renames.py` loads every entry both ways.
 """
 
@@ -29,24 +30,24 @@ def renamed(old: str, value: Any) -> dict[str, Any]:
     return RESPELLED[old](value) if old in RESPELLED else {RENAMED[old]: value}
 
 
-def rename_keys(raw: dict, where: str, told: set[str] | None = None) -> dict:
+def rename_keys(raw: dict, where: str, told: set[str] | None = None, quiet: bool = False) -> dict:
     """YAML mapping `raw` (of sections, changed in place) with each earlier key under its name
-    now; `where` names the file in an error."""
+    now; `where` names the file in an error. `quiet`: no notice (a file the trainer wrote)."""
     for old in RENAMED:
         section, _, name = old.rpartition(".")
         node = raw.get(section)
         if not isinstance(node, dict) or name not in node:
             continue
-        value = node[name]
+        value = node.pop(name)
         moved = renamed(old, value)
-        for key in moved:
+        for key, new_value in moved.items():
             sec, _, new = key.rpartition(".")
-            if new in (raw.get(sec) or {}):
+            given = raw.get(sec)
+            if isinstance(given, dict) and new in given and given[new] != new_value:
                 raise UserError(_both(where, old, key))
-        del node[name]
-        for key, value in moved.items():
-            set_dotted(raw, key, value)
-        tell(old, value, moved, told)
+            set_dotted(raw, key, new_value)
+        if not quiet:
+            tell(old, value, moved, told)
     return raw
 
 
@@ -55,7 +56,7 @@ def rename_overrides(
 ) -> list[tuple[str, Any]]:
     """(key, value) of each override (key, text), earlier keys under their names now; a value
     is `value_of(key, text)`, read as the key it sets (an earlier key respelled: as itself)."""
-    given = {key for key, _ in pairs}
+    given = dict(pairs)
     out: list[tuple[str, Any]] = []
     for key, text in pairs:
         if key not in RENAMED:
@@ -63,8 +64,8 @@ def rename_overrides(
             continue
         value = value_of(key if key in RESPELLED else RENAMED[key], text)
         moved = renamed(key, value)
-        for new in moved:
-            if new in given:
+        for new, new_value in moved.items():
+            if new in given and value_of(new, given[new]) != new_value:
                 raise UserError(_both("the overrides", key, new))
         out += moved.items()
         tell(key, value, moved, told)
@@ -83,8 +84,8 @@ def set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def _both(where: str, old: str, new: str) -> str:
-    return (f"{where} set both {old!r} and {new!r}; {old!r} is the earlier name of "
-            f"{RENAMED[old]!r}: keep the new key(s) only")  # fmt: skip
+    return (f"{where} set both {old!r} and {new!r}, which disagree; {old!r} is the earlier name "
+            f"of {RENAMED[old]!r}: keep the new key(s) only")  # fmt: skip
 
 
 def tell(old: str, value: Any, moved: dict[str, Any], told: set[str] | None = None) -> None:
@@ -94,7 +95,7 @@ def tell(old: str, value: Any, moved: dict[str, Any], told: set[str] | None = No
         if old in told:
             return
         told.add(old)
-    spelled = ", ".join(f"{k}={v}" for k, v in moved.items())
+    spelled = ", ".join(f"{k}={v}" for k, v in moved.items()) or "nothing set"
     how = f" ({old}={value} reads as {spelled})" if old in RESPELLED else ""
     if os.environ.get("RANK", "0") == "0":
         print(f"config: {old!r} is now {RENAMED[old]!r}{how}; the old name will be removed",

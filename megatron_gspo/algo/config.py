@@ -163,9 +163,9 @@ class AlgoConfig:
 
 
 def tis_as_mismatch(value: Any) -> dict[str, Any]:
-    """The earlier key `algo.tis: L` (truncated IS at level L, token | sequence; none: off) in
-    today's keys: `algo.mismatch: tis` at `algo.mismatch_level: L`."""
+    """The earlier key `algo.tis: L` (truncated IS at level L, token | sequence) in today's keys:
+    `algo.mismatch: tis` at `algo.mismatch_level: L`; `algo.tis: none` (off) sets nothing."""
     choice(value, "algo.tis", (Mismatch.NONE.value, *(m.value for m in Level)))
     if value == Mismatch.NONE:
-        return {"algo.mismatch": Mismatch.NONE.value}
+        return {}
     return {"algo.mismatch": Mismatch.TIS.value, "algo.mismatch_level": value}

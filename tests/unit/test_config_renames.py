@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 # (earlier key, its value) -> the same setting in today's keys, written out by hand
 TODAY = {
-    ("algo.tis", "none"): {"algo.mismatch": "none"},
+    ("algo.tis", "none"): {},  # off: sets nothing
     ("algo.tis", "token"): {"algo.mismatch": "tis", "algo.mismatch_level": "token"},
     ("algo.tis", "sequence"): {"algo.mismatch": "tis", "algo.mismatch_level": "sequence"},
 }
@@ -69,16 +69,51 @@ def test_the_earlier_tis_key_reaches_the_loss(tmp_path, capsys):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("old, value", list(TODAY), ids=[f"{k}={v}" for k, v in TODAY])
-def test_earlier_and_new_name_together_are_one_line_errors(tmp_path, capsys, old, value):
-    for new, new_value in TODAY[old, value].items():
-        with pytest.raises(UserError, match=f"'{old}' is the earlier name of") as e:
-            load_config(_write(tmp_path, {old: value, new: new_value}))
-        assert "\n" not in str(e.value) and new in str(e.value)
-        with pytest.raises(UserError, match="the overrides set both") as e:
-            load_config(_write(tmp_path, {}), [f"{new}={new_value}", f"{old}={value}"])
-        assert "\n" not in str(e.value)
+# (earlier key, value, a new key, a value of it that says otherwise)
+DISAGREE = [
+    ("algo.tis", "token", "algo.mismatch", "mis"),
+    ("algo.tis", "sequence", "algo.mismatch", "none"),
+    ("algo.tis", "token", "algo.mismatch_level", "sequence"),
+]
+
+
+@pytest.mark.parametrize("old, value, new, other", DISAGREE)
+def test_earlier_and_new_name_that_disagree_are_one_line_errors(
+    tmp_path, capsys, old, value, new, other
+):
+    assert old in RENAMED
+    with pytest.raises(UserError, match=f"'{old}' is the earlier name of") as e:
+        load_config(_write(tmp_path, {old: value, new: other}))
+    assert "\n" not in str(e.value) and f"{new!r}, which disagree" in str(e.value)
+    with pytest.raises(UserError, match="the overrides set both") as e:
+        load_config(_write(tmp_path, {}), [f"{new}={other}", f"{old}={value}"])
+    assert "\n" not in str(e.value)
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("old, value", list(TODAY), ids=[f"{k}={v}" for k, v in TODAY])
+def test_earlier_and_new_name_that_agree_load(tmp_path, capsys, old, value):
+    """A config.yaml a run wrote before the rename lists both names, with the same meaning."""
+    want = load_config(_write(tmp_path, TODAY[old, value], "new.yaml")).to_dict()
+    both = load_config(_write(tmp_path, {old: value, **TODAY[old, value]}, "both.yaml"))
+    assert both.to_dict() == want and len(_notices(capsys)) == 1
+    pairs = [f"{k}={v}" for k, v in TODAY[old, value].items()]
+    assert load_config(_write(tmp_path, {}), [*pairs, f"{old}={value}"]).to_dict() == want
+
+
+def test_a_run_dir_config_written_before_the_rename_is_the_same_config(tmp_path, capsys):
+    """Resuming compares the run's config.yaml with today's: the earlier key is not a change."""
+    from megatron_gspo.train.run_dir import config_changes
+
+    for old, value in TODAY:
+        cfg = load_config(_write(tmp_path, TODAY[old, value]))
+        written = cfg.to_dict()
+        written.setdefault(old.split(".")[0], {})[old.split(".")[1]] = value
+        assert config_changes(written, cfg) == []
+        cfg_off = load_config(_write(tmp_path, {}))
+        if TODAY[old, value]:  # a different setting is still a change
+            assert config_changes(written, cfg_off) != []
+    assert _notices(capsys) == []  # a file the trainer wrote: no notice
 
 
 def test_an_override_of_either_name_replaces_the_files(tmp_path, capsys):
