@@ -123,6 +123,9 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def check(self) -> None:
+        """Each section's `check()`, then the checks across sections. Checks run here, once the
+        tree is built (not in `__post_init__`): some need several sections, and a config is
+        built from defaults before the keys a run must give (model.path) are in it."""
         in_range(self.seed, "seed", 0, 2**63 - 1)
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
