@@ -89,6 +89,9 @@ DEFAULT_CLIP: dict[LossKind, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class AlgoConfig:
+    """The loss, the advantages, the updates per rollout batch, routing replay, the mismatch
+    correction and the KL penalty. The trainer's step takes this section as it is."""
+
     loss: LossKind = LossKind.GSPO  # the policy loss (algo/policy_loss.py)
     clip_low: float | None = None  # None: the loss's published range (DEFAULT_CLIP)
     clip_high: float | None = None  # None: the loss's published one
