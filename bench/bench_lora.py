@@ -52,7 +52,7 @@ def _bytes(tensors) -> int:
 def child(model: str, rank: int, steps: int) -> dict:
     import torch
 
-    from megatron_gspo.algo.config import LossConfig
+    from megatron_gspo.algo.config import AlgoConfig
     from megatron_gspo.model.lora import LoraConfig
     from megatron_gspo.model.optim import OptimConfig
     from megatron_gspo.model.parallel import ParallelDims, init_distributed
@@ -64,7 +64,7 @@ def child(model: str, rank: int, steps: int) -> dict:
     init_distributed(dims)
     lora = LoraConfig(rank=rank, alpha=2.0 * rank) if rank else None
     actor = Actor(load_policy(model, dims, lora=lora), OptimConfig(lr=1e-5))
-    b, loss = batch(), LossConfig(kind="gspo", clip_low=3e-4, clip_high=4e-4)
+    b, loss = batch(), AlgoConfig(loss="gspo", clip_low=3e-4, clip_high=4e-4)
     times = []
     for _ in range(steps + 1):  # the first step is warm-up (lazy Adam state, first allocations)
         t0 = time.perf_counter()

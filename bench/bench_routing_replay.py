@@ -59,11 +59,11 @@ from harness import (  # (bench/ on the path)
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import load_policy
-from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.actor import Actor, AlgoConfig, OptimConfig
 from megatron_gspo.train.batch import StepBatch
 
 VARIANTS = ("plain", "none", "r2", "r3")
-LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
+LOSS = AlgoConfig(loss="grpo", clip_low=0.2, clip_high=0.28)
 
 
 def make_batch(n: int, seq: int, vocab: int, seed: int = 0) -> StepBatch:

@@ -261,7 +261,7 @@ def sync_transport(a, name, chunks, model, url, nbytes, timed, own_floor) -> dic
     from megatron_gspo.weight_sync.sync import WeightSync
 
     tolerance = None if a.dtype_name == "float32" else BF16_TOLERANCE  # None: fp32's, 1e-4
-    cfg = SyncConfig(transport=name, bucket_mb=a.bucket_mb, tolerance=tolerance)
+    cfg = SyncConfig(method=name, bucket_mb=a.bucket_mb, verify_tolerance=tolerance)
     ws = WeightSync(chunks, [ServerRef(url, api_key=API_KEY)], cfg, base_model=model)
     times, cpus, floor = [], [], []
     for i in range(a.reps):

@@ -122,9 +122,9 @@ def random_batch(rows: int, seq: int, vocab: int, seed: int):
 
 def one_step(actor, batch, mbs: int) -> tuple[float, float]:
     """One product train step; returns (loss, grad norm)."""
-    from megatron_gspo.train.actor import LossConfig
+    from megatron_gspo.train.actor import AlgoConfig
 
-    step = actor.train_step(batch, LossConfig(kind="gspo"), mbs, on_policy=True)
+    step = actor.train_step(batch, AlgoConfig(loss="gspo"), mbs, on_policy=True)
     return step.loss, step.grad_norm
 
 

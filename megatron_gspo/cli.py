@@ -26,7 +26,8 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
 def _dims(args):
     from megatron_gspo.model.parallel import ParallelDims, world_size_from_env
 
-    return ParallelDims(args.tp, args.pp, args.ep, args.etp, args.vpp, world_size_from_env())
+    axes = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    return ParallelDims(**axes, world_size=world_size_from_env())
 
 
 def _cmd_convert(args) -> None:

@@ -5,8 +5,11 @@
 Every key is checked when the config is built: an unknown key is an error that suggests the
 nearest valid one, a value of the wrong type or out of range is an error naming the key and what
 it accepts. Every number goes through one check, `checks.in_range`: finite (no NaN or inf) and within
-the bounds its section gives. A section is its component's own config dataclass (`optim`: model/optim.py), or builds it
-(`algo.loss_config()`, algo/section.py; `sync.build()`) from defaults defined once there; modes are StrEnums.
+the bounds its section gives. A section is its component's own config dataclass, which the
+component takes as it is (`algo`: algo/config.py, `parallel`: model/parallel.py, `optim`:
+model/optim.py, `sync`: weight_sync/config.py): one name per key, one set of defaults, one
+`check()` per section (the checks across sections are `Config.check`'s). Modes are StrEnums. A key
+renamed keeps loading under its earlier name (config_renames.RENAMED), with a one-line notice.
 """
 
 from __future__ import annotations
@@ -23,16 +26,18 @@ from typing import Any
 
 import yaml
 
-from megatron_gspo.algo.section import AlgoSection
+from megatron_gspo.algo.config import AlgoConfig
 from megatron_gspo.checks import INT_MAX, choice, in_range, need, positive, show
+from megatron_gspo.config_renames import rename_keys, rename_overrides, set_dotted
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS
 from megatron_gspo.model.lora import LoraConfig
 from megatron_gspo.model.modes import GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
+from megatron_gspo.model.parallel import ParallelConfig
 from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
-from megatron_gspo.weight_sync.config import SyncConfig, SyncMethod
+from megatron_gspo.weight_sync.config import SyncConfig
 
 
 @dataclass
@@ -47,20 +52,6 @@ class ModelSection:
         need(self.path, "model.path", "the HF checkpoint directory to start from")
         choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
         in_range(self.lm_head_chunk, "model.lm_head_chunk", 0, INT_MAX)
-
-
-@dataclass
-class ParallelSection:
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    ep: int = 1
-    etp: int | None = None
-
-    def check(self) -> None:
-        for name in ("tp", "pp", "ep", "vpp", "etp"):
-            if getattr(self, name) is not None:
-                positive(getattr(self, name), f"parallel.{name}")
 
 
 @dataclass
@@ -108,36 +99,6 @@ class TrainSection:
             in_range(getattr(self, name), f"train.{name}", 0)
 
 
-_SYNC = SyncConfig()  # the sync keys' defaults, defined once (weight_sync/config.py)
-
-
-@dataclass
-class SyncSection:
-    """The keys of weight_sync's SyncConfig a run sets (the rest keep SyncConfig's defaults)."""
-
-    method: SyncMethod = _SYNC.transport
-    bucket_mb: float = _SYNC.bucket_mb
-    verify_every: int = _SYNC.verify_every
-    # the mean |server - trainer| probe log-prob a verification accepts (null: by the server's
-    # dtype: 1e-4 for float32, 0.049 for float16, 0.39 for bfloat16, 1.5 for fp8 weights;
-    # weight_sync/verify.py)
-    verify_tolerance: float | None = _SYNC.tolerance
-    keep_groups: bool = _SYNC.keep_groups  # distributed: keep each stage's group between syncs
-
-    def check(self) -> None:
-        self.build(Path("."))  # SyncConfig checks its values
-
-    def build(self, run_dir: Path) -> SyncConfig:
-        return SyncConfig(
-            transport=self.method,
-            bucket_mb=self.bucket_mb,
-            verify_every=self.verify_every,
-            tolerance=self.verify_tolerance,
-            keep_groups=self.keep_groups,
-            dir=str(run_dir / "weights") if self.method == SyncMethod.DISK else None,
-        )
-
-
 @dataclass
 class LoggingSection:
     tensorboard: bool = True
@@ -149,19 +110,22 @@ class LoggingSection:
 class Config:
     seed: int = 0
     model: ModelSection = field(default_factory=ModelSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     env: EnvSection = field(default_factory=EnvSection)
     reward: RewardSection = field(default_factory=RewardSection)
-    algo: AlgoSection = field(default_factory=AlgoSection)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full-weight training
     train: TrainSection = field(default_factory=TrainSection)
-    sync: SyncSection = field(default_factory=SyncSection)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     def check(self) -> None:
+        """Each section's `check()`, then the checks across sections. Checks run here, once the
+        tree is built (not in `__post_init__`): some need several sections, and a config is
+        built from defaults before the keys a run must give (model.path) are in it."""
         in_range(self.seed, "seed", 0, 2**63 - 1)
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
@@ -225,14 +189,24 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise UserError(f"{path} is not valid YAML: {_first_line(e)}") from None
         if not isinstance(raw, dict):
             raise UserError(f"{path} must hold a mapping of config sections")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"override {show(item)} must look like key.sub=value")
-        _set_dotted(raw, key.strip(), _override_value(key.strip(), value))
+    told: set[str] = set()
+    rename_keys(raw, str(path), told)
+    for key, value in _overrides(overrides, told):
+        set_dotted(raw, key, value)
     cfg = build(Config, raw, "")
     cfg.check()
     return cfg
+
+
+def _overrides(items: Sequence[str], told: set[str]) -> list[tuple[str, Any]]:
+    """(key, value) of each `key.sub=value` override, in order, earlier key names renamed."""
+    pairs = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"override {show(item)} must look like key.sub=value")
+        pairs.append((key.strip(), value))
+    return rename_overrides(pairs, _override_value, told)
 
 
 def _override_value(key: str, text: str) -> Any:
@@ -274,16 +248,6 @@ def _hint(key: str):
 
 def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    node = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise UserError(f"override {key}: {part} is not a section")
-    node[parts[-1]] = value
 
 
 def build(cls, raw: Any, where: str):

@@ -119,7 +119,22 @@ def config_md() -> str:
     for f in dataclasses.fields(Config):
         if dataclasses.is_dataclass(hints[f.name]):
             lines += section_table(f.name, hints[f.name])
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(lines + renamed_table()).rstrip() + "\n"
+
+
+def renamed_table() -> list[str]:
+    """The earlier key names still read (config_renames.RENAMED), each with its name now."""
+    from megatron_gspo.config_renames import RENAMED, RESPELLED
+
+    out = ["## Renamed keys", "",
+           "An earlier name still loads, as its new key, with a one-line notice; it will be "
+           "removed. Giving it together with its new key is an error.", "",
+           "| earlier key | key now | how a value reads now |", "|---|---|---|"]  # fmt: skip
+    for old, new in RENAMED.items():
+        how = RESPELLED[old].__doc__ if old in RESPELLED else None
+        note = " ".join((how or "the same value").split()).replace("|", "\\|")
+        out.append(f"| `{old}` | `{new}` | {note} |")
+    return [*out, ""]
 
 
 def metrics_md() -> str:

@@ -1,12 +1,21 @@
-"""The loss's modes and settings: `LossConfig`, the one definition of the loss keys of the run
-config's `algo` section (their defaults and their checks)."""
+"""The run config's `algo` section, `AlgoConfig`: the loss and its modes, the advantages, the
+schedule of updates per rollout batch, routing replay, the train-vs-rollout mismatch correction
+and the KL penalty. The trainer takes the section as it is: one name per key, one set of
+defaults, checked by `check()`.
+
+A clip range left out (null) is the loss's published one (DEFAULT_CLIP), so switching
+`algo.loss` alone gives that loss as its paper ran it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
-from megatron_gspo.checks import in_range
+from megatron_gspo.checks import choice, in_range, positive
+from megatron_gspo.errors import UserError
+from megatron_gspo.routing.replay import ReplayMode
 
 
 class LossKind(StrEnum):
@@ -32,14 +41,6 @@ class AdvNorm(StrEnum):
 
     STD = "std"  # the group's reward std (GRPO, GSPO)
     NONE = "none"  # nothing (Dr. GRPO)
-
-
-class Tis(StrEnum):
-    """Truncated importance sampling against the train-vs-rollout mismatch."""
-
-    NONE = "none"
-    TOKEN = "token"  # each token's objective times min(pi_old / pi_rollout, cap)
-    SEQUENCE = "sequence"  # each sequence's, with the sequence's ratio
 
 
 class TisReduce(StrEnum):
@@ -87,53 +88,87 @@ DEFAULT_CLIP: dict[LossKind, tuple[float, float]] = {
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    kind: LossKind = LossKind.GSPO
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
-    agg: Agg | None = None  # None: the kind's published default
-    tis: Tis = Tis.NONE
-    tis_cap: float = 2.0
-    tis_reduce: TisReduce = TisReduce.SUM
-    # SAPO's gate temperatures for A > 0 and A < 0 (the paper's 1.0 and 1.05: negative
-    # advantages are damped faster off policy)
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    norm_length: int | None = None  # seq-mean-token-sum-norm's constant (None: max_new_tokens)
-    mismatch: Mismatch = Mismatch.NONE  # (tis != none means mismatch tis at that level)
-    mismatch_level: Level = Level.TOKEN
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    icepop_k: float = 2.0
-    # KL(pi || pi_ref) to the run's starting weights in the loss, per token (0: off, no reference)
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = KLEstimator.K3
+class AlgoConfig:
+    """The loss, the advantages, the updates per rollout batch, routing replay, the mismatch
+    correction and the KL penalty. The trainer's step takes this section as it is."""
 
-    def check(self, section: str = "algo") -> None:
-        """Ranges (the modes are checked where the config is read); keys named `section.key`."""
-        in_range(self.clip_low, f"{section}.clip_low", 0, 1, lo_open=True)
-        in_range(self.clip_high, f"{section}.clip_high", 0, lo_open=True)
-        in_range(self.tis_cap, f"{section}.tis_cap", 1)
+    loss: LossKind = LossKind.GSPO  # the policy loss (algo/policy_loss.py)
+    clip_low: float | None = None  # None: the loss's published range (DEFAULT_CLIP)
+    clip_high: float | None = None  # None: the loss's published one
+    agg: Agg | None = None  # None: the loss's published aggregation
+    norm_length: int | None = None  # agg seq-mean-token-sum-norm's constant
+    sapo_tau_pos: float = 1.0  # loss sapo: the gate's temperature for A > 0 (the paper's)
+    sapo_tau_neg: float = 1.05  # ... and for A < 0 (the paper's: damped faster off policy)
+    minibatches: int = 4  # optimizer steps per rollout batch
+    # The first update takes its old log-probs from its own forward (exact: the weights have not
+    # moved yet), so the old-log-prob forward skips that minibatch. Not under r3.
+    on_policy_first_update: bool = True
+    routing_replay: ReplayMode = ReplayMode.NONE
+    adv_norm: AdvNorm = AdvNorm.STD  # none: Dr. GRPO (no division by the group's reward std)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    # the train-vs-rollout mismatch correction: none | tis | mis | icepop (algo/mismatch.py)
+    mismatch: Mismatch = Mismatch.NONE
+    mismatch_level: Level = Level.TOKEN  # tis, mis: token | sequence
+    tis_cap: float = 2.0  # tis: the weight is min(rho, tis_cap)
+    tis_reduce: TisReduce = TisReduce.SUM  # sequence level: sum (likelihood ratio) | mean
+    mis_low: float = 0.5  # mis: keep rho in [mis_low, mis_high]
+    mis_high: float = 2.0
+    icepop_k: float = 2.0  # icepop: keep rho_t in [1/k, k]
+    # KL penalty to a reference policy, the run's starting weights (model/reference.py), in the
+    # loss per token as GRPO's paper puts it: 0 is off (no reference weights are kept)
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = KLEstimator.K3  # k1 | k2 | k3 (low variance)
+    ref_offload: bool = False  # keep the reference weights in host memory between uses (GPU)
+
+    def check(self) -> None:
+        """Ranges and combinations (the modes are checked where the config is read)."""
+        in_range(self.clip[0], "algo.clip_low", 0, 1, lo_open=True)
+        in_range(self.clip[1], "algo.clip_high", 0, lo_open=True)
+        in_range(self.tis_cap, "algo.tis_cap", 1)
         for name in ("sapo_tau_pos", "sapo_tau_neg"):
-            in_range(getattr(self, name), f"{section}.{name}", 0, lo_open=True)
+            in_range(getattr(self, name), f"algo.{name}", 0, lo_open=True)
         if self.norm_length is not None:
-            in_range(self.norm_length, f"{section}.norm_length", 1)
-        in_range(self.mis_low, f"{section}.mis_low", 0)
-        in_range(self.mis_high, f"{section}.mis_high", self.mis_low, lo_open=True)
-        in_range(self.icepop_k, f"{section}.icepop_k", 1, lo_open=True)
-        in_range(self.kl_coef, f"{section}.kl_coef", 0)
+            in_range(self.norm_length, "algo.norm_length", 1)
+        in_range(self.mis_low, "algo.mis_low", 0)
+        in_range(self.mis_high, "algo.mis_high", self.mis_low, lo_open=True)
+        in_range(self.icepop_k, "algo.icepop_k", 1, lo_open=True)
+        in_range(self.kl_coef, "algo.kl_coef", 0)
+        positive(self.minibatches, "algo.minibatches")
+        if self.agg == Agg.SEQ_MEAN_TOKEN_SUM_NORM and self.norm_length is None:
+            raise UserError(f"algo.agg={self.agg} divides by a constant length: set "
+                            "algo.norm_length (Dr. GRPO: rollout.max_new_tokens)")  # fmt: skip
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        """(clip_low, clip_high): the ones given, else the loss's published ones."""
+        low, high = DEFAULT_CLIP[LossKind(self.loss)]
+        return (low if self.clip_low is None else self.clip_low,
+                high if self.clip_high is None else self.clip_high)  # fmt: skip
+
+    @property
+    def advantage_std_norm(self) -> bool:
+        """Whether the group advantages divide by the group's reward std (adv_norm: std)."""
+        return self.adv_norm == AdvNorm.STD
 
     def loss_kwargs(self) -> dict:
         """The keywords of `policy_loss` this config sets (all but the mismatch weights)."""
-        return dict(kind=self.kind, clip_low=self.clip_low, clip_high=self.clip_high,
-                    agg=self.agg, sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
+        low, high = self.clip
+        return dict(kind=self.loss, clip_low=low, clip_high=high, agg=self.agg,
+                    sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
                     norm_length=self.norm_length)  # fmt: skip
 
     @property
     def correction(self) -> tuple[Mismatch, Level]:
-        """The mismatch correction and its level, `tis` (today's spelling) included."""
-        if self.mismatch == Mismatch.NONE and self.tis != Tis.NONE:
-            return Mismatch.TIS, Level(self.tis)
+        """The mismatch correction and its level (IcePop's is always the token's)."""
         if self.mismatch == Mismatch.ICEPOP:
             return Mismatch.ICEPOP, Level.TOKEN
         return self.mismatch, self.mismatch_level
+
+
+def tis_as_mismatch(value: Any) -> dict[str, Any]:
+    """The earlier key `algo.tis: L` (truncated IS at level L, token | sequence) in today's keys:
+    `algo.mismatch: tis` at `algo.mismatch_level: L`; `algo.tis: none` (off) sets nothing."""
+    choice(value, "algo.tis", (Mismatch.NONE.value, *(m.value for m in Level)))
+    if value == Mismatch.NONE:
+        return {}
+    return {"algo.mismatch": Mismatch.TIS.value, "algo.mismatch_level": value}

@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megatron_gspo.algo.config import Level, LossConfig, Mismatch, TisReduce
+from megatron_gspo.algo.config import AlgoConfig, Level, Mismatch, TisReduce
 
 SeqReduce = Literal["sum", "mean"]
 
@@ -143,7 +143,7 @@ def sequence_mis_weights(
 
 
 def correction_weights(
-    cfg: LossConfig, old_logprobs_BT: Tensor, rollout_logprobs_BT: Tensor | None, mask_BT: Tensor
+    cfg: AlgoConfig, old_logprobs_BT: Tensor, rollout_logprobs_BT: Tensor | None, mask_BT: Tensor
 ) -> Tensor | None:
     """The weights of the config's mismatch correction (None: no correction): [B, T] for a
     token-level one, [B] for a sequence-level one. The one place that decides it."""

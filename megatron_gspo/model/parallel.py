@@ -1,7 +1,8 @@
 """Parallelism set up in one place, in a fixed order, over named axes.
 
-`ParallelDims` names the axes (tp, pp, vpp, ep, etp; dp derived from the world size) and checks
-them against the model before anything is built. `init_distributed` starts torch.distributed
+`ParallelConfig`, the run config's `parallel` section, names the axes (tp, pp, vpp, ep, etp);
+`ParallelDims` is those axes with the launch's world size (dp derived from it) and checks them
+against the model before anything is built. `init_distributed` starts torch.distributed
 (gloo on a CPU, NCCL on a GPU), applies the CPU compatibility layer on a CPU run only, and
 initializes megatron-core's parallel state in megatron's order "tp-cp-ep-dp-pp".
 """
@@ -12,22 +13,38 @@ import atexit
 import datetime
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checks import positive
 from megatron_gspo.comm import free_port
 from megatron_gspo.errors import UserError
 
 
 @dataclass(frozen=True)
-class ParallelDims:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel; None = same as tp
-    vpp: int | None = None  # virtual pipeline chunks per rank; None = no interleaving
+class ParallelConfig:
+    """The sizes of the parallel axes (the world size is the launch's: dp = world / (tp * pp))."""
+
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    vpp: int | None = None  # virtual pipeline chunks per rank; null: no interleaving
+    ep: int = 1  # expert parallel
+    etp: int | None = None  # expert tensor parallel; null: the same as tp
+
+    def check(self) -> None:
+        for name in ("tp", "pp", "ep", "vpp", "etp"):
+            if getattr(self, name) is not None:
+                positive(getattr(self, name), f"parallel.{name}")
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """These axes in a launch of `world_size` processes."""
+        return ParallelDims(**asdict(self), world_size=world_size)
+
+
+@dataclass(frozen=True)
+class ParallelDims(ParallelConfig):
     world_size: int = 1
 
     @property

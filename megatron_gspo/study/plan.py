@@ -33,6 +33,7 @@ import yaml
 from megatron_gspo.algo.config import Mismatch
 from megatron_gspo.algo.policy_loss import resolve_agg
 from megatron_gspo.config import Config, load_config
+from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -41,7 +42,7 @@ ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")  # the default arms
 # everything else stay the base config's, shared by every arm.
 ALGO_KEYS = ("loss", "clip_low", "clip_high", "agg", "norm_length", "sapo_tau_pos",
              "sapo_tau_neg", "adv_norm", "routing_replay", "mismatch", "mismatch_level",
-             "tis", "tis_cap", "tis_reduce", "mis_low", "mis_high", "icepop_k",
+             "tis_cap", "tis_reduce", "mis_low", "mis_high", "icepop_k",
              "dynamic_sampling")  # fmt: skip
 REWARD_KEYS = ("overlong_buffer", "overlong_penalty")  # (a row's `reward.<key>`)
 LEVEL = {"gspo": "sequence", "gspo_token": "sequence"}  # the rest: token
@@ -159,7 +160,7 @@ def algo_table(
             have = ", ".join(available_arms(base, configs_dir))
             raise UserError(f"{path} is missing: an arm's settings are read from its config of "
                             f"the family; add it, or choose arms among {have}")  # fmt: skip
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = rename_keys(yaml.safe_load(path.read_text()) or {}, str(path))
         algo, reward = raw.get("algo") or {}, raw.get("reward") or {}
         table[name] = {k: algo[k] for k in ALGO_KEYS if k in algo}
         table[name] |= {f"reward.{k}": reward[k] for k in REWARD_KEYS if k in reward}
@@ -170,12 +171,13 @@ def algo_table(
 def _unset(base: Path | None, row: dict) -> dict:
     """The arm's defaults for the keys its config leaves out and the base config sets (a
     cispo base's agg must not reach the gspo arm): the arm runs what its own config runs."""
-    from megatron_gspo.algo.section import AlgoSection
+    from megatron_gspo.algo.config import AlgoConfig
     from megatron_gspo.rewards.config import RewardSection
 
     raw = (yaml.safe_load(Path(base).read_text()) or {}) if base and Path(base).is_file() else {}
+    raw = rename_keys(raw, str(base))
     out = {}
-    sections = (("algo", ALGO_KEYS, AlgoSection(), ""),
+    sections = (("algo", ALGO_KEYS, AlgoConfig(), ""),
                 ("reward", REWARD_KEYS, RewardSection(), "reward."))  # fmt: skip
     for section, keys, defaults, prefix in sections:
         given = raw.get(section) or {}
@@ -279,15 +281,14 @@ def _slug(value: str) -> str:
 
 def _algo_settings(cfg: Config) -> dict:
     a = cfg.algo
-    loss = a.loss_config()
     return {
         "loss": a.loss,
         "level": LEVEL.get(a.loss, "token"),
-        "clip_low": loss.clip_low,
-        "clip_high": loss.clip_high,
-        "agg": resolve_agg(loss.kind, loss.agg),
+        "clip_low": a.clip[0],
+        "clip_high": a.clip[1],
+        "agg": resolve_agg(a.loss, a.agg),
         "adv_norm": a.adv_norm,
-        "mismatch": "/".join(loss.correction) if loss.correction[0] != Mismatch.NONE else "none",
+        "mismatch": "/".join(a.correction) if a.correction[0] != Mismatch.NONE else "none",
         "overlong": cfg.reward.overlong_buffer,
         "routing_replay": a.routing_replay,
         "minibatches": a.minibatches,

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algo import loss_denominator, policy_loss
-from megatron_gspo.algo.config import LossConfig
+from megatron_gspo.algo.config import AlgoConfig
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.lm_head import lm_head_of
@@ -257,7 +257,7 @@ class Actor(MicrobatchLayout):
     def train_step(
         self,
         batch: StepBatch,
-        loss_cfg: LossConfig,
+        loss_cfg: AlgoConfig,
         micro_batch_size: int = 8,
         *,
         on_policy: bool = False,
@@ -319,11 +319,11 @@ class Actor(MicrobatchLayout):
             return self.routing.train_sweep(batch, mbs, seq_len)
         return None
 
-    def _loss_fn(self, batch: StepBatch, loss_cfg: LossConfig, scale: int, on_policy: bool,
+    def _loss_fn(self, batch: StepBatch, loss_cfg: AlgoConfig, scale: int, on_policy: bool,
                  own: list, split: list | None):  # fmt: skip
         """The loss of one microbatch's logits, scaled for megatron's schedule; on policy it
         keeps its own log-probs in `own`, and the token log-ratios go to `split` when given."""
-        count = loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.kind)
+        count = loss_denominator(loss_mask_tensor(batch), loss_cfg.agg, loss_cfg.loss)
         if batch.sharded and self.dp > 1:  # the whole batch's: every replica's rows
             count = count.to(self.device)
             dist.all_reduce(count, group=self._dp_group)

@@ -211,7 +211,7 @@ def train_on(
         batch.set("ref_logprobs", actor.reference_logprobs(batch, cfg.train.micro_batch_size))
     metrics = _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
     metrics["time/old_logprobs_s"] = time.perf_counter() - t0
-    loss_cfg, mbs = cfg.algo.loss_config(), cfg.train.micro_batch_size
+    loss_cfg, mbs = cfg.algo, cfg.train.micro_batch_size
     updates: list[Update] = []
     for k, part in enumerate(parts):
         mine = batch.positions_of(part)  # (all of them when every rank holds the batch)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from megatron_gspo.algo.config import LossConfig
+    from megatron_gspo.algo.config import AlgoConfig
     from megatron_gspo.train.batch import StepBatch
     from megatron_gspo.train.results import Collected, Update
     from megatron_gspo.train.state import TrainState
@@ -37,7 +37,7 @@ class PolicyActor(Protocol):
     def train_step(
         self,
         batch: StepBatch,
-        loss_cfg: LossConfig,
+        loss_cfg: AlgoConfig,
         micro_batch_size: int = 8,
         *,
         on_policy: bool = False,

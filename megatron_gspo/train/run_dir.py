@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from megatron_gspo.config import Config, build
+from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
 from megatron_gspo.train.files import fsync_dir
@@ -185,9 +186,10 @@ def _check_config(run_dir: Path, ckpt: Path, cfg: Config, allow: bool) -> None:
 
 def config_changes(old_raw: dict, new: Config) -> list[tuple[str, object, object]]:
     """(dotted key, old value, new value) for every key whose value differs. The old config is
-    rebuilt first, so a key it lacks (added to the code since) counts as its default."""
+    rebuilt first, so a key it lacks (added to the code since) counts as its default and a key
+    renamed since is read under its new name."""
     try:
-        old = build(Config, old_raw, "").to_dict()
+        old = build(Config, rename_keys(old_raw, CONFIG_FILE, quiet=True), "").to_dict()
     except UserError:  # a key removed from the code since: compare what is there
         old = old_raw
     before, after = _flatten(old), _flatten(new.to_dict())

@@ -29,15 +29,15 @@ class TrainerSetup:
     def __enter__(self) -> TrainerSetup:
         import torch.distributed as dist
 
-        from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
+        from megatron_gspo.model.parallel import init_distributed, world_size_from_env
         from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
 
-        cfg, p = self.cfg, self.cfg.parallel
+        cfg = self.cfg
         spec, _ = checkpoint_spec(cfg.model.path)
         cfg.check_context(
             spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")
         )
-        dims = ParallelDims(p.tp, p.pp, p.ep, p.etp, p.vpp, world_size_from_env())
+        dims = cfg.parallel.dims(world_size_from_env())
         dims.validate(spec)
         init_distributed(dims, seed=cfg.seed)
         self.rank0 = dist.get_rank() == 0
@@ -118,7 +118,7 @@ class TrainerSetup:
         self.sync = WeightSync(
             self.actor.chunks,
             refs,
-            self.cfg.sync.build(self.run_dir),
+            self.cfg.sync.with_run_dir(self.run_dir),
             base_model=self.hf_dir,
             node=_launcher_node(),
         )

@@ -15,7 +15,7 @@ from megatron_gspo.algo import (
     stat_reduce_op,
     summarize_stats,
 )
-from megatron_gspo.algo.config import LossConfig, Mismatch
+from megatron_gspo.algo.config import AlgoConfig, Mismatch
 from megatron_gspo.algo.mismatch import correction_weights
 from megatron_gspo.algo.policy_loss import KLPenalty
 from megatron_gspo.routing.replay import ReplayMode
@@ -36,7 +36,7 @@ def moved_split(split: list, moved: list) -> list[dict]:
     return out
 
 
-def check_step(batch, loss_cfg: LossConfig, on_policy: bool, routing_mode) -> None:
+def check_step(batch, loss_cfg: AlgoConfig, on_policy: bool, routing_mode) -> None:
     """What `Actor.train_step` needs of its batch, checked before anything runs."""
     if on_policy and routing_mode == ReplayMode.R3:
         raise ValueError("on_policy train_step cannot replay rollout routing (r3)")
@@ -48,7 +48,7 @@ def check_step(batch, loss_cfg: LossConfig, on_policy: bool, routing_mode) -> No
         raise ValueError("kl_coef > 0 needs the batch's ref_logprobs (Actor.reference_logprobs)")
 
 
-def kl_penalty(mb, loss_cfg: LossConfig) -> KLPenalty | None:
+def kl_penalty(mb, loss_cfg: AlgoConfig) -> KLPenalty | None:
     """The microbatch's KL penalty to the reference policy (algo.kl_coef > 0), or None."""
     if not loss_cfg.kl_coef:
         return None
@@ -67,7 +67,7 @@ def padding_stats(mbs) -> dict[str, float]:
     }
 
 
-def correction_weights_of(mb, loss_cfg: LossConfig) -> torch.Tensor | None:
+def correction_weights_of(mb, loss_cfg: AlgoConfig) -> torch.Tensor | None:
     """The microbatch's mismatch-correction weights (tis, mis, icepop; algo/mismatch.py)."""
     return correction_weights(loss_cfg, mb.old_logprobs, mb.rollout_logprobs, mb.mask)
 

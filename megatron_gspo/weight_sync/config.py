@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+from pathlib import Path
 
 from megatron_gspo.checks import choice, in_range, positive, seconds
 
@@ -20,26 +21,25 @@ MAX_BUCKET_MB = float(1 << 20)  # 1 TiB: a bucket's byte count stays an integer
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """How new policy weights reach the rollout servers.
+    """The run config's `sync` section: how new policy weights reach the rollout servers. The
+    method: tensor (colocated: /update_weights_from_tensor, shared memory on CPU, CUDA IPC on
+    GPU), distributed (disaggregated: a broadcast group per pipeline stage, gloo on CPU, NCCL on
+    GPU) or disk (safetensors shards + /update_weights_from_disk)."""
 
-    transport: "tensor" (colocated: /update_weights_from_tensor, shared memory on CPU, CUDA IPC on
-    GPU), "distributed" (disaggregated: a broadcast group per pipeline stage, gloo on CPU, NCCL on
-    GPU) or "disk" (safetensors shards + /update_weights_from_disk).
-    """
-
-    transport: SyncMethod = SyncMethod.TENSOR
+    method: SyncMethod = SyncMethod.TENSOR  # (above)
     bucket_mb: float = 512.0  # flattened bucket size; tensors larger than this go alone
     buffers: int = 2  # buckets in flight per sender: one is packed while the other is sent
     verify_every: int = 0  # compare probe log-probs with the servers' after every N-th sync
-    # mean |server - trainer| token log-prob over the probe; None: by the server's dtype
-    # (verify.DTYPE_TOLERANCE: 1e-4 for float32, 100 x the unit roundoff for 16-bit floats)
-    tolerance: float | None = None
-    probe_sequences: int = 4
-    probe_length: int = 32
-    probe_seed: int = 0
-    # Disk versions, snapshots and the restore record live here. Unset: a fresh directory in
-    # /dev/shm (memory, not disk), allowed when the trainer is one node and every server local;
-    # WeightSync.close() removes it.
+    # the mean |server - trainer| probe log-prob a verification accepts (null: by the server's
+    # dtype: 1e-4 for float32, 0.049 for float16, 0.39 for bfloat16, 1.5 for fp8 weights;
+    # weight_sync/verify.py)
+    verify_tolerance: float | None = None
+    probe_sequences: int = 4  # verify_every: the probe's sequences ...
+    probe_length: int = 32  # ... their tokens ...
+    probe_seed: int = 0  # ... and the seed that draws them
+    # Disk versions, snapshots and the restore record live here. Unset: RUN_DIR/weights for a
+    # run's disk method; otherwise a fresh directory in /dev/shm (memory, not disk), allowed
+    # when the trainer is one node and every server local; WeightSync.close() removes it.
     dir: str | None = None
     snapshot_every: int = 0  # tensor/distributed: also write an HF snapshot every N syncs
     keep_versions: int = 2  # weight directories kept under `dir` (the base model never deleted)
@@ -51,18 +51,26 @@ class SyncConfig:
     # stage senders' and the servers' GPUs in between). false: a new group every sync.
     keep_groups: bool = True
 
-    def __post_init__(self):
-        choice(self.transport, "sync.method", TRANSPORTS)
+    def check(self) -> None:
+        choice(self.method, "sync.method", TRANSPORTS)
         in_range(self.bucket_mb, "sync.bucket_mb", 0, MAX_BUCKET_MB, lo_open=True)
         positive(self.buffers, "sync.buffers")
         for name in ("verify_every", "snapshot_every"):  # 0 turns it off
             in_range(getattr(self, name), f"sync.{name}", 0)
-        if self.tolerance is not None:
-            in_range(self.tolerance, "sync.verify_tolerance", 0, lo_open=True)
+        if self.verify_tolerance is not None:
+            in_range(self.verify_tolerance, "sync.verify_tolerance", 0, lo_open=True)
         positive(self.probe_sequences, "sync.probe_sequences")
         in_range(self.probe_length, "sync.probe_length", 2)
+        in_range(self.probe_seed, "sync.probe_seed", 0)
         positive(self.keep_versions, "sync.keep_versions")
         seconds(self.timeout_s, "sync.timeout_s")
+
+    def with_run_dir(self, run_dir: Path) -> SyncConfig:
+        """This config for a run in `run_dir`: the disk method's versions under RUN_DIR/weights
+        unless `dir` is given."""
+        if self.dir is not None or self.method != SyncMethod.DISK:
+            return self
+        return replace(self, dir=str(run_dir / "weights"))
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """WeightSync: the trainer's weights into every rollout server as one new weight_version.
 
-    ws = WeightSync(actor.chunks, urls, SyncConfig(transport="tensor"), base_model=HF_DIR)
+    ws = WeightSync(actor.chunks, urls, SyncConfig(method="tensor"), base_model=HF_DIR)
     report = ws.sync(version=str(step))      # every trainer rank calls it: it runs collectives
 
 Begin (coordinator) -> stream buckets (every stage sender, relays on other nodes) -> commit ->
@@ -63,6 +63,7 @@ class WeightSync(Coordinator):
         self.chunks = gather.unwrap(chunks)
         self._lora = any(has_adapter(p) for c in self.chunks for p in c.parameters())
         self.config = config = config or SyncConfig()
+        config.check()
         self.servers = Servers(servers, config.timeout_s)
         self.transport = transport or make_transport(config)
         self.base_hf = hf_files_dir(base_model)
@@ -317,7 +318,7 @@ class WeightSync(Coordinator):
             chosen = list(range(len(self.servers))) if indices is None else indices
             results = verify.check_servers(self.servers, chosen, seqs, reference)
         results = bcast(results)
-        bad = verify.problems(results, version, self.config.tolerance)
+        bad = verify.problems(results, version, self.config.verify_tolerance)
         if bad:
             gone = [r.url for r in results if r.error]
             raise VerificationFailed(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
-from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.actor import Actor, AlgoConfig, OptimConfig
 from megatron_gspo.train.batch import StepBatch
 
 
@@ -124,7 +124,8 @@ def run(a: argparse.Namespace, dims: ParallelDims) -> None:
         batch.set("old_logprobs", old if a.on_policy else off_policy(old, batch))
     if a.tis != "none":
         batch.set("rollout_logprobs", rollout_of(batch["old_logprobs"], batch))
-    loss_cfg = LossConfig(kind=a.kind, clip_low=0.2, clip_high=0.28, tis=a.tis, tis_cap=a.tis_cap)
+    tis = {} if a.tis == "none" else {"mismatch": "tis", "mismatch_level": a.tis}
+    loss_cfg = AlgoConfig(loss=a.kind, clip_low=0.2, clip_high=0.28, tis_cap=a.tis_cap, **tis)
     if a.load:
         actor.load(a.load)
     steps = []

@@ -28,11 +28,11 @@ from megatron_gspo.model.experts import expert_views, is_grouped
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.model.weights import iter_hf
-from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.actor import Actor, AlgoConfig, OptimConfig
 from megatron_gspo.train.batch import RLBatch, StepBatch
 from megatron_gspo.weight_sync.gather import iter_stage
 
-LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
+LOSS = AlgoConfig(loss="grpo", clip_low=0.2, clip_high=0.28)
 OPTIM = OptimConfig(lr=1e-3, clip_grad=0.0, distributed=False)
 
 

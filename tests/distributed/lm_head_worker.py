@@ -118,7 +118,7 @@ def compare_models(ckpt, sp: bool, tokens, g) -> dict:
 def actor_steps(ckpt, chunk_tokens: int) -> dict:
     """Two GRPO steps of the actor (megatron DDP, distributed optimizer; the head's weight
     gradient into DDP's main_grad): the metrics of each, and the output weight after."""
-    from megatron_gspo.algo.config import LossConfig
+    from megatron_gspo.algo.config import AlgoConfig
     from megatron_gspo.train.actor import Actor, OptimConfig
     from megatron_gspo.train.batch import RLBatch
 
@@ -129,7 +129,7 @@ def actor_steps(ckpt, chunk_tokens: int) -> dict:
     tokens = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (9, 14, 6, 11)]
     masks = [[0] * 3 + [1] * (len(t) - 3) for t in tokens]
     batch = RLBatch(tokens, masks, torch.randn(4, generator=g).tolist())
-    loss = LossConfig(kind="grpo")
+    loss = AlgoConfig(loss="grpo", clip_low=3e-4, clip_high=4e-4)
     steps = [actor.train_step(batch, loss, 2, on_policy=True).stats for _ in range(2)]
     weight = actor.chunks[0].module.output_layer.weight.detach().float().clone()
     return {"steps": steps, "weight": weight, "head": lm_head_of(actor.chunks[0]) is not None}

@@ -19,7 +19,7 @@ from megatron_gspo.model.lora_peft import all_factors, peft_tensors
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.model.weights import iter_hf
-from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.actor import Actor, AlgoConfig, OptimConfig
 from megatron_gspo.train.batch import RLBatch
 from megatron_gspo.weight_sync.gather import iter_stage
 
@@ -72,7 +72,7 @@ def resume(a, dims) -> None:
     """Three steps straight vs two, a checkpoint, a fresh actor loading it, the third: the same
     log-probs after (exact); the checkpoint holds no base weight."""
     batch = fixed_batch()
-    loss_cfg = LossConfig(kind="gspo", clip_low=0.2, clip_high=0.28)
+    loss_cfg = AlgoConfig(loss="gspo", clip_low=0.2, clip_high=0.28)
     runs = []
     for fresh in (False, True):
         actor = Actor(load_policy(a.checkpoint, dims, lora=LORA), OptimConfig(lr=1e-2))
@@ -106,7 +106,7 @@ def compare(a, dims) -> None:
     flat, _ = actor.logprobs(batch, 4)  # [T]: each row's at cu_seqlens[i]:cu_seqlens[i + 1]
     cu = batch.cu_seqlens.tolist()
     logprobs = [flat[a:b].tolist() for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    loss_cfg = LossConfig(kind="gspo", clip_low=0.2, clip_high=0.28)
+    loss_cfg = AlgoConfig(loss="gspo", clip_low=0.2, clip_high=0.28)
     metrics = actor.train_step(batch, loss_cfg, 4, on_policy=True)
     values = peft_tensors(all_factors(actor.chunks), LORA)
     grads = peft_tensors(all_factors(actor.chunks, grads=True), LORA)

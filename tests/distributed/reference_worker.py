@@ -16,14 +16,14 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo.config import LossConfig
+from megatron_gspo.algo.config import AlgoConfig
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, OptimConfig
 from megatron_gspo.train.batch import StepBatch
 
-PLAIN = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
-WITH_KL = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+PLAIN = AlgoConfig(loss="grpo", clip_low=0.2, clip_high=0.28)
+WITH_KL = AlgoConfig(loss="grpo", clip_low=0.2, clip_high=0.28, kl_coef=0.1)
 
 
 def batch(seed: int, vocab: int) -> StepBatch:

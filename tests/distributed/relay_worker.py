@@ -98,7 +98,7 @@ def main() -> None:
         ServerRef(u, node=n, api_key=a.api_key)
         for u, n in zip(a.servers.split(","), nodes, strict=True)
     ]  # tensor (shared-memory) updates need the servers' key
-    cfg = SyncConfig(transport="tensor", bucket_mb=0.05, verify_every=1, timeout_s=60)
+    cfg = SyncConfig(method="tensor", bucket_mb=0.05, verify_every=1, timeout_s=60)
     transport = KillMidSync(a.kill, a.kill_pid)
     node = [int(n) for n in a.rank_nodes.split(",")][dist.get_rank()]
     ws = WeightSync(chunks, refs, cfg, base_model=a.checkpoint, transport=transport, node=node)

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from megatron_gspo.model.builder import BuildOptions
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
-from megatron_gspo.train.actor import Actor, LossConfig, OptimConfig
+from megatron_gspo.train.actor import Actor, AlgoConfig, OptimConfig
 from megatron_gspo.train.batch import StepBatch
 
-LOSS = LossConfig(kind="grpo", clip_low=0.2, clip_high=0.28)
+LOSS = AlgoConfig(loss="grpo", clip_low=0.2, clip_high=0.28)
 MINIBATCH = [5, 2, 7, 0]
 
 

@@ -204,7 +204,7 @@ def main() -> None:
 
     def weight_sync(name: str) -> WeightSync:
         cfg = SyncConfig(
-            transport=name, bucket_mb=a.bucket_mb, verify_every=1, tolerance=1e-4,
+            method=name, bucket_mb=a.bucket_mb, verify_every=1, verify_tolerance=1e-4,
             dir=a.dir, snapshot_every=a.snapshot_every, timeout_s=60,
             keep_groups=not a.no_keep_groups,
         )  # fmt: skip

@@ -153,7 +153,7 @@ def test_server_refusing_a_bucket_mid_broadcast_stops_the_stage_without_waiting(
         TransportError,
     )
 
-    cfg = SyncConfig(transport="distributed", timeout_s=30)
+    cfg = SyncConfig(method="distributed", timeout_s=30)
     ctx = StageContext(Servers([keyed(server)], cfg.timeout_s), cfg, "v-refused", 0, [0])
     transport = DistributedTransport()
     transport.open_stage(ctx)

@@ -20,12 +20,13 @@ def _load(tmp_path, *overrides):
 
 def test_each_loss_gets_its_published_clip_range_unless_given(tmp_path):
     for kind in LossKind:
-        loss = _load(tmp_path, f"algo.loss={kind}").algo.loss_config()
-        assert (loss.clip_low, loss.clip_high) == DEFAULT_CLIP[kind]
+        algo = _load(tmp_path, f"algo.loss={kind}").algo
+        assert algo.clip == DEFAULT_CLIP[kind] and (algo.clip_low, algo.clip_high) == (None, None)
+        assert (algo.loss_kwargs()["clip_low"], algo.loss_kwargs()["clip_high"]) == algo.clip
     assert DEFAULT_CLIP[LossKind.CISPO][0] == 1.0  # MiniMax-M1: no lower bound on the weight
-    given = _load(tmp_path, "algo.loss=cispo", "algo.clip_high=4.0").algo.loss_config()
-    assert (given.clip_low, given.clip_high) == (1.0, 4.0)
-    sapo = _load(tmp_path, "algo.loss=sapo").algo.loss_config()
+    given = _load(tmp_path, "algo.loss=cispo", "algo.clip_high=4.0").algo
+    assert given.clip == (1.0, 4.0)
+    sapo = _load(tmp_path, "algo.loss=sapo").algo
     assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)  # the paper's
 
 
@@ -34,13 +35,12 @@ def test_adv_norm_mismatch_and_norm_aggregation_parse(tmp_path):
                 "algo.norm_length=32", "algo.mismatch=mis", "algo.mismatch_level=sequence",
                 "algo.mis_low=0.5", "algo.mis_high=3")  # fmt: skip
     assert cfg.algo.advantage_std_norm is False
-    loss = cfg.algo.loss_config()
-    assert loss.norm_length == 32 and loss.correction == (Mismatch.MIS, Level.SEQUENCE)
+    assert cfg.algo.norm_length == 32 and cfg.algo.correction == (Mismatch.MIS, Level.SEQUENCE)
     assert _load(tmp_path).algo.advantage_std_norm is True
-    legacy = _load(tmp_path, "algo.tis=sequence").algo.loss_config()
-    assert legacy.correction == (Mismatch.TIS, Level.SEQUENCE)  # today's key keeps working
+    legacy = _load(tmp_path, "algo.tis=sequence").algo  # the earlier key keeps working
+    assert legacy.correction == (Mismatch.TIS, Level.SEQUENCE)
     icepop = _load(tmp_path, "algo.mismatch=icepop", "algo.mismatch_level=sequence")
-    assert icepop.algo.loss_config().correction == (Mismatch.ICEPOP, Level.TOKEN)
+    assert icepop.algo.correction == (Mismatch.ICEPOP, Level.TOKEN)
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_adv_norm_mismatch_and_norm_aggregation_parse(tmp_path):
         (["algo.loss=sapo2"], "algo.loss must be one of"),
         (["algo.mismatch=rs"], "algo.mismatch must be one of"),
         (["algo.agg=seq-mean-token-sum-norm"], "set algo.norm_length"),
-        (["algo.tis=token", "algo.mismatch=icepop"], "set algo.tis=none"),
+        (["algo.tis=token", "algo.mismatch=icepop"], "'algo.tis' is the earlier name of"),
         (["algo.sapo_tau_neg=0"], "algo.sapo_tau_neg"),
         (["algo.icepop_k=1"], "algo.icepop_k"),
         (["algo.mis_low=2", "algo.mis_high=1"], "algo.mis_high"),

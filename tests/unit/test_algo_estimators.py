@@ -144,7 +144,7 @@ def test_the_trainer_takes_the_configured_sequence_tis_reduction():
     sum, min(exp(mean of it), C) with mean, over the masked-in tokens (written out here)."""
     from types import SimpleNamespace
 
-    from megatron_gspo.algo.config import LossConfig, Tis, TisReduce
+    from megatron_gspo.algo.config import AlgoConfig, Level, Mismatch, TisReduce
     from megatron_gspo.train.step_parts import correction_weights_of
 
     old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -0.1, 0.0]])
@@ -154,5 +154,6 @@ def test_the_trainer_takes_the_configured_sequence_tis_reduction():
     diffs = [[0.3, 0.4], [-0.1, 0.2, 0.0]]  # old - rollout at the masked-in tokens
     for reduce, want in ((TisReduce.SUM, [min(math.exp(sum(d)), 1.5) for d in diffs]),
                          (TisReduce.MEAN, [min(math.exp(sum(d) / len(d)), 1.5) for d in diffs])):  # fmt: skip
-        cfg = LossConfig(tis=Tis.SEQUENCE, tis_cap=1.5, tis_reduce=reduce)
+        cfg = AlgoConfig(mismatch=Mismatch.TIS, mismatch_level=Level.SEQUENCE, tis_cap=1.5,
+                         tis_reduce=reduce)  # fmt: skip
         assert torch.allclose(correction_weights_of(mb, cfg), torch.tensor(want)), reduce

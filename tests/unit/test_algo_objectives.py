@@ -4,13 +4,11 @@ formulas written out here, on random inputs: values and gradients, token and seq
 Legend: B = sequences, T = padded tokens.
 """
 
-import math
-
 import pytest
 import torch
 
 from megatron_gspo.algo import group_advantages, policy_loss, summarize_stats
-from megatron_gspo.algo.config import Level, LossConfig, LossKind, Mismatch, Tis, TisReduce
+from megatron_gspo.algo.config import AlgoConfig, Level, LossKind, Mismatch, TisReduce
 from megatron_gspo.algo.mismatch import correction_weights
 
 pytestmark = pytest.mark.unit
@@ -143,7 +141,7 @@ def test_each_correction_matches_its_formula(reduce):
         (Mismatch.ICEPOP, Level.TOKEN): rho * ((rho >= 1 / 1.8) & (rho <= 1.8)) * m,
     }
     for (kind, level), want in cases.items():
-        cfg = LossConfig(mismatch=kind, mismatch_level=level, tis_cap=1.7, tis_reduce=reduce,
+        cfg = AlgoConfig(mismatch=kind, mismatch_level=level, tis_cap=1.7, tis_reduce=reduce,
                          mis_low=0.6, mis_high=1.5, icepop_k=1.8)  # fmt: skip
         got = correction_weights(cfg, old_BT, rollout_BT, mask_BT)
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12), (kind, level)
@@ -151,12 +149,9 @@ def test_each_correction_matches_its_formula(reduce):
         if kind != Mismatch.TIS and (want.dim() == 2 or reduce == TisReduce.SUM):
             dropped = int((got == 0).sum() - (want.dim() == 2) * (~mask_BT).sum())
             assert 0 < dropped < got.numel()
-    assert correction_weights(LossConfig(), old_BT, rollout_BT, mask_BT) is None
-    legacy = LossConfig(tis=Tis.SEQUENCE, tis_cap=1.7, tis_reduce=reduce)  # today's spelling
-    assert torch.allclose(correction_weights(legacy, old_BT, rollout_BT, mask_BT),
-                          cases[(Mismatch.TIS, Level.SEQUENCE)])  # fmt: skip
+    assert correction_weights(AlgoConfig(), old_BT, rollout_BT, mask_BT) is None
     with pytest.raises(ValueError, match="rollout log-probs"):
-        correction_weights(LossConfig(mismatch=Mismatch.MIS), old_BT, None, mask_BT)
+        correction_weights(AlgoConfig(mismatch=Mismatch.MIS), old_BT, None, mask_BT)
 
 
 @pytest.mark.parametrize("level", [Level.TOKEN, Level.SEQUENCE])
@@ -164,7 +159,7 @@ def test_mis_in_the_loss_drops_tokens_and_reports_the_share(level):
     """The loss with MIS weights equals the loss over the kept tokens (sequences) only, weighted
     by rho; the stats count what was dropped."""
     logp_BT, old_BT, rollout_BT, mask_BT, adv_B, _ = _batch(5, spread=0.6)
-    cfg = LossConfig(mismatch=Mismatch.MIS, mismatch_level=level, mis_low=0.7, mis_high=1.4)
+    cfg = AlgoConfig(mismatch=Mismatch.MIS, mismatch_level=level, mis_low=0.7, mis_high=1.4)
     w = correction_weights(cfg, old_BT, rollout_BT, mask_BT)
     w_BT = w if w.dim() == 2 else w.unsqueeze(-1).expand_as(logp_BT)
     kw = dict(clip_low=0.2, clip_high=0.28, agg="token-mean", rollout_logprobs=rollout_BT)
@@ -186,7 +181,9 @@ def test_mis_in_the_loss_drops_tokens_and_reports_the_share(level):
 
 
 def test_loss_kwargs_carry_the_kind_options():
-    cfg = LossConfig(kind=LossKind.SAPO, sapo_tau_pos=0.7, sapo_tau_neg=1.3, norm_length=5)
+    cfg = AlgoConfig(loss=LossKind.SAPO, sapo_tau_pos=0.7, sapo_tau_neg=1.3, norm_length=5)
     kw = cfg.loss_kwargs()
     assert kw["kind"] == "sapo" and kw["sapo_tau_pos"] == 0.7 and kw["sapo_tau_neg"] == 1.3
-    assert kw["norm_length"] == 5 and math.isclose(kw["clip_low"], cfg.clip_low)
+    assert kw["norm_length"] == 5 and (kw["clip_low"], kw["clip_high"]) == (0.2, 0.28)
+    given = AlgoConfig(loss=LossKind.GRPO, clip_high=0.4).loss_kwargs()
+    assert (given["clip_low"], given["clip_high"]) == (0.2, 0.4)  # a null bound: the loss's own

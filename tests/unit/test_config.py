@@ -3,10 +3,11 @@
 import pytest
 import yaml
 
-from megatron_gspo.algo.config import LossConfig, LossKind
+from megatron_gspo.algo.config import AlgoConfig, LossKind
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.optim import OptimConfig
+from megatron_gspo.model.parallel import ParallelConfig
 from megatron_gspo.routing import ReplayMode
 from megatron_gspo.weight_sync.config import SyncConfig
 
@@ -29,8 +30,12 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
     # the sections are their components' own configs (one set of defaults), modes their enums
     assert isinstance(cfg.optim, OptimConfig) and cfg.optim.lr == OptimConfig().lr
     assert cfg.algo.loss is LossKind.GRPO and cfg.algo.routing_replay is ReplayMode.R2
-    assert cfg.algo.loss_config() == LossConfig(kind=LossKind.GRPO, clip_low=3e-4, clip_high=0.28)
-    assert cfg.sync.build(tmp_path) == SyncConfig()
+    assert cfg.algo == AlgoConfig(loss=LossKind.GRPO, clip_low=3e-4, routing_replay=ReplayMode.R2)
+    assert cfg.algo.clip == (3e-4, 0.28)  # the clip_high left out: GRPO's published one
+    assert cfg.sync == SyncConfig() and cfg.sync.with_run_dir(tmp_path) == SyncConfig()
+    disk = load_config(path, ["sync.method=disk"]).sync.with_run_dir(tmp_path)
+    assert disk.dir == str(tmp_path / "weights")  # a disk run's versions: in its run directory
+    assert isinstance(cfg.parallel, ParallelConfig) and cfg.parallel.dims(4).dp == 4
     assert yaml.safe_load(yaml.safe_dump(cfg.to_dict()))["algo"]["loss"] == "grpo"
 
 

@@ -21,7 +21,6 @@ MODE_ENUMS = {  # every mode's enum, by the module that owns it
     "megatron_gspo.algo.config": (
         "LossKind",
         "Agg",
-        "Tis",
         "AdvNorm",
         "Mismatch",
         "Level",

@@ -370,15 +370,19 @@ def test_version_dirs_keep_the_newest_and_persist_the_restore_point(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"transport": "nccl"}, "sync.method"),
+        ({"method": "nccl"}, "sync.method"),
         ({"bucket_mb": 0}, "bucket_mb"),
         ({"verify_every": -1}, "verify_every"),
-        ({"tolerance": 0}, "tolerance"),
+        ({"verify_tolerance": 0}, "sync.verify_tolerance"),
     ],
 )
 def test_config_refuses_bad_values(kwargs, words):
+    from megatron_gspo.weight_sync.sync import WeightSync
+
     with pytest.raises(UserError, match=words):
-        SyncConfig(**kwargs)
+        SyncConfig(**kwargs).check()
+    with pytest.raises(UserError, match=words):  # a WeightSync checks the config it is given
+        WeightSync([], ["http://127.0.0.1:9"], SyncConfig(**kwargs), base_model="m")
 
 
 def test_versions_default_to_shared_memory_only_for_local_servers():
@@ -407,7 +411,7 @@ def test_own_version_dir_is_removed_even_when_the_trainer_dies(tmp_path):
         "from megatron_gspo.weight_sync.sync import WeightSync\n"
         "init_distributed(ParallelDims())\n"
         "m = torch.nn.Linear(2, 2)\n"
-        "ws = WeightSync([m], ['http://127.0.0.1:9'], SyncConfig(transport='disk'), "
+        "ws = WeightSync([m], ['http://127.0.0.1:9'], SyncConfig(method='disk'), "
         f"base_model={str(model)!r})\n"
         "print('DIR', ws.dirs.root, flush=True)\n"
         "{end}\n"

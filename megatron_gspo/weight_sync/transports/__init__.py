@@ -33,4 +33,4 @@ __all__ = [
 
 
 def make_transport(config: SyncConfig) -> Transport:
-    return TRANSPORTS[config.transport]()
+    return TRANSPORTS[config.method]()
