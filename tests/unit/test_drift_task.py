@@ -28,7 +28,7 @@ def _cli_spec(monkeypatch, *flags: str) -> tuple[str, WarmStartSpec]:
     """The (task, spec) `megatron-gspo make-task-model --out m FLAGS` builds, without building."""
     asked = {}
     monkeypatch.setattr(warmstart, "make_task_model", lambda out, **kw: asked.update(kw))
-    args = cli._parse(["make-task-model", "--out", "m", *flags])
+    args = cli.parse_args(["make-task-model", "--out", "m", *flags])
     args.func(args)
     seed = asked.pop("seed")
     assert seed == (int(flags[flags.index("--seed") + 1]) if "--seed" in flags else 0)
@@ -76,7 +76,7 @@ def test_cli_flags_give_the_preset_and_override_it(monkeypatch):
     ],
 )
 def test_bad_values_are_user_errors(flags, message, tmp_path):
-    args = cli._parse(["make-task-model", "--out", str(tmp_path / "m"), *flags])
+    args = cli.parse_args(["make-task-model", "--out", str(tmp_path / "m"), *flags])
     with pytest.raises(UserError, match=message) as e:
         args.func(args)
     assert "\n" not in str(e.value)  # printed as one line by cli.main
