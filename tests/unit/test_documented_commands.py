@@ -25,7 +25,7 @@ from megatron_gspo.config import load_config
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDER = re.compile(
-    r"^\(|^\$|\[|\.\.\.|^[A-Z][A-Z0-9_]*(\.[a-z]+)?$|=[A-Z][A-Z0-9_]*$|^[A-Z_]+/"
+    r"`|^\(|^\$|\[|\.\.\.|^[A-Z][A-Z0-9_]*(\.[a-z]+)?$|=[A-Z][A-Z0-9_]*$|^[A-Z_]+/"
 )
 LAUNCHERS = ("launch/torchrun.sh", "launch/slurm/train.sbatch")
 
