@@ -165,12 +165,25 @@ def test_no_mode_is_compared_as_a_string_literal_outside_its_enum_module():
     assert offenders == []
 
 
+# Modules that may pass 400 lines because they are one concept (up to LONG_CAP), each with why.
+# Splitting such a module to fit the cap scatters one idea over files that import each other's
+# internals; name it here instead.
+LONG_MODULES = {
+    "megatron_gspo/rollout/launcher.py": "one concept: a supervised group of server processes "
+    "(start, health, restart with backoff, stop), whose state the parts share",
+}
+LONG_CAP = 800
+
+
 def test_no_module_over_400_lines_and_no_function_over_60():
     long_files, long_functions = [], []
+    for name in LONG_MODULES:
+        assert (ROOT / name).is_file(), f"LONG_MODULES names {name}, which does not exist"
     for path in PKG.rglob("*.py"):
         text = path.read_text()
         rel = path.relative_to(ROOT)
-        if len(text.splitlines()) > 400:
+        cap = LONG_CAP if str(rel) in LONG_MODULES else 400
+        if len(text.splitlines()) > cap:
             long_files.append(f"{rel}: {len(text.splitlines())}")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
