@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_documented_commands import DOCS
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +76,7 @@ def quoted_flags() -> dict[str, set[str]]:
     """Every `--flag` that README.md and docs/ give a bench/ script, by script: in code spans
     (which may wrap), fenced blocks and indented command lines."""
     found: dict[str, set[str]] = {}
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in DOCS:
         text = doc.read_text()
         fenced = re.findall(r"```(.*?)```", text, re.S)
         text = re.sub(r"```.*?```", "", text, flags=re.S)
