@@ -137,18 +137,12 @@ class _LengthsOnly:
 
 def launch(method: str, layout: str, scale: int, tmp: Path) -> list[dict]:
     out = tmp / f"{method}-{layout}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-port", str(_port()), __file__, "--worker", method, layout, str(scale),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(WORLD), __file__, "--worker", method, layout, str(scale),
            str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
-
-
-def _port() -> int:
-    from megatron_gspo.comm import free_port
-
-    return free_port()
 
 
 def main(argv: list[str] | None = None) -> dict:

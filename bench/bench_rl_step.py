@@ -183,10 +183,8 @@ def bench_path() -> str:
 def _launcher(nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "megatron_gspo"]
-    from megatron_gspo.comm import free_port
-
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", "-m", "megatron_gspo.cli"]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "megatron_gspo.cli"]  # fmt: skip
 
 
 def run_trl(

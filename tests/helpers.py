@@ -70,11 +70,11 @@ def read_logprobs(path: Path) -> list[list[float | None]]:
 def torchrun(nproc: int, *target: str) -> list[str]:
     """The command running `target` (a script and its arguments, or "-m", module, ...) under
     torchrun with `nproc` ranks on this machine."""
-    from megatron_gspo.comm import free_port
-
+    # --standalone: torchrun's agent binds a free port itself and holds it (a port picked
+    # here could be taken by a parallel test before the ranks bind it)
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}", *target,
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", *target,
     ]  # fmt: skip
 
 

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.checks import positive
-from megatron_gspo.comm import free_port
 from megatron_gspo.errors import UserError
 
 
@@ -148,11 +147,14 @@ def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int =
 
 def _init_process_group(timeout_min: int) -> None:
     backend = "nccl" if device_type() == "cuda" else "gloo"
-    if "RANK" not in os.environ:  # a plain single process: a private loopback rendezvous
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
+    timeout = datetime.timedelta(minutes=timeout_min)
+    if "RANK" not in os.environ:  # a plain single process: a private loopback rendezvous, on a
+        # port the store binds itself (one picked first could be taken before the bind), and
+        # nothing in the environment that a child process would inherit
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def world_size_from_env() -> int:

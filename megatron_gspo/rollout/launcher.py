@@ -21,6 +21,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,15 @@ class ManagedServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
+
+
+PORT_TRIES = 3  # starts on a new free port when the one picked was taken before the bind
+_PORT_TAKEN = re.compile(r"already in use|port \d+ is already used", re.I)
+
+
+def port_taken(log_tail: str) -> bool:
+    """Whether a server's log says it could not bind its port (Errno 98, or SGLang's check)."""
+    return _PORT_TAKEN.search(log_tail) is not None
 
 
 _LIVE: set[ServerGroup] = set()  # groups to stop at exit or on a signal
@@ -130,7 +140,7 @@ class ServerGroup:
             for s in self.servers:
                 self._spawn(s)
             for s in self.servers:
-                self._wait_healthy(s)
+                self._wait_healthy_on_a_free_port(s)
                 s.ready = True
         except BaseException:
             self.stop()
@@ -208,6 +218,20 @@ class ServerGroup:
             f"server {s.index} ({s.config.kind}, pid {s.pid}) was not healthy after "
             f"{self.health_timeout_s:.0f} s", s.log_path, s.log_tail(60)
         )  # fmt: skip
+
+    def _wait_healthy_on_a_free_port(self, s: ManagedServer) -> None:
+        """Wait for health; a server whose port was picked here (not `ServerConfig.port`) and
+        was taken before it bound (another process got the same free port) starts again on
+        another, at most `PORT_TRIES` times."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                return self._wait_healthy(s)
+            except ServerFailed as e:
+                if s.config.port or attempt == PORT_TRIES or not port_taken(e.tail):
+                    raise
+                taken, s.port = s.port, free_port()
+                log.warning("server %d: port %d was taken; starting on %d", s.index, taken, s.port)
+                self._spawn(s)
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):

@@ -15,7 +15,6 @@ as it comes (int32 [prompt + output - 1, every decoder layer, k]) and:
 import asyncio
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.launcher import ServerGroup
 from tests.contract.sglang_venv import server_config
-from tests.helpers import cli_env
+from tests.helpers import cli_env, torchrun
 
 pytestmark = pytest.mark.contract
 
@@ -68,7 +67,6 @@ def rollouts(request, checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(rollouts, checkpoint, tmp_path_factory):
-    from megatron_gspo.comm import free_port
 
     kind, samples = rollouts
     tmp = tmp_path_factory.mktemp(f"train-{kind}")
@@ -81,11 +79,10 @@ def trained(rollouts, checkpoint, tmp_path_factory):
     }
     (tmp / "batch.json").write_text(json.dumps(batch))
     (tmp / "plan.json").write_text(json.dumps(PLAN))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        f"--master-port={free_port()}", str(WORKER), str(checkpoint), str(tmp / "batch.json"),
-        str(tmp / "out.json"), str(tmp / "plan.json"),
-    ]  # fmt: skip
+    cmd = torchrun(
+        2, str(WORKER), str(checkpoint), str(tmp / "batch.json"), str(tmp / "out.json"),
+        str(tmp / "plan.json"),
+    )  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return kind, samples, json.loads((tmp / "out.json").read_text())

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_gspo.comm import free_port
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.launcher import ServerGroup
 from tests.contract.sglang_venv import server_config
-from tests.helpers import cli_env
+from tests.helpers import cli_env, torchrun
 
 pytestmark = pytest.mark.contract
 
@@ -56,8 +54,7 @@ def test_every_transport_brings_sglang_to_the_trainer(layout, model, sglang_url,
     nproc, flags = LAYOUTS[layout]
     out, log = tmp_path / "out.json", tmp_path / "worker.log"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}", str(WORKER), str(model), str(out), sglang_url,
+        *torchrun(nproc), str(WORKER), str(model), str(out), sglang_url,
         "--dir", str(tmp_path / "sync"), "--transports", "tensor,distributed,disk", *flags,
     ]  # fmt: skip
     with open(log, "w") as f:  # a file, not a pipe (see tests/distributed/test_weight_sync.py)
@@ -86,8 +83,7 @@ def test_sglang_keeps_the_distributed_groups_between_syncs(model, sglang_url, tm
 
     out, log = tmp_path / "out.json", tmp_path / "worker.log"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        f"--master-port={free_port()}", str(WORKER), str(model), str(out), sglang_url,
+        *torchrun(2), str(WORKER), str(model), str(out), sglang_url,
         "--dir", str(tmp_path / "sync"), "--transports", "distributed,distributed,distributed",
         "--pp", "2", "--one-sync",
     ]  # fmt: skip

@@ -36,7 +36,7 @@ STEPS = 3
 # what varies between two CLI runs of the same config and seed (see above)
 TIMING = ("time/", "tokens_per_s", "sync/gb_per_s")
 SERVER_NUMERICS = ("mismatch/logprob_abs_diff",)
-# the process group's start sets these (model/parallel.py) when they are not set
+# a launcher's environment: cleared for the in-process run, which sets none of it
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -75,7 +75,6 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def test_the_loop_in_process_gives_the_cli_metrics(task_model, tmp_path, own_process_group):
     overrides = [f"model.path={task_model}", *QUICK_TRAIN]
-    # the CLI first: the in-process start sets MASTER_PORT, which a child would inherit
     cli = tmp_path / "cli"
     args = ["train", "--config", str(CONFIG), "--run-dir", str(cli), "--steps", str(STEPS)]
     proc = run_cli([*args, *overrides], timeout=600)
@@ -85,6 +84,7 @@ def test_the_loop_in_process_gives_the_cli_metrics(task_model, tmp_path, own_pro
     here = tmp_path / "inprocess"
     with build_parts(cfg, here) as parts:
         assert dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        assert not [k for k in DIST_ENV if k in os.environ]  # (nothing a child would inherit)
         run(parts, max_steps=STEPS)
 
     ours, theirs = metrics(here), metrics(cli)

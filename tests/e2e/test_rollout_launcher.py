@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 
 import pytest
 
@@ -169,6 +170,35 @@ def test_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(ServerFailed, match="exited with code"):
         group.start()
     assert all(gone(s.pid) for s in group.servers)
+
+
+def test_a_picked_port_taken_before_the_bind_is_replaced(ckpt, tmp_path, monkeypatch):
+    """Another process gets the free port picked for a server before the server binds it (a
+    fault injected here by holding it): the server starts again on another port. A port the
+    config names is the user's choice: taken, the start fails, saying so."""
+    import socket
+
+    from megatron_gspo.comm import free_port
+    from megatron_gspo.rollout import launcher
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(launcher, "free_port", lambda: next(picks, None) or free_port())
+        with ServerGroup([builtin(ckpt)], tmp_path / "logs", monitor=False) as group:
+            server = group.servers[0]
+            assert server.port != taken and server.url.endswith(f":{server.port}")
+            with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+                assert r.status == 200
+        log = (tmp_path / "logs" / "server-0.log").read_text()
+        assert f"--port {taken}" in log and "address already in use" in log
+        assert f"--port {server.port}" in log
+        named = ServerGroup([builtin(ckpt, port=taken)], tmp_path / "named", monitor=False)
+        with pytest.raises(ServerFailed) as failed:
+            named.start()
+        assert "address already in use" in failed.value.summary()
 
 
 def test_api_key_is_left_out_of_the_server_log(tmp_path):
