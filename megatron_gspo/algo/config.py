@@ -58,6 +58,13 @@ class KLEstimator(StrEnum):
     K3 = "k3"
 
 
+class KLIn(StrEnum):
+    """Where the KL penalty to the reference policy goes."""
+
+    LOSS = "loss"  # a per-token term of the objective (GRPO's paper)
+    REWARD = "reward"  # off each sample's reward before the advantages (InstructGPT, verl)
+
+
 class Mismatch(StrEnum):
     """The train-vs-rollout correction (algo/mismatch.py decides its weights)."""
 
@@ -114,10 +121,13 @@ class AlgoConfig:
     mis_low: float = 0.5  # mis: keep rho in [mis_low, mis_high]
     mis_high: float = 2.0
     icepop_k: float = 2.0  # icepop: keep rho_t in [1/k, k]
-    # KL penalty to a reference policy, the run's starting weights (model/reference.py), in the
-    # loss per token as GRPO's paper puts it: 0 is off (no reference weights are kept)
+    # KL penalty to a reference policy, the run's starting weights (model/reference.py): 0 is
+    # off (no reference weights are kept)
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = KLEstimator.K3  # k1 | k2 | k3 (low variance)
+    # loss: per token in the objective (GRPO's paper); reward: each sample's summed KL off its
+    # reward before the group advantages (InstructGPT, verl; train/reward_kl.py)
+    kl_in: KLIn = KLIn.LOSS
     ref_offload: bool = False  # keep the reference weights in host memory between uses (GPU)
 
     def check(self) -> None:
@@ -144,6 +154,16 @@ class AlgoConfig:
         low, high = DEFAULT_CLIP[LossKind(self.loss)]
         return (low if self.clip_low is None else self.clip_low,
                 high if self.clip_high is None else self.clip_high)  # fmt: skip
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the objective has a KL term (a KL to the reference, in the loss)."""
+        return self.kl_coef > 0 and self.kl_in == KLIn.LOSS
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the rewards lose a KL term before the advantages (train/reward_kl.py)."""
+        return self.kl_coef > 0 and self.kl_in == KLIn.REWARD
 
     @property
     def advantage_std_norm(self) -> bool:

@@ -47,6 +47,7 @@ FIELDS: tuple[Field, ...] = (
     Field("loss_mask", torch.bool, True, 0, torch.uint8),  # the trained (response) tokens
     Field("advantages", torch.float32, False, 0.0, torch.float32),  # one per sequence
     Field("token_advantages", torch.float32, True, 0.0, torch.float32),  # or one per token
+    Field("rewards", torch.float64, False, 0.0, torch.float64),  # the advantages' rewards
     Field("rollout_logprobs", torch.float32, True, math.nan, torch.float32),  # the server's
     Field("old_logprobs", torch.float32, True, math.nan, torch.float32),  # the trainer's
     Field("ref_logprobs", torch.float32, True, math.nan, torch.float32),  # the KL's reference

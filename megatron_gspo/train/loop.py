@@ -26,6 +26,7 @@ from megatron_gspo.train.hooks import StepHooks
 from megatron_gspo.train.parts import Parts
 from megatron_gspo.train.protocols import PolicyActor, RolloutSource, Servers
 from megatron_gspo.train.results import Collected, Update
+from megatron_gspo.train.reward_kl import apply_reward_kl
 from megatron_gspo.train.shard import minibatch_parts, reduce_sums
 from megatron_gspo.train.state import TrainState
 from megatron_gspo.weight_sync.session import SyncReport, VerificationFailed
@@ -203,13 +204,18 @@ def train_on(
     assert n, "train_on needs the batch's size on every rank"
     parts = minibatch_parts(n, cfg.algo.minibatches, cfg.seed, step)
     batch = actor.shard(batch, parts)
-    first_on_policy = cfg.algo.on_policy_first_update and cfg.algo.routing_replay != ReplayMode.R3
+    # (a KL in the reward needs every row's old log-probs before the first update)
+    first_on_policy = (cfg.algo.on_policy_first_update and not cfg.algo.kl_in_reward
+                       and cfg.algo.routing_replay != ReplayMode.R3)  # fmt: skip
     ahead = [i for p in parts[1:] for i in p] if first_on_policy else list(range(n))
     # As many rows per forward as fit (one forward on a small model). The minibatches below are
     # other row sets with their own padding, so their forwards equal these to fp32 rounding.
     if actor.reference is not None:  # algo.kl_coef > 0: once per step, every row
         batch.set("ref_logprobs", actor.reference_logprobs(batch, cfg.train.micro_batch_size))
     metrics = _old_logprobs(actor, batch, sorted(ahead), cfg.train.micro_batch_size)
+    if actor.reference is not None and cfg.algo.kl_in_reward:  # the advantages, penalized
+        G = cfg.rollout.group_size
+        metrics |= apply_reward_kl(batch, cfg.algo, G)
     metrics["time/old_logprobs_s"] = time.perf_counter() - t0
     loss_cfg, mbs = cfg.algo, cfg.train.micro_batch_size
     updates: list[Update] = []

@@ -28,6 +28,8 @@ GROUPS: dict[str, dict[str, str]] = {
         "kl/old": "approximate KL to the old policy (k3 on the trained tokens)",
         "kl/ref": "KL to the reference policy (the run's starting weights; `algo.kl_coef` > 0): "
         "the mean of `algo.kl_estimator` over the trained tokens",
+        "kl/reward_penalty": "`algo.kl_in: reward`: the mean over samples of `algo.kl_coef` x "
+        "the sample's summed KL, taken off its reward before the advantages",
         "ratio/mean": "importance ratio: the sequence ratio for GSPO, the token ratio for GRPO",
         "ratio/std": "its std",
         "ratio/max": "its largest value",

@@ -130,7 +130,7 @@ class BatchProducer:
         kept_rewards = torch.tensor(rewards, dtype=torch.float64).view(-1, G)[keep].flatten()
         adv = group_advantages(kept_rewards, G, scale_by_std=cfg.algo.advantage_std_norm)
         facts.set_nonfinite_inputs(nonfinite_inputs(samples, adv))  # (the guard names them)
-        facts.batch = to_batch(samples, adv.tolist())
+        facts.batch = to_batch(samples, adv.tolist(), kept_rewards.tolist())
         return facts
 
     def _stale_groups(

@@ -47,7 +47,9 @@ def check_samples(samples) -> None:
         )
 
 
-def to_batch(samples, advantages: list[float]) -> StepBatch:
+def to_batch(samples, advantages: list[float], rewards: list[float] | None = None) -> StepBatch:
+    """The step's batch of `samples` (groups in order) with their advantages, and the rewards
+    those came from (algo.kl_in: reward computes them again, train/reward_kl.py)."""
     tokens, mask, rollout_lp, experts = [], [], [], []
     for s in samples:
         p = len(s.prompt_ids)
@@ -57,9 +59,12 @@ def to_batch(samples, advantages: list[float]) -> StepBatch:
         rollout_lp.append([None] * p + list(lp))
         experts.append(s.routed_experts)
     routed = experts if any(e is not None for e in experts) else None
-    return StepBatch.from_rows(
+    batch = StepBatch.from_rows(
         tokens, mask, advantages, rollout_logprobs=rollout_lp, rollout_experts=routed
     )
+    if rewards is not None:
+        batch.set("rewards", torch.tensor(rewards, dtype=torch.float64))
+    return batch
 
 
 def rollout_metrics(samples, rewards: list[float | None], seconds: float) -> dict:

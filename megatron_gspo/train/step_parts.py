@@ -44,13 +44,14 @@ def check_step(batch, loss_cfg: AlgoConfig, on_policy: bool, routing_mode) -> No
         raise ValueError("train_step needs old_logprobs (Actor.logprobs computes them)")
     if loss_cfg.correction[0] != Mismatch.NONE and "rollout_logprobs" not in batch.fields:
         raise ValueError(f"{loss_cfg.correction[0]} needs the batch's rollout_logprobs")
-    if loss_cfg.kl_coef and "ref_logprobs" not in batch.fields:
+    if loss_cfg.kl_in_loss and "ref_logprobs" not in batch.fields:
         raise ValueError("kl_coef > 0 needs the batch's ref_logprobs (Actor.reference_logprobs)")
 
 
 def kl_penalty(mb, loss_cfg: AlgoConfig) -> KLPenalty | None:
-    """The microbatch's KL penalty to the reference policy (algo.kl_coef > 0), or None."""
-    if not loss_cfg.kl_coef:
+    """The microbatch's KL penalty to the reference policy (algo.kl_coef > 0, kl_in: loss), or
+    None."""
+    if not loss_cfg.kl_in_loss:
         return None
     assert mb.ref_logprobs is not None, "checked by check_step"
     return KLPenalty(mb.ref_logprobs, loss_cfg.kl_coef, loss_cfg.kl_estimator)

@@ -612,14 +612,24 @@ def test_rollouts_two_steps_ahead_train_two_versions_behind_and_resume_after_kil
 def test_kl_to_the_reference_is_zero_first_then_grows(task_model, tmp_path):
     """algo.kl_coef > 0 through the loop (one update a step): kl/ref of the first update is 0,
     the policy still the run's start; it grows as the policy moves away; a run without the
-    penalty keeps no reference and logs no kl/ref."""
+    penalty keeps no reference and logs no kl/ref. The same with the KL in the reward
+    (algo.kl_in: reward), which logs the penalty taken off the rewards."""
     runs = {}
-    for name, extra in {"kl": ["algo.kl_coef=0.05"], "none": []}.items():
+    arms = {
+        "kl": ["algo.kl_coef=0.05"],
+        "none": [],
+        "reward": ["algo.kl_coef=0.05", "algo.kl_in=reward", "algo.kl_estimator=k1"],
+    }
+    for name, extra in arms.items():
         run_dir = tmp_path / name
         rc, out = train("tiny_moe_grpo.yaml", run_dir, task_model, "optim.lr=3e-3",
                         "algo.minibatches=1", *extra, steps=3)  # fmt: skip
         assert rc == 0, out[-3000:]
         runs[name] = metrics(run_dir)[1:]
-    kl = [r["kl/ref"] for r in runs["kl"]]
-    assert abs(kl[0]) < 1e-6 and kl[-1] > max(1e-6, kl[0]), kl
+    for name in ("kl", "reward"):
+        kl = [r["kl/ref"] for r in runs[name]]
+        assert abs(kl[0]) < 1e-6 and abs(kl[-1]) > max(1e-6, abs(kl[0])), (name, kl)
     assert not any("kl/ref" in r for r in runs["none"])
+    penalty = [r["kl/reward_penalty"] for r in runs["reward"]]
+    assert abs(penalty[0]) < 1e-6 and abs(penalty[-1]) > 1e-6, penalty
+    assert not any("kl/reward_penalty" in r for r in runs["kl"])
