@@ -50,6 +50,11 @@ class RolloutSection:
     # the built-in server's is weight-only, computed in rollout.dtype: server/quantize.py), a
     # larger train-inference gap, as FP8 rollouts against a BF16 trainer have
     quantization: str | None = None
+    # batch-invariant server numerics (--enable-deterministic-inference, the built-in server's
+    # and SGLang's): a sample's tokens and log-probs do not depend on what the server batched
+    # it with, so a rerun with the same seeds gives the same run at any machine load. The
+    # built-in server's bf16/fp8 forward then runs one sequence at a time (slower generation)
+    deterministic: bool = False
     # one /generate request per prompt group (a batch, each sample with its own rid and seed)
     # instead of one per sample: less per-request overhead (not through router_url: the router
     # takes one sampling_params per request)

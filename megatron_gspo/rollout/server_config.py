@@ -27,6 +27,7 @@ class ServerConfig:
     quantization: str | None = None
     random_seed: int | None = None
     max_running_requests: int | None = None
+    deterministic: bool = False  # --enable-deterministic-inference (batch-invariant numerics)
     # SGLang only
     tp_size: int = 1
     device: str | None = None  # "cpu" for SGLang on a CPU-only host
@@ -59,7 +60,8 @@ class ServerConfig:
             "--random-seed": self.random_seed,
             "--max-running-requests": self.max_running_requests,
         }
-        switches = {"--enable-return-routed-experts": self.enable_return_routed_experts}
+        switches = {"--enable-return-routed-experts": self.enable_return_routed_experts,
+                    "--enable-deterministic-inference": self.deterministic}  # fmt: skip
         if self.kind == Backend.SGLANG:
             flags |= {
                 "--tp-size": self.tp_size,

@@ -156,6 +156,7 @@ async def server_info(request: web.Request) -> web.Response:
             "quantization": e.model.quantization,
             "enable_return_routed_experts": e.record_routing,
             "decode_kernel": "torch" if e.model.decode_kernel is None else "c",
+            "enable_deterministic_inference": e.model.batch_invariant,
             "max_running_requests": e.max_running,
             "context_length": e.context_len,
             "random_seed": a.random_seed,
@@ -277,6 +278,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(DECODE_KERNEL_ENV, "auto"),
         choices=kernels.MODES,
         help=f"decode steps in compiled C, torch, or auto (default ${DECODE_KERNEL_ENV} or auto)",
+    )
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant numerics (SGLang's flag): a request's tokens and log-probs do not "
+        "depend on what it is batched with, so seeded requests give the same answers at any "
+        "load; the torch forward then runs one sequence at a time",
     )
     parser.add_argument("--log-level", default="warning")
 

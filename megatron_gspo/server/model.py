@@ -89,6 +89,10 @@ class RolloutModel(ModelWeights):
         self._rope_CSd = torch.zeros(0, 2, hd, dtype=self.dtype)  # grown by _rope_table
         # Decode steps through the compiled kernel (kernels.attach sets it), else torch.
         self.decode_kernel: CompiledDecode | None = None
+        # Batch-invariant numerics (--enable-deterministic-inference): every sequence's logits
+        # independent of what else is in its batch, so a rerun with the same seeds gives the
+        # same tokens whatever the timing of the requests (see `forward`).
+        self.batch_invariant = False
         # torch's grouped matmul needs rows of a multiple of 16 bytes (hidden and expert widths
         # times the element size); narrower experts (e.g. 4 bf16 values) take the per-expert loop.
         item = torch.empty(0, dtype=self.dtype).element_size()
@@ -112,13 +116,36 @@ class RolloutModel(ModelWeights):
     def forward(self, chunks: list[Chunk], cache: KVCache, record_routing: bool = False):
         """Run one batch of chunks, writing their k/v into `cache`. Returns a StepOutput.
         With a decode kernel attached, the one-token chunks go through it, the rest (prefills)
-        through torch."""
+        through torch.
+
+        torch's batched forward is not batch-invariant: a sequence's logits change in their
+        last bits with the batch it is in (matmuls blocked over the row count, each expert's
+        rows, attention padded to the batch's longest). With `batch_invariant` every chunk
+        that goes through torch goes alone, so its logits depend on its own tokens only; the
+        compiled decode step is batch-invariant as it is (each row's sums in one order)."""
         lens = [len(c.tokens) for c in chunks]
         if self.decode_kernel is None or min(lens) > 1:
-            return self._forward(chunks, lens, cache, record_routing)
+            return self._torch(chunks, lens, cache, record_routing)
         if max(lens) == 1:
             return self._compiled_decode(chunks, cache, record_routing)
         return self._mixed(chunks, lens, cache, record_routing)
+
+    def _torch(self, chunks: list[Chunk], lens: list[int], cache: KVCache, record_routing):
+        """The torch forward of `chunks`: one batch, or with batch_invariant in parts whose rows
+        all attend over as many positions: the decode steps at each position together, each
+        prefill alone. A batch pads every row's attention to its longest, and the padding
+        moves the last bits of the softmax's and the value product's sums (rows of one length
+        need none); the matmuls give each row the same bits in any batch."""
+        if not self.batch_invariant or len(chunks) == 1:
+            return self._forward(chunks, lens, cache, record_routing)
+        parts: dict[tuple[int, int], list[int]] = {}
+        for i, (c, n) in enumerate(zip(chunks, lens)):
+            parts.setdefault((c.start, -1) if n == 1 else (c.start, i), []).append(i)
+        return _merge(len(chunks), [
+            (idx, self._forward([chunks[i] for i in idx], [lens[i] for i in idx], cache,
+                                record_routing))
+            for idx in parts.values()
+        ])  # fmt: skip
 
     def _forward(self, chunks: list[Chunk], lens: list[int], cache: KVCache, record_routing):
         meta = self._batch(chunks, lens, cache)
@@ -157,17 +184,10 @@ class RolloutModel(ModelWeights):
             max(c.slot for c in chunks) + 1, max(c.start + n for c, n in zip(chunks, lens))
         )
         fast = self._compiled_decode([chunks[i] for i in ones], cache, record_routing)
-        rest = [chunks[i] for i in more]
-        slow = self._forward(rest, [lens[i] for i in more], cache, record_routing)
-        logits: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
-        routed: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
-        for out, idx in ((fast, ones), (slow, more)):
-            for k, i in enumerate(idx):
-                logits[i] = out.logits[k]
-                if out.routed is not None:
-                    routed[i] = out.routed[k]
-        counts = [len(x) for x in logits]
-        return StepOutput(torch.cat(logits), counts, routed if fast.routed is not None else None)
+        slow = self._torch(
+            [chunks[i] for i in more], [lens[i] for i in more], cache, record_routing
+        )
+        return _merge(len(chunks), [(ones, fast), (more, slow)])
 
     def _batch(self, chunks: list[Chunk], lens: list[int], cache: KVCache) -> _Batch:
         G, q_len = self.spec.num_kv_heads, max(lens)
@@ -342,6 +362,20 @@ class _Batch:
     mask_BQK: torch.Tensor | None  # prefill batches
     bias_BG1K: torch.Tensor | None  # decode steps (Q = 1): the mask as 0 / -inf, [B * G, 1, K]
     rope_T2d: torch.Tensor  # cos and sign-folded sin at each token's position
+
+
+def _merge(n: int, parts: list[tuple[list[int], StepOutput]]) -> StepOutput:
+    """One StepOutput in chunk order from the outputs of parts of the `n` chunks (each part:
+    its chunks' indices and its output)."""
+    logits: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+    routed: list[torch.Tensor] = [None] * n  # type: ignore[list-item]
+    for idx, out in parts:
+        for k, i in enumerate(idx):
+            logits[i] = out.logits[k]
+            if out.routed is not None:
+                routed[i] = out.routed[k]
+    recorded = parts[0][1].routed is not None
+    return StepOutput(torch.cat(logits), [len(x) for x in logits], routed if recorded else None)
 
 
 @overload

@@ -120,6 +120,7 @@ class ServerState:
         self.served_path = self.model_path  # (model_path follows disk updates)
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         model = RolloutModel.from_pretrained(self.model_path, dtype, args.quantization)
+        model.batch_invariant = args.enable_deterministic_inference
         self.spec = model.spec
         self.hf_config = load_hf_config(self.model_path)
         self.tokenizer = _load_tokenizer(Path(self.model_path))

@@ -205,6 +205,7 @@ def _launch(
         tp_size=r.server_tp,
         dtype=r.dtype,
         quantization=r.quantization,
+        deterministic=r.deterministic,
         extra_args=list(r.extra_server_args),
         threads=1 if r.backend == Backend.BUILTIN else 0,
         api_key=key,

@@ -262,7 +262,48 @@ def test_sglang_command_from_config():
     with pytest.raises(ValueError):
         ServerConfig(model_path="/m", kind="vllm")
     assert "--api-key" not in builtin("/m", api_key="k").command(1)
+    assert "--enable-deterministic-inference" not in cmd
+    for kind in ("sglang", "builtin"):  # the same flag on both servers
+        assert "--enable-deterministic-inference" in ServerConfig(
+            model_path="/m", kind=kind, deterministic=True
+        ).command(1)
     # the log's copy of a command: no key value, however it is given
     shown = redacted(["--api-key", "s3c", "--api-key=k2", "--tag", "x-s3c-y"], "s3c")
     assert shown == ["--api-key", "***", "--api-key=***", "--tag", "x-***-y"]
     assert redacted(["--api-key", "k3"], None) == ["--api-key", "***"]
+
+
+def test_a_deterministic_server_gives_the_same_samples_however_requests_arrive(ckpt, tmp_path):
+    """rollout.deterministic (--enable-deterministic-inference) on a bf16 fp8 server: the same
+    seeded samples, sent all at once or one prompt at a time at staggered moments (other
+    batches on the server each time), come back with the same tokens and log-probs."""
+    prompts = [[5 + i, 6, 7 + 2 * i, 9][: 2 + i % 3] * (1 + i) for i in range(6)]
+    sp = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 11}
+    cfg = builtin(ckpt, dtype="bfloat16", quantization="fp8", deterministic=True)
+    with ServerGroup([cfg], tmp_path / "logs", monitor=False) as group:
+
+        async def together():
+            async with RolloutClient(group.urls) as c:
+                return await c.generate(prompts, n=4, sampling_params=sp, grouped=True)
+
+        async def staggered():
+            async with RolloutClient(group.urls) as c:
+
+                async def one(i):  # the seeds `generate` gives prompt i's samples above
+                    await asyncio.sleep(0.03 * i)
+                    mine = dict(sp, sampling_seed=sp["sampling_seed"] + 4 * i)
+                    return (await c.generate([prompts[i]], n=4, sampling_params=mine))[0]
+
+                return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+        first, second = asyncio.run(together()), asyncio.run(staggered())
+
+        async def info():
+            async with RolloutClient(group.urls) as c:
+                return await c.get(group.urls[0], "/server_info")
+
+        assert asyncio.run(info())["enable_deterministic_inference"] is True
+    assert [[(s.tokens, s.logprobs) for s in g] for g in first] == [
+        [(s.tokens, s.logprobs) for s in g] for g in second
+    ]
+    assert len({tuple(s.tokens) for g in first for s in g}) > 6  # (samples that differ)

@@ -171,6 +171,8 @@ def test_no_mode_is_compared_as_a_string_literal_outside_its_enum_module():
 LONG_MODULES = {
     "megatron_gspo/rollout/launcher.py": "one concept: a supervised group of server processes "
     "(start, health, restart with backoff, stop), whose state the parts share",
+    "megatron_gspo/server/model.py": "one concept: the rollout model's forward over a step's "
+    "chunks (how they are batched, attention over the cache, experts), one set of numerics",
 }
 LONG_CAP = 800
 

@@ -260,3 +260,49 @@ def test_experts_narrower_than_16_bytes_are_served(tmp_path):
     mine = torch.log_softmax(model.full_logits(tokens).logits[0].float(), -1)
     assert ref.std() > 0.5
     assert (mine - ref).abs().mean() < 0.1
+
+
+def _mixed_step(model: RolloutModel, seed: int):
+    """A cache holding 12 prompts prefilled one by one (each alone), and one step's chunks over
+    it: decode steps at several positions, and two new prompts' prefills."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        prompt(int(n), seed + i) for i, n in enumerate(torch.randint(4, 40, (12,), generator=g))
+    ]
+    cache = model.new_cache(slots=16, capacity=64)
+    for slot, p in enumerate(prompts):
+        model.forward([Chunk(slot, 0, p)], cache)
+    chunks = [Chunk(slot, len(p), [7 + slot]) for slot, p in enumerate(prompts)]
+    chunks += [Chunk(12, 0, prompt(9, seed + 50)), Chunk(13, 0, prompt(23, seed + 51))]
+    return cache, chunks
+
+
+def _rows_alone_and_batched(model: RolloutModel, seed: int):
+    cache, chunks = _mixed_step(model, seed)
+    saved = [t.clone() for t in cache.k + cache.v]
+
+    def restore():
+        for t, s in zip(cache.k + cache.v, saved, strict=True):
+            t.copy_(s)
+
+    batched = model.forward(chunks, cache).last_BV
+    alone = []
+    for c in chunks:
+        restore()
+        alone.append(model.forward([c], cache).last_BV[0])
+    return batched, torch.stack(alone)
+
+
+def test_batch_invariant_rows_are_their_forward_alone(ckpts):
+    """--enable-deterministic-inference: in a bf16 fp8 server's step mixing decode steps at
+    several positions with prefills, every row's logits are bit for bit those of its forward
+    alone (so a sample does not depend on what it is batched with). The plain batched forward,
+    whose rows attend over the batch's longest, is not."""
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"], torch.bfloat16, "fp8")
+    model.batch_invariant = True
+    for seed in range(3):
+        batched, alone = _rows_alone_and_batched(model, seed)
+        assert torch.equal(batched, alone), seed
+    model.batch_invariant = False
+    moved = [not torch.equal(*_rows_alone_and_batched(model, seed)) for seed in range(3)]
+    assert any(moved)  # (what the mode is for: a plain batch moves some rows' bits)
