@@ -261,6 +261,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=15.0,
         help="seconds SIGTERM waits for a clean stop before the process exits anyway",
     )
+    add_numerics_args(parser)
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--log-level", default="warning")
+
+
+def add_numerics_args(parser: argparse.ArgumentParser) -> None:
+    """How the model computes: dtype, fp8 weights, threads, the decode kernel, batch
+    invariance."""
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
@@ -270,8 +279,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="fp8: the linear weights rounded to float8 e4m3 on every load, computed in --dtype",
     )
-    parser.add_argument("--random-seed", type=int, default=0)
-    parser.add_argument("--weight-version", default="default")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     parser.add_argument(
         "--decode-kernel",
@@ -284,9 +291,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch-invariant numerics (SGLang's flag): a request's tokens and log-probs do not "
         "depend on what it is batched with, so seeded requests give the same answers at any "
-        "load; the torch forward then runs one sequence at a time",
+        "load; the torch forward then runs in parts (decode steps by position, each prefill)",
     )
-    parser.add_argument("--log-level", default="warning")
 
 
 def check_host(host: str, api_key: str | None) -> None:
