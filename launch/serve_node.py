@@ -41,9 +41,8 @@ from plan import add_layout_args, layout_from_args  # noqa: E402
 from megatron_gspo.comm import free_port  # noqa: E402
 from megatron_gspo.errors import UserError  # noqa: E402
 from megatron_gspo.rollout.modes import Backend, Placement  # noqa: E402
+from megatron_gspo.rollout.server_config import API_KEY_ENV  # noqa: E402
 from megatron_gspo.routing.replay import ReplayMode  # noqa: E402
-
-API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
 
 
 class Stop(Exception):

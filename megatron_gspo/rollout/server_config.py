@@ -11,6 +11,10 @@ from typing import IO
 
 from megatron_gspo.rollout.modes import Backend
 
+# the environment variable that holds the rollout servers' API key: read by the built-in server,
+# the trainer (train/fleet.py) and the launch scripts, so the key stays off command lines
+API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
+
 
 @dataclass
 class ServerConfig:
@@ -91,7 +95,7 @@ class ServerConfig:
     def environment(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         if self.kind == Backend.BUILTIN and self.api_key:
-            env["MEGATRON_GSPO_API_KEY"] = self.api_key  # not on the command line
+            env[API_KEY_ENV] = self.api_key  # not on the command line
         return env
 
 

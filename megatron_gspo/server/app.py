@@ -40,6 +40,7 @@ import torch
 from aiohttp import web
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.server_config import API_KEY_ENV
 from megatron_gspo.server import control, gate, kernels, weight_endpoints
 from megatron_gspo.server.api import format_result, parse_generate
 from megatron_gspo.server.engine import Engine, Request
@@ -50,7 +51,6 @@ from megatron_gspo.server.state import ServerState
 from megatron_gspo.server.validate import BadRequest, is_loopback
 
 log = logging.getLogger("megatron_gspo.server.app")
-API_KEY_ENV = "MEGATRON_GSPO_API_KEY"
 DECODE_KERNEL_ENV = "MEGATRON_GSPO_DECODE_KERNEL"
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
 HOSTS = web.AppKey("hosts", gate.Hosts)

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from megatron_gspo.rollout.server_config import API_KEY_ENV
 from megatron_gspo.rollout.weight_payload import SENDERS
 from megatron_gspo.server.sampling import BadRequest
 
@@ -208,7 +209,7 @@ FROM_ANOTHER_MACHINE = (
 WITHOUT_API_KEY = (
     "weight payload refers to shared memory, which this server loads only for a client holding "
     "its API key (without one, any local process could name another's objects): start it with "
-    "--api-key KEY (or $MEGATRON_GSPO_API_KEY) and give the trainer the same key"
+    f"--api-key KEY (or ${API_KEY_ENV}) and give the trainer the same key"
 )
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend
+from megatron_gspo.rollout.server_config import API_KEY_ENV
 from megatron_gspo.routing.replay import ReplayMode
 from megatron_gspo.train.io_thread import IoThread
 from megatron_gspo.train.samples import model_topk
@@ -234,4 +235,4 @@ def _size_sglang(server: ServerConfig, cfg: Config, hf_dir: Path, python: str | 
 def api_key() -> str | None:
     """Servers a launch script started off loopback require a key; it comes in the environment
     (never on a command line or in the config file)."""
-    return os.environ.get("MEGATRON_GSPO_API_KEY") or None
+    return os.environ.get(API_KEY_ENV) or None
