@@ -266,6 +266,17 @@ def init_group_body(
     }
 
 
+def host_update_store(
+    master_address: str, world_size: int, timeout_s: float = 300.0
+) -> tuple[dist.TCPStore, int]:
+    """Rank 0's store of an update group, listening before anyone is told where: on a port it
+    binds itself (a port picked first could be taken before the bind). Returns it and its port
+    (for the servers' /init_weights_update_group; give the store to `open_update_group`)."""
+    store = dist.TCPStore(master_address, 0, world_size, is_master=True,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)  # fmt: skip
+    return store, store.port
+
+
 def open_update_group(
     master_address: str,
     master_port: int,
@@ -274,16 +285,19 @@ def open_update_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    store: dist.Store | None = None,
 ) -> dist.ProcessGroup:
     """A process group of its own (no default group needed), as SGLang's
     `init_custom_process_group` builds it: a TCPStore hosted by rank 0, wrapped in
     PrefixStore(group_name) — a plain init_process_group on the trainer side hangs.
-    Rank 0 (the trainer) must call this while the servers join (their HTTP call is in flight).
+    Rank 0 (the trainer) must call this while the servers join (their HTTP call is in flight),
+    with the store of `host_update_store` when it has one.
     """
     timeout = timedelta(seconds=timeout_s)
-    store: dist.Store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
-    )
+    if store is None:
+        store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+        )
     store = dist.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
         world_size,

@@ -24,7 +24,6 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_gspo.comm import free_port
 from megatron_gspo.rollout import weight_payload as wp
 from megatron_gspo.weight_sync.bucket import Bucket
 from megatron_gspo.weight_sync.servers import LOCAL_HOSTS, Servers, collect
@@ -55,11 +54,12 @@ class DistributedTransport(Transport):
             self._destroy(kept, ctx.servers, abort=True)
         cfg, servers = ctx.config, ctx.servers
         address = cfg.master_address or master_address(servers)
-        port, name = free_port(), f"megatron-gspo-s{ctx.stage}-{uuid.uuid4().hex[:8]}"
+        name = f"megatron-gspo-s{ctx.stage}-{uuid.uuid4().hex[:8]}"
         backend = "nccl" if ctx.device.type == "cuda" else "gloo"
         offsets, world = {}, 1
         for i in ctx.live:
             offsets[i], world = world, world + servers.refs[i].tp_size
+        store, port = wp.host_update_store(address, world, cfg.timeout_s)
         futures = {
             i: servers.submit(
                 i, "/init_weights_update_group",
@@ -68,7 +68,8 @@ class DistributedTransport(Transport):
             for i in ctx.live
         }  # fmt: skip
         try:
-            group = wp.open_update_group(address, port, world, 0, name, backend, cfg.timeout_s)
+            group = wp.open_update_group(address, port, world, 0, name, backend, cfg.timeout_s,
+                                         store=store)  # fmt: skip
         except Exception as e:
             _, errors = collect(futures)
             ctx.fail(errors)
