@@ -132,8 +132,8 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
     checkpoint's dtype (SGLang's "auto" serves fp32 checkpoints in fp16 on CPU) unless
     rollout.dtype says otherwise; and on CPU a KV cache sized to the run: the most tokens a step
     or an eval keeps in flight, with headroom (its default takes a fraction of the machine's
-    memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower). fp8 quantization is
-    refused on a CPU: SGLang has no CPU kernels for it."""
+    memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower). fp8 quantization and
+    deterministic inference are refused on a CPU: SGLang has no CPU kernels for them."""
     from megatron_gspo.errors import UserError
     from megatron_gspo.hf.config import load_hf_config
 
@@ -143,6 +143,13 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
         raise UserError(
             f"rollout.quantization={r.quantization} with SGLang needs a GPU: its CPU build has "
             "no fp8 kernels; on a CPU use rollout.backend=builtin, whose fp8 is weight-only"
+        )
+    if r.deterministic and not gpu:  # (0.5.23 on a CPU: "only ['ascend', 'fa3', 'fa4',
+        # 'flashinfer', 'intel_xpu', 'triton'] attention backends are supported for ...")
+        raise UserError(
+            "rollout.deterministic with SGLang needs a GPU: its batch-invariant attention "
+            "backends (fa3, flashinfer, triton) do not run on a CPU; on a CPU use "
+            "rollout.backend=builtin, whose deterministic mode does"
         )
     if not gpu and "--device" not in given:
         server.device = "cpu"

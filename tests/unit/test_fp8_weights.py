@@ -130,6 +130,11 @@ def test_rollout_quantization_reaches_both_servers_and_sglang_on_a_cpu_is_refuse
     assert "rollout.backend=builtin" in str(e.value) and "\n" not in str(e.value)
     size_sglang(server, cfg, ckpt, longest_prompt=16, gpu=True)
     assert " --quantization fp8 " in " ".join(server.command(1)) + " "
+    det = load_config(root / "configs" / "tiny_moe_gspo.yaml",
+                      [*keys[:2], "rollout.deterministic=true"])  # fmt: skip
+    with pytest.raises(UserError, match="deterministic with SGLang needs a GPU") as e:
+        size_sglang(ServerConfig(model_path=str(ckpt), kind="sglang"), det, ckpt, 16, gpu=False)
+    assert "rollout.backend=builtin" in str(e.value) and "\n" not in str(e.value)
     builtin = ServerConfig(model_path=str(ckpt), quantization="fp8")
     assert " --quantization fp8 " in " ".join(builtin.command(1)) + " "
     with pytest.raises(UserError, match="rollout.quantization"):
