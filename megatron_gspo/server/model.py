@@ -119,10 +119,10 @@ class RolloutModel(ModelWeights):
         through torch.
 
         torch's batched forward is not batch-invariant: a sequence's logits change in their
-        last bits with the batch it is in (matmuls blocked over the row count, each expert's
-        rows, attention padded to the batch's longest). With `batch_invariant` every chunk
-        that goes through torch goes alone, so its logits depend on its own tokens only; the
-        compiled decode step is batch-invariant as it is (each row's sums in one order)."""
+        last bits with the batch it is in (its attention is padded to the batch's longest row).
+        With `batch_invariant` torch runs the chunks in parts that need no padding (`_torch`),
+        so each one's logits depend on its own tokens only; the compiled decode step is
+        batch-invariant as it is (each row's sums in one order)."""
         lens = [len(c.tokens) for c in chunks]
         if self.decode_kernel is None or min(lens) > 1:
             return self._torch(chunks, lens, cache, record_routing)
