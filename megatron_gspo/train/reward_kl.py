@@ -14,8 +14,9 @@ the sequence KL. The objective then has no KL term of its own (`AlgoConfig.kl_in
 The rows of a step's batch are its kept groups in order (G consecutive rows a group), so row i is
 in group i // G. On many ranks a rank holds a shard (its data-parallel replica's rows), with
 log-probs on the last pipeline stage only: each row's reward, KL sum and token count are summed
-over all ranks from the one rank that counts that row (its replica's last stage, tensor rank 0),
-so every rank has every row's and computes the same advantages.
+over all ranks from the one rank that counts that row (`shard.reports_rows`: its replica's last
+stage, first tensor- and context-parallel rank), so every rank has every row's and computes the
+same advantages.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch.distributed as dist
 
 from megatron_gspo.algo import group_advantages, kl_estimate
 from megatron_gspo.algo.config import AlgoConfig
+from megatron_gspo.model.parallel import device_type
 from megatron_gspo.train.batch import StepBatch
+from megatron_gspo.train.shard import reports_rows
 
 
 def penalized_advantages(
@@ -61,12 +64,11 @@ def apply_reward_kl(batch: StepBatch, algo: AlgoConfig, group_size: int) -> dict
     sums, counts = row_kl_sums(batch, algo.kl_estimator)
     table = torch.zeros(3, batch.global_size, dtype=torch.float64)
     sharded = batch.sharded and dist.is_initialized() and dist.get_world_size() > 1
-    if not sharded or _counts_its_rows():
+    if not sharded or reports_rows():
         rows = torch.as_tensor(batch.global_index(), dtype=torch.int64)
         table[:, rows] = torch.stack([sums, counts, batch["rewards"].double()])
     if sharded:
-        cuda = dist.get_backend() == "nccl"
-        table = table.to(torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
+        table = table.to(device_type())
         dist.all_reduce(table)
         table = table.cpu()
     kl, tokens, rewards = table
@@ -76,13 +78,3 @@ def apply_reward_kl(batch: StepBatch, algo: AlgoConfig, group_size: int) -> dict
         "kl/ref": float(kl.sum() / tokens.sum().clamp(min=1.0)),
         "kl/reward_penalty": float(algo.kl_coef * kl.mean()),
     }
-
-
-def _counts_its_rows() -> bool:
-    """Whether this rank counts its replica's rows: the last pipeline stage (the only one with
-    log-probs), tensor-parallel rank 0 (its peers hold the same values)."""
-    from megatron.core import parallel_state as mpu
-
-    return mpu.is_pipeline_last_stage(ignore_virtual=True) and (
-        mpu.get_tensor_model_parallel_rank() == 0
-    )

@@ -226,13 +226,21 @@ def reduce_sums(pairs: list[list[float]]) -> list[list[float]]:
     context-parallel rank, which holds its log-probs)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return pairs
+    t = torch.tensor(pairs, dtype=torch.float64, device=device_type()) * float(reports_rows())
+    dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
+def reports_rows() -> bool:
+    """Whether this rank counts its replica's rows in a sum over the world: its last pipeline
+    stage's first tensor- and context-parallel rank, which holds their log-probs (the others
+    hold NaN or the same values). True without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
     from megatron.core import parallel_state as mpu
 
-    report = (
+    return (
         mpu.is_pipeline_last_stage(ignore_virtual=True)
         and mpu.get_tensor_model_parallel_rank() == 0
         and mpu.get_context_parallel_rank() == 0
     )
-    t = torch.tensor(pairs, dtype=torch.float64, device=device_type()) * float(report)
-    dist.all_reduce(t)
-    return t.cpu().tolist()
