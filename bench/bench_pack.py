@@ -15,9 +15,10 @@ The four (draw, variant) pairs run side by side `--reps` times (harness.measure:
 every rep; each run a fresh actor on the same weights); the median training-phase seconds are
 reported as tokens/s (the batch's real tokens, prompt + answer, trained per second), the padding
 fraction of the microbatches (padding / token slots), and the training phase's model FLOP rate (the
-useful tokens' FLOPs: 6 x active params per token for each update, 2 x for the old-log-prob forward,
-plus causal attention) against a plain fp32 torch matmul's rate measured in the same run (this CPU's
-practical ceiling).
+useful tokens' FLOPs: 6 x active params per token for each update, 2 x for the old-log-prob forward
+over the rows it runs on, the minibatches after the first, whose old log-probs come from its own
+on-policy update; plus causal attention) against a plain fp32 torch matmul's rate measured in the
+same run (this CPU's practical ceiling).
 `--quick`: the tiny model (a check that it runs).
 
 Goals (issue 43): >= 1.5x tokens/s packed on the long tail, with padding fraction <= 5%; packed
@@ -105,15 +106,27 @@ def active_params(spec) -> int:
     return spec.layers * (attn + mlp) + h * spec.vocab_size
 
 
-def model_flops(spec, lengths: list[int]) -> float:
+def model_flops(spec, lengths: list[int], old_lp_rows: list[int]) -> float:
     """The phase's useful FLOPs: 4 updates (forward + backward, 6 per active param and token)
-    and the old-log-prob forward (2), each over the batch once; causal attention 2 x 2 x
-    (heads x head_dim) per key a query sees, times 3 for backward."""
-    tokens = sum(lengths)
-    dense = (6 + 2) * active_params(spec) * tokens
-    keys = sum(n * (n + 1) / 2 for n in lengths)
-    attn = 4 * spec.heads * spec.head_dim * keys * spec.layers * (3 + 1)
-    return dense + attn
+    over the batch once and the old-log-prob forward (2) over `old_lp_rows`; causal attention
+    2 x 2 x (heads x head_dim) per key a query sees, times 3 for forward + backward."""
+
+    def flops(rows: list[int], per_token: int, attn_passes: int) -> float:
+        dense = per_token * active_params(spec) * sum(lengths[i] for i in rows)
+        keys = sum(lengths[i] * (lengths[i] + 1) / 2 for i in rows)
+        return dense + 4 * spec.heads * spec.head_dim * keys * spec.layers * attn_passes
+
+    return flops(list(range(len(lengths))), 6, 3) + flops(old_lp_rows, 2, 1)
+
+
+def old_logprob_rows() -> list[int]:
+    """The rows the phase's old-log-prob forward runs on (loop.train_on at step 1): every
+    minibatch's but the first, which trains on policy."""
+    from megatron_gspo.train.shard import minibatch_parts
+
+    cfg = config(None)
+    assert cfg.algo.on_policy_first_update
+    return [i for p in minibatch_parts(ROWS, MINIBATCHES, cfg.seed, 1)[1:] for i in p]
 
 
 def matmul_rate(seconds: float = 2.0) -> float:
@@ -169,7 +182,7 @@ def report(res, kind: str, spec, batch, rate: float) -> None:
     from harness import markdown_table
 
     lengths = batch.lengths.tolist()
-    tokens, flops = sum(lengths), model_flops(spec, lengths)
+    tokens, flops = sum(lengths), model_flops(spec, lengths, old_logprob_rows())
     answers = [n - PROMPT for n in lengths]
     print(f"\n{kind}: answers mean {sum(answers) / len(answers):.1f} tokens, {tokens} tokens in "
           "the batch")  # fmt: skip

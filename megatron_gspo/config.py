@@ -30,7 +30,7 @@ from megatron_gspo.algo.config import AlgoConfig
 from megatron_gspo.checks import INT_MAX, choice, in_range, need, positive, show
 from megatron_gspo.config_renames import rename_keys, rename_overrides, set_dotted
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS
+from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB
 from megatron_gspo.model.lora import LoraConfig
 from megatron_gspo.model.modes import GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
@@ -47,11 +47,15 @@ class ModelSection:
     recompute: Recompute = Recompute.NONE  # activation recompute: none | selective | full
     moe_grouped_gemm: GroupedGemm = GroupedGemm.AUTO  # auto (GPU: grouped) | true | false
     lm_head_chunk: int = DEFAULT_CHUNK_TOKENS  # LM head tokens per chunk (0: whole logits)
+    # A microbatch's chunked-head logits up to this size (MiB, per rank) are kept for the
+    # backward instead of recomputed: faster, at that memory (0: always recompute)
+    lm_head_keep_mb: int = DEFAULT_KEEP_MB
 
     def check(self) -> None:
         need(self.path, "model.path", "the HF checkpoint directory to start from")
         choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
         in_range(self.lm_head_chunk, "model.lm_head_chunk", 0, INT_MAX)
+        in_range(self.lm_head_keep_mb, "model.lm_head_keep_mb", 0, 1 << 30)
 
 
 @dataclass

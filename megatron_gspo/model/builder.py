@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec
-from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS, use_chunked_lm_head
+from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB, use_chunked_lm_head
 from megatron_gspo.model.modes import Recompute
 from megatron_gspo.model.norm import use_local_rmsnorm
 from megatron_gspo.model.parallel import ParallelDims, device_type
@@ -54,6 +54,7 @@ class BuildOptions:
     # Tokens per chunk of the LM head (model/lm_head.py: log-probs from hidden states, never the
     # whole logits); 0: the output layer's logits, whole.
     lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    lm_head_keep_mb: int = DEFAULT_KEEP_MB  # logits up to this size are not recomputed
 
     def __post_init__(self):
         if not isinstance(self.lm_head_chunk_tokens, int) or self.lm_head_chunk_tokens < 0:
@@ -214,7 +215,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
         model.model_spec = spec
         model.padded_vocab_size = vocab
         if model.post_process and opts.lm_head_chunk_tokens:
-            use_chunked_lm_head(model.output_layer, opts.lm_head_chunk_tokens)
+            use_chunked_lm_head(model.output_layer, opts.lm_head_chunk_tokens, opts.lm_head_keep_mb)
         elif model.post_process and not config.sequence_parallel:
             _batch_major_logits(model.output_layer)
         _mark_tensor_parallel(model)

@@ -19,6 +19,12 @@ their gradient dx_CV, and from it grad_h_CH = dx_CV W_VH and grad_W_VH += dx_CV^
 gradient-accumulation fusion does, else a fp32 buffer) before the next chunk. Peak extra
 memory: a chunk's logits and three temporaries (C x V x 12 bytes with the entropy).
 
+Where a call's whole logits are small (N x V x bytes <= `keep_bytes`, default 256 MiB: a small
+vocabulary or few tokens), the forward keeps them for the backward instead, which then skips
+one of its three GEMMs per chunk (the recomputation: a third of the head's backward FLOPs).
+At Qwen3's vocabulary 256 MiB is ~880 bf16 tokens, so a real microbatch recomputes; at a
+vocabulary of 8k it is 8k fp32 tokens, and the TRL comparison's small model keeps them.
+
 TP: W is split over the vocabulary (ColumnParallelLinear). The hidden states entering the head
 must be every rank's same full sequence, as megatron's layer makes them: all-gathered along the
 sequence under sequence parallelism (backward: reduce-scatter), else copied (backward: the
@@ -46,6 +52,8 @@ from megatron_gspo.model.vocab_softmax import (
 # logits and gradient at 32k tokens; the chunk's three GEMMs (1024 x 2048 x 151,936) still run
 # at full speed, and 32 chunks of a dozen kernels each are no launch overhead.
 DEFAULT_CHUNK_TOKENS = 1024
+# A call's whole logits up to this size are kept for the backward (no recomputation).
+DEFAULT_KEEP_MB = 256
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class HeadCall:
     with_entropy: bool
     chunk_tokens: int
     into_main_grad: bool = False
+    keep_logits: bool = False  # the forward keeps the logits for the backward
 
 
 class ChunkedLMHead(torch.autograd.Function):
@@ -69,12 +78,13 @@ class ChunkedLMHead(torch.autograd.Function):
         w = weight[:n_valid]  # padded vocabulary rows: no logits, zero gradient
         index, owned = target_columns(targets, how.vocab_start, n_valid)
         stats = torch.empty((3 if how.with_entropy else 2, targets.numel()), device=h.device)
+        kept = h.new_empty((h.shape[0], n_valid)) if how.keep_logits else None
         for r in row_chunks(h.shape[0], n_valid, h.device, how.chunk_tokens):
-            x = torch.matmul(h[r], w.t())
+            x = torch.matmul(h[r], w.t(), out=None if kept is None else kept[r])
             chunk_stats(x, index[r], owned[r], how.with_entropy, stats[:, r])
             del x
         lp, entropy, log_w = combine(stats, owned, how.tp_group)
-        ctx.save_for_backward(h, weight, index, owned, log_w, entropy)
+        ctx.save_for_backward(h, weight, index, owned, log_w, entropy, kept)
         ctx.n_valid, ctx.chunk, ctx.into_main_grad = n_valid, how.chunk_tokens, how.into_main_grad
         ctx.set_materialize_grads(False)
         return lp, entropy
@@ -82,7 +92,7 @@ class ChunkedLMHead(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp, g_ent):
-        h, weight, index, owned, log_w, entropy = ctx.saved_tensors
+        h, weight, index, owned, log_w, entropy, kept = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
             return None, None, None, None
@@ -92,7 +102,7 @@ class ChunkedLMHead(torch.autograd.Function):
         grad_w = _weight_grad_buffer(weight, ctx.into_main_grad) if need_w else None
         g_lp, g_ent = (None if g is None else g.float() for g in (g_lp, g_ent))
         for r in row_chunks(h.shape[0], n_valid, h.device, ctx.chunk):
-            x = torch.matmul(h[r], w.t())
+            x = torch.matmul(h[r], w.t()) if kept is None else kept[r]
             dx = torch.empty_like(x)
             chunk_grad(x, index[r], owned[r], log_w[r], _at(entropy, r), _at(g_lp, r),
                        _at(g_ent, r), dx)  # fmt: skip
@@ -139,14 +149,17 @@ def _at(t, rows):
     return None if t is None else t[rows]
 
 
-def lm_head_logprobs(h, weight, targets, *, vocab_start: int = 0, vocab_size: int | None = None,
-                     tp_group=None, with_entropy: bool = False,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, into_main_grad: bool = False):  # fmt: skip
+def lm_head_logprobs(  # noqa: PLR0913 - three tensors, then keyword-only options
+    h, weight, targets, *, vocab_start: int = 0, vocab_size: int | None = None,
+    tp_group=None, with_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    into_main_grad: bool = False, keep_bytes: int = DEFAULT_KEEP_MB << 20,
+):  # fmt: skip
     """log p(targets) (and the entropy, else None) from hidden states h [..., H] and this rank's
     output weight [V, H] (vocabulary ids from `vocab_start`; `vocab_size` the true size). fp32,
     shaped like `targets` ([...]). `into_main_grad`: grad_W goes straight into megatron DDP's
     fp32 `main_grad` of the weight, which must then have no other use in the graph (an
-    embedding tied to it would have its own gradient skipped by DDP's hook)."""
+    embedding tied to it would have its own gradient skipped by DDP's hook). `keep_bytes`: a
+    backward's logits up to this size are kept from the forward, not recomputed (0: never)."""
     import torch.distributed as dist
 
     n_valid = weight.shape[0] if vocab_size is None else vocab_size - vocab_start
@@ -154,7 +167,10 @@ def lm_head_logprobs(h, weight, targets, *, vocab_start: int = 0, vocab_size: in
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
     flat_h = h.reshape(-1, h.shape[-1])
-    how = HeadCall(vocab_start, n_valid, tp_group, with_entropy, chunk_tokens, into_main_grad)
+    backward = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    keep = backward and flat_h.shape[0] * n_valid * h.element_size() <= keep_bytes
+    how = HeadCall(vocab_start, n_valid, tp_group, with_entropy, chunk_tokens, into_main_grad,
+                   keep_logits=keep)  # fmt: skip
     lp, ent = ChunkedLMHead.apply(flat_h, weight, targets.reshape(-1), how)
     return lp.view(targets.shape), (None if ent is None else ent.view(targets.shape))
 
@@ -167,6 +183,7 @@ class LMHead:
     vocab_size: int  # the true vocabulary (padding excluded)
     chunk_tokens: int
     into_main_grad: bool = False  # the weight is the head's alone (not tied to the embedding)
+    keep_bytes: int = DEFAULT_KEEP_MB << 20  # logits up to this size are not recomputed
 
     def logprobs(self, hidden, targets, with_entropy: bool = False):
         """(log p(targets), entropy or None) from the output layer's hidden states [..., H]."""
@@ -177,7 +194,7 @@ class LMHead:
             vocab_start=mpu.get_tensor_model_parallel_rank() * self.weight.shape[0],
             vocab_size=self.vocab_size, tp_group=mpu.get_tensor_model_parallel_group(),
             with_entropy=with_entropy, chunk_tokens=self.chunk_tokens,
-            into_main_grad=self.into_main_grad,
+            into_main_grad=self.into_main_grad, keep_bytes=self.keep_bytes,
         )  # fmt: skip
 
 
@@ -191,10 +208,12 @@ def lm_head_of(chunk) -> LMHead | None:
         return None
     tied = model.share_embeddings_and_output_weights
     weight = model.shared_embedding_or_output_weight() if tied else layer.weight
-    return LMHead(weight, model.model_spec.vocab_size, tokens, into_main_grad=not tied)
+    keep = getattr(layer, "lm_head_keep_bytes", DEFAULT_KEEP_MB << 20)
+    return LMHead(weight, model.model_spec.vocab_size, tokens, into_main_grad=not tied,
+                  keep_bytes=keep)  # fmt: skip
 
 
-def use_chunked_lm_head(output_layer, chunk_tokens: int) -> None:
+def use_chunked_lm_head(output_layer, chunk_tokens: int, keep_mb: int = DEFAULT_KEEP_MB) -> None:
     """Have megatron's output layer hand back its hidden states, [s, b, H] as a view of
     [b, s - logits_from, H] (GPTModel's `transpose(0, 1).contiguous()` then copies nothing),
     gathered over TP as its matmul would have; `LMHead` takes the log-probs from them."""
@@ -205,6 +224,7 @@ def use_chunked_lm_head(output_layer, chunk_tokens: int) -> None:
 
     output_layer.logits_from = 0
     output_layer.lm_head_chunk_tokens = chunk_tokens
+    output_layer.lm_head_keep_bytes = keep_mb << 20
     output_layer.forward = hidden_states
 
 

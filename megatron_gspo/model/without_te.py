@@ -14,7 +14,10 @@ fp16/bf16 main-param copies) fall back to per-tensor loops (`local_multi_tensor_
 norm per tensor and then reads every one back to the host, one device sync each). On a GPU those
 are replaced by torch's multi-tensor (`_foreach_*`) kernels, `foreach_l2_norm` and
 `foreach_scale`, a few launches for all tensors and no sync. They compute the same values (tested
-equal on a CPU); CPU runs keep megatron's own.
+equal on a CPU). On a CPU only the scaling is replaced: `_foreach_mul_` scales in place where
+megatron's `dst.copy_(src * scale)` makes and copies a temporary per tensor (measured: 19 vs 43 ms
+over the 88.7M parameters of the TRL comparison's small model, bit for bit the same); a CPU
+norm per tensor costs what `_foreach_norm` does, so megatron's stays.
 """
 
 from __future__ import annotations
@@ -56,17 +59,16 @@ def apply() -> None:
             self.fp8 = bool(fp8)
 
         cwo.__init__ = init
-    if torch.cuda.is_available():
-        use_foreach_grad_ops()
+    use_foreach_grad_ops(norm=torch.cuda.is_available())
 
 
-def use_foreach_grad_ops() -> None:
-    """Megatron's per-tensor fallbacks become `foreach_l2_norm` / `foreach_scale` (only those:
-    Transformer Engine's or apex's kernels, where megatron found them, stay)."""
+def use_foreach_grad_ops(norm: bool = True) -> None:
+    """Megatron's per-tensor fallbacks become `foreach_scale` and (`norm`) `foreach_l2_norm`
+    (only those: Transformer Engine's or apex's kernels, where megatron found them, stay)."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
 
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+    if norm and clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = foreach_l2_norm
     for module in (clip_grads, optimizer):
         if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:

@@ -91,6 +91,7 @@ class TrainerSetup:
             moe_grouped_gemm=m.moe_grouped_gemm.resolve(),
             routing_replay=True,
             lm_head_chunk_tokens=m.lm_head_chunk,
+            lm_head_keep_mb=m.lm_head_keep_mb,
         )
         chunks = load_policy(m.path, dims, opts, self.cfg.lora, self.cfg.seed)
         t = self.cfg.train  # packed microbatches under a token budget, or padded rows

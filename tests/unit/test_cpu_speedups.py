@@ -53,6 +53,31 @@ q, k, v = inputs()
 assert torch.allclose(ours(q, k, v, mask), ref(q, k, v, mask), atol=1e-6)
 print("attention ok")
 
+# Packed (THD): each sequence of cu_seqlens alone through megatron's attention, causal within it
+# and blind across; on the CPU flash kernel (4-D inputs), not the math path.
+from megatron.core.packed_seq_params import PackedSeqParams
+lens = [5, 1, 7, 3]
+cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                      max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+g = torch.Generator().manual_seed(4)
+q, k, v = (torch.randn(sum(lens), n, 16, generator=g).requires_grad_() for n in (4, 2, 2))
+with torch.profiler.profile() as prof:
+    out = ours(q, k, v, None, packed_seq_params=thd)
+    (out * torch.arange(out.numel()).reshape(out.shape).cos()).sum().backward()
+kernels = {e.key for e in prof.key_averages()}
+assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels, kernels
+assert "aten::_scaled_dot_product_attention_math" not in kernels
+w = torch.arange(out.numel()).reshape(out.shape).cos()
+for a, n in zip(cu[:-1].tolist(), lens):
+    qs, ks, vs = (t.detach()[a:a + n, None].clone().requires_grad_() for t in (q, k, v))
+    alone = ref(qs, ks, vs, None)
+    assert torch.allclose(out[a:a + n], alone[:, 0], atol=1e-5), (out[a:a + n] - alone[:, 0]).abs().max()
+    (alone[:, 0] * w[a:a + n]).sum().backward()
+    for packed, single in ((q, qs), (k, ks), (v, vs)):
+        assert torch.allclose(packed.grad[a:a + n], single.grad[:, 0], atol=1e-5)
+print("packed attention ok")
+
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 x = torch.randn(10, 4)
 split = torch.tensor([3, 0, 5, 2])
@@ -96,6 +121,16 @@ for seed in (2, 3):
 assert lin.weight.grad_added_to_main_grad
 assert torch.allclose(lin.weight.main_grad, want, atol=1e-5), (lin.weight.main_grad - want).abs().max()
 print("wgrad ok")
+
+# Gradient scaling (clipping) on megatron's buffers goes through torch's in-place multi-tensor
+# multiply on a CPU too; the norm stays megatron's per-tensor one there.
+from megatron.core import utils as mutils
+from megatron.core.optimizer import clip_grads, optimizer as moptimizer
+from megatron_gspo.model.without_te import foreach_scale
+assert clip_grads.multi_tensor_scale_impl is foreach_scale
+assert moptimizer.multi_tensor_scale_impl is foreach_scale
+assert clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm
+print("scale ok")
 """
 
 
@@ -104,5 +139,12 @@ def test_cpu_speedups_match_megatron():
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for part in ("attention ok", "sort ok", "collectives ok", "wgrad ok"):
+    for part in (
+        "attention ok",
+        "packed attention ok",
+        "sort ok",
+        "collectives ok",
+        "wgrad ok",
+        "scale ok",
+    ):
         assert part in proc.stdout

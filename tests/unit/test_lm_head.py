@@ -147,6 +147,65 @@ def test_bad_config_value_is_a_one_line_error(tmp_path):
         assert "\n" not in str(e.value)
 
 
+def _record_calls(monkeypatch) -> list:
+    """The HeadCall of every head call (what the forward was told to do)."""
+    from megatron_gspo.model import lm_head
+
+    made, make = [], lm_head.HeadCall
+
+    def record(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(lm_head, "HeadCall", record)
+    return made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 5, 37])
+def test_kept_logits_give_the_recomputed_values_and_gradients_bit_for_bit(
+    chunk, dtype, monkeypatch
+):
+    h, w, targets, g_lp, g_ent = _inputs(dtype, seed=7)
+    calls = _record_calls(monkeypatch)
+
+    def head(keep_bytes):
+        return lambda h, w: lm_head_logprobs(h, w, targets, vocab_size=VOCAB, with_entropy=True,
+                                             chunk_tokens=chunk, keep_bytes=keep_bytes)  # fmt: skip
+
+    kept = _grads(head(1 << 20), h, w, g_lp, g_ent)
+    recomputed = _grads(head(0), h, w, g_lp, g_ent)
+    assert [c.keep_logits for c in calls] == [True, False]
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    ref = _grads(_formula(targets), h, w, g_lp.double(), g_ent.double())
+    assert torch.allclose(kept[3].double(), ref[3].double(), atol=0.02 * ref[3].abs().max().item())
+
+
+def test_logits_are_kept_only_for_a_backward_and_within_the_bound(monkeypatch):
+    h, w, targets, _, _ = _inputs(torch.float32, seed=8)
+    calls = _record_calls(monkeypatch)
+    size = T * VOCAB * 4  # fp32 logits of this rank's valid vocabulary
+    for keep_bytes in (size - 1, size):
+        lm_head_logprobs(h.requires_grad_(), w, targets, vocab_size=VOCAB, keep_bytes=keep_bytes)
+    with torch.no_grad():
+        lm_head_logprobs(h, w, targets, vocab_size=VOCAB)
+    lm_head_logprobs(h.detach(), w, targets, vocab_size=VOCAB)  # nothing needs a gradient
+    assert [c.keep_logits for c in calls] == [False, True, False, False]
+
+
+def test_bad_keep_bound_is_a_one_line_error(tmp_path):
+    from megatron_gspo.config import load_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {path: /m}\n")
+    assert load_config(cfg, ["model.lm_head_keep_mb=0"]).model.lm_head_keep_mb == 0
+    for bad in ("-1", "lots", "1e400"):
+        with pytest.raises(UserError, match="model.lm_head_keep_mb") as e:
+            load_config(cfg, [f"model.lm_head_keep_mb={bad}"])
+        assert "\n" not in str(e.value)
+
+
 def test_weight_gradient_into_megatron_main_grad():
     """A weight with megatron DDP's fp32 main_grad: grad_W is added there (on top of what it
     holds), the flag that makes DDP's hook skip the placeholder gradient is set."""
