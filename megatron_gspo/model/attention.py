@@ -21,6 +21,14 @@ with a document mask has no backward on a CPU in this torch. So: per sequence, e
 [1, n, s, d] slice: torch's CPU flash kernel takes 4-D inputs only, and 3-D ones run the math
 path (forward + backward, 8 query / 4 key-value heads of 64, one thread: 0.56 vs 0.95 ms at 56
 tokens, 94 vs 219 ms at 1024).
+
+Sequences of one length go through one SDPA call together, as a batch [m, n, s, d] gathered from
+the packed tokens: RL batches repeat lengths (a group's samples share their prompt, and answers
+cut at `max_new_tokens` share their length), and the kernel computes each (sequence, head) alone,
+so the values are the per-sequence call's bit for bit. Measured (the packed long tail of
+bench_pack.py: 57 x 56 and 7 x 152 tokens, forward + backward of one layer's attention, one
+thread): 75-79 ms together by length against 154-178 ms one sequence at a time. A length that
+occurs once runs on its slice, without a gather.
 """
 
 from __future__ import annotations
@@ -77,25 +85,44 @@ class SdpaAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _packed(self, query, key, value, cu_seqlens):
-        """[t, n, d] packed sequences -> [t, n * d]: causal attention within each sequence."""
+        """[t, n, d] packed sequences -> [t, n * d]: causal attention within each sequence,
+        the sequences of one length in one call."""
         cu = cu_seqlens.tolist()
-        # [t, n, d] -> [1, n, t, d]: SDPA takes its CPU flash kernel for 4-D inputs only (3-D ones
-        # go to the math path, which materializes the scores)
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-        parts = [
-            F.scaled_dot_product_attention(
-                q[:, :, a:b],
-                k[:, :, a:b],
-                v[:, :, a:b],
-                dropout_p=self.attention_dropout.p if self.training else 0.0,
-                is_causal=True,
-                scale=self.softmax_scale,
-                enable_gqa=q.size(1) != k.size(1),
-            )  # fmt: skip
-            for a, b in zip(cu[:-1], cu[1:])
-            if b > a
-        ]
-        return torch.cat(parts, 2)[0].transpose(0, 1).reshape(query.size(0), -1)
+        starts: dict[int, list[int]] = {}  # length -> the sequences' first tokens
+        for a, b in zip(cu[:-1], cu[1:]):
+            if b > a:
+                starts.setdefault(b - a, []).append(a)
+        dev, outs, tokens = query.device, [], []
+        for s, firsts in starts.items():
+            index = torch.tensor(firsts, device=dev)[:, None] + torch.arange(s, device=dev)
+            tokens.append(index.reshape(-1))
+            outs.append(self._same_length(query, key, value, index, firsts[0]))
+        out = torch.cat(outs, 0)  # [t, n * d], in the order of `tokens`
+        if any(len(f) > 1 for f in starts.values()):  # else already in token order
+            out = out.index_select(0, torch.cat(tokens).argsort())
+        return out
+
+    def _same_length(self, query, key, value, index, first: int):
+        """Attention of m sequences of s tokens -> [m * s, n * d]: the rows `index` [m, s] of
+        the packed [t, n, d] tensors, gathered (m > 1) or sliced from `first` (m = 1)."""
+        qkv, s = (query, key, value), index.shape[1]
+        if index.shape[0] == 1:  # [s, n, d] -> [1, n, s, d]
+            q, k, v = (x[first : first + s].transpose(0, 1).unsqueeze(0) for x in qkv)
+        else:  # [m * s, n, d] -> [m, n, s, d]
+            rows = index.reshape(-1)
+            q, k, v = (x.index_select(0, rows).view(*index.shape, *x.shape[1:]) for x in qkv)
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        # 4-D: SDPA takes its CPU flash kernel for 4-D inputs only (3-D ones go to the math
+        # path, which materializes the scores)
+        context = F.scaled_dot_product_attention(
+            q, k, v,
+            dropout_p=self.attention_dropout.p if self.training else 0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+            enable_gqa=q.size(1) != k.size(1),
+        )  # fmt: skip
+        # [m, n, s, d] -> [m * s, n * d]
+        return context.transpose(1, 2).reshape(-1, q.size(1) * q.size(3))
 
 
 def use_sdpa_attention(block_spec) -> None:

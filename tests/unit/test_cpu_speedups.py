@@ -54,12 +54,15 @@ assert torch.allclose(ours(q, k, v, mask), ref(q, k, v, mask), atol=1e-6)
 print("attention ok")
 
 # Packed (THD): each sequence of cu_seqlens alone through megatron's attention, causal within it
-# and blind across; on the CPU flash kernel (4-D inputs), not the math path.
+# and blind across; on the CPU flash kernel (4-D inputs), not the math path; sequences of one
+# length (three of 5, two of 1) in one call give what each gives packed alone, bit for bit.
 from megatron.core.packed_seq_params import PackedSeqParams
-lens = [5, 1, 7, 3]
-cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                      max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+def thd_of(lens):
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return cu, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+lens = [5, 1, 7, 5, 3, 1, 5]
+cu, thd = thd_of(lens)
 g = torch.Generator().manual_seed(4)
 q, k, v = (torch.randn(sum(lens), n, 16, generator=g).requires_grad_() for n in (4, 2, 2))
 with torch.profiler.profile() as prof:
@@ -76,6 +79,12 @@ for a, n in zip(cu[:-1].tolist(), lens):
     (alone[:, 0] * w[a:a + n]).sum().backward()
     for packed, single in ((q, qs), (k, ks), (v, vs)):
         assert torch.allclose(packed.grad[a:a + n], single.grad[:, 0], atol=1e-5)
+    qs, ks, vs = (t.detach()[a:a + n].clone().requires_grad_() for t in (q, k, v))
+    own = ours(qs, ks, vs, None, packed_seq_params=thd_of([n])[1])
+    assert torch.equal(own, out[a:a + n])
+    (own * w[a:a + n]).sum().backward()
+    for packed, single in ((q, qs), (k, ks), (v, vs)):
+        assert torch.equal(packed.grad[a:a + n], single.grad)
 print("packed attention ok")
 
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
