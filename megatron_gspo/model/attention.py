@@ -25,10 +25,13 @@ tokens, 94 vs 219 ms at 1024).
 Sequences of one length go through one SDPA call together, as a batch [m, n, s, d] gathered from
 the packed tokens: RL batches repeat lengths (a group's samples share their prompt, and answers
 cut at `max_new_tokens` share their length), and the kernel computes each (sequence, head) alone,
-so the values are the per-sequence call's bit for bit. Measured (the packed long tail of
-bench_pack.py: 57 x 56 and 7 x 152 tokens, forward + backward of one layer's attention, one
-thread): 75-79 ms together by length against 154-178 ms one sequence at a time. A length that
-occurs once runs on its slice, without a gather.
+so the values are the per-sequence call's bit for bit. One call per sequence also costs in
+backward: each slice's gradient is a zero-filled tensor of the whole microbatch's size, summed
+with the others, so it grows with sequences x tokens per microbatch. Measured on one microbatch
+of 4256 tokens (bench_pack.py's long tail: 57 x 56 and 7 x 152; 8 query / 4 key-value heads of
+64, forward + backward, one thread): 73 ms by length against 153-165 ms per sequence; 61 x 152
+plus three other lengths: 234-260 ms against 468-504 ms. A length that occurs once runs on its
+slice, without a gather.
 """
 
 from __future__ import annotations
