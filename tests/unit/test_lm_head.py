@@ -67,11 +67,14 @@ def test_fp32_values_and_gradients_match_the_formula_and_todays_path(chunk):
 
 
 def test_chunk_size_changes_no_value():
+    """Up to fp32 rounding: the matmul kernel a CPU picks depends on the chunk's row count (a
+    one-row chunk is a matrix-vector product), so the sums run in another order; a gradient
+    entry sums 64 products of about its own size. A chunk-boundary bug moves values by ~0.1."""
     h, w, targets, g_lp, g_ent = _inputs(torch.float32, seed=1)
     one = _grads(_chunked(targets, 1), h, w, g_lp, g_ent)
     for chunk in (3, 8, 64):
         for a, b in zip(one, _grads(_chunked(targets, chunk), h, w, g_lp, g_ent)):
-            assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [4, 11, 64])
