@@ -155,13 +155,32 @@ def optimizer_step(opt) -> tuple[bool, float | None, bool]:
     """The optimizer step, unless the gradient norm is not finite (a NaN/Inf loss, an
     overflow): then the gradients are dropped and the weights stay as they were. The norm
     is reduced over the model-parallel (and, with the distributed optimizer, data-parallel)
-    ranks, so every rank takes the same branch. Returns (updated, grad norm, finite)."""
+    ranks, so every rank takes the same branch. Returns (updated, grad norm, finite).
+
+    The step is megatron's own (`MixedPrecisionOptimizer.step`, `ChainedOptimizer.step`) with
+    the norm taken once: megatron's step would take it again to clip, a second pass over every
+    gradient (and its all-reduce) that gives the same number."""
     if opt.prepare_grads():  # a loss scaler found an overflow: megatron skips the step
         return False, None, True
-    norm = float(opt.get_grad_norm())
-    if not math.isfinite(norm):
+    norm = opt.get_grad_norm()
+    if not math.isfinite(float(norm)):
         opt.zero_grad()
-        return False, norm, False
-    ok, _, _ = opt.step()  # prepares the grads again: idempotent, and cheap
-    # the norm before clipping, as megatron's own; it gives none (or 0) with clip_grad 0
-    return ok, norm, True
+        return False, float(norm), False
+    clip_to_norm(opt, norm)
+    ok = opt.step_with_ready_grads()
+    # the norm before clipping, as megatron's own
+    return bool(ok), float(norm), True
+
+
+def clip_to_norm(opt, norm) -> None:
+    """Megatron's step's clipping (each optimizer of a chain by its own `clip_grad`) to a total
+    norm already taken."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        if getattr(o, "is_stub_optimizer", False) or o.config.clip_grad <= 0.0:
+            continue
+        params = o.get_parameters()
+        if params:
+            decoupled = o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            clip_grad_by_total_norm_fp32(params, o.config.clip_grad, norm, decoupled)
