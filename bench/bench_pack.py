@@ -17,10 +17,10 @@ first also makes the optimizer's state, once per run; the second is what every l
 run costs, and is the one reported, the first's seconds beside it); the median training-phase
 seconds are reported as tokens/s (the batch's real tokens, prompt + answer, trained per second),
 the padding fraction of the microbatches (padding / token slots), and the training phase's model
-FLOP rate (the useful tokens' FLOPs: 6 x active params per token for each update, 2 x for the old-log-prob forward
-over the rows it runs on, the minibatches after the first, whose old log-probs come from its own
-on-policy update; plus causal attention) against a plain fp32 torch matmul's rate measured in the
-same run (this CPU's practical ceiling).
+FLOP rate (the useful tokens' FLOPs: 6 x active params per token for each update, 2 x for the
+old-log-prob forward over the rows it runs on, the minibatches after the first, whose old
+log-probs come from its own on-policy update; plus causal attention) against a plain fp32 torch
+matmul's rate measured in the same run (this CPU's practical ceiling).
 `--quick`: the tiny model (a check that it runs).
 
 Goals (issue 43): >= 1.5x tokens/s packed on the long tail, with padding fraction <= 5%; packed
