@@ -54,6 +54,7 @@ from megatron_gspo.model.vocab_softmax import (
 DEFAULT_CHUNK_TOKENS = 1024
 # A call's whole logits up to this size are kept for the backward (no recomputation).
 DEFAULT_KEEP_MB = 256
+DEFAULT_KEEP_BYTES = DEFAULT_KEEP_MB << 20
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def _at(t, rows):
 def lm_head_logprobs(  # noqa: PLR0913 - three tensors, then keyword-only options
     h, weight, targets, *, vocab_start: int = 0, vocab_size: int | None = None,
     tp_group=None, with_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    into_main_grad: bool = False, keep_bytes: int = DEFAULT_KEEP_MB << 20,
+    into_main_grad: bool = False, keep_bytes: int = DEFAULT_KEEP_BYTES,
 ):  # fmt: skip
     """log p(targets) (and the entropy, else None) from hidden states h [..., H] and this rank's
     output weight [V, H] (vocabulary ids from `vocab_start`; `vocab_size` the true size). fp32,
@@ -183,7 +184,7 @@ class LMHead:
     vocab_size: int  # the true vocabulary (padding excluded)
     chunk_tokens: int
     into_main_grad: bool = False  # the weight is the head's alone (not tied to the embedding)
-    keep_bytes: int = DEFAULT_KEEP_MB << 20  # logits up to this size are not recomputed
+    keep_bytes: int = DEFAULT_KEEP_BYTES  # logits up to this size are not recomputed
 
     def logprobs(self, hidden, targets, with_entropy: bool = False):
         """(log p(targets), entropy or None) from the output layer's hidden states [..., H]."""
@@ -208,9 +209,9 @@ def lm_head_of(chunk) -> LMHead | None:
         return None
     tied = model.share_embeddings_and_output_weights
     weight = model.shared_embedding_or_output_weight() if tied else layer.weight
-    keep = getattr(layer, "lm_head_keep_bytes", DEFAULT_KEEP_MB << 20)
+    # use_chunked_lm_head sets the keep bound with the chunk size
     return LMHead(weight, model.model_spec.vocab_size, tokens, into_main_grad=not tied,
-                  keep_bytes=keep)  # fmt: skip
+                  keep_bytes=layer.lm_head_keep_bytes)  # fmt: skip
 
 
 def use_chunked_lm_head(output_layer, chunk_tokens: int, keep_mb: int = DEFAULT_KEEP_MB) -> None:
