@@ -1,7 +1,9 @@
 """LoRA (rank 16 on every target) vs full-weight training on the TRL comparison's `small` model
 (bench_rl_step.py: Qwen3-MoE 88.7M params, hidden 512, 6 layers, 32 experts top-2), side by side
 in one run: gradient and Adam-state memory, peak RSS and the training phase of one RL step
-(one on-policy GSPO optimizer step over 32 sequences of 144 tokens, micro batch 8).
+(one on-policy GSPO optimizer step over 32 sequences of 144 tokens, micro batch 8). LoRA runs
+twice: an adapter per expert (`lora.experts: per_expert`) and one per layer shared by its experts
+(`lora.experts: shared`).
 
 Each mode runs in its own process (one torch thread, fp32, megatron's distributed optimizer at
 world size 1), so peak RSS is that mode's alone. Gradient memory is megatron DDP's gradient
@@ -49,11 +51,11 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def child(model: str, rank: int, steps: int) -> dict:
+def child(model: str, rank: int, steps: int, experts: str) -> dict:
     import torch
 
     from megatron_gspo.algo.config import AlgoConfig
-    from megatron_gspo.model.lora import LoraConfig
+    from megatron_gspo.model.lora import ExpertAdapters, LoraConfig
     from megatron_gspo.model.optim import OptimConfig
     from megatron_gspo.model.parallel import ParallelDims, init_distributed
     from megatron_gspo.model.policy import load_policy
@@ -62,7 +64,9 @@ def child(model: str, rank: int, steps: int) -> dict:
     torch.set_num_threads(1)
     dims = ParallelDims(world_size=1)
     init_distributed(dims)
-    lora = LoraConfig(rank=rank, alpha=2.0 * rank) if rank else None
+    lora = (
+        LoraConfig(rank=rank, alpha=2.0 * rank, experts=ExpertAdapters(experts)) if rank else None
+    )
     actor = Actor(load_policy(model, dims, lora=lora), OptimConfig(lr=1e-5))
     b, loss = batch(), AlgoConfig(loss="gspo", clip_low=3e-4, clip_high=4e-4)
     times = []
@@ -91,20 +95,21 @@ def child(model: str, rank: int, steps: int) -> dict:
 QWEN3_30B_A3B = dict(h=2048, layers=48, nq=32, nkv=4, d=128, experts=128, f=768, vocab=151936)
 
 
-def trainable_share(m: dict, r: int) -> float:
+def trainable_share(m: dict, r: int, shared: bool = False) -> float:
     """Adapter parameters / all parameters of an all-MoE Qwen3 with rank-r LoRA on every target
-    (gradients and Adam state scale with it: the same bytes per trainable parameter)."""
+    (gradients and Adam state scale with it: the same bytes per trainable parameter); `shared`:
+    one expert adapter per layer (lora.experts: shared)."""
     h, q, kv = m["h"], m["nq"] * m["d"], m["nkv"] * m["d"]
     attn = h * (q + 2 * kv) + q * h
     attn_lora = r * 3 * h + r * (q + 2 * kv) + r * (q + h)  # q/k/v have an A each
     expert = 3 * h * m["f"]
     expert_lora = r * (h + 2 * m["f"]) + r * (m["f"] + h)  # gate_up: one A, B [2F, r]
     layer = attn + m["experts"] * expert + m["experts"] * h  # + router
-    lora = m["layers"] * (attn_lora + m["experts"] * expert_lora)
+    lora = m["layers"] * (attn_lora + (1 if shared else m["experts"]) * expert_lora)
     return lora / (m["layers"] * layer + 2 * m["vocab"] * h)
 
 
-def run_child(model: Path, rank: int, steps: int) -> list[dict]:
+def run_child(model: Path, rank: int, steps: int, experts: str = "per_expert") -> list[dict]:
     """One mode in its own process: a sample per timed step (train_s) with the run's memory."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))  # fmt: skip
@@ -117,6 +122,8 @@ def run_child(model: Path, rank: int, steps: int) -> list[dict]:
         str(rank),
         "--steps",
         str(steps),
+        "--experts",
+        experts,
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode:
@@ -139,32 +146,37 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--experts", default="per_expert", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.child, a.rank, a.steps)))
+        print(json.dumps(child(a.child, a.rank, a.steps, a.experts)))
         return
     from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     with tempfile.TemporaryDirectory() as work:
         model = make_tiny_model(TinySpec(**SMALL), Path(work) / "small")
-        modes = [Variant(n, lambda r=r: run_child(model, r, a.steps))
-                 for n, r in (("full", 0), (f"lora_r{a.rank}", a.rank))]  # fmt: skip
+        full, per, shared = "full", f"lora_r{a.rank}", f"lora_r{a.rank}_shared"
+        runs = ((full, 0, "per_expert"), (per, a.rank, "per_expert"), (shared, a.rank, "shared"))
+        modes = [Variant(n, lambda r=r, e=e: run_child(model, r, a.steps, e)) for n, r, e in runs]
         res = measure(modes, a.reps, name="lora")
-    full, lora = "full", f"lora_r{a.rank}"
     print(f"small model, {ROWS} x {LENGTH} tokens, micro batch {MICRO}, {a.reps} runs x "
           f"{a.steps} steps per mode (train_s: median; peak_rss_mb: the largest run's)")  # fmt: skip
     rows = []
     for key in ("params", "trainable", "grad_mb", "adam_mb", "peak_rss_mb", "train_s"):
-        f, lo = (res.spread(m, key)[1] if key == "peak_rss_mb" else res.median(m, key)
-                 for m in (full, lora))  # fmt: skip
-        rows.append([key, f"{f:.4g}", f"{lo:.4g}", f"{lo / f:.4f}"])
-    print(markdown_table(["", "full", f"LoRA r{a.rank}", "LoRA / full"], rows))
-    mem = {m: res.median(m, "grad_mb") + res.median(m, "adam_mb") for m in (full, lora)}
-    ratio = res.extra["grad_adam_lora_over_full"] = mem[lora] / mem[full]
-    print(f"gradient + optimizer memory, LoRA / full: {ratio:.4f} (goal <= 0.05: "
-          f"{'met' if ratio <= 0.05 else 'missed'})")  # fmt: skip
+        f, lo, sh = (res.spread(m, key)[1] if key == "peak_rss_mb" else res.median(m, key)
+                     for m in (full, per, shared))  # fmt: skip
+        rows.append([key, f"{f:.4g}", f"{lo:.4g}", f"{sh:.4g}", f"{lo / f:.4f}", f"{sh / f:.4f}"])
+    head = ["", "full", f"LoRA r{a.rank}", "shared", "LoRA / full", "shared / full"]
+    print(markdown_table(head, rows))
+    mem = {m: res.median(m, "grad_mb") + res.median(m, "adam_mb") for m in (full, per, shared)}
+    for m, key in ((per, "grad_adam_lora_over_full"), (shared, "grad_adam_shared_over_full")):
+        ratio = res.extra[key] = mem[m] / mem[full]
+        print(f"gradient + optimizer memory, {m} / full: {ratio:.4f} (goal <= 0.05: "
+              f"{'met' if ratio <= 0.05 else 'missed'})")  # fmt: skip
     share = res.extra["qwen3_30b_a3b_trainable_share"] = trainable_share(QWEN3_30B_A3B, a.rank)
-    print(f"the same share computed for Qwen3-30B-A3B's shapes: {share:.4f}")
+    tied = trainable_share(QWEN3_30B_A3B, a.rank, shared=True)
+    res.extra["qwen3_30b_a3b_trainable_share_shared"] = tied
+    print(f"the same share computed for Qwen3-30B-A3B's shapes: {share:.4f} (shared: {tied:.4f})")
     finish(res, a)
 
 

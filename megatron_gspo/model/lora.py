@@ -34,7 +34,9 @@ Adapters are registered as siblings of their base linear (`linear_qkv_lora` next
 `linear_qkv`), so the base's parameter names, its sharded checkpoint and the HF bridge are
 untouched; a forward hook on the base adds the LoRA term. The base weight carries a reference
 to its adapter (`lora_adapter`), which `merged_weight` uses to give W + s * B A for weight sync
-and export. Initial A is drawn from a generator seeded by the adapter's global name, then
+and export. An adapter shared by a layer's experts (`lora.experts: shared`) is registered once
+on the MoE layer (`experts_fc1_lora`, `experts_fc2_lora`) and hooked on every local expert's
+linear, whose weights all carry it. Initial A is drawn from a generator seeded by the adapter's global name, then
 sliced, so every parallel layout starts from the same adapters.
 """
 
@@ -67,12 +69,22 @@ class Target(StrEnum):
 
 
 class ExpertAdapters(StrEnum):
-    """One adapter per expert: what PEFT (`target_parameters` on 3-D expert tensors), prime-rl
-    (grouped LoRA, A [E, r, in]) and Megatron-Bridge (an adapter on each expert linear) do. An
-    adapter shared by a layer's experts is not offered: it would need its gradient reduced
-    across EP ranks outside megatron's expert/dense split, for a model few runs use."""
+    """How a MoE layer's experts are adapted.
+
+    per_expert: one adapter per expert (what PEFT does through `target_parameters` on the 3-D
+        expert tensors, prime-rl's grouped LoRA with A [E, r, in], and Megatron-Bridge on
+        per-expert linears). Trainable parameters per expert linear: r (in + out).
+    shared: one adapter per layer and expert projection, shared by all of the layer's experts
+        (expert e computes (W_e + s B A) x). E times fewer adapter parameters, gradients and
+        optimizer state on the experts. Megatron-Bridge does this by construction on grouped
+        experts (one adapter on the grouped linear), but per expert-parallel rank, so its
+        function changes with the EP size; here the adapter is the same on every rank: it is a
+        dense parameter (all-reduced over the data-parallel group, which spans the EP ranks), its
+        gradient the sum over the layer's experts. A PEFT export repeats it in every expert.
+    """
 
     PER_EXPERT = "per_expert"
+    SHARED = "shared"
 
 
 @dataclass
@@ -81,7 +93,7 @@ class LoraConfig:
     alpha: float = 32.0  # scale s = alpha / rank
     dropout: float = 0.0  # on the adapter's input only
     targets: list[str] = field(default_factory=lambda: [t.value for t in Target])
-    experts: ExpertAdapters = ExpertAdapters.PER_EXPERT
+    experts: ExpertAdapters = ExpertAdapters.PER_EXPERT  # one adapter per expert, or one for all
 
     @property
     def enabled(self) -> bool:
@@ -129,6 +141,7 @@ class Site:
     parts: tuple[tuple[int, int], ...]
     in_full: int
     groups: int = 1  # query groups (Rows.QKV)
+    shared_by: int = 0  # an adapter shared by the layer's experts: their number (else 0)
 
 
 class LoraAdapter(nn.Module):
@@ -165,8 +178,11 @@ class LoraAdapter(nn.Module):
         replicated = list(self.B) if row_split else [self.A]
         for p in replicated:
             p.sequence_parallel = self.sp  # type: ignore[union-attr,attr-defined]  # SP: partial sums
-        for p in self.parameters():  # allreduce False: an expert's param under EP (DDP's mark)
-            p.allreduce = getattr(weight, "allreduce", True)  # type: ignore[attr-defined]
+        # allreduce False: an expert's param under EP (DDP's mark); an adapter shared by the
+        # experts of every EP rank is a dense parameter
+        dense = self.site.shared_by > 0 or getattr(weight, "allreduce", True)
+        for p in self.parameters():
+            p.allreduce = dense  # type: ignore[attr-defined]
 
     def b_block(self) -> torch.Tensor:
         """B_blk [out_local, blocks * r]: each part's B in its A block's columns, rows in the
@@ -304,6 +320,22 @@ def attach(parent: nn.Module, child: str, site: Site, cfg: LoraConfig, seed: int
     base = getattr(parent, child)
     adapter = LoraAdapter(base, site, cfg, seed)
     parent.add_module(f"{child}_lora", adapter)
+    _hook(base, adapter)
+    return adapter
+
+
+def attach_shared(owner: nn.Module, name: str, bases: list[nn.Module], site: Site,
+                  cfg: LoraConfig, seed: int) -> LoraAdapter:  # fmt: skip
+    """One adapter, registered on `owner` as `name`, added to every linear of `bases` (the
+    layer's local experts' fc1 or fc2)."""
+    adapter = LoraAdapter(bases[0], site, cfg, seed)
+    owner.add_module(name, adapter)
+    for base in bases:
+        _hook(base, adapter)
+    return adapter
+
+
+def _hook(base: nn.Module, adapter: LoraAdapter) -> None:
     base.weight.lora_adapter = adapter
 
     def hook(module, args, output):
@@ -311,7 +343,6 @@ def attach(parent: nn.Module, child: str, site: Site, cfg: LoraConfig, seed: int
         return out + adapter(_adapter_input(module, args[0])).to(out.dtype), bias
 
     base.register_forward_hook(hook)
-    return adapter
 
 
 def _adapter_input(base: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,17 @@ chunk and expert as its base weight (global layer and expert indices name it).
 from __future__ import annotations
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.lora import Kind, LoraAdapter, LoraConfig, Rows, Site, Target, attach
+from megatron_gspo.model.lora import (
+    ExpertAdapters,
+    Kind,
+    LoraAdapter,
+    LoraConfig,
+    Rows,
+    Site,
+    Target,
+    attach,
+    attach_shared,
+)
 
 
 def apply_lora(chunks, cfg: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
@@ -61,15 +71,21 @@ def _layer(layer, lid: int, spec, cfg: LoraConfig, seed: int) -> list[LoraAdapte
                     Site(f"layers.{lid}.linear_fc2", Kind.ROW, Rows.ONE, ((0, h),), f),
                 )
             )
-    elif targets & {Target.EXPERT_FC1, Target.EXPERT_FC2}:
-        sites += _expert_sites(experts, lid, spec, targets)
-    return [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
+    out = [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
+    if experts is not None and targets & {Target.EXPERT_FC1, Target.EXPERT_FC2}:
+        local = _local_experts(experts)
+        if cfg.experts == ExpertAdapters.SHARED:
+            out += _shared_expert_adapters(mlp, local, lid, spec, cfg, seed)
+        else:
+            sites = _expert_sites(local, lid, spec, targets)
+            out += [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
+    return out
 
 
-def _expert_sites(experts, lid: int, spec, targets: set) -> list:
-    """One site per local expert and target, named by the expert's global index."""
-    from megatron.core import parallel_state as mpu
+_LINEAR = {Target.EXPERT_FC1: "linear_fc1", Target.EXPERT_FC2: "linear_fc2"}
 
+
+def _local_experts(experts) -> list:
     local = getattr(experts, "local_experts", None)
     if local is None:
         raise UserError(
@@ -77,18 +93,49 @@ def _expert_sites(experts, lid: int, spec, targets: set) -> list:
             f"experts are {type(experts).__name__}; remove expert_fc1 and expert_fc2 from "
             "lora.targets, or set model.moe_grouped_gemm=false (SequentialMLP)"
         )
+    return list(local)
+
+
+def _expert_site(name: str, fc: Target, spec, shared_by: int = 0) -> Site:
     h, f = spec.hidden_size, spec.moe_ffn_hidden_size
+    if fc is Target.EXPERT_FC1:
+        return Site(f"{name}.linear_fc1", Kind.EXPERT_COLUMN, Rows.GLU, ((0, f), (0, f)), h,
+                    shared_by=shared_by)  # fmt: skip
+    return Site(f"{name}.linear_fc2", Kind.EXPERT_ROW, Rows.ONE, ((0, h),), f, shared_by=shared_by)
+
+
+def _expert_sites(local: list, lid: int, spec, targets: set) -> list:
+    """One site per local expert and target, named by the expert's global index."""
+    from megatron.core import parallel_state as mpu
+
     first = mpu.get_expert_model_parallel_rank() * len(local)
     sites = []
     for i, expert in enumerate(local):
-        name = f"layers.{lid}.experts.{first + i}"
-        if Target.EXPERT_FC1 in targets:
-            site = Site(f"{name}.linear_fc1", Kind.EXPERT_COLUMN, Rows.GLU, ((0, f), (0, f)), h)
-            sites.append((expert, "linear_fc1", site))
-        if Target.EXPERT_FC2 in targets:
-            site = Site(f"{name}.linear_fc2", Kind.EXPERT_ROW, Rows.ONE, ((0, h),), f)
-            sites.append((expert, "linear_fc2", site))
+        for fc in (Target.EXPERT_FC1, Target.EXPERT_FC2):
+            if fc in targets:
+                site = _expert_site(f"layers.{lid}.experts.{first + i}", fc, spec)
+                sites.append((expert, _LINEAR[fc], site))
     return sites
+
+
+def _shared_expert_adapters(mlp, local: list, lid: int, spec, cfg: LoraConfig, seed: int) -> list:
+    """One adapter per expert projection, registered on the MoE layer (`experts_fc1_lora`), added
+    to every local expert's linear (lora.experts: shared)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_expert_tensor_parallel_world_size() != mpu.get_tensor_model_parallel_world_size():
+        raise UserError(
+            "lora.experts: shared needs the experts split like the dense layers (parallel.etp "
+            "equal to parallel.tp); unset parallel.etp, or set lora.experts: per_expert"
+        )
+    out = []
+    for fc in (Target.EXPERT_FC1, Target.EXPERT_FC2):
+        if fc in cfg.targets:
+            site = _expert_site(f"layers.{lid}.experts", fc, spec, spec.num_experts)
+            bases = [getattr(expert, _LINEAR[fc]) for expert in local]
+            name = "experts_" + _LINEAR[fc].removeprefix("linear_") + "_lora"  # experts_fc1_lora
+            out.append(attach_shared(mlp, name, bases, site, cfg, seed))
+    return out
 
 
 def adapters(chunks) -> list[LoraAdapter]:

@@ -69,19 +69,30 @@ def _factors(adapter: LoraAdapter, grads: bool) -> tuple[torch.Tensor, list[torc
 def _writer(adapter: LoraAdapter) -> bool:
     from megatron.core import parallel_state as mpu
 
-    expert = adapter.site.kind in (Kind.EXPERT_COLUMN, Kind.EXPERT_ROW)
+    expert = (
+        adapter.site.kind in (Kind.EXPERT_COLUMN, Kind.EXPERT_ROW) and not adapter.site.shared_by
+    )
     dp = mpu.get_expert_data_parallel_rank() if expert else mpu.get_data_parallel_rank()
     return adapter.group.rank() == 0 and dp == 0
 
 
 def local_factors(chunks, grads: bool = False) -> dict[str, tuple]:
-    """{site name: (A_full, [B_full])} of this rank's adapters (collective over TP)."""
+    """{site name: (A_full, [B_full])} of this rank's adapters (collective over TP). An adapter
+    shared by a layer's experts is given under each expert's name (as PEFT holds it)."""
     out = {}
     for adapter in adapters(chunks):
         a, bs = _factors(adapter, grads)
         if _writer(adapter):
-            out[adapter.site.name] = (a, bs)
+            out.update({name: (a, bs) for name in _expert_names(adapter.site)})
     return out
+
+
+def _expert_names(site) -> list[str]:
+    """`layers.L.experts.linear_fc1` shared by E experts -> `layers.L.experts.{e}.linear_fc1`."""
+    if not site.shared_by:
+        return [site.name]
+    head, _, fc = site.name.rpartition(".")
+    return [f"{head}.{e}.{fc}" for e in range(site.shared_by)]
 
 
 def all_factors(chunks, grads: bool = False) -> dict[str, tuple]:

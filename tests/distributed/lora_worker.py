@@ -3,9 +3,11 @@ random values, so the adapters matter), whole-batch log-probs, one on-policy GSP
 gradients, and the merged HF weights the weight sync sends; rank 0 saves them (torch.save).
 
 torchrun --nproc-per-node N tests/distributed/lora_worker.py CKPT OUT.pt [--tp ..] [--ep ..]
+    [--experts shared]
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import zlib
@@ -13,7 +15,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.lora import Kind, LoraConfig, is_lora_param
+from megatron_gspo.model.lora import ExpertAdapters, Kind, LoraConfig, is_lora_param
 from megatron_gspo.model.lora_apply import adapters
 from megatron_gspo.model.lora_peft import all_factors, peft_tensors
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
@@ -57,28 +59,30 @@ def main(argv: list[str]) -> None:
         ap.add_argument(f"--{axis}", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--resume", default=None, help="check save + resume in this directory")
+    ap.add_argument("--experts", default="per_expert", help="lora.experts")
     a = ap.parse_args(argv)
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
     init_distributed(dims)
+    lora = dataclasses.replace(LORA, experts=ExpertAdapters(a.experts))
     if a.resume:
-        resume(a, dims)
+        resume(a, dims, lora)
     else:
-        compare(a, dims)
+        compare(a, dims, lora)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def resume(a, dims) -> None:
+def resume(a, dims, lora: LoraConfig) -> None:
     """Three steps straight vs two, a checkpoint, a fresh actor loading it, the third: the same
     log-probs after (exact); the checkpoint holds no base weight."""
     batch = fixed_batch()
     loss_cfg = AlgoConfig(loss="gspo", clip_low=0.2, clip_high=0.28)
     runs = []
     for fresh in (False, True):
-        actor = Actor(load_policy(a.checkpoint, dims, lora=LORA), OptimConfig(lr=1e-2))
+        actor = Actor(load_policy(a.checkpoint, dims, lora=lora), OptimConfig(lr=1e-2))
         for i in range(3):
             if fresh and i == 2:
-                actor = Actor(load_policy(a.checkpoint, dims, lora=LORA), OptimConfig(lr=1e-2))
+                actor = Actor(load_policy(a.checkpoint, dims, lora=lora), OptimConfig(lr=1e-2))
                 actor.load(a.resume)
             elif not fresh and i == 2:
                 if dist.get_rank() == 0:
@@ -92,8 +96,8 @@ def resume(a, dims) -> None:
         torch.save(dict(straight=runs[0], resumed=runs[1], at_save=at_save), a.out)
 
 
-def compare(a, dims) -> None:
-    chunks = load_policy(a.checkpoint, dims, lora=LORA)
+def compare(a, dims, lora: LoraConfig) -> None:
+    chunks = load_policy(a.checkpoint, dims, lora=lora)
     set_b(chunks)
     trainable = [n for c in chunks for n, p in c.named_parameters() if p.requires_grad]
     assert trainable and all(is_lora_param(n) for n in trainable), trainable  # the base is frozen
@@ -108,8 +112,8 @@ def compare(a, dims) -> None:
     logprobs = [flat[a:b].tolist() for a, b in zip(cu[:-1], cu[1:], strict=True)]
     loss_cfg = AlgoConfig(loss="gspo", clip_low=0.2, clip_high=0.28)
     metrics = actor.train_step(batch, loss_cfg, 4, on_policy=True)
-    values = peft_tensors(all_factors(actor.chunks), LORA)
-    grads = peft_tensors(all_factors(actor.chunks, grads=True), LORA)
+    values = peft_tensors(all_factors(actor.chunks), lora)
+    grads = peft_tensors(all_factors(actor.chunks, grads=True), lora)
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (merged, changed))
     if dist.get_rank() == 0:

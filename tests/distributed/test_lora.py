@@ -27,6 +27,11 @@ LAYOUTS = {
     "pp2": (2, ["--pp", "2"]),
     "tp2xep2": (4, ["--tp", "2", "--ep", "2"]),
     "pp2-vpp2": (2, ["--pp", "2", "--vpp", "2"]),  # on moe4 (4 layers, unnormalized top-k)
+    # lora.experts: shared (one adapter per layer and projection for all experts): PEFT holds it
+    # repeated in every expert; its gradient is the sum of PEFT's per-expert gradients
+    "shared": (1, ["--experts", "shared"]),
+    "shared-ep2": (2, ["--ep", "2", "--experts", "shared"]),
+    "shared-tp2xep2": (4, ["--tp", "2", "--ep", "2", "--experts", "shared"]),
 }
 
 
@@ -63,6 +68,23 @@ def reference(pm) -> tuple[list[torch.Tensor], dict]:
     return [lp.detach() for lp in logp], grads
 
 
+def tied(grads: dict, rank: int) -> dict:
+    """PEFT's per-expert adapter gradients -> those of one adapter the experts share, repeated in
+    every expert: the sum over experts (lora_A [r*E, in] expert-major; lora_B [out, r*E], expert
+    e's column j at j*E + e)."""
+    out = dict(grads)
+    for key, g in grads.items():
+        if ".mlp.experts." not in key:
+            continue
+        if "lora_A" in key:
+            e = g.shape[0] // rank
+            out[key] = g.view(e, rank, -1).sum(0).repeat(e, 1)
+        else:
+            e = g.shape[1] // rank
+            out[key] = g.view(-1, rank, e).sum(-1, keepdim=True).expand(-1, rank, e).flatten(1)
+    return out
+
+
 def per_expert(state: dict) -> dict:
     """transformers 5's fused expert tensors [E, 2F, H] / [E, H, F] under the checkpoint's
     per-expert names (experts.{e}.gate_proj / up_proj / down_proj), as the bridge writes them."""
@@ -88,6 +110,10 @@ def test_lora_matches_peft(layout, tiny_models, tmp_path, monkeypatch):
     got = torch.load(out)
     pm = peft_model(model, got["values"], monkeypatch)
     logp, grads = reference(pm)
+    if "shared" in flags:
+        grads = tied(grads, LORA.rank)
+        a = next(v for k, v in got["values"].items() if ".experts." in k and "lora_A" in k)
+        assert torch.equal(a[: LORA.rank], a[-LORA.rank :])  # one adapter, repeated
     for mine, ref in zip(got["logprobs"], logp):
         torch.testing.assert_close(torch.tensor(mine[1:]), ref, atol=1e-5, rtol=0)
     assert set(got["grads"]) == set(grads)
@@ -105,7 +131,7 @@ def test_lora_matches_peft(layout, tiny_models, tmp_path, monkeypatch):
     assert len(got["changed"]) < len(got["merged"])
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2xep2"])
+@pytest.mark.parametrize("layout", ["single", "tp2xep2", "shared-tp2xep2"])
 def test_lora_checkpoint_resumes_exactly_without_the_base(layout, tiny_models, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -121,15 +147,17 @@ def test_lora_checkpoint_resumes_exactly_without_the_base(layout, tiny_models, t
     assert (ckpt / "lora.json").is_file()
 
 
-def test_convert_exports_the_merged_model_and_a_peft_adapter(tiny_models, tmp_path):
+@pytest.mark.parametrize("experts", ["per_expert", "shared"])
+def test_convert_exports_the_merged_model_and_a_peft_adapter(experts, tiny_models, tmp_path):
     """A checkpoint saved under EP2, exported on one rank: the merged HF model and PEFT's
-    loading of the adapter onto the base both give the trainer's log-probs at the save."""
+    loading of the adapter onto the base both give the trainer's log-probs at the save (a shared
+    expert adapter: repeated in each expert of the PEFT adapter)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base, out, step = tiny_models["moe_all"], tmp_path / "out.pt", tmp_path / "step_2"
     run_distributed(WORKER, 2, str(base), str(out), "--ep", "2", "--resume", str(step / "model"),
-                    out=None)  # fmt: skip
+                    "--experts", experts, out=None)  # fmt: skip
     want = [torch.tensor(r[1:]) for r in torch.load(out)["at_save"]]
     hf = tmp_path / "hf"
     proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(hf)])
