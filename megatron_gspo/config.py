@@ -142,6 +142,7 @@ class Config:
                 "split); set data.eval=FILE, or train.eval_every=0 to turn eval off"
             )
         self.reward.check_limit(*self.length_limit())
+        self.lora.check_layout(self.parallel.tp, self.parallel.etp)
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.algo.minibatches:
             raise UserError(

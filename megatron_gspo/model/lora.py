@@ -114,6 +114,18 @@ class LoraConfig:
         if self.enabled and not self.targets:
             raise UserError("lora.targets is empty; name at least one of " + ", ".join(valid))
 
+    def check_layout(self, tp: int, etp: int | None) -> None:
+        """A shared expert adapter is a dense parameter: the experts must be split like the
+        dense layers (expert-TP = TP)."""
+        shared = self.experts == ExpertAdapters.SHARED and bool(
+            {Target.EXPERT_FC1, Target.EXPERT_FC2} & set(self.targets)
+        )
+        if self.enabled and shared and etp is not None and etp != tp:
+            raise UserError(
+                "lora.experts: shared needs the experts split like the dense layers (parallel.etp "
+                "equal to parallel.tp); unset parallel.etp, or set lora.experts: per_expert"
+            )
+
 
 class Rows(enum.Enum):
     """How the parts' B rows make the base weight's rows."""

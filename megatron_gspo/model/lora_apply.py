@@ -123,11 +123,9 @@ def _shared_expert_adapters(mlp, local: list, lid: int, spec, cfg: LoraConfig, s
     to every local expert's linear (lora.experts: shared)."""
     from megatron.core import parallel_state as mpu
 
-    if mpu.get_expert_tensor_parallel_world_size() != mpu.get_tensor_model_parallel_world_size():
-        raise UserError(
-            "lora.experts: shared needs the experts split like the dense layers (parallel.etp "
-            "equal to parallel.tp); unset parallel.etp, or set lora.experts: per_expert"
-        )
+    cfg.check_layout(
+        mpu.get_tensor_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size()
+    )
     out = []
     for fc in (Target.EXPERT_FC1, Target.EXPERT_FC2):
         if fc in cfg.targets:

@@ -63,6 +63,11 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
         ("model: {path: m}\n", ["lora.targets=[router]"], "unknown target 'router'; choose"),
         ("model: {path: m}\n", ["lora.rank=8", "lora.targets=[]"], "lora.targets is empty"),
         ("model: {path: m}\n", ["lora.experts=per_layer"], "lora.experts must be one of"),
+        (
+            "model: {path: m}\n",
+            ["lora.rank=4", "lora.experts=shared", "parallel.tp=2", "parallel.etp=1"],
+            "lora.experts: shared needs",
+        ),  # fmt: skip
         ("model: {path: m}\n", ["lora.dropout=1"], "lora.dropout must be a finite number in"),
         ("model: {path: m}\n", ["optim.min_lr=1"], "min_lr must be a finite number in"),
         ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
