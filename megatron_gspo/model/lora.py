@@ -36,8 +36,8 @@ untouched; a forward hook on the base adds the LoRA term. The base weight carrie
 to its adapter (`lora_adapter`), which `merged_weight` uses to give W + s * B A for weight sync
 and export. An adapter shared by a layer's experts (`lora.experts: shared`) is registered once
 on the MoE layer (`experts_fc1_lora`, `experts_fc2_lora`) and hooked on every local expert's
-linear, whose weights all carry it. Initial A is drawn from a generator seeded by the adapter's global name, then
-sliced, so every parallel layout starts from the same adapters.
+linear, whose weights all carry it. Initial A is drawn from a generator seeded by the adapter's
+global name, then sliced, so every parallel layout starts from the same adapters.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ class ExpertAdapters(StrEnum):
         per-expert linears). Trainable parameters per expert linear: r (in + out).
     shared: one adapter per layer and expert projection, shared by all of the layer's experts
         (expert e computes (W_e + s B A) x). E times fewer adapter parameters, gradients and
-        optimizer state on the experts. Megatron-Bridge does this by construction on grouped
-        experts (one adapter on the grouped linear), but per expert-parallel rank, so its
-        function changes with the EP size; here the adapter is the same on every rank: it is a
+        optimizer state on the experts. Megatron-Bridge's LoRA on a grouped expert linear is of
+        this kind (one adapter on the grouped linear's input), held per expert-parallel rank, so
+        its function changes with the EP size; here the adapter is the same on every rank: it is a
         dense parameter (all-reduced over the data-parallel group, which spans the EP ranks), its
         gradient the sum over the layer's experts. A PEFT export repeats it in every expert.
     """
