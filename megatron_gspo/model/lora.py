@@ -81,6 +81,8 @@ class ExpertAdapters(StrEnum):
         its function changes with the EP size; here the adapter is the same on every rank: it is a
         dense parameter (all-reduced over the data-parallel group, which spans the EP ranks), its
         gradient the sum over the layer's experts. A PEFT export repeats it in every expert.
+        (SGLang's MoE LoRA also serves a "shared outer" form: gate_up's A and down's B shared,
+        the inner factors per expert.)
     """
 
     PER_EXPERT = "per_expert"
