@@ -55,7 +55,7 @@ def child(model: str, rank: int, steps: int, experts: str) -> dict:
     import torch
 
     from megatron_gspo.algo.config import AlgoConfig
-    from megatron_gspo.model.lora import ExpertAdapters, LoraConfig
+    from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig
     from megatron_gspo.model.optim import OptimConfig
     from megatron_gspo.model.parallel import ParallelDims, init_distributed
     from megatron_gspo.model.policy import load_policy

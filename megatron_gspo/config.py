@@ -31,7 +31,7 @@ from megatron_gspo.checks import INT_MAX, choice, in_range, need, positive, show
 from megatron_gspo.config_renames import rename_keys, rename_overrides, set_dotted
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB
-from megatron_gspo.model.lora import LoraConfig
+from megatron_gspo.model.lora_config import LoraConfig
 from megatron_gspo.model.modes import GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import ParallelConfig
@@ -143,6 +143,8 @@ class Config:
             )
         self.reward.check_limit(*self.length_limit())
         self.lora.check_layout(self.parallel.tp, self.parallel.etp)
+        if self.model.moe_grouped_gemm == GroupedGemm.ON:  # auto is decided at build
+            self.lora.experts_build(True, te=False)
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.algo.minibatches:
             raise UserError(

@@ -66,6 +66,11 @@ class BuildOptions:
             return device_type() == "cuda"
         return self.moe_grouped_gemm
 
+    def uses_te(self) -> bool:
+        if self.use_transformer_engine is None:
+            return device_type() == "cuda" and have_transformer_engine()
+        return self.use_transformer_engine
+
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
     """Vocab rounded up so every TP rank holds an equal slice; independent of tp when possible."""
@@ -181,9 +186,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
 
     dims.validate(spec)
     config = transformer_config(spec, dims, opts)
-    use_te = opts.use_transformer_engine
-    if use_te is None:
-        use_te = device_type() == "cuda" and have_transformer_engine()
+    use_te = opts.uses_te()
     vocab = opts.padded_vocab_size or padded_vocab_size(spec.vocab_size, dims.tp)
     if vocab % dims.tp:
         raise UserError(f"--tp {dims.tp} does not divide the padded vocabulary {vocab}")

@@ -123,6 +123,7 @@ class GroupedExperts(GroupedMLP):
             raise ValueError("GroupedExperts computes SwiGLU experts only")
         with _without_grouped_gemm_package():
             super().__init__(num_local_experts, config, pg_collection)
+        self.lora: dict = {}  # "fc1" / "fc2": an adapter shared by the experts (model/lora.py)
 
     def forward(self, x_TH, tokens_per_expert, probs_T):
         from megatron.core import tensor_parallel
@@ -132,13 +133,19 @@ class GroupedExperts(GroupedMLP):
         w2_EFH = self.weight2.view(E, -1, H)
         probs_T1 = probs_T.unsqueeze(-1)
         h_T2F = grouped_mm(x_TH, w1_EH2F, tokens_per_expert)
-        if self.activation_recompute:
+        fc1, fc2 = self.lora.get("fc1"), self.lora.get("fc2")
+        if fc1 is not None:
+            h_T2F = h_T2F + fc1(x_TH).to(h_T2F.dtype)
+        if self.activation_recompute and fc2 is None:  # fc2's adapter keeps a for its backward
             ckpt = tensor_parallel.CheckpointWithoutOutput()
             a_TF = ckpt.checkpoint(self._swiglu_with_probs, h_T2F, probs_T1)
             y_TH = grouped_mm(a_TF, w2_EFH, tokens_per_expert)
             ckpt.discard_output_and_register_recompute(y_TH)
-        else:
-            y_TH = grouped_mm(self._swiglu_with_probs(h_T2F, probs_T1), w2_EFH, tokens_per_expert)
+            return y_TH, None
+        a_TF = self._swiglu_with_probs(h_T2F, probs_T1)
+        y_TH = grouped_mm(a_TF, w2_EFH, tokens_per_expert)
+        if fc2 is not None:
+            y_TH = y_TH + fc2(a_TF).to(y_TH.dtype)
         return y_TH, None
 
     def _swiglu_with_probs(self, h_T2F, probs_T1):
@@ -185,7 +192,10 @@ def expert_views(
     else:
         stacked = data.view(num_local_experts, -1, hidden)  # [E, F, H]
     fc = _FC[m["which"]]
-    return [
-        (f"{m['prefix']}local_experts.{e}.{fc}.weight", stacked[e].t())
-        for e in range(num_local_experts)
-    ]
+    views = [(f"{m['prefix']}local_experts.{e}.{fc}.weight", stacked[e].t())
+             for e in range(num_local_experts)]  # fmt: skip
+    adapter = getattr(param, "lora_adapter", None)  # a shared LoRA adapter: every view's
+    if adapter is not None:
+        for _, view in views:
+            view.lora_adapter = adapter  # type: ignore[attr-defined]
+    return views

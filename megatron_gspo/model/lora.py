@@ -45,88 +45,14 @@ from __future__ import annotations
 import enum
 import math
 import zlib
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from megatron_gspo.checks import in_range
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.bridge.base import fuse_qkv
-
-
-class Target(StrEnum):
-    """Modules an adapter can sit on (megatron names; HF: q/k/v_proj, o_proj, gate/up_proj,
-    down_proj, experts.gate_up_proj, experts.down_proj)."""
-
-    QKV = "linear_qkv"
-    PROJ = "linear_proj"
-    FC1 = "linear_fc1"  # dense MLP
-    FC2 = "linear_fc2"
-    EXPERT_FC1 = "expert_fc1"
-    EXPERT_FC2 = "expert_fc2"
-
-
-class ExpertAdapters(StrEnum):
-    """How a MoE layer's experts are adapted.
-
-    per_expert: one adapter per expert (what PEFT does through `target_parameters` on the 3-D
-        expert tensors, prime-rl's grouped LoRA with A [E, r, in], and Megatron-Bridge on
-        per-expert linears). Trainable parameters per expert linear: r (in + out).
-    shared: one adapter per layer and expert projection, shared by all of the layer's experts
-        (expert e computes (W_e + s B A) x). E times fewer adapter parameters, gradients and
-        optimizer state on the experts. Megatron-Bridge's LoRA on a grouped expert linear is of
-        this kind (one adapter on the grouped linear's input), held per expert-parallel rank, so
-        its function changes with the EP size; here the adapter is the same on every rank: it is a
-        dense parameter (all-reduced over the data-parallel group, which spans the EP ranks), its
-        gradient the sum over the layer's experts. A PEFT export repeats it in every expert.
-        (SGLang's MoE LoRA also serves a "shared outer" form: gate_up's A and down's B shared,
-        the inner factors per expert.)
-    """
-
-    PER_EXPERT = "per_expert"
-    SHARED = "shared"
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 0  # 0: off (full-weight training)
-    alpha: float = 32.0  # scale s = alpha / rank
-    dropout: float = 0.0  # on the adapter's input only
-    targets: list[str] = field(default_factory=lambda: [t.value for t in Target])
-    experts: ExpertAdapters = ExpertAdapters.PER_EXPERT  # one adapter per expert, or one for all
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def check(self) -> None:
-        in_range(self.rank, "lora.rank", 0)
-        in_range(self.alpha, "lora.alpha", 0, lo_open=True)
-        in_range(self.dropout, "lora.dropout", 0, 1, hi_open=True)
-        valid = [t.value for t in Target]
-        for t in self.targets:
-            if t not in valid:
-                raise UserError(f"lora.targets: unknown target {t!r}; choose from {valid}")
-        if self.enabled and not self.targets:
-            raise UserError("lora.targets is empty; name at least one of " + ", ".join(valid))
-
-    def check_layout(self, tp: int, etp: int | None) -> None:
-        """A shared expert adapter is a dense parameter: the experts must be split like the
-        dense layers (expert-TP = TP)."""
-        shared = self.experts == ExpertAdapters.SHARED and bool(
-            {Target.EXPERT_FC1, Target.EXPERT_FC2} & set(self.targets)
-        )
-        if self.enabled and shared and etp is not None and etp != tp:
-            raise UserError(
-                "lora.experts: shared needs the experts split like the dense layers (parallel.etp "
-                "equal to parallel.tp); unset parallel.etp, or set lora.experts: per_expert"
-            )
+from megatron_gspo.model.lora_config import LoraConfig
 
 
 class Rows(enum.Enum):
@@ -161,7 +87,10 @@ class Site:
 class LoraAdapter(nn.Module):
     """The trainable factors of one targeted linear (see the module docstring for the math)."""
 
-    def __init__(self, base: nn.Module, site: Site, cfg: LoraConfig, seed: int):
+    def __init__(self, base: nn.Module, site: Site, cfg: LoraConfig, seed: int,
+                 weight: torch.Tensor | None = None):  # fmt: skip
+        """`base`: the adapted module (its TP group, SP flag); `weight`: its weight (dtype,
+        device), `base.weight` unless given (grouped experts hold theirs as weight1/weight2)."""
         super().__init__()
         self.site, self.r, self.scale = site, cfg.rank, cfg.scale
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
@@ -171,7 +100,7 @@ class LoraAdapter(nn.Module):
             Kind.COLUMN,
             Kind.ROW,
         )
-        weight: torch.Tensor = base.weight  # type: ignore[assignment]
+        weight = base.weight if weight is None else weight  # type: ignore[assignment]
         row_split = site.kind in (Kind.ROW, Kind.EXPERT_ROW)
         blocks = 1 + max(a for a, _ in site.parts)
         a_full = _init_a(blocks * self.r, site.in_full, seed, site.name, weight.device)
@@ -346,6 +275,19 @@ def attach_shared(owner: nn.Module, name: str, bases: list[nn.Module], site: Sit
     owner.add_module(name, adapter)
     for base in bases:
         _hook(base, adapter)
+    return adapter
+
+
+def attach_grouped(experts: nn.Module, owner: nn.Module, fc: str, site: Site, cfg: LoraConfig,
+                   seed: int) -> LoraAdapter:  # fmt: skip
+    """A shared adapter on grouped experts' fc1 or fc2 (`fc`): registered on `owner` (the MoE
+    layer) as `experts_{fc}_lora`, called by the experts' forward (model/experts.py) on all of
+    their tokens, and carried by the grouped weight (weight1 / weight2) for merging."""
+    weight = experts.weight1 if fc == "fc1" else experts.weight2
+    adapter = LoraAdapter(experts, site, cfg, seed, weight=weight)
+    owner.add_module(f"experts_{fc}_lora", adapter)
+    experts.lora[fc] = adapter
+    weight.lora_adapter = adapter
     return adapter
 
 

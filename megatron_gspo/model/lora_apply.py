@@ -11,16 +11,15 @@ from __future__ import annotations
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.lora import (
-    ExpertAdapters,
     Kind,
     LoraAdapter,
-    LoraConfig,
     Rows,
     Site,
-    Target,
     attach,
+    attach_grouped,
     attach_shared,
 )
+from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig, Target
 
 
 def apply_lora(chunks, cfg: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
@@ -73,25 +72,34 @@ def _layer(layer, lid: int, spec, cfg: LoraConfig, seed: int) -> list[LoraAdapte
             )
     out = [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
     if experts is not None and targets & {Target.EXPERT_FC1, Target.EXPERT_FC2}:
-        local = _local_experts(experts)
-        if cfg.experts == ExpertAdapters.SHARED:
-            out += _shared_expert_adapters(mlp, local, lid, spec, cfg, seed)
-        else:
-            sites = _expert_sites(local, lid, spec, targets)
-            out += [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
+        out += _expert_adapters(mlp, experts, lid, spec, cfg, seed)
     return out
+
+
+def _expert_adapters(mlp, experts, lid: int, spec, cfg: LoraConfig, seed: int) -> list:
+    """Per-expert adapters (SequentialMLP), or one per projection shared by the experts
+    (SequentialMLP or this project's grouped experts)."""
+    shared = cfg.experts == ExpertAdapters.SHARED
+    if shared and isinstance(getattr(experts, "lora", None), dict):  # model/experts.py
+        return _shared_expert_adapters(mlp, experts, None, lid, spec, cfg, seed)
+    local = _local_experts(experts, shared)
+    if shared:
+        return _shared_expert_adapters(mlp, experts, local, lid, spec, cfg, seed)
+    sites = _expert_sites(local, lid, spec, set(cfg.targets))
+    return [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
 
 
 _LINEAR = {Target.EXPERT_FC1: "linear_fc1", Target.EXPERT_FC2: "linear_fc2"}
 
 
-def _local_experts(experts) -> list:
+def _local_experts(experts, shared: bool) -> list:
     local = getattr(experts, "local_experts", None)
     if local is None:
+        fix = "" if shared else "set lora.experts: shared (it runs on grouped experts), or "
         raise UserError(
-            f"LoRA on experts needs megatron's per-expert MLPs (SequentialMLP); this model's "
-            f"experts are {type(experts).__name__}; remove expert_fc1 and expert_fc2 from "
-            "lora.targets, or set model.moe_grouped_gemm=false (SequentialMLP)"
+            f"LoRA on experts needs megatron's per-expert MLPs (SequentialMLP) here; this model's "
+            f"experts are {type(experts).__name__}; {fix}set model.moe_grouped_gemm=false "
+            "(SequentialMLP), or remove expert_fc1 and expert_fc2 from lora.targets"
         )
     return list(local)
 
@@ -118,9 +126,11 @@ def _expert_sites(local: list, lid: int, spec, targets: set) -> list:
     return sites
 
 
-def _shared_expert_adapters(mlp, local: list, lid: int, spec, cfg: LoraConfig, seed: int) -> list:
-    """One adapter per expert projection, registered on the MoE layer (`experts_fc1_lora`), added
-    to every local expert's linear (lora.experts: shared)."""
+def _shared_expert_adapters(mlp, experts, local: list | None, lid: int, spec, cfg: LoraConfig,
+                            seed: int) -> list:  # fmt: skip
+    """One adapter per expert projection, registered on the MoE layer (`experts_fc1_lora`):
+    added to every local expert's linear (`local`, SequentialMLP), or called by grouped experts
+    on all of their tokens (`local` None). lora.experts: shared."""
     from megatron.core import parallel_state as mpu
 
     cfg.check_layout(
@@ -128,11 +138,15 @@ def _shared_expert_adapters(mlp, local: list, lid: int, spec, cfg: LoraConfig, s
     )
     out = []
     for fc in (Target.EXPERT_FC1, Target.EXPERT_FC2):
-        if fc in cfg.targets:
-            site = _expert_site(f"layers.{lid}.experts", fc, spec, spec.num_experts)
+        if fc not in cfg.targets:
+            continue
+        site = _expert_site(f"layers.{lid}.experts", fc, spec, spec.num_experts)
+        short = _LINEAR[fc].removeprefix("linear_")  # fc1 / fc2
+        if local is None:
+            out.append(attach_grouped(experts, mlp, short, site, cfg, seed))
+        else:
             bases = [getattr(expert, _LINEAR[fc]) for expert in local]
-            name = "experts_" + _LINEAR[fc].removeprefix("linear_") + "_lora"  # experts_fc1_lora
-            out.append(attach_shared(mlp, name, bases, site, cfg, seed))
+            out.append(attach_shared(mlp, f"experts_{short}_lora", bases, site, cfg, seed))
     return out
 
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf import io as hf_io
 from megatron_gspo.model import lora_ckpt
-from megatron_gspo.model.lora import ExpertAdapters, LoraConfig, is_lora_param
+from megatron_gspo.model.lora import is_lora_param
+from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig
 from megatron_gspo.model.lora_peft import all_factors, peft_config, peft_tensors
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.lora import Kind, LoraAdapter, LoraConfig, Target
+from megatron_gspo.model.lora import Kind, LoraAdapter
 from megatron_gspo.model.lora_apply import adapters
+from megatron_gspo.model.lora_config import LoraConfig, Target
 
 PREFIX = "base_model.model.model.layers"
 _MODULES = {

@@ -11,8 +11,8 @@ from megatron_gspo.hf.io import HFReader
 from megatron_gspo.model import checkpoint as mckpt
 from megatron_gspo.model import lora_ckpt
 from megatron_gspo.model.builder import BuildOptions, build_model
-from megatron_gspo.model.lora import LoraConfig
 from megatron_gspo.model.lora_apply import apply_lora
+from megatron_gspo.model.lora_config import LoraConfig
 from megatron_gspo.model.parallel import ParallelDims
 
 
@@ -43,6 +43,10 @@ def load_policy(
 
     spec, meta = checkpoint_spec(path)
     opts = opts or BuildOptions()
+    if lora is not None and spec.is_moe:  # experts its adapters can sit on (auto: decided here)
+        opts = replace(
+            opts, moe_grouped_gemm=lora.experts_build(opts.moe_grouped_gemm, opts.uses_te())
+        )
     if meta is None:
         reader = HFReader(path)
         opts = replace(opts, params_dtype=opts.params_dtype or reader.dtype())

@@ -3,7 +3,7 @@ random values, so the adapters matter), whole-batch log-probs, one on-policy GSP
 gradients, and the merged HF weights the weight sync sends; rank 0 saves them (torch.save).
 
 torchrun --nproc-per-node N tests/distributed/lora_worker.py CKPT OUT.pt [--tp ..] [--ep ..]
-    [--experts shared]
+    [--experts shared] [--grouped]
 """
 
 import argparse
@@ -15,8 +15,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.lora import ExpertAdapters, Kind, LoraConfig, is_lora_param
+from megatron_gspo.model.builder import BuildOptions
+from megatron_gspo.model.lora import Kind, is_lora_param
 from megatron_gspo.model.lora_apply import adapters
+from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig
 from megatron_gspo.model.lora_peft import all_factors, peft_tensors
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
@@ -60,10 +62,12 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--resume", default=None, help="check save + resume in this directory")
     ap.add_argument("--experts", default="per_expert", help="lora.experts")
+    ap.add_argument("--grouped", action="store_true", help="grouped experts (model/experts.py)")
     a = ap.parse_args(argv)
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, world_size=world_size_from_env())
     init_distributed(dims)
     lora = dataclasses.replace(LORA, experts=ExpertAdapters(a.experts))
+    a.opts = BuildOptions(moe_grouped_gemm=a.grouped)
     if a.resume:
         resume(a, dims, lora)
     else:
@@ -79,10 +83,12 @@ def resume(a, dims, lora: LoraConfig) -> None:
     loss_cfg = AlgoConfig(loss="gspo", clip_low=0.2, clip_high=0.28)
     runs = []
     for fresh in (False, True):
-        actor = Actor(load_policy(a.checkpoint, dims, lora=lora), OptimConfig(lr=1e-2))
+        actor = Actor(load_policy(a.checkpoint, dims, a.opts, lora=lora), OptimConfig(lr=1e-2))
         for i in range(3):
             if fresh and i == 2:
-                actor = Actor(load_policy(a.checkpoint, dims, lora=lora), OptimConfig(lr=1e-2))
+                actor = Actor(
+                    load_policy(a.checkpoint, dims, a.opts, lora=lora), OptimConfig(lr=1e-2)
+                )
                 actor.load(a.resume)
             elif not fresh and i == 2:
                 if dist.get_rank() == 0:
@@ -97,7 +103,7 @@ def resume(a, dims, lora: LoraConfig) -> None:
 
 
 def compare(a, dims, lora: LoraConfig) -> None:
-    chunks = load_policy(a.checkpoint, dims, lora=lora)
+    chunks = load_policy(a.checkpoint, dims, a.opts, lora=lora)
     set_b(chunks)
     trainable = [n for c in chunks for n, p in c.named_parameters() if p.requires_grad]
     assert trainable and all(is_lora_param(n) for n in trainable), trainable  # the base is frozen

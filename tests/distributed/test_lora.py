@@ -32,6 +32,11 @@ LAYOUTS = {
     "shared": (1, ["--experts", "shared"]),
     "shared-ep2": (2, ["--ep", "2", "--experts", "shared"]),
     "shared-tp2xep2": (4, ["--tp", "2", "--ep", "2", "--experts", "shared"]),
+    # the same on grouped experts (model/experts.py: one GEMM per projection, the adapter on all
+    # of the layer's tokens), the GPU's default experts
+    "shared-grouped": (1, ["--experts", "shared", "--grouped"]),
+    "shared-grouped-ep2": (2, ["--ep", "2", "--experts", "shared", "--grouped"]),
+    "shared-grouped-tp2xep2": (4, ["--tp", "2", "--ep", "2", "--experts", "shared", "--grouped"]),
 }
 
 
@@ -131,7 +136,9 @@ def test_lora_matches_peft(layout, tiny_models, tmp_path, monkeypatch):
     assert len(got["changed"]) < len(got["merged"])
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2xep2", "shared-tp2xep2"])
+@pytest.mark.parametrize(
+    "layout", ["single", "tp2xep2", "shared-tp2xep2", "shared-grouped-tp2xep2"]
+)
 def test_lora_checkpoint_resumes_exactly_without_the_base(layout, tiny_models, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -67,7 +67,12 @@ def test_yaml_and_overrides_build_typed_sections(tmp_path):
             "model: {path: m}\n",
             ["lora.rank=4", "lora.experts=shared", "parallel.tp=2", "parallel.etp=1"],
             "lora.experts: shared needs",
-        ),  # fmt: skip
+        ),
+        (
+            "model: {path: m, moe_grouped_gemm: true}\n",
+            ["lora.rank=4"],
+            r"set lora.experts: shared \(it runs on grouped experts\), or set model.moe_grouped",
+        ),
         ("model: {path: m}\n", ["lora.dropout=1"], "lora.dropout must be a finite number in"),
         ("model: {path: m}\n", ["optim.min_lr=1"], "min_lr must be a finite number in"),
         ("model: {path: m}\n", ["rollout.urls=[http://a]", "rollout.router_url=r:1"], "http"),
@@ -319,3 +324,26 @@ def test_bad_model_modes_are_one_line_naming_the_choices(override, message):
     with pytest.raises(UserError, match=message) as e:
         load_config(None, ["model.path=m", override])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("rank", "experts", "targets", "grouped", "te", "want"),
+    [
+        (0, "per_expert", None, None, False, None),  # LoRA off: the device decides
+        (4, "per_expert", None, None, False, False),  # per-expert adapters: SequentialMLP
+        (4, "shared", None, None, False, None),  # grouped experts take a shared adapter
+        (4, "shared", None, None, True, False),  # TE's grouped MLP takes none
+        (4, "shared", None, True, False, True),
+        (4, "per_expert", ["linear_qkv"], True, True, True),  # experts not adapted
+        (4, "per_expert", None, False, True, False),
+    ],
+)
+def test_lora_picks_experts_its_adapters_can_sit_on(rank, experts, targets, grouped, te, want):
+    from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig
+
+    cfg = LoraConfig(rank=rank, experts=ExpertAdapters(experts))
+    if targets is not None:
+        cfg.targets = targets
+    assert cfg.experts_build(grouped, te) is want
+    with pytest.raises(UserError, match="model.moe_grouped_gemm=false"):
+        LoraConfig(rank=4, experts=ExpertAdapters.SHARED).experts_build(True, te=True)
