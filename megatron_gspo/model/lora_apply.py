@@ -4,7 +4,8 @@ Called once the base weights are loaded and before the actor wraps the chunks in
 DDP buckets, and the optimizer holds, only parameters with requires_grad, so the frozen base
 keeps no gradient buffer and no optimizer state; the adapters are all there is to train and to
 all-reduce. Pipeline stages and experts need nothing of their own: an adapter lives in the same
-chunk and expert as its base weight (global layer and expert indices name it).
+chunk and expert as its base weight (global layer and expert indices name it); one shared by a
+layer's experts (`lora.experts: shared`) lives on the MoE layer, a dense parameter.
 """
 
 from __future__ import annotations
