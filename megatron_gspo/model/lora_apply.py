@@ -10,7 +10,6 @@ layer's experts (`lora.experts: shared`) lives on the MoE layer, a dense paramet
 
 from __future__ import annotations
 
-from megatron_gspo.errors import UserError
 from megatron_gspo.model.lora import (
     Kind,
     LoraAdapter,
@@ -80,29 +79,17 @@ def _layer(layer, lid: int, spec, cfg: LoraConfig, seed: int) -> list[LoraAdapte
 def _expert_adapters(mlp, experts, lid: int, spec, cfg: LoraConfig, seed: int) -> list:
     """Per-expert adapters (SequentialMLP), or one per projection shared by the experts
     (SequentialMLP or this project's grouped experts)."""
-    shared = cfg.experts == ExpertAdapters.SHARED
-    if shared and isinstance(getattr(experts, "lora", None), dict):  # model/experts.py
+    local = getattr(experts, "local_experts", None)
+    if local is None:  # grouped experts: ours take a shared adapter, TE's none (else: the fix)
+        cfg.experts_build(True, te=not isinstance(getattr(experts, "lora", None), dict))
         return _shared_expert_adapters(mlp, experts, None, lid, spec, cfg, seed)
-    local = _local_experts(experts, shared)
-    if shared:
-        return _shared_expert_adapters(mlp, experts, local, lid, spec, cfg, seed)
-    sites = _expert_sites(local, lid, spec, set(cfg.targets))
+    if cfg.experts == ExpertAdapters.SHARED:
+        return _shared_expert_adapters(mlp, experts, list(local), lid, spec, cfg, seed)
+    sites = _expert_sites(list(local), lid, spec, set(cfg.targets))
     return [attach(parent, child, site, cfg, seed) for parent, child, site in sites]
 
 
 _LINEAR = {Target.EXPERT_FC1: "linear_fc1", Target.EXPERT_FC2: "linear_fc2"}
-
-
-def _local_experts(experts, shared: bool) -> list:
-    local = getattr(experts, "local_experts", None)
-    if local is None:
-        fix = "" if shared else "set lora.experts: shared (it runs on grouped experts), or "
-        raise UserError(
-            f"LoRA on experts needs megatron's per-expert MLPs (SequentialMLP) here; this model's "
-            f"experts are {type(experts).__name__}; {fix}set model.moe_grouped_gemm=false "
-            "(SequentialMLP), or remove expert_fc1 and expert_fc2 from lora.targets"
-        )
-    return list(local)
 
 
 def _expert_site(name: str, fc: Target, spec, shared_by: int = 0) -> Site:
