@@ -3,6 +3,7 @@ rank, a free local port. No Megatron."""
 
 from __future__ import annotations
 
+import random
 import socket
 
 import torch.distributed as dist
@@ -21,7 +22,41 @@ def bcast(obj):
     return box[0]
 
 
+_PICK = random.SystemRandom()  # (a seeded `random` would give every process the same picks)
+LOWEST_PICKED = 20000
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a process that binds it a little later. Picked below
+    the kernel's ephemeral range where there is room: the ports the kernel hands out meanwhile
+    (a bind to port 0, as gloo's listeners do, or an outgoing connection) are never below it, so
+    only another picker can take the port before the bind."""
+    low = ephemeral_range()[0]
+    if low - LOWEST_PICKED >= 1000:
+        for _ in range(64):
+            port = _PICK.randrange(LOWEST_PICKED, low)
+            if bindable(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the ports it picks itself (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def bindable(port: int) -> bool:
+    """Whether a bind of 127.0.0.1:`port` succeeds now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -53,6 +53,7 @@ class ManagedServer:
     ready: bool = False  # healthy, and brought to the current weights, since its last start
     restarting: bool = False  # the monitor is starting it again
     copier: threading.Thread | None = None  # its output into the log, the API key left out
+    log_from: int = 0  # where in its log the output of its latest start begins
 
     @property
     def url(self) -> str:
@@ -73,6 +74,15 @@ class ManagedServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
+
+    def start_log(self) -> str:
+        """What its latest start has written to its log so far."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_from)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
 
 PORT_TRIES = 3  # starts on a new free port when the one picked was taken before the bind
@@ -183,6 +193,7 @@ class ServerGroup:
         cmd = s.config.command(s.port)
         secret = s.config.api_key  # (its output is piped through a copy that leaves it out)
         with open(s.log_path, "ab") as f:
+            s.log_from = f.tell()
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             f.write(
                 f"\n==== {stamp} start #{s.restarts}: {' '.join(redacted(cmd, secret))}\n".encode()
@@ -209,6 +220,17 @@ class ServerGroup:
                     f"server {s.index} ({s.config.kind}, pid {s.pid}) exited with code "
                     f"{s.proc.returncode} while starting", s.log_path, s.log_tail(60)
                 )  # fmt: skip
+            if port_taken(s.start_log()):
+                # it could not bind its port and may not exit (SGLang's warmup then polls the
+                # port's holder for minutes before it gives up): end it now
+                assert s.proc is not None
+                _signal_group(s.proc, signal.SIGKILL)
+                s.proc.wait()
+                fix = "; free it or name another port" if s.config.port else ""
+                raise ServerFailed(
+                    f"server {s.index} ({s.config.kind}) could not bind port {s.port}: another "
+                    f"process holds it{fix}", s.log_path, s.log_tail(60)
+                )  # fmt: skip
             if self._stopping.is_set():
                 return
             if _health(s) == 200:
@@ -226,8 +248,8 @@ class ServerGroup:
         for attempt in range(1, PORT_TRIES + 1):
             try:
                 return self._wait_healthy(s)
-            except ServerFailed as e:
-                if s.config.port or attempt == PORT_TRIES or not port_taken(e.tail):
+            except ServerFailed:
+                if s.config.port or attempt == PORT_TRIES or not port_taken(s.start_log()):
                     raise
                 taken, s.port = s.port, free_port()
                 log.warning("server %d: port %d was taken; starting on %d", s.index, taken, s.port)

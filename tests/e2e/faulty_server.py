@@ -1,16 +1,19 @@
 """The built-in rollout server with one injected engine fault, for tests/e2e/test_server_hardening.py
 (the only test double there: the fault; the server and its HTTP are the real ones).
 
-    python -m tests.e2e.faulty_server die|stuck --model DIR --port 0 ...
+    python -m tests.e2e.faulty_server die|stuck|linger --model DIR --port 0 ...
 
-die:   the engine thread ends at the first request it admits (as a bug escaping its loop would).
-stuck: the engine thread blocks forever in its first step (as a hung kernel would).
+die:    the engine thread ends at the first request it admits (as a bug escaping its loop would).
+stuck:  the engine thread blocks forever in its first step (as a hung kernel would).
+linger: a failed bind of its port leaves the process running (as SGLang's does: its warmup
+        thread polls the port's holder for minutes before it ends the server).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import traceback
 
 from megatron_gspo.server import app, engine
 
@@ -30,9 +33,16 @@ def main() -> None:
         engine.Engine._admit = _die
     elif fault == "stuck":
         engine.Engine._step = _stuck
-    else:
-        raise SystemExit(f"unknown fault {fault!r}; use die or stuck")
-    app.main(argv)
+    elif fault != "linger":
+        raise SystemExit(f"unknown fault {fault!r}; use die, stuck or linger")
+    try:
+        app.main(argv)
+    except OSError:
+        if fault != "linger":
+            raise
+        traceback.print_exc()
+        sys.stderr.flush()
+        threading.Event().wait()
 
 
 if __name__ == "__main__":

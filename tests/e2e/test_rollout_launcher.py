@@ -132,22 +132,30 @@ def test_requests_wait_for_the_restart_of_the_only_server(ckpt, tmp_path):
             asyncio.run(asyncio.wait_for(go(outage_s=0), 300))
 
 
+def faulty(ckpt, tmp_path, fault: str) -> ServerConfig:
+    """The built-in server with one injected fault (tests/e2e/faulty_server.py), through a python
+    wrapper that drops "-m megatron_gspo.server"."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    wrapper = tmp_path / f"python-{fault}"
+    wrapper.write_text(
+        f'#!/bin/sh\nshift 2\nexec {sys.executable} -m tests.e2e.faulty_server {fault} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    cfg = builtin(ckpt, python=str(wrapper))
+    cfg.env = {**cfg.env, "PYTHONPATH": str(root)}
+    return cfg
+
+
 def test_server_whose_engine_died_is_restarted(ckpt, tmp_path):
     """A server that is alive but answers /health 503 (its engine thread is gone: the injected
     fault of tests/e2e/faulty_server.py, run through a python wrapper) is killed by the monitor
     and started again, like one that died."""
     import urllib.error
     import urllib.request
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    wrapper = tmp_path / "python"
-    wrapper.write_text(  # drops "-m megatron_gspo.server", runs the faulty server
-        f'#!/bin/sh\nshift 2\nexec {sys.executable} -m tests.e2e.faulty_server die "$@"\n'
-    )
-    wrapper.chmod(0o755)
-    cfg = builtin(ckpt, python=str(wrapper))
-    cfg.env = {**cfg.env, "PYTHONPATH": str(root)}
+    cfg = faulty(ckpt, tmp_path, "die")
     with ServerGroup([cfg], tmp_path / "logs", poll_s=0.1) as group:
         server = group.servers[0]
         first_pid = server.pid
@@ -199,6 +207,46 @@ def test_a_picked_port_taken_before_the_bind_is_replaced(ckpt, tmp_path, monkeyp
         with pytest.raises(ServerFailed) as failed:
             named.start()
         assert "address already in use" in failed.value.summary()
+
+
+def test_a_server_that_outlives_its_failed_bind_is_ended_and_moved(ckpt, tmp_path, monkeypatch):
+    """SGLang does not exit when its port was taken: its warmup polls the port's holder (here a
+    listener that accepts and never answers, as a TCP store does) for up to 12 minutes before it
+    ends itself; the whole log is then its warmup's tracebacks. The launcher reads what this start
+    logged, ends the server at once and starts it on another port."""
+    import socket
+
+    from megatron_gspo.comm import free_port
+    from megatron_gspo.rollout import launcher
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(launcher, "free_port", lambda: next(picks, None) or free_port())
+        cfg = faulty(ckpt, tmp_path, "linger")
+        group = ServerGroup([cfg], tmp_path / "logs", monitor=False, health_timeout_s=120)
+        with group:
+            server = group.servers[0]
+            assert server.port != taken
+            with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+                assert r.status == 200
+            lingering = [
+                pid for pid in os.listdir("/proc") if pid.isdigit()
+                and f"--port\0{taken}\0".encode() in _cmdline(pid)
+            ]  # fmt: skip
+            assert lingering == []
+    log = (tmp_path / "logs" / "server-0.log").read_text()
+    assert f"--port {taken}" in log and "address already in use" in log
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_api_key_is_left_out_of_the_server_log(tmp_path):
