@@ -3,6 +3,7 @@ batch still completes with every sample exactly once; the dead one is restarted 
 brought to the current weights; leaving the group, SIGTERM and Ctrl-C stop every child."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -180,10 +181,10 @@ def test_server_that_cannot_start_is_reported_with_its_log(tmp_path):
     assert all(gone(s.pid) for s in group.servers)
 
 
-def test_a_picked_port_taken_before_the_bind_is_replaced(ckpt, tmp_path, monkeypatch):
-    """Another process gets the free port picked for a server before the server binds it (a
-    fault injected here by holding it): the server starts again on another port. A port the
-    config names is the user's choice: taken, the start fails, saying so."""
+@contextlib.contextmanager
+def first_pick_taken(monkeypatch):
+    """The port the launcher picks first is held by a listener that accepts and never answers
+    (another process that got the same free port: the fault injected)."""
     import socket
 
     from megatron_gspo.comm import free_port
@@ -195,6 +196,14 @@ def test_a_picked_port_taken_before_the_bind_is_replaced(ckpt, tmp_path, monkeyp
         taken = held.getsockname()[1]
         picks = iter([taken])
         monkeypatch.setattr(launcher, "free_port", lambda: next(picks, None) or free_port())
+        yield taken
+
+
+def test_a_picked_port_taken_before_the_bind_is_replaced(ckpt, tmp_path, monkeypatch):
+    """Another process gets the free port picked for a server before the server binds it (a
+    fault injected here by holding it): the server starts again on another port. A port the
+    config names is the user's choice: taken, the start fails, saying so."""
+    with first_pick_taken(monkeypatch) as taken:
         with ServerGroup([builtin(ckpt)], tmp_path / "logs", monitor=False) as group:
             server = group.servers[0]
             assert server.port != taken and server.url.endswith(f":{server.port}")
@@ -214,17 +223,7 @@ def test_a_server_that_outlives_its_failed_bind_is_ended_and_moved(ckpt, tmp_pat
     listener that accepts and never answers, as a TCP store does) for up to 12 minutes before it
     ends itself; the whole log is then its warmup's tracebacks. The launcher reads what this start
     logged, ends the server at once and starts it on another port."""
-    import socket
-
-    from megatron_gspo.comm import free_port
-    from megatron_gspo.rollout import launcher
-
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        taken = held.getsockname()[1]
-        picks = iter([taken])
-        monkeypatch.setattr(launcher, "free_port", lambda: next(picks, None) or free_port())
+    with first_pick_taken(monkeypatch) as taken:
         cfg = faulty(ckpt, tmp_path, "linger")
         group = ServerGroup([cfg], tmp_path / "logs", monitor=False, health_timeout_s=120)
         with group:
