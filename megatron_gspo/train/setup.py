@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from megatron_gspo.config import Config, dump_config
@@ -41,15 +42,18 @@ class TrainerSetup:
         dims.validate(spec)
         init_distributed(dims, seed=cfg.seed)
         self.rank0 = dist.get_rank() == 0
+        made = self.rank0 and not self.run_dir.exists()  # this start makes the run directory
         try:
             self.resume_from = self._claim_run_dir()
             self.hf_dir = hf_files_dir(cfg.model.path).resolve()
-            if self.rank0:
+            self.actor = self._build_actor(dims)
+            if self.rank0:  # (after the model loaded: a start that fails before writes nothing)
                 (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
                 dump_config(cfg, self.run_dir / "config.yaml")
-            self.actor = self._build_actor(dims)
         except BaseException:
             self.__exit__()
+            if made:  # (a model that does not load: nothing of the run's to keep)
+                shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
         return self
 

@@ -116,3 +116,24 @@ def test_generation_beyond_the_models_context_is_refused_before_the_run(tmp_path
         proc.stderr
     )
     assert not run.exists()
+
+
+def test_a_model_that_does_not_load_leaves_no_run_directory(tmp_path, tiny_models):
+    """The weights are read after the run directory is claimed: a start that fails there leaves
+    no directory of its own, and in one that was there (a launch script's logs/) nothing more."""
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["moe"], bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_gspo.yaml"
+    run = tmp_path / "run"
+    proc = run_cli(["train", "--config", str(config), "--run-dir", str(run), f"model.path={bad}"])
+    assert_clean_failure(proc, "model.safetensors is truncated or corrupt", tmp_path)
+    assert not run.exists()
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "launch.log").write_text("the launch script's\n")
+    proc = run_cli(["train", "--config", str(config), "--run-dir", str(run), f"model.path={bad}"])
+    assert_clean_failure(proc, "model.safetensors is truncated or corrupt", tmp_path)
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    assert left == [".lock", "logs", "logs/launch.log"]
+    assert (run / "logs" / "launch.log").read_text() == "the launch script's\n"
