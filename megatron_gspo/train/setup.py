@@ -51,9 +51,9 @@ class TrainerSetup:
                 (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
                 dump_config(cfg, self.run_dir / "config.yaml")
         except BaseException:
-            self.__exit__()
-            if made:  # (a model that does not load: nothing of the run's to keep)
+            if made and self.lock is not None:  # made here and still held (not another's)
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.__exit__()
             raise
         return self
 
