@@ -23,18 +23,22 @@ def bcast(obj):
 
 
 _PICK = random.SystemRandom()  # (a seeded `random` would give every process the same picks)
-LOWEST_PICKED = 20000
+LOWEST_PICKED = 10000
+# SGLang picks the ports its children bind later (its nccl_port, where a TCP store listens) from
+# 22000-29999 the same way: below that, a server's own pick cannot take the port picked for it
+ABOVE_PICKED = 22000
 
 
 def free_port() -> int:
     """A port free on 127.0.0.1 now, for a process that binds it a little later. Picked below
-    the kernel's ephemeral range where there is room: the ports the kernel hands out meanwhile
-    (a bind to port 0, as gloo's listeners do, or an outgoing connection) are never below it, so
-    only another picker can take the port before the bind."""
-    low = ephemeral_range()[0]
-    if low - LOWEST_PICKED >= 1000:
+    the kernel's ephemeral range and SGLang's own range (`ABOVE_PICKED`) where there is room: the
+    ports the kernel hands out meanwhile (a bind to port 0, as gloo's listeners do, or an
+    outgoing connection) are never there, so only another picker can take the port before the
+    bind."""
+    high = min(ephemeral_range()[0], ABOVE_PICKED)
+    if high - LOWEST_PICKED >= 1000:
         for _ in range(64):
-            port = _PICK.randrange(LOWEST_PICKED, low)
+            port = _PICK.randrange(LOWEST_PICKED, high)
             if bindable(port):
                 return port
     with socket.socket() as s:

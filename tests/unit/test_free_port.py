@@ -1,11 +1,12 @@
 """`comm.free_port`: the port it picks is free, lies below the kernel's ephemeral range (where
-the kernel's own picks for port-0 binds and outgoing connections never land) and does not follow
-the seed of Python's `random` (a trainer seeds it; every process would pick the same ports)."""
+the kernel's own picks for port-0 binds and outgoing connections never land) and below SGLang's
+range for its own later-bound ports, and does not follow the seed of Python's `random` (a trainer
+seeds it; every process would pick the same ports)."""
 
 import random
 import socket
 
-from megatron_gspo.comm import LOWEST_PICKED, bindable, ephemeral_range, free_port
+from megatron_gspo.comm import ABOVE_PICKED, LOWEST_PICKED, bindable, ephemeral_range, free_port
 
 
 def test_picked_ports_are_free_and_below_the_ephemeral_range():
@@ -13,8 +14,8 @@ def test_picked_ports_are_free_and_below_the_ephemeral_range():
     assert 0 < low <= high <= 65535
     for _ in range(20):
         port = free_port()
-        if low - LOWEST_PICKED >= 1000:
-            assert LOWEST_PICKED <= port < low
+        if min(low, ABOVE_PICKED) - LOWEST_PICKED >= 1000:
+            assert LOWEST_PICKED <= port < min(low, ABOVE_PICKED)
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free: this bind does not raise
 
