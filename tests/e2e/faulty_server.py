@@ -1,5 +1,6 @@
-"""The built-in rollout server with one injected engine fault, for tests/e2e/test_server_hardening.py
-(the only test double there: the fault; the server and its HTTP are the real ones).
+"""The built-in rollout server with one injected fault, for tests/e2e/test_server_hardening.py and
+test_rollout_launcher.py (the only test double there: the fault; the server and its HTTP are the
+real ones).
 
     python -m tests.e2e.faulty_server die|stuck|linger --model DIR --port 0 ...
 
