@@ -10,9 +10,11 @@ initializes megatron-core's parallel state in megatron's order "tp-cp-ep-dp-pp".
 from __future__ import annotations
 
 import atexit
+import copy
 import datetime
 import os
 import sys
+import types
 from dataclasses import asdict, dataclass
 
 import torch
@@ -124,25 +126,65 @@ def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int =
 
     without_te.apply()
     if not dist.is_initialized():
+        _LAYOUT_STATES.clear()  # their groups went with the process group they belonged to
         _init_process_group(timeout_min)
         _shutdown_at_exit()
     if dist.get_world_size() != dims.world_size:
         raise UserError(
             f"layout expects {dims.world_size} processes but {dist.get_world_size()} were started"
         )
-    from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    if mpu.model_parallel_is_initialized():
-        mpu.destroy_model_parallel()
+    _enter_layout(dims)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# megatron's parallel state (its module's globals: groups, ranks, sizes, buffers) as it was right
+# after `initialize_model_parallel` for each layout this process initialized, and as it was
+# before the first. megatron's `destroy_model_parallel` forgets its groups without destroying
+# them (gloo groups keep their threads, ~50 a layout), so a process that changes layouts (test
+# workers trying many) reuses a layout's groups when it comes back to it instead of making more.
+_LAYOUT_STATES: dict[tuple, dict] = {}
+_BEFORE_INIT: dict = {}
+
+
+def _enter_layout(dims: ParallelDims) -> None:
+    from megatron.core import parallel_state as mpu
+
+    if not _LAYOUT_STATES and mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()  # initialized by someone else: megatron's own reset
+    if not _BEFORE_INIT:
+        _BEFORE_INIT.update(_megatron_state(mpu))
+    key = (dims.tp, dims.pp, dims.vpp if (dims.vpp or 1) > 1 else None, dims.ep, dims.expert_tp)
+    if key in _LAYOUT_STATES:
+        _restore(mpu, _LAYOUT_STATES[key])
+        return
+    _restore(mpu, _BEFORE_INIT)
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp if (dims.vpp or 1) > 1 else None,
+        virtual_pipeline_model_parallel_size=key[2],
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    _LAYOUT_STATES[key] = _megatron_state(mpu)
+
+
+def _megatron_state(mpu) -> dict:
+    """The state globals of megatron's parallel_state module (lists and dicts copied)."""
+    state = {}
+    for name, value in vars(mpu).items():
+        if not name.startswith("_") or name.startswith("__") or callable(value):
+            continue
+        if isinstance(value, types.ModuleType):
+            continue
+        state[name] = copy.copy(value) if isinstance(value, (list, dict, set)) else value
+    return state
+
+
+def _restore(mpu, state: dict) -> None:
+    for name, value in state.items():
+        setattr(mpu, name, copy.copy(value) if isinstance(value, (list, dict, set)) else value)
 
 
 def _init_process_group(timeout_min: int) -> None:
@@ -185,5 +227,6 @@ def shutdown() -> None:
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+    _LAYOUT_STATES.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
