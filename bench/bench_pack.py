@@ -20,7 +20,9 @@ the padding fraction of the microbatches (padding / token slots), and the traini
 FLOP rate (the useful tokens' FLOPs: 6 x active params per token for each update, 2 x for the
 old-log-prob forward over the rows it runs on, the minibatches after the first, whose old
 log-probs come from its own on-policy update; plus causal attention) against a plain fp32 torch
-matmul's rate measured in the same run (this CPU's practical ceiling).
+matmul's rate (this CPU's practical ceiling) measured in the same run, 1 s just before and 1 s
+just after each phase (this machine's speed drifts by +-10% within minutes, the matmul's
+with it): each sample's ratio, their median reported.
 `--quick`: the tiny model (a check that it runs).
 
 Goals (issue 43): >= 1.5x tokens/s packed on the long tail, with padding fraction <= 5%; packed
@@ -81,10 +83,13 @@ def config(budget: int | None):
     ])  # fmt: skip
 
 
-def phase(model: Path, batch, budget: int | None) -> dict[str, float]:
+def phase(model: Path, batch, budget: int | None, ref_s: float) -> dict[str, float]:
     """Two training phases on one fresh actor (made untimed): the first, which also makes the
     optimizer's state (its Adam moments: zero-filled, first touched here), and the second,
-    as every later step of a run. Their seconds (`first_s`, `seconds`) and padding fraction."""
+    as every later step of a run. Their seconds (`first_s`, `seconds`), padding fraction, and
+    the matmul's rate next to each (`first_matmul`, `matmul`: the mean of the rates measured
+    just before and just after it, `ref_s` seconds each: this machine's speed drifts by +-10%
+    within minutes)."""
     from megatron_gspo.model.builder import BuildOptions
     from megatron_gspo.model.parallel import ParallelDims
     from megatron_gspo.model.policy import load_policy
@@ -94,14 +99,16 @@ def phase(model: Path, batch, budget: int | None) -> dict[str, float]:
     cfg = config(budget)
     actor = Actor(load_policy(model, ParallelDims(), BuildOptions()), OptimConfig(lr=cfg.optim.lr),
                   max_tokens_per_microbatch=budget)  # fmt: skip
-    seconds = []
+    seconds, rates = [], [matmul_rate(ref_s)]
     for _ in range(2):
         fresh = batch.without("old_logprobs")
         t0 = time.perf_counter()
         metrics, updates = train_on(actor, fresh, cfg, 1, len(fresh))
         seconds.append(time.perf_counter() - t0)
+        rates.append(matmul_rate(ref_s))
         assert all(u.finite for u in updates)
     return {"seconds": seconds[1], "first_s": seconds[0],
+            "matmul": (rates[1] + rates[2]) / 2, "first_matmul": (rates[0] + rates[1]) / 2,
             "padding": metrics["train/padding_fraction"]}  # fmt: skip
 
 
@@ -167,47 +174,58 @@ def main(argv: list[str] | None = None) -> dict:
     model = make_tiny_model(spec, Path(tempfile.mkdtemp()) / size)
     init_distributed(ParallelDims())
     budget = MBS * (PROMPT + MAX_NEW)
+    ref_s = 0.1 if a.quick else 1.0  # seconds of matmul before and after each phase
     print(f"{size} model: {active_params(spec) / 1e6:.1f}M active params per token; 64 samples, "
           f"prompts {PROMPT}, answers <= {MAX_NEW}; packed budget {budget} tokens; "
           f"{a.threads} thread(s)")  # fmt: skip
     batches = {k: make_batch(draw(k), spec.vocab_size) for k in KINDS}
-    variants = [Variant(f"{k}/{name}", lambda k=k, b=b: phase(model, batches[k], b))
+    variants = [Variant(f"{k}/{name}", lambda k=k, b=b: phase(model, batches[k], b, ref_s))
                 for k in KINDS for name, b in (("padded", None), ("packed", budget))]  # fmt: skip
     res = measure(variants, a.reps, name="pack")
-    rate = res.extra["matmul_flop_rate"] = matmul_rate(0.2 if a.quick else 2.0)
     for k in KINDS:
-        report(res, k, spec, batches[k], rate)
+        report(res, k, spec, batches[k])
     tail = res.extra["long-tail"]
     print(f"\ngoals: long tail >= 1.5x: {tail['speedup']:.2f}x; padding <= 5%: "
           f"{res.median('long-tail/packed', 'padding'):.1%}; packed FLOP rate >= 0.7x matmul: "
-          f"{tail['packed_flop_rate'] / rate:.2f}x (a fresh actor's first phase: "
-          f"{tail['packed_first_flop_rate'] / rate:.2f}x)")  # fmt: skip
+          f"{tail['packed_vs_matmul']:.2f}x (a fresh actor's first phase: "
+          f"{tail['packed_first_vs_matmul']:.2f}x)")  # fmt: skip
     return finish(res, a)
 
 
-def report(res, kind: str, spec, batch, rate: float) -> None:
-    """One draw's table: tokens/s, padding and FLOP rate of the median phase of each variant."""
-    from harness import markdown_table
+def vs_matmul(res, variant: str, flops: float, first: bool = False) -> list[float]:
+    """Per sample, the phase's model FLOP rate over the matmul's measured next to it."""
+    secs, rates = ("first_s", "first_matmul") if first else ("seconds", "matmul")
+    return [flops / s / r for s, r in zip(res.values(variant, secs), res.values(variant, rates))]
+
+
+def report(res, kind: str, spec, batch) -> None:
+    """One draw's table: tokens/s, padding and FLOP rate of the median phase of each variant;
+    the FLOP rate over the matmul's is the median of the samples' own ratios."""
+    from harness import markdown_table, median
 
     lengths = batch.lengths.tolist()
     tokens, flops = sum(lengths), model_flops(spec, lengths, old_logprob_rows())
     answers = [n - PROMPT for n in lengths]
     print(f"\n{kind}: answers mean {sum(answers) / len(answers):.1f} tokens, {tokens} tokens in "
           "the batch")  # fmt: skip
-    rows = []
+    rows, ratio = [], {}
     for name in ("padded", "packed"):
-        s, first = res.median(f"{kind}/{name}"), res.median(f"{kind}/{name}", "first_s")
-        rows.append([name, f"{s:.2f}", f"{tokens / s:.0f}",
-                     f"{res.median(f'{kind}/{name}', 'padding'):.3f}", f"{flops / s / 1e9:.2f}",
-                     f"{flops / s / rate:.2f}x", f"{first:.2f}", f"{flops / first / rate:.2f}x"])  # fmt: skip
+        v = f"{kind}/{name}"
+        s, first = res.median(v), res.median(v, "first_s")
+        ratio[name] = median(vs_matmul(res, v, flops))
+        ratio[f"{name}_first"] = median(vs_matmul(res, v, flops, first=True))
+        rows.append([name, f"{s:.2f}", f"{tokens / s:.0f}", f"{res.median(v, 'padding'):.3f}",
+                     f"{flops / s / 1e9:.2f}", f"{res.median(v, 'matmul') / 1e9:.1f}",
+                     f"{ratio[name]:.2f}x", f"{first:.2f}", f"{ratio[name + '_first']:.2f}x"])  # fmt: skip
     print(markdown_table(["variant", "phase s (median)", "tokens/s", "padding fraction",
-                          "model GFLOP/s", "/ matmul", "first phase s", "first / matmul"],
-                         rows))  # fmt: skip
+                          "model GFLOP/s", "matmul GFLOP/s", "/ matmul", "first phase s",
+                          "first / matmul"], rows))  # fmt: skip
     speedup = res.ratio(f"{kind}/padded", f"{kind}/packed")  # tokens/s packed / padded
-    res.extra[kind] = {"speedup": speedup, "tokens": tokens,
-                       "packed_flop_rate": flops / res.median(f"{kind}/packed"),
-                       "packed_first_flop_rate": flops / res.median(f"{kind}/packed", "first_s")}  # fmt: skip
-    print(f"packed / padded tokens/s: {speedup:.2f}x; matmul {rate / 1e9:.2f} GFLOP/s")
+    res.extra[kind] = {"speedup": speedup, "tokens": tokens, "flops": flops,
+                       "packed_vs_matmul": ratio["packed"],
+                       "packed_first_vs_matmul": ratio["packed_first"],
+                       "padded_vs_matmul": ratio["padded"]}  # fmt: skip
+    print(f"packed / padded tokens/s: {speedup:.2f}x")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ logits batch-major without sequence parallelism (`_batch_major_logits`).
 
 MoE experts are grouped (`moe_grouped_gemm`: one GEMM per projection over all local experts, two
 weight tensors per layer) or sequential (megatron's SequentialMLP: a matmul pair and two weight
-tensors per expert). Grouped is the default on a GPU: with Transformer Engine megatron's
-TEGroupedMLP, without it `GroupedExperts` (experts.py, torch's grouped GEMM); on a CPU the
-default stays sequential (the grouped path is a loop over experts there, tested equal).
+tensors per expert). Grouped is the default: with Transformer Engine megatron's TEGroupedMLP,
+without it `GroupedExperts` (experts.py, torch's grouped GEMM, on a CPU too, where it computes
+what SequentialMLP does with less per-expert work around the same matmuls).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class BuildOptions:
     init_weights: bool = False  # random init (False: weights are loaded right after)
     sequence_parallel: bool | None = None  # None: on when tp > 1 (MoE needs it)
     use_transformer_engine: bool | None = None  # None: when importable and on a GPU
-    moe_grouped_gemm: bool | None = None  # None: grouped experts on a GPU, sequential on a CPU
+    moe_grouped_gemm: bool | None = None  # None: grouped experts (GroupedExperts / TE's)
     # Tokens per chunk of the LM head (model/lm_head.py: log-probs from hidden states, never the
     # whole logits); 0: the output layer's logits, whole.
     lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -62,9 +62,7 @@ class BuildOptions:
                             f"not {self.lm_head_chunk_tokens!r}")  # fmt: skip
 
     def grouped(self) -> bool:
-        if self.moe_grouped_gemm is None:
-            return device_type() == "cuda"
-        return self.moe_grouped_gemm
+        return True if self.moe_grouped_gemm is None else self.moe_grouped_gemm
 
     def uses_te(self) -> bool:
         if self.use_transformer_engine is None:

@@ -1,6 +1,7 @@
 """Grouped MoE experts without Transformer Engine: megatron-core's GroupedMLP with torch's own
-grouped GEMM (`torch._grouped_mm`, CUTLASS on Hopper) as its kernel, and a loop over experts
-where that kernel does not apply (a CPU, fp32, unaligned shapes).
+grouped GEMM (`torch._grouped_mm`: CUTLASS on Hopper in bf16, a C++ loop over the groups on a CPU
+in fp32) as its kernel, and a loop over experts in Python where that kernel does not apply (an
+older torch, other dtypes, unaligned shapes).
 
 GroupedMLP holds each projection of all local experts in one parameter, so the optimizer, the
 gradient buffers and the norms see two tensors per layer instead of two per expert, and the
@@ -24,6 +25,7 @@ weight sync and the checkpoint tools see one model whichever experts it was buil
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import torch
@@ -38,7 +40,7 @@ def grouped_mm(x_TH: torch.Tensor, w_EHN: torch.Tensor, tokens_per_expert) -> to
     e-th contiguous range of `tokens_per_expert[e]` rows of x (an expert may have none).
 
     One `torch._grouped_mm` where it applies (`grouped_kernel_applies`), else one matmul per
-    expert over its range (the CPU path, and the fallback). Empty experts still take part in
+    expert over its range. Empty experts still take part in
     the loop (a [0, H] @ [H, N] product), so every weight gets a (zero) gradient."""
     if grouped_kernel_applies(x_TH, w_EHN):
         counts = torch.as_tensor(tokens_per_expert).to(x_TH.device)
@@ -62,24 +64,53 @@ def loop_mm(x_TH: torch.Tensor, w_EHN: torch.Tensor, tokens_per_expert) -> torch
 
 
 def grouped_kernel_applies(x_TH: torch.Tensor, w_EHN: torch.Tensor) -> bool:
-    """torch's grouped GEMM takes these operands: it exists, both are bf16 on a CUDA device of
-    compute capability 9.0 or newer (its CUTLASS kernel's floor), x is 2-D and w 3-D, and both
-    pass its layout check: 16-byte-aligned data pointers, each row- or column-major in its last
-    two dims with a leading stride that is a multiple of 16 bytes; x has rows (none: the loop
-    keeps the weights' zero gradients). Their last dims are multiples
-    of 16 bytes as well, so the backward's transposed operands and output pass it too."""
-    if not hasattr(torch, "_grouped_mm") or not (x_TH.is_cuda and w_EHN.is_cuda):
-        return False
-    if x_TH.dtype != torch.bfloat16 or w_EHN.dtype != torch.bfloat16:
+    """torch's grouped GEMM takes these operands: it exists; x is 2-D with rows (none: the loop
+    keeps the weights' zero gradients) and w 3-D on x's device; they are fp32 on a CPU whose
+    torch has the kernel (`cpu_kernel_works`: a C++ loop over the groups, each product the
+    loop's matmul bit for bit), or bf16 on a GPU of compute capability 9.0 or newer (its CUTLASS
+    kernel's floor); and both pass its layout check, on either device: 16-byte-aligned data
+    pointers, each row- or column-major in its last two dims with a leading stride that is a
+    multiple of 16 bytes. Their last dims are multiples of 16 bytes as well, so the backward's
+    transposed operands and output pass it too."""
+    if not hasattr(torch, "_grouped_mm") or x_TH.device != w_EHN.device:
         return False
     if x_TH.dim() != 2 or w_EHN.dim() != 3 or x_TH.shape[0] == 0:  # no rows: the loop
         return False
-    if torch.cuda.get_device_capability(x_TH.device)[0] < 9:
+    if x_TH.device.type == "cpu":
+        if x_TH.dtype != torch.float32 or w_EHN.dtype != torch.float32 or not cpu_kernel_works():
+            return False
+    elif not x_TH.is_cuda or x_TH.dtype != torch.bfloat16 or w_EHN.dtype != torch.bfloat16:
+        return False
+    elif torch.cuda.get_device_capability(x_TH.device)[0] < 9:
         return False
     align = _ALIGN_BYTES // x_TH.element_size()
     if x_TH.shape[-1] % align or w_EHN.shape[-1] % align:
         return False
     return _aligned(x_TH) and _aligned(w_EHN)
+
+
+@functools.cache
+def cpu_kernel_works() -> bool:
+    """This torch's `_grouped_mm` runs on a CPU in fp32, forward and backward, with an empty
+    group, and gives the loop's results bit for bit (a torch without a CPU kernel raises)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 16, generator=g)
+    w = torch.randn(3, 16, 8, generator=g)
+    dy = torch.randn(7, 8, generator=g)  # widths of 16-byte multiples: its layout check
+    sizes = [3, 0, 4]
+    got = [t.clone().requires_grad_(True) for t in (x, w)]
+    ref = [t.clone().requires_grad_(True) for t in (x, w)]
+    try:
+        offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        y = torch._grouped_mm(got[0], got[1], offs=offs)
+        y.backward(dy)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    y_ref = loop_mm(ref[0], ref[1], sizes)
+    y_ref.backward(dy)
+    return all(
+        torch.equal(a, b) for a, b in [(y, y_ref), *((p.grad, q.grad) for p, q in zip(got, ref))]
+    )
 
 
 def _aligned(t: torch.Tensor) -> bool:

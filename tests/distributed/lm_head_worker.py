@@ -88,14 +88,15 @@ def fused_under_tp(data, ref) -> dict:
 
 
 def model_run(ckpt, opts: BuildOptions, tokens, g, window: int = 0):
-    """Log-probs, entropy and every parameter's gradient of one forward/backward."""
+    """Log-probs, entropy and every parameter's gradient of one forward/backward (None for a
+    parameter that got none)."""
     (chunk,) = load_policy(ckpt, ParallelDims(tp=2, world_size=2), opts)
     pos = torch.arange(tokens.shape[1]).expand_as(tokens)
     set_logits_from(chunk, window)
     out = chunk(tokens, pos, None)
     lp, ent = next_token_logprobs(out, tokens, chunk.model_spec.vocab_size, True, lm_head_of(chunk))
     ((lp * g[0]).sum() + (ent * g[1]).sum()).backward()
-    grads = {n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in chunk.named_parameters()}
     return lp.detach(), ent.detach(), grads
 
 
@@ -103,9 +104,11 @@ def compare_models(ckpt, sp: bool, tokens, g) -> dict:
     on = model_run(ckpt, BuildOptions(sequence_parallel=sp, lm_head_chunk_tokens=5), tokens, g)
     off = model_run(ckpt, BuildOptions(sequence_parallel=sp, lm_head_chunk_tokens=0), tokens, g)
     assert on[2].keys() == off[2].keys()
-    rel = max(diff(on[2][n], off[2][n]) / max(off[2][n].abs().max().item(), 1e-12) for n in off[2])
+    have = [n for n in off[2] if off[2][n] is not None and on[2][n] is not None]
+    rel = max(diff(on[2][n], off[2][n]) / max(off[2][n].abs().max().item(), 1e-12) for n in have)
     out = {"logprobs": diff(on[0], off[0]), "entropy": diff(on[1], off[1]), "grad_rel": rel,
-           "n_grads": len(off[2]), "lp_scale": off[0].abs().max().item()}  # fmt: skip
+           "n_grads": len(have), "n_params": len(off[2]),
+           "lp_scale": off[0].abs().max().item()}  # fmt: skip
     if sp:  # a window (prompt positions without logits) under sequence parallelism
         start = 3
         win = model_run(ckpt, BuildOptions(sequence_parallel=True, lm_head_chunk_tokens=5),

@@ -37,7 +37,8 @@ def test_fused_log_softmax_under_tp_matches_todays_tp_path(result):
 @pytest.mark.parametrize("case", ["dense_tied_sp0", "dense_tied_sp1", "moe_sp1"])
 def test_model_with_chunked_head_matches_whole_logits(result, case):
     got = result[case]
-    assert got["lp_scale"] > 1 and got["n_grads"] >= 30  # real log-probs, every weight
+    assert got["lp_scale"] > 1  # real log-probs
+    assert got["n_grads"] == got["n_params"] >= 8, got  # every weight has a gradient, both ways
     assert got["logprobs"] < 1e-5 and got["entropy"] < 1e-5
     assert got["grad_rel"] < 1e-5, got  # largest difference / largest gradient, per weight
     if "window" in got:  # positions before the window: none computed (zeros)

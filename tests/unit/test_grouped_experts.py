@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_gspo.model.experts import (
+    cpu_kernel_works,
     expert_views,
     grouped_kernel_applies,
     grouped_mm,
@@ -58,10 +59,32 @@ def test_counts_that_do_not_split_the_rows_are_refused():
         loop_mm(torch.zeros(4, 2), torch.zeros(2, 2, 3), [2, 1, 1])
 
 
-def test_the_grouped_kernel_is_only_for_cuda_bf16():
-    x, w = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 8, dtype=torch.bfloat16)
-    assert not grouped_kernel_applies(x, w)  # a CPU: the loop
-    assert not grouped_kernel_applies(x.float(), w.float())
+def test_the_grouped_kernel_takes_fp32_on_a_cpu_with_aligned_widths():
+    x, w = torch.zeros(8, 16), torch.zeros(2, 16, 8)
+    assert grouped_kernel_applies(x, w) == cpu_kernel_works()
+    assert not grouped_kernel_applies(x.bfloat16(), w.bfloat16())  # a CPU in bf16: the loop
+    assert not grouped_kernel_applies(x[:, :6], w[:, :6, :])  # rows of 24 bytes: the loop
+    assert not grouped_kernel_applies(x[:0], w)  # no rows: the loop (zero weight gradients)
+
+
+@pytest.mark.skipif(not cpu_kernel_works(), reason="this torch has no CPU grouped GEMM")
+@pytest.mark.parametrize("counts", [[37, 0, 74, 5], [0, 0, 40, 0], [1, 1, 1, 1]])
+def test_the_cpu_grouped_kernel_is_the_loop_bit_for_bit(counts):
+    """fp32 at a width the kernel takes: the same values and gradients as one matmul per
+    expert, exactly (so grouped and sequential experts differ only where their weights'
+    layouts put the matmuls' operands differently)."""
+    g = torch.Generator().manual_seed(len(counts) + sum(counts))
+    x = torch.randn(sum(counts), 64, generator=g, requires_grad=True)
+    w = torch.randn(4, 64, 32, generator=g, requires_grad=True)
+    assert grouped_kernel_applies(x, w)
+    x_ref, w_ref = (t.detach().clone().requires_grad_() for t in (x, w))
+    y, y_ref = grouped_mm(x, w, counts), reference(x_ref, w_ref, counts)
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad)
+    for e, n in enumerate(counts):
+        assert torch.equal(w.grad[e], w_ref.grad[e] if n else torch.zeros_like(w.grad[e]))
 
 
 def test_expert_views_compute_what_the_grouped_weights_do():
@@ -111,11 +134,13 @@ def test_build_options_choose_grouped_and_recompute(tiny_models):
 
     spec = model_spec(load_hf_config(tiny_models["moe"]))
     dims = ParallelDims()
-    assert BuildOptions().grouped() is False  # auto on a CPU: sequential
+    assert BuildOptions().grouped() is True  # auto: grouped, on a CPU as on a GPU
     sel = transformer_config(spec, dims, BuildOptions(recompute="selective", moe_grouped_gemm=True))
     assert sel.moe_grouped_gemm and sel.recompute_granularity == "selective"
     assert sel.recompute_modules == ["core_attn", "moe_act"]
-    seq = transformer_config(spec, dims, BuildOptions(recompute="selective"))
+    seq = transformer_config(
+        spec, dims, BuildOptions(recompute="selective", moe_grouped_gemm=False)
+    )
     assert not seq.moe_grouped_gemm and seq.recompute_modules == ["core_attn"]
     full = transformer_config(spec, dims, BuildOptions(recompute="full"))
     assert full.recompute_granularity == "full" and full.recompute_num_layers == 1
