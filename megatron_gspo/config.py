@@ -45,7 +45,7 @@ class ModelSection:
     path: str = ""  # HF checkpoint directory (the starting policy)
     dtype: str = "float32"  # float32 | bfloat16
     recompute: Recompute = Recompute.NONE  # activation recompute: none | selective | full
-    moe_grouped_gemm: GroupedGemm = GroupedGemm.AUTO  # auto (grouped) | true | false
+    moe_grouped_gemm: GroupedGemm = GroupedGemm.AUTO  # auto (GPU: grouped) | true | false
     lm_head_chunk: int = DEFAULT_CHUNK_TOKENS  # LM head tokens per chunk (0: whole logits)
     # A microbatch's chunked-head logits up to this size (MiB, per rank) are kept for the
     # backward instead of recomputed: faster, at that memory (0: always recompute)

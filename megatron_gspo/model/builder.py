@@ -15,9 +15,12 @@ logits batch-major without sequence parallelism (`_batch_major_logits`).
 
 MoE experts are grouped (`moe_grouped_gemm`: one GEMM per projection over all local experts, two
 weight tensors per layer) or sequential (megatron's SequentialMLP: a matmul pair and two weight
-tensors per expert). Grouped is the default: with Transformer Engine megatron's TEGroupedMLP,
-without it `GroupedExperts` (experts.py, torch's grouped GEMM, on a CPU too, where it computes
-what SequentialMLP does with less per-expert work around the same matmuls).
+tensors per expert). Grouped is the default on a GPU: with Transformer Engine megatron's
+TEGroupedMLP, without it `GroupedExperts` (experts.py, torch's grouped GEMM). On a CPU the
+default stays sequential: grouped experts run torch's CPU grouped kernel there (3-7% faster on
+bench_pack.py's training phase, at another float rounding), but sequential ones keep the
+studies' numbers (docs/results.md) and let weight sync lend each expert's weights without a
+transposing copy.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class BuildOptions:
     init_weights: bool = False  # random init (False: weights are loaded right after)
     sequence_parallel: bool | None = None  # None: on when tp > 1 (MoE needs it)
     use_transformer_engine: bool | None = None  # None: when importable and on a GPU
-    moe_grouped_gemm: bool | None = None  # None: grouped experts (GroupedExperts / TE's)
+    moe_grouped_gemm: bool | None = None  # None: grouped experts on a GPU, sequential on a CPU
     # Tokens per chunk of the LM head (model/lm_head.py: log-probs from hidden states, never the
     # whole logits); 0: the output layer's logits, whole.
     lm_head_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -62,7 +65,9 @@ class BuildOptions:
                             f"not {self.lm_head_chunk_tokens!r}")  # fmt: skip
 
     def grouped(self) -> bool:
-        return True if self.moe_grouped_gemm is None else self.moe_grouped_gemm
+        if self.moe_grouped_gemm is None:
+            return device_type() == "cuda"
+        return self.moe_grouped_gemm
 
     def uses_te(self) -> bool:
         if self.use_transformer_engine is None:

@@ -27,8 +27,8 @@ class Recompute(StrEnum):
 
 class GroupedGemm(StrEnum):
     """MoE experts as one grouped GEMM per projection (`GroupedExperts`, TEGroupedMLP with
-    Transformer Engine) or one matmul pair per expert (megatron's SequentialMLP). auto: grouped,
-    unless LoRA adapters per expert need SequentialMLP (model/lora_config.py)."""
+    Transformer Engine) or one matmul pair per expert (megatron's SequentialMLP). auto: grouped
+    on a GPU, sequential on a CPU (model/builder.py says why)."""
 
     AUTO = "auto"
     ON = "true"

@@ -102,10 +102,9 @@ LAYOUTS = {  # name: (processes, flags)
     "ep2": (2, ["--ep", "2"]),
     "pp2": (2, ["--pp", "2"]),
     "tp2xep2": (4, ["--tp", "2", "--ep", "2"]),
-    # As training holds the model (DDP buffer): every transport lends it (all at TP1 with
-    # sequential experts; at EP2 the sender's own experts and the replicated tensors, the other
-    # rank's are copied; grouped experts' per-expert tensors are transposed views: copied).
-    "tp1-ddp": (1, ["--ddp", "--sequential"]),
+    # As training holds the model (DDP buffer): every transport lends it (all at TP1; at EP2
+    # the sender's own experts and the replicated tensors, the other rank's are copied).
+    "tp1-ddp": (1, ["--ddp"]),
     "ep2-ddp": (2, ["--ep", "2", "--ddp"]),
 }
 

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.builder import BuildOptions
 from megatron_gspo.model.forward import score
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
@@ -185,9 +184,6 @@ def main() -> None:
     ap.add_argument("--kill-pid", type=int, default=None)
     ap.add_argument("--recover", action="store_true")
     ap.add_argument("--ddp", action="store_true", help="hold the model as training does (Actor)")
-    ap.add_argument("--sequential", action="store_true",
-                    help="SequentialMLP experts (default: grouped, whose per-expert HF tensors "
-                         "are transposed views, copied)")  # fmt: skip
     ap.add_argument("--one-sync", action="store_true", help="one WeightSync for every sync")
     ap.add_argument("--restart-before", type=int, default=None)
     ap.add_argument("--after", action="store_true", help="sync once more after the failure")
@@ -197,7 +193,7 @@ def main() -> None:
     a = ap.parse_args()
     dims = ParallelDims(tp=a.tp, pp=a.pp, ep=a.ep, world_size=world_size_from_env())
     init_distributed(dims)
-    chunks = load_policy(a.checkpoint, dims, BuildOptions(moe_grouped_gemm=not a.sequential))
+    chunks = load_policy(a.checkpoint, dims)
     if a.ddp:  # megatron DDP + distributed optimizer: the parameters live in one buffer
         from megatron_gspo.train.actor import Actor, OptimConfig
         from megatron_gspo.weight_sync.gather import unwrap
