@@ -40,8 +40,8 @@ def grouped_mm(x_TH: torch.Tensor, w_EHN: torch.Tensor, tokens_per_expert) -> to
     e-th contiguous range of `tokens_per_expert[e]` rows of x (an expert may have none).
 
     One `torch._grouped_mm` where it applies (`grouped_kernel_applies`), else one matmul per
-    expert over its range. Empty experts still take part in
-    the loop (a [0, H] @ [H, N] product), so every weight gets a (zero) gradient."""
+    expert over its range. Empty experts still take part in the loop (a [0, H] @ [H, N]
+    product), so every weight gets a (zero) gradient."""
     if grouped_kernel_applies(x_TH, w_EHN):
         counts = torch.as_tensor(tokens_per_expert).to(x_TH.device)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)  # each group's end row

@@ -141,9 +141,10 @@ def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int =
 
 # megatron's parallel state (its module's globals: groups, ranks, sizes, buffers) as it was right
 # after `initialize_model_parallel` for each layout this process initialized, and as it was
-# before the first. megatron's `destroy_model_parallel` forgets its groups without destroying
-# them (gloo groups keep their threads, ~50 a layout), so a process that changes layouts (test
-# workers trying many) reuses a layout's groups when it comes back to it instead of making more.
+# before the first. megatron's `destroy_model_parallel` forgets most of its groups without
+# destroying them (gloo groups keep their threads, ~50 a layout), so a process that changes
+# layouts (test workers trying many) reuses a layout's groups when it comes back to it instead of
+# making more.
 _LAYOUT_STATES: dict[tuple, dict] = {}
 _BEFORE_INIT: dict = {}
 
