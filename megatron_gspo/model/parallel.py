@@ -179,13 +179,18 @@ def _megatron_state(mpu) -> dict:
             continue
         if isinstance(value, types.ModuleType):
             continue
-        state[name] = copy.copy(value) if isinstance(value, (list, dict, set)) else value
+        state[name] = _copied(value)
     return state
 
 
 def _restore(mpu, state: dict) -> None:
     for name, value in state.items():
-        setattr(mpu, name, copy.copy(value) if isinstance(value, (list, dict, set)) else value)
+        setattr(mpu, name, _copied(value))
+
+
+def _copied(value):
+    """A container megatron may change in place, copied; anything else as it is."""
+    return copy.copy(value) if isinstance(value, (list, dict, set)) else value
 
 
 def _init_process_group(timeout_min: int) -> None:

@@ -137,9 +137,7 @@ def test_build_options_choose_grouped_and_recompute(tiny_models):
     sel = transformer_config(spec, dims, BuildOptions(recompute="selective", moe_grouped_gemm=True))
     assert sel.moe_grouped_gemm and sel.recompute_granularity == "selective"
     assert sel.recompute_modules == ["core_attn", "moe_act"]
-    seq = transformer_config(
-        spec, dims, BuildOptions(recompute="selective", moe_grouped_gemm=False)
-    )
+    seq = transformer_config(spec, dims, BuildOptions(recompute="selective"))
     assert not seq.moe_grouped_gemm and seq.recompute_modules == ["core_attn"]
     full = transformer_config(spec, dims, BuildOptions(recompute="full"))
     assert full.recompute_granularity == "full" and full.recompute_num_layers == 1
