@@ -109,7 +109,7 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
         fp16=dtype == torch.float16,
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp if (dims.vpp or 1) > 1 else None,
+        virtual_pipeline_model_parallel_size=dims.virtual_stages,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
         sequence_parallel=sp,

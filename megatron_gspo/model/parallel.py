@@ -60,6 +60,11 @@ class ParallelDims(ParallelConfig):
     def chunks(self) -> int:
         return self.vpp or 1
 
+    @property
+    def virtual_stages(self) -> int | None:
+        """megatron's virtual pipeline size: the chunks per rank where more than one, else None."""
+        return self.chunks if self.chunks > 1 else None
+
     def validate(self, spec=None) -> None:
         """Raise UserError for a layout that cannot work, naming the fix."""
         for name in ("tp", "pp", "ep"):
@@ -156,7 +161,7 @@ def _enter_layout(dims: ParallelDims) -> None:
         mpu.destroy_model_parallel()  # initialized by someone else: megatron's own reset
     if not _BEFORE_INIT:
         _BEFORE_INIT.update(_megatron_state(mpu))
-    key = (dims.tp, dims.pp, dims.vpp if (dims.vpp or 1) > 1 else None, dims.ep, dims.expert_tp)
+    key = (dims.tp, dims.pp, dims.virtual_stages, dims.ep, dims.expert_tp)
     if key in _LAYOUT_STATES:
         _restore(mpu, _LAYOUT_STATES[key])
         return
@@ -164,7 +169,7 @@ def _enter_layout(dims: ParallelDims) -> None:
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=key[2],
+        virtual_pipeline_model_parallel_size=dims.virtual_stages,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
     )
