@@ -22,7 +22,11 @@ old-log-prob forward over the rows it runs on, the minibatches after the first, 
 log-probs come from its own on-policy update; plus causal attention) against a plain fp32 torch
 matmul's rate (this CPU's practical ceiling) measured in the same run, 1 s just before and 1 s
 just after each phase (this machine's speed drifts by +-10% within minutes, the matmul's
-with it): each sample's ratio, their median reported.
+with it): each sample's ratio, their median reported. The count is MFU's (the LM head at every
+token), while the step forms the head's logits only at the positions with a loss (the prompts'
+are never formed, in forward or in the hidden states' gradient; the weight's gradient is taken
+over every row): the executed FLOPs' rate, without the head's FLOPs at those positions, is
+printed beside it.
 `--quick`: the tiny model (a check that it runs).
 
 Goals (issue 43): >= 1.5x tokens/s packed on the long tail, with padding fraction <= 5%; packed
@@ -133,6 +137,15 @@ def model_flops(spec, lengths: list[int], old_lp_rows: list[int]) -> float:
     return flops(list(range(len(lengths))), 6, 3) + flops(old_lp_rows, 2, 1)
 
 
+def head_flops_skipped(spec, lengths: list[int], old_lp_rows: list[int]) -> float:
+    """The head's FLOPs of `model_flops` the step does not execute: at the positions without a
+    loss (each sequence's prompt tokens but the last, and its last token: `PROMPT` per
+    sequence), the forward and the hidden states' gradient of each update (4 per weight and
+    position) and the old-log-prob forward (2)."""
+    per_position = spec.hidden * spec.vocab_size
+    return per_position * PROMPT * (4 * len(lengths) + 2 * len(old_lp_rows))
+
+
 def old_logprob_rows() -> list[int]:
     """The rows the phase's old-log-prob forward runs on (loop.train_on at step 1): every
     minibatch's but the first, which trains on policy."""
@@ -187,8 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
     tail = res.extra["long-tail"]
     print(f"\ngoals: long tail >= 1.5x: {tail['speedup']:.2f}x; padding <= 5%: "
           f"{res.median('long-tail/packed', 'padding'):.1%}; packed FLOP rate >= 0.7x matmul: "
-          f"{tail['packed_vs_matmul']:.2f}x (a fresh actor's first phase: "
-          f"{tail['packed_first_vs_matmul']:.2f}x)")  # fmt: skip
+          f"{tail['packed_vs_matmul']:.3f}x (a fresh actor's first phase: "
+          f"{tail['packed_first_vs_matmul']:.3f}x; executed FLOPs: "
+          f"{tail['packed_executed_vs_matmul']:.3f}x)")  # fmt: skip
     return finish(res, a)
 
 
@@ -205,6 +219,7 @@ def report(res, kind: str, spec, batch) -> None:
 
     lengths = batch.lengths.tolist()
     tokens, flops = sum(lengths), model_flops(spec, lengths, old_logprob_rows())
+    executed = flops - head_flops_skipped(spec, lengths, old_logprob_rows())
     answers = [n - PROMPT for n in lengths]
     print(f"\n{kind}: answers mean {sum(answers) / len(answers):.1f} tokens, {tokens} tokens in "
           "the batch")  # fmt: skip
@@ -214,6 +229,7 @@ def report(res, kind: str, spec, batch) -> None:
         s, first = res.median(v), res.median(v, "first_s")
         ratio[name] = median(vs_matmul(res, v, flops))
         ratio[f"{name}_first"] = median(vs_matmul(res, v, flops, first=True))
+        ratio[f"{name}_executed"] = median(vs_matmul(res, v, executed))
         rows.append([name, f"{s:.2f}", f"{tokens / s:.0f}", f"{res.median(v, 'padding'):.3f}",
                      f"{flops / s / 1e9:.2f}", f"{res.median(v, 'matmul') / 1e9:.1f}",
                      f"{ratio[name]:.2f}x", f"{first:.2f}", f"{ratio[name + '_first']:.2f}x"])  # fmt: skip
@@ -224,8 +240,12 @@ def report(res, kind: str, spec, batch) -> None:
     res.extra[kind] = {"speedup": speedup, "tokens": tokens, "flops": flops,
                        "packed_vs_matmul": ratio["packed"],
                        "packed_first_vs_matmul": ratio["packed_first"],
-                       "padded_vs_matmul": ratio["padded"]}  # fmt: skip
-    print(f"packed / padded tokens/s: {speedup:.2f}x")
+                       "padded_vs_matmul": ratio["padded"], "executed_flops": executed,
+                       "packed_executed_vs_matmul": ratio["packed_executed"]}  # fmt: skip
+    print(f"packed / padded tokens/s: {speedup:.2f}x; the FLOPs executed (the LM head at the "
+          f"positions with a loss only: {executed / flops:.1%} of the count) at "
+          f"{ratio['padded_executed']:.3f}x / {ratio['packed_executed']:.3f}x the matmul's, "
+          "padded / packed")  # fmt: skip
 
 
 if __name__ == "__main__":

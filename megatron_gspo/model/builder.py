@@ -186,6 +186,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
 
     from megatron_gspo.model.attention import use_sdpa_attention
     from megatron_gspo.model.experts import use_grouped_experts
+    from megatron_gspo.model.rope import use_rotary_halves
 
     dims.validate(spec)
     config = transformer_config(spec, dims, opts)
@@ -203,6 +204,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
             use_local_rmsnorm(layer_spec)
             use_sdpa_attention(layer_spec)
             use_grouped_experts(layer_spec)
+            use_rotary_halves()
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,

@@ -72,6 +72,7 @@ def next_token_logprobs(
     vocab_size: int,
     with_entropy: bool = False,
     head: LMHead | None = None,
+    rows=None,
 ):
     """logits [b, s, V_local] -> log p(tokens[:, t+1] | ..t) as [b, s-1] (and entropy [b, s-1]).
     With the chunked LM head (`head`, model/lm_head.py) `logits` are the output layer's hidden
@@ -80,11 +81,12 @@ def next_token_logprobs(
     Runs over all s positions (the last one with a dummy target) and drops the last output:
     slicing the logits instead would make autograd zero-fill and copy a full-vocabulary gradient.
     Logits of the last s' < s positions only (a logits window, `set_logits_from`) give zeros
-    before them."""
+    before them. `rows`: with the head, only these flat positions of its [b, s'] (ascending) are
+    computed, the others give 0 (`lm_head_logprobs`)."""
     start = tokens.size(1) - logits.size(1)
     targets = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)  # last column: any valid id
     if head is not None:
-        lp, ent = head.logprobs(logits, targets[:, start:], with_entropy)
+        lp, ent = head.logprobs(logits, targets[:, start:], with_entropy, rows=rows)
     else:
         lp, ent = tp_vocab_logprobs(logits, targets[:, start:], vocab_size, with_entropy)
     if start:

@@ -71,24 +71,26 @@ class HeadCall:
 
 
 class ChunkedLMHead(torch.autograd.Function):
-    """(h [N, H], W [V, H], targets [N]) -> (log p(targets), entropy or None), fp32 [N]."""
+    """(h [N, H], W [V, H], targets [N], how, rows) -> (log p(targets), entropy or None), fp32
+    [N]; with `rows` (a `RowPlan`) only the planned rows are computed, the others give 0."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, how: HeadCall):
+    def forward(ctx, h, weight, targets, how: HeadCall, plan: RowPlan):
         n_valid = how.n_valid
         w = weight[:n_valid]  # padded vocabulary rows: no logits, zero gradient
-        index, owned = target_columns(targets, how.vocab_start, n_valid)
-        stats = torch.empty((3 if how.with_entropy else 2, targets.numel()), device=h.device)
-        kept = h.new_empty((h.shape[0], n_valid)) if how.keep_logits else None
-        for r in row_chunks(h.shape[0], n_valid, h.device, how.chunk_tokens):
-            x = torch.matmul(h[r], w.t(), out=None if kept is None else kept[r])
+        hs, ts = plan.take(h), plan.take(targets)
+        index, owned = target_columns(ts, how.vocab_start, n_valid)
+        stats = torch.empty((3 if how.with_entropy else 2, ts.numel()), device=h.device)
+        kept = h.new_empty((hs.shape[0], n_valid)) if how.keep_logits else None
+        for _, r, _ in plan.parts:
+            x = torch.matmul(hs[r], w.t(), out=None if kept is None else kept[r])
             chunk_stats(x, index[r], owned[r], how.with_entropy, stats[:, r])
             del x
         lp, entropy, log_w = combine(stats, owned, how.tp_group)
         ctx.save_for_backward(h, weight, index, owned, log_w, entropy, kept)
-        ctx.n_valid, ctx.chunk, ctx.into_main_grad = n_valid, how.chunk_tokens, how.into_main_grad
+        ctx.n_valid, ctx.plan, ctx.into_main_grad = n_valid, plan, how.into_main_grad
         ctx.set_materialize_grads(False)
-        return lp, entropy
+        return plan.spread(lp), (None if entropy is None else plan.spread(entropy))
 
     @staticmethod
     @once_differentiable
@@ -96,29 +98,103 @@ class ChunkedLMHead(torch.autograd.Function):
         h, weight, index, owned, log_w, entropy, kept = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return None, None, None, None
-        n_valid = ctx.n_valid
+            return None, None, None, None, None
+        n_valid, plan = ctx.n_valid, ctx.plan
         w = weight[:n_valid]
-        grad_h = torch.empty_like(h) if need_h else None
+        hs = plan.take(h) if kept is None else None  # (recomputing the logits)
+        grad_hs = torch.empty((plan.count, h.shape[1]), dtype=h.dtype, device=h.device)
         grad_w = _weight_grad_buffer(weight, ctx.into_main_grad) if need_w else None
-        g_lp, g_ent = (None if g is None else g.float() for g in (g_lp, g_ent))
-        for r in row_chunks(h.shape[0], n_valid, h.device, ctx.chunk):
-            x = torch.matmul(h[r], w.t()) if kept is None else kept[r]
+        g_lp, g_ent = (None if g is None else plan.take(g.float()) for g in (g_lp, g_ent))
+        for chunk, r, local in plan.parts:
+            x = torch.matmul(hs[r], w.t()) if kept is None else kept[r]
             dx = torch.empty_like(x)
             chunk_grad(x, index[r], owned[r], log_w[r], _at(entropy, r), _at(g_lp, r),
                        _at(g_ent, r), dx)  # fmt: skip
             del x
-            if grad_h is not None:
-                torch.matmul(dx, w, out=grad_h[r])
-            if grad_w is not None:
-                accumulate_fp32(grad_w[:n_valid], dx.t(), h[r])
+            if need_h:
+                torch.matmul(dx, w, out=grad_hs[r])
+            if grad_w is not None:  # over the whole chunk: rows not computed add zeros
+                accumulate_fp32(grad_w[:n_valid], plan.whole(dx, chunk, local).t(), h[chunk])
+        grad_h = plan.spread(grad_hs) if need_h else None
         if grad_w is not None and grad_w is getattr(weight, "main_grad", None):
             # Added where megatron's DDP would add it; its hook skips the placeholder returned.
             weight.grad_added_to_main_grad = True
             grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         elif grad_w is not None and weight.dtype != torch.float32:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
+
+
+# Fewer rows than this take another kernel in a CPU's BLAS (MKL: 1-3 rows, a GEMV-like path
+# rounding differently); from it on each row of a product is the same whatever rows share it.
+MIN_GEMM_ROWS = 4
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The rows of [N] the head computes (`rows`, ascending; None: all N) and its chunks: per
+    chunk of the whole rows (`row_chunks`), (that chunk, its computed rows' range in the computed
+    ones, their positions in the chunk or None where it computes the chunk whole).
+
+    A chunk computes a selection of at least `MIN_GEMM_ROWS` rows, else the chunk whole (or
+    nothing where none is selected), so every computed row's logits and gradient are bit for
+    bit those of the head without a selection; the weight's gradient is formed over the whole
+    chunk (zeros at rows not computed, whose log-probs must then have no gradient: the loss's
+    masked positions), as its sum over the chunk's rows would round otherwise."""
+
+    n: int
+    rows: torch.Tensor | None
+    parts: tuple[tuple[slice, slice, torch.Tensor | None], ...]
+
+    @property
+    def count(self) -> int:
+        return self.n if self.rows is None else int(self.rows.numel())
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The computed rows of an [N, ...] tensor."""
+        return t if self.rows is None else t.index_select(0, self.rows.to(t.device))
+
+    def spread(self, t: torch.Tensor) -> torch.Tensor:
+        """Computed rows [count, ...] -> [N, ...], zeros at the rows not computed."""
+        if self.rows is None:
+            return t
+        out = t.new_zeros((self.n, *t.shape[1:]))
+        return out.index_copy_(0, self.rows.to(t.device), t)
+
+    @staticmethod
+    def whole(dx: torch.Tensor, chunk: slice, local: torch.Tensor | None) -> torch.Tensor:
+        """A chunk's computed rows `dx` as the whole chunk's (zero rows where not computed)."""
+        if local is None:
+            return dx
+        full = dx.new_zeros((chunk.stop - chunk.start, dx.shape[1]))
+        return full.index_copy_(0, local.to(dx.device), dx)
+
+
+def plan_rows(n: int, width: int, device, chunk_tokens: int, rows=None) -> RowPlan:
+    """The `RowPlan` of `rows` (ascending positions in [0, n); None: all) over chunks of
+    `chunk_tokens` rows of the [n, width] logits."""
+    chunks = list(row_chunks(n, width, device, chunk_tokens))
+    if rows is None:
+        return RowPlan(n, None, tuple((c, c, None) for c in chunks))
+    rows = torch.as_tensor(rows, dtype=torch.int64).cpu()
+    starts = torch.tensor([c.start for c in chunks] + [n], dtype=torch.int64)
+    bounds = torch.searchsorted(rows, starts).tolist()
+    picked, parts, at = [], [], 0
+    for c, lo, hi in zip(chunks, bounds[:-1], bounds[1:]):
+        size, local = c.stop - c.start, rows[lo:hi] - c.start
+        if hi == lo:
+            continue
+        if hi - lo >= size or min(hi - lo, size) < MIN_GEMM_ROWS:
+            local_or_none, chosen = None, torch.arange(c.start, c.stop)
+        else:
+            local_or_none, chosen = local, local + c.start
+        parts.append((c, slice(at, at + len(chosen)), local_or_none))
+        picked.append(chosen)
+        at += len(chosen)
+    if at == n:
+        return RowPlan(n, None, tuple((c, c, None) for c in chunks))
+    selected = torch.cat(picked) if picked else torch.zeros(0, dtype=torch.int64)
+    return RowPlan(n, selected, tuple(parts))
 
 
 def _weight_grad_buffer(weight, into_main_grad: bool):
@@ -153,14 +229,17 @@ def _at(t, rows):
 def lm_head_logprobs(  # noqa: PLR0913 - three tensors, then keyword-only options
     h, weight, targets, *, vocab_start: int = 0, vocab_size: int | None = None,
     tp_group=None, with_entropy: bool = False, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    into_main_grad: bool = False, keep_bytes: int = DEFAULT_KEEP_BYTES,
+    into_main_grad: bool = False, keep_bytes: int = DEFAULT_KEEP_BYTES, rows=None,
 ):  # fmt: skip
     """log p(targets) (and the entropy, else None) from hidden states h [..., H] and this rank's
     output weight [V, H] (vocabulary ids from `vocab_start`; `vocab_size` the true size). fp32,
     shaped like `targets` ([...]). `into_main_grad`: grad_W goes straight into megatron DDP's
     fp32 `main_grad` of the weight, which must then have no other use in the graph (an
     embedding tied to it would have its own gradient skipped by DDP's hook). `keep_bytes`: a
-    backward's logits up to this size are kept from the forward, not recomputed (0: never)."""
+    backward's logits up to this size are kept from the forward, not recomputed (0: never).
+    `rows`: the positions of the flat [N] tokens (ascending) whose log-probs are wanted; the head
+    computes those only (`RowPlan`), giving 0 elsewhere, where the caller's loss must then have
+    no gradient (None: all)."""
     import torch.distributed as dist
 
     n_valid = weight.shape[0] if vocab_size is None else vocab_size - vocab_start
@@ -168,11 +247,12 @@ def lm_head_logprobs(  # noqa: PLR0913 - three tensors, then keyword-only option
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
     flat_h = h.reshape(-1, h.shape[-1])
+    plan = plan_rows(flat_h.shape[0], n_valid, flat_h.device, chunk_tokens, rows)
     backward = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    keep = backward and flat_h.shape[0] * n_valid * h.element_size() <= keep_bytes
+    keep = backward and plan.count * n_valid * h.element_size() <= keep_bytes
     how = HeadCall(vocab_start, n_valid, tp_group, with_entropy, chunk_tokens, into_main_grad,
                    keep_logits=keep)  # fmt: skip
-    lp, ent = ChunkedLMHead.apply(flat_h, weight, targets.reshape(-1), how)
+    lp, ent = ChunkedLMHead.apply(flat_h, weight, targets.reshape(-1), how, plan)
     return lp.view(targets.shape), (None if ent is None else ent.view(targets.shape))
 
 
@@ -186,8 +266,9 @@ class LMHead:
     into_main_grad: bool = False  # the weight is the head's alone (not tied to the embedding)
     keep_bytes: int = DEFAULT_KEEP_BYTES  # logits up to this size are not recomputed
 
-    def logprobs(self, hidden, targets, with_entropy: bool = False):
-        """(log p(targets), entropy or None) from the output layer's hidden states [..., H]."""
+    def logprobs(self, hidden, targets, with_entropy: bool = False, rows=None):
+        """(log p(targets), entropy or None) from the output layer's hidden states [..., H];
+        `rows`: only these flat positions (`lm_head_logprobs`)."""
         from megatron.core import parallel_state as mpu
 
         return lm_head_logprobs(
@@ -195,7 +276,7 @@ class LMHead:
             vocab_start=mpu.get_tensor_model_parallel_rank() * self.weight.shape[0],
             vocab_size=self.vocab_size, tp_group=mpu.get_tensor_model_parallel_group(),
             with_entropy=with_entropy, chunk_tokens=self.chunk_tokens,
-            into_main_grad=self.into_main_grad, keep_bytes=self.keep_bytes,
+            into_main_grad=self.into_main_grad, keep_bytes=self.keep_bytes, rows=rows,
         )  # fmt: skip
 
 

@@ -179,7 +179,12 @@ class Actor(MicrobatchLayout):
 
     @torch.no_grad()
     def logprobs(
-        self, batch: StepBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
+        self,
+        batch: StepBatch,
+        micro_batch_size: int = 8,
+        *,
+        fit_logits: bool = False,
+        trained_only: bool = False,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Token-aligned log-probs of every sample under the current weights, flat over the
         batch's tokens ([T] float32, as its "old_logprobs" field; NaN where there is none: each
@@ -192,14 +197,16 @@ class Actor(MicrobatchLayout):
         With the training `micro_batch_size` the values are bit for bit those of `train_step`'s
         forward (unchanged weights give ratios of exactly 1). `fit_logits=True` takes more rows
         per microbatch where they fit (`_fitted_micro_batch`): one forward instead of several on
-        a small model, values equal to fp32 rounding (matmuls blocked over other row counts)."""
+        a small model, values equal to fp32 rounding (matmuls blocked over other row counts).
+        `trained_only=True`: the tokens with a loss only (the LM head forms no other logits;
+        NaN elsewhere), each bit for bit its value without it."""
         budget = None
         if fit_logits:
             micro_batch_size = self._fitted_micro_batch(batch, micro_batch_size)
             budget = self._fitted_budget()
         mbs, seq_len, _ = self._layout(batch, micro_batch_size, budget=budget)
         sweep = self.routing.record_sweep(batch, mbs, seq_len) if self.routing else None
-        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
+        rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch, trained_only)
         if self.routing is None or sweep is None:
             return rows, {}
         return rows, self.routing.finish_record(sweep, batch)
@@ -238,13 +245,17 @@ class Actor(MicrobatchLayout):
         rows = self._forward_logprobs(mbs, seq_len, micro_batch_size, sweep, batch)
         return rows, self.routing.finish_train(sweep)
 
-    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, batch: StepBatch):
-        """Every row's log-probs [T] (a shard's: here, on the last stage; NaN elsewhere)."""
+    def _forward_logprobs(self, mbs, seq_len, micro_batch_size, sweep, batch: StepBatch,
+                          trained_only: bool = False):  # fmt: skip
+        """Every row's log-probs [T] (a shard's: here, on the last stage; NaN elsewhere, and
+        `trained_only` where no token has a loss)."""
         self._set_mode(False)
         vocab = self.spec.vocab_size
 
         def loss(mb, head, logits):  # logits: hidden states under the chunked head
-            lp, _ = token_logprobs(mb, logits, vocab, head=head)
+            lp, _ = token_logprobs(mb, logits, vocab, head=head, trained_only=trained_only)
+            if trained_only:
+                lp = torch.where(mb.mask > 0, lp, float("nan"))
             return torch.zeros((), device=lp.device), {"lp": lp, "mb": mb}
 
         step = self._step(sweep, loss)
@@ -331,10 +342,11 @@ class Actor(MicrobatchLayout):
         vocab = self.spec.vocab_size
 
         def loss(mb, head, logits):  # logits: hidden states under the chunked head
-            lp, ent = token_logprobs(mb, logits, vocab, with_entropy=True, head=head)
-            if on_policy:
+            lp, ent = token_logprobs(mb, logits, vocab, with_entropy=True, head=head,
+                                     trained_only=True)  # fmt: skip
+            if on_policy:  # (own: none where no loss, as the head computed none there)
                 mb.old_logprobs = lp.detach()
-                own.append((mb, mb.old_logprobs))
+                own.append((mb, torch.where(mb.mask > 0, mb.old_logprobs, float("nan"))))
             value, stats = policy_loss(
                 lp, mb.old_logprobs, mb.advantages, mb.mask, **loss_cfg.loss_kwargs(),
                 rollout_logprobs=mb.rollout_logprobs, kl=kl_penalty(mb, loss_cfg),

@@ -240,9 +240,11 @@ def _old_logprobs(
     actor: PolicyActor, batch: StepBatch, rows: list[int], micro_batch_size: int
 ) -> dict:
     """Old log-probs (and recorded routing) of the whole batch's `rows` into the batch (of a
-    shard: those it holds), NaN for the others; returns the forward's routing metrics."""
+    shard: those it holds) at their tokens with a loss, NaN elsewhere; returns the forward's
+    routing metrics."""
     if len(rows) == batch.global_size:
-        every, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True)
+        every, metrics = actor.logprobs(batch, micro_batch_size, fit_logits=True,
+                                        trained_only=True)  # fmt: skip
         batch.set("old_logprobs", every)
         return metrics
     mine = batch.positions_of(rows)
@@ -250,7 +252,7 @@ def _old_logprobs(
     batch.set("old_logprobs", torch.full((batch.num_tokens,), float("nan")))
     if not rows:  # one minibatch, on policy: no old-log-prob pass at all
         return {}
-    old, metrics = actor.logprobs(sub, micro_batch_size, fit_logits=True)
+    old, metrics = actor.logprobs(sub, micro_batch_size, fit_logits=True, trained_only=True)
     batch.set_rows("old_logprobs", mine, old)
     routing = [None] * len(batch) if sub.routing is not None else None
     for j, i in enumerate(mine):

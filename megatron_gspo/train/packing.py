@@ -172,17 +172,32 @@ def _most(n: int, group) -> int:
 
 
 def token_logprobs(mb: TrainMicrobatch, logits: torch.Tensor, vocab: int,
-                   with_entropy: bool = False, head=None):  # fmt: skip
+                   with_entropy: bool = False, head=None, trained_only: bool = False):  # fmt: skip
     """Next-token log-probs (and entropy) [b, S] of a microbatch's logits (its hidden states
     under the chunked LM head `head`, model/lm_head.py): a packed one's gathered from its flat
-    row into its sequences' layout (`unpack`)."""
+    row into its sequences' layout (`unpack`). `trained_only`: under the head, the log-probs of
+    the positions with a loss (`mb.mask`) only, 0 elsewhere (prompts: their logits are never
+    formed), which must then have no gradient there."""
     from megatron_gspo.model.forward import next_token_logprobs
 
-    lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=with_entropy, head=head)
+    rows = head_rows(mb, logits.shape[1]) if trained_only and head is not None else None
+    lp, ent = next_token_logprobs(logits, mb.tokens, vocab, with_entropy=with_entropy, head=head,
+                                  rows=rows)  # fmt: skip
     if isinstance(mb, PackedMicrobatch):
         lp = mb.unpack(lp)
         ent = None if ent is None else mb.unpack(ent)
     return lp, ent
+
+
+def head_rows(mb: TrainMicrobatch, width: int) -> torch.Tensor:
+    """The positions (ascending) of the head's flat [b, width] hidden states that predict a
+    token with a loss: a packed microbatch's row r, column j of `mask` is flat position
+    cu_seqlens[r] + j; a padded one's, r * width + j - (s - width) (its logits window)."""
+    r, j = (mb.mask > 0).nonzero(as_tuple=True)
+    if isinstance(mb, PackedMicrobatch):
+        cu = mb.cu_seqlens.to(device=r.device, dtype=torch.int64)  # type: ignore[union-attr]
+        return cu[r] + j
+    return r * width + j - (mb.tokens.shape[1] - width)
 
 
 def packing_budget(budget: int | None, config) -> int | None:

@@ -29,7 +29,12 @@ class PolicyActor(Protocol):
     def shard(self, batch: StepBatch | None, parts: list[list[int]]) -> StepBatch: ...
 
     def logprobs(
-        self, batch: StepBatch, micro_batch_size: int = 8, *, fit_logits: bool = False
+        self,
+        batch: StepBatch,
+        micro_batch_size: int = 8,
+        *,
+        fit_logits: bool = False,
+        trained_only: bool = False,
     ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
     def reference_logprobs(self, batch: StepBatch, micro_batch_size: int = 8) -> torch.Tensor: ...

@@ -224,3 +224,43 @@ def test_weight_gradient_into_megatron_main_grad():
     added = w.main_grad.double() - 0.5
     assert (added - ref.double()).abs().max() <= 0.01 * ref.abs().max().item()
     assert torch.all(added[VOCAB:] == 0)
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])  # logits recomputed / kept for the backward
+def test_selected_rows_are_the_whole_heads_bit_for_bit(keep_bytes):
+    """`rows`: the head computes only those positions (0 elsewhere). Their log-probs, entropy
+    and d/dh, and d/dW (whose other rows' log-probs get no gradient), equal the head without a
+    selection bit for bit, d/dh of the others is 0; chunks where fewer than MIN_GEMM_ROWS rows
+    are selected are computed whole (rows 5-7 of chunk 0 below), one without any is skipped."""
+    from megatron_gspo.model.lm_head import MIN_GEMM_ROWS, plan_rows
+
+    g = torch.Generator().manual_seed(9)
+    n = 600  # chunks of 256: 0-255, 256-511, 512-599
+    h, w = torch.randn(n, 64, generator=g), torch.randn(300, 64, generator=g) / 4
+    targets = torch.randint(0, 300, (n,), generator=g)
+    rows = torch.cat([torch.arange(5, 8), torch.arange(300, 420), torch.arange(430, 431)])
+    assert len(torch.arange(5, 8)) < MIN_GEMM_ROWS
+    mask = torch.zeros(n)
+    mask[rows] = 1.0
+    g_lp, g_ent = torch.randn(n, generator=g) * mask, torch.randn(n, generator=g) * mask
+    plan = plan_rows(n, 300, h.device, 256, rows)
+    assert [(c.start, c.stop, local is None) for c, _, local in plan.parts] == [
+        (0, 256, True), (256, 512, False)]  # fmt: skip
+    out = {}
+    for name, sel in (("all", None), ("rows", rows)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = lm_head_logprobs(hh, ww, targets, with_entropy=True, chunk_tokens=256,
+                                   keep_bytes=keep_bytes, rows=sel)  # fmt: skip
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        out[name] = (lp.detach(), ent.detach(), hh.grad, ww.grad)
+    (lp_a, ent_a, dh_a, dw_a), (lp_r, ent_r, dh_r, dw_r) = out["all"], out["rows"]
+    computed = torch.zeros(n, dtype=torch.bool)
+    computed[:256] = True
+    computed[rows] = True
+    assert torch.equal(lp_r[computed], lp_a[computed]) and torch.equal(
+        ent_r[computed], ent_a[computed]
+    )
+    assert torch.all(lp_r[~computed] == 0) and torch.all(ent_r[~computed] == 0)
+    assert torch.equal(dh_r[computed], dh_a[computed]) and torch.all(dh_r[~computed] == 0)
+    assert torch.equal(dw_r, dw_a) and dw_r.abs().sum() > 0
+    assert not torch.equal(lp_r, lp_a)  # (the selection took effect)
