@@ -28,30 +28,31 @@ class RotaryHalves(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, cos, sin):
-        half = t.shape[-1] // 2
-        t1, t2, c1, c2, s1, s2 = _halves(half, t, cos, sin)
-        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        o1, o2 = out[..., :half], out[..., half:]
-        torch.mul(t1, c1, out=o1).sub_(t2 * s1)
-        torch.mul(t2, c2, out=o2).add_(t1 * s2)
         ctx.save_for_backward(cos, sin)
-        return out
+        return _rotated(t, cos, sin, inverse=False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        half = g.shape[-1] // 2
-        g1, g2, c1, c2, s1, s2 = _halves(half, g, cos, sin)
-        grad = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        d1, d2 = grad[..., :half], grad[..., half:]
-        torch.mul(g1, c1, out=d1).add_(g2 * s2)
-        torch.mul(g2, c2, out=d2).sub_(g1 * s1)
-        return grad, None, None
+        return _rotated(g, cos, sin, inverse=True), None, None
 
 
-def _halves(half: int, *tensors):
-    return [piece for t in tensors for piece in (t[..., :half], t[..., half:])]
+def _rotated(x, cos, sin, inverse: bool):
+    """[x1 c1 - x2 s1, x2 c2 + x1 s2] (the forward), or with `inverse` [x1 c1 + x2 s2,
+    x2 c2 - x1 s1] (its gradient), into one new tensor."""
+    half = x.shape[-1] // 2
+    x1, x2, c1, c2, s1, s2 = (p for t in (x, cos, sin) for p in (t[..., :half], t[..., half:]))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    first = torch.mul(x1, c1, out=out[..., :half])
+    second = torch.mul(x2, c2, out=out[..., half:])
+    if inverse:
+        first.add_(x2 * s2)
+        second.sub_(x1 * s1)
+    else:
+        first.sub_(x2 * s1)
+        second.add_(x1 * s2)
+    return out
 
 
 def rotary_bshd(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0):

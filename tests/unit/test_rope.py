@@ -28,7 +28,8 @@ def test_values_and_gradients_are_megatrons_bit_for_bit(shape):
     positions = torch.arange(shape[0], dtype=torch.float32)[:, None] * torch.rand(
         shape[-1] // 2, generator=g
     )
-    freqs = torch.cat([positions, positions], -1)[:, None, None, :] * 7.0
+    # (megatron's halves are equal; distinct ones check that each half uses its own)
+    freqs = torch.cat([positions, positions * 1.3], -1)[:, None, None, :] * 7.0
     grad_out = torch.randn(shape, generator=g)
     out = {}
     for name, fn in (("megatron", original), ("halves", rotary_bshd)):
