@@ -218,8 +218,9 @@ def report(res, kind: str, spec, batch) -> None:
     from harness import markdown_table, median
 
     lengths = batch.lengths.tolist()
-    tokens, flops = sum(lengths), model_flops(spec, lengths, old_logprob_rows())
-    executed = flops - head_flops_skipped(spec, lengths, old_logprob_rows())
+    old_lp_rows = old_logprob_rows()
+    tokens, flops = sum(lengths), model_flops(spec, lengths, old_lp_rows)
+    executed = flops - head_flops_skipped(spec, lengths, old_lp_rows)
     answers = [n - PROMPT for n in lengths]
     print(f"\n{kind}: answers mean {sum(answers) / len(answers):.1f} tokens, {tokens} tokens in "
           "the batch")  # fmt: skip

@@ -102,7 +102,7 @@ class ChunkedLMHead(torch.autograd.Function):
         n_valid, plan = ctx.n_valid, ctx.plan
         w = weight[:n_valid]
         hs = plan.take(h) if kept is None else None  # (recomputing the logits)
-        grad_hs = torch.empty((plan.count, h.shape[1]), dtype=h.dtype, device=h.device)
+        grad_hs = h.new_empty((plan.count, h.shape[1])) if need_h else None
         grad_w = _weight_grad_buffer(weight, ctx.into_main_grad) if need_w else None
         g_lp, g_ent = (None if g is None else plan.take(g.float()) for g in (g_lp, g_ent))
         for chunk, r, local in plan.parts:
@@ -181,9 +181,9 @@ def plan_rows(n: int, width: int, device, chunk_tokens: int, rows=None) -> RowPl
     bounds = torch.searchsorted(rows, starts).tolist()
     picked, parts, at = [], [], 0
     for c, lo, hi in zip(chunks, bounds[:-1], bounds[1:]):
-        size, local = c.stop - c.start, rows[lo:hi] - c.start
         if hi == lo:
             continue
+        size, local = c.stop - c.start, rows[lo:hi] - c.start
         if hi - lo >= size or min(hi - lo, size) < MIN_GEMM_ROWS:
             local_or_none, chosen = None, torch.arange(c.start, c.stop)
         else:

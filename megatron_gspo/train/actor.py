@@ -49,7 +49,12 @@ from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
 from megatron_gspo.train.batch import StepBatch, loss_mask_tensor
 from megatron_gspo.train.layout import MicrobatchLayout
-from megatron_gspo.train.packing import packed, packing_budget, token_logprobs
+from megatron_gspo.train.packing import (
+    packed,
+    packing_budget,
+    token_logprobs,
+    trained_only_values,
+)
 from megatron_gspo.train.results import Update
 from megatron_gspo.train.shard import RankNeeds, distribute, needs_table
 from megatron_gspo.train.step_parts import (
@@ -255,7 +260,7 @@ class Actor(MicrobatchLayout):
         def loss(mb, head, logits):  # logits: hidden states under the chunked head
             lp, _ = token_logprobs(mb, logits, vocab, head=head, trained_only=trained_only)
             if trained_only:
-                lp = torch.where(mb.mask > 0, lp, float("nan"))
+                lp = trained_only_values(mb, lp)
             return torch.zeros((), device=lp.device), {"lp": lp, "mb": mb}
 
         step = self._step(sweep, loss)
@@ -346,7 +351,7 @@ class Actor(MicrobatchLayout):
                                      trained_only=True)  # fmt: skip
             if on_policy:  # (own: none where no loss, as the head computed none there)
                 mb.old_logprobs = lp.detach()
-                own.append((mb, torch.where(mb.mask > 0, mb.old_logprobs, float("nan"))))
+                own.append((mb, trained_only_values(mb, mb.old_logprobs)))
             value, stats = policy_loss(
                 lp, mb.old_logprobs, mb.advantages, mb.mask, **loss_cfg.loss_kwargs(),
                 rollout_logprobs=mb.rollout_logprobs, kl=kl_penalty(mb, loss_cfg),

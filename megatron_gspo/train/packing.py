@@ -189,6 +189,12 @@ def token_logprobs(mb: TrainMicrobatch, logits: torch.Tensor, vocab: int,
     return lp, ent
 
 
+def trained_only_values(mb: TrainMicrobatch, values_bS: torch.Tensor) -> torch.Tensor:
+    """[b, S] values with NaN where no token has a loss (`mb.mask`): what `trained_only`
+    log-probs hold there is no value."""
+    return torch.where(mb.mask > 0, values_bS, float("nan"))
+
+
 def head_rows(mb: TrainMicrobatch, width: int) -> torch.Tensor:
     """The positions (ascending) of the head's flat [b, width] hidden states that predict a
     token with a loss: a packed microbatch's row r, column j of `mask` is flat position
