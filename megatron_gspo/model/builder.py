@@ -15,7 +15,8 @@ logits batch-major without sequence parallelism (`_batch_major_logits`).
 
 MoE experts are grouped (`moe_grouped_gemm`: one GEMM per projection over all local experts, two
 weight tensors per layer) or sequential (megatron's SequentialMLP: a matmul pair and two weight
-tensors per expert). Grouped is the default on a GPU: with Transformer Engine megatron's
+tensors per expert; without Transformer Engine its loop over the experts runs as one autograd
+node, `expert_loop.py`, bit for bit megatron's). Grouped is the default on a GPU: with Transformer Engine megatron's
 TEGroupedMLP, without it `GroupedExperts` (experts.py, torch's grouped GEMM). On a CPU the
 default stays sequential: grouped experts run torch's CPU grouped kernel there (3-7% faster on
 bench_pack.py's training phase, at another float rounding), but sequential ones keep the
@@ -185,6 +186,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_gspo.model.attention import use_sdpa_attention
+    from megatron_gspo.model.expert_loop import use_expert_loop
     from megatron_gspo.model.experts import use_grouped_experts
     from megatron_gspo.model.rope import use_rotary_halves
 
@@ -204,6 +206,7 @@ def build_model(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions = BuildO
             use_local_rmsnorm(layer_spec)
             use_sdpa_attention(layer_spec)
             use_grouped_experts(layer_spec)
+            use_expert_loop(layer_spec)
             use_rotary_halves()
         model = GPTModel(
             config=config,

@@ -46,7 +46,7 @@ def runs(tiny_models, tmp_path_factory):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_forward_log_probs_equal(runs, name):
-    assert runs[name]["kinds"] == [["SequentialMLP"], ["GroupedExperts"]]
+    assert runs[name]["kinds"] == [["SequentialExperts"], ["GroupedExperts"]]
     assert runs[name]["logprobs"] < 5 * FP32
 
 
