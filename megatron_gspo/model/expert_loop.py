@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import layers
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.utils import get_pg_size
 from torch.autograd.function import once_differentiable
 
 
@@ -100,7 +102,13 @@ def _weight_grad(weight, dy, x, fused: bool):
     if not fused:
         return dy.t().matmul(x)
     main = weight.main_grad
-    main.addmm_(dy.t().to(main.dtype), x.to(main.dtype))  # model/cpu_compat.py's kernel
+    kernels = layers.fused_weight_gradient_mlp_cuda  # megatron's; on a CPU model/cpu_compat.py's
+    if main.dtype == torch.float32:
+        kernels.wgrad_gemm_accum_fp32(x, dy, main)
+    elif main.dtype in (torch.float16, torch.bfloat16):
+        kernels.wgrad_gemm_accum_fp16(x, dy, main)
+    else:
+        raise RuntimeError(f"no weight-gradient accumulation into a {main.dtype} main_grad")
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
@@ -144,11 +152,8 @@ def _plain(expert, dtype) -> bool:
     """An expert MLP with no hooks, whose two linears are megatron's, hook-free, with weights of
     `dtype`, no weight-gradient buffering, and no communication (an expert's linears leave it to
     the token dispatcher where their TP group has more than one rank)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.utils import get_pg_size
-
     fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-    if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
+    if type(fc1) is not layers.ColumnParallelLinear or type(fc2) is not layers.RowParallelLinear:
         return False
     for m in (expert, fc1, fc2):
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:

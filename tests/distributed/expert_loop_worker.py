@@ -14,9 +14,9 @@ PLAN.json: [{"name", "tp", "ep", "mode", "loss"}, ...]
 import argparse
 import json
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from grouped_worker import fixed_batch  # this directory: the worker runs as a script
 
 from megatron_gspo.model import expert_loop
 from megatron_gspo.model.builder import BuildOptions
@@ -24,7 +24,6 @@ from megatron_gspo.model.expert_loop import SequentialExperts
 from megatron_gspo.model.parallel import ParallelDims, init_distributed, world_size_from_env
 from megatron_gspo.model.policy import load_policy
 from megatron_gspo.train.actor import Actor, AlgoConfig, OptimConfig
-from megatron_gspo.train.batch import RLBatch
 
 OPTIM = OptimConfig(lr=1e-3)
 CALLS = {"loop": 0}
@@ -38,20 +37,6 @@ def count_loop_calls() -> None:
         return forward(*args, **kwargs)
 
     expert_loop.ExpertLoop.forward = staticmethod(counted)
-
-
-def fixed_batch(spec, n: int = 8) -> RLBatch:
-    g = torch.Generator().manual_seed(0)
-    tokens, masks, experts = [], [], []
-    for _ in range(n):
-        length = int(torch.randint(6, 20, (1,), generator=g))
-        prompt = int(torch.randint(2, 5, (1,), generator=g))
-        tokens.append(torch.randint(0, spec.vocab_size, (length,), generator=g).tolist())
-        masks.append([0] * prompt + [1] * (length - prompt))
-        scores = torch.rand(length - 1, spec.num_layers, spec.num_experts, generator=g)
-        experts.append(scores.topk(spec.topk, dim=-1).indices.numpy().astype(np.int32))
-    adv = torch.randn(n, generator=g).tolist()
-    return RLBatch(tokens, masks, adv, rollout_experts=experts)
 
 
 def experts_modules(chunks) -> list[SequentialExperts]:
