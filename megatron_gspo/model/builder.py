@@ -16,12 +16,12 @@ logits batch-major without sequence parallelism (`_batch_major_logits`).
 MoE experts are grouped (`moe_grouped_gemm`: one GEMM per projection over all local experts, two
 weight tensors per layer) or sequential (megatron's SequentialMLP: a matmul pair and two weight
 tensors per expert; without Transformer Engine its loop over the experts runs as one autograd
-node, `expert_loop.py`, bit for bit megatron's). Grouped is the default on a GPU: with Transformer Engine megatron's
-TEGroupedMLP, without it `GroupedExperts` (experts.py, torch's grouped GEMM). On a CPU the
-default stays sequential: grouped experts run torch's CPU grouped kernel there (3-7% faster on
-bench_pack.py's training phase, at another float rounding), but sequential ones keep the
-studies' numbers (docs/results.md) and let weight sync lend each expert's weights without a
-transposing copy.
+node, `expert_loop.py`, bit for bit megatron's). Grouped is the default on a GPU: with
+Transformer Engine megatron's TEGroupedMLP, without it `GroupedExperts` (experts.py, torch's
+grouped GEMM). On a CPU the default stays sequential: grouped experts run torch's CPU grouped
+kernel there (3-7% faster on bench_pack.py's training phase than megatron's own loop, before
+`expert_loop.py`, at another float rounding), but sequential ones keep the studies' numbers
+(docs/results.md) and let weight sync lend each expert's weights without a transposing copy.
 """
 
 from __future__ import annotations
