@@ -19,9 +19,10 @@ tensors per expert; without Transformer Engine its loop over the experts runs as
 node, `expert_loop.py`, bit for bit megatron's). Grouped is the default on a GPU: with
 Transformer Engine megatron's TEGroupedMLP, without it `GroupedExperts` (experts.py, torch's
 grouped GEMM). On a CPU the default stays sequential: grouped experts run torch's CPU grouped
-kernel there (3-7% faster on bench_pack.py's training phase than megatron's own loop, before
-`expert_loop.py`, at another float rounding), but sequential ones keep the studies' numbers
-(docs/results.md) and let weight sync lend each expert's weights without a transposing copy.
+kernel there (on bench_pack.py's training phase 3-7% faster than megatron's own loop, 0.99x
+`expert_loop.py`'s time, at another float rounding), but sequential ones keep the studies'
+numbers (docs/results.md) and let weight sync lend each expert's weights without a transposing
+copy.
 """
 
 from __future__ import annotations
