@@ -45,6 +45,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,6 +170,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)  # the model made here and the server's log
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
 
