@@ -35,6 +35,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.utils import get_pg_size
 from torch.autograd.function import once_differentiable
 
+from megatron_gspo.model.experts import replace_experts_module
+
 
 class ExpertLoop(torch.autograd.Function):
     """(x_TH, probs_T, sizes, offset, fusions, w1_0, w2_0, w1_1, w2_1, ...) -> y_TH.
@@ -177,7 +179,4 @@ def _fuses(linear) -> bool:
 
 def use_expert_loop(block_spec) -> None:
     """Swap megatron's SequentialMLP for `SequentialExperts` in a (local) block spec, in place."""
-    for layer in block_spec.layer_specs:
-        experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
-        if experts is not None and experts.module is SequentialMLP:
-            experts.module = SequentialExperts
+    replace_experts_module(block_spec, SequentialMLP, SequentialExperts)

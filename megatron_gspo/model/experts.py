@@ -192,10 +192,15 @@ class GroupedExperts(GroupedMLP):
 
 def use_grouped_experts(block_spec) -> None:
     """Swap megatron's GroupedMLP for `GroupedExperts` in a (local) block spec, in place."""
+    replace_experts_module(block_spec, GroupedMLP, GroupedExperts)
+
+
+def replace_experts_module(block_spec, old: type, new: type) -> None:
+    """Every MoE layer's experts module `old` becomes `new` in a block spec, in place."""
     for layer in block_spec.layer_specs:
         experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
-        if experts is not None and experts.module is GroupedMLP:
-            experts.module = GroupedExperts
+        if experts is not None and experts.module is old:
+            experts.module = new
 
 
 _GROUPED = re.compile(r"(?P<prefix>.*\.mlp\.experts\.)weight(?P<which>[12])")
