@@ -46,8 +46,9 @@ class ExpertLoop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, probs_T, sizes, offset, fusions, *weights):
         xs, ps = torch.split(x_TH, sizes), torch.split(probs_T, sizes)
-        ys, saved = [], []
-        for e, (x, p) in enumerate(zip(xs, ps, strict=True)):
+        y_TH = x_TH.new_empty((x_TH.shape[0], weights[1].shape[0]))
+        saved = []
+        for e, (x, p, y) in enumerate(zip(xs, ps, torch.split(y_TH, sizes), strict=True)):
             w1, w2 = weights[2 * e], weights[2 * e + 1]
             h = torch.matmul(x, w1.t())
             gate, up = torch.chunk(h, 2, dim=-1)
@@ -56,44 +57,46 @@ class ExpertLoop(torch.autograd.Function):
             g = s * u
             p1 = p.unsqueeze(-1)
             a = g * p1
-            ys.append(torch.matmul(a, w2.t()))
+            torch.matmul(a, w2.t(), out=y)  # (megatron: one tensor per expert, then their cat)
             saved.append((x, gate, s, u, g, p1, a))
         ctx.saved, ctx.sizes, ctx.fusions = saved, sizes, fusions
         ctx.save_for_backward(*weights)
-        return torch.cat(ys, dim=0)
+        return y_TH
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_TH):
-        weights = ctx.saved_tensors
+        weights, sizes = ctx.saved_tensors, ctx.sizes
         need_x, need_p = ctx.needs_input_grad[:2]
-        dxs, dps, dws = [], [], []
-        for e, (dy, saved) in enumerate(zip(torch.split(dy_TH, ctx.sizes), ctx.saved, strict=True)):
+        # Written in place of megatron's per-expert tensors and their concatenations.
+        dx_TH = dy_TH.new_empty((dy_TH.shape[0], weights[0].shape[1]))
+        dp_T = dy_TH.new_empty(dy_TH.shape[0])
+        dws = []
+        parts = zip(torch.split(dy_TH, sizes), torch.split(dx_TH, sizes),
+                    torch.split(dp_T, sizes), ctx.saved, strict=True)  # fmt: skip
+        for e, (dy, dx, dp, saved) in enumerate(parts):
             w1, w2 = weights[2 * e], weights[2 * e + 1]
             fused = ctx.fusions[2 * e], ctx.fusions[2 * e + 1]
-            dx, dp, dw1, dw2 = _expert_backward(dy, saved, w1, w2, fused)
-            dxs.append(dx)
-            dps.append(dp)
-            dws += [dw1, dw2]
+            dws += _expert_backward(dy, saved, w1, w2, fused, dx, dp)
         ctx.saved = None
-        dx_TH = torch.cat(dxs, dim=0) if need_x else None
-        dp_T = torch.cat(dps, dim=0) if need_p else None
-        return dx_TH, dp_T, None, None, None, *dws
+        return (dx_TH if need_x else None), (dp_T if need_p else None), None, None, None, *dws
 
 
-def _expert_backward(dy, saved, w1, w2, fused: tuple[bool, bool]):
-    """One expert's gradients (x, p, W1, W2) as megatron's MLP and linear function form them."""
+def _expert_backward(dy, saved, w1, w2, fused: tuple[bool, bool], dx, dp):
+    """One expert's gradients as megatron's MLP and linear function form them: x's into `dx`,
+    p's into `dp`; (W1's, W2's) returned."""
     x, gate, s, u, g, p1, a = saved
     da = dy.matmul(w2)
     dw2 = _weight_grad(w2, dy, a, fused[1])
     dg = da * p1
-    dp = (da * g).sum(-1, keepdim=True).squeeze(-1)
-    ds, du = dg * u, dg * s
-    dgate = torch.ops.aten.silu_backward(ds, gate)
-    dh = torch.cat([dgate, du], dim=-1)
-    dx = dh.matmul(w1)
+    torch.sum(da * g, -1, out=dp)
+    width = gate.shape[-1]
+    dh = dg.new_empty((dg.shape[0], 2 * width))  # (megatron: cat(dgate, du), chunk's backward)
+    torch.ops.aten.silu_backward.grad_input(dg * u, gate, grad_input=dh[:, :width])
+    torch.mul(dg, s, out=dh[:, width:])
+    torch.matmul(dh, w1, out=dx)
     dw1 = _weight_grad(w1, dh, x, fused[0])
-    return dx, dp, dw1, dw2
+    return dw1, dw2
 
 
 def _weight_grad(weight, dy, x, fused: bool):
