@@ -84,11 +84,20 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, each side")
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None,
+                    help="keep the model and the server's log here (default: a temporary "
+                         "directory, removed after the run)")  # fmt: skip
     ap.add_argument("--decode-kernel", default="auto", choices=["auto", "c", "torch"],
                     help="the server's decode path (torch: the plain-torch fallback)")  # fmt: skip
     args = ap.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-rollout-"))
+    if args.workdir is not None:
+        return run(Path(args.workdir), args)
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
+        return run(Path(tmp), args)
+
+
+def run(work: Path, args) -> None:
+    """The model in `work` (made unless there), a server on it, and the side-by-side run."""
     ckpt = work / "tiny-moe"
     if not ckpt.exists():
         make_tiny_model(SPEC, ckpt)
