@@ -91,13 +91,35 @@ class RolloutModel(ModelWeights):
         self.decode_kernel: CompiledDecode | None = None
         # Batch-invariant numerics (--enable-deterministic-inference): every sequence's logits
         # independent of what else is in its batch, so a rerun with the same seeds gives the
-        # same tokens whatever the timing of the requests (see `forward`).
-        self.batch_invariant = False
+        # same tokens whatever the timing of the requests (see `forward`, `batch_invariant`).
+        self._batch_invariant = False
+        self._onednn_before = True
         # torch's grouped matmul needs rows of a multiple of 16 bytes (hidden and expert widths
         # times the element size); narrower experts (e.g. 4 bf16 values) take the per-expert loop.
         item = torch.empty(0, dtype=self.dtype).element_size()
         widths = (spec.hidden_size, spec.moe_ffn_hidden_size or 0)
         self.grouped_mm = all(w * item % 16 == 0 for w in widths)
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        """Turning it on also turns oneDNN off for the process (`torch.backends.mkldnn`, restored
+        when turned off): torch computes a reduced-precision product with oneDNN or with its own
+        kernel by the product's size (batch x rows x inner x columns against 16^3), and the two
+        round differently, so a row's bits would change with the number of rows beside it (a
+        decode step's attention over [rows at a position x kv heads] crosses that size). Without
+        oneDNN every product takes one kernel, each row summed in one order; only reduced
+        precision is slower (an fp32 product is MKL's either way)."""
+        on, onednn = bool(on), torch.backends.mkldnn
+        if on and not self._batch_invariant:
+            self._onednn_before = bool(onednn.enabled)
+            onednn.enabled = False  # type: ignore[assignment]  # (a torch flags property)
+        elif self._batch_invariant and not on:
+            onednn.enabled = self._onednn_before  # type: ignore[assignment]
+        self._batch_invariant = on
 
     @classmethod
     def from_pretrained(
@@ -121,8 +143,9 @@ class RolloutModel(ModelWeights):
         torch's batched forward is not batch-invariant: a sequence's logits change in their
         last bits with the batch it is in (its attention is padded to the batch's longest row).
         With `batch_invariant` torch runs the chunks in parts that need no padding (`_torch`),
-        so each one's logits depend on its own tokens only; the compiled decode step is
-        batch-invariant as it is (each row's sums in one order)."""
+        and every product in one kernel whatever its size (the property's setter), so each
+        one's logits depend on its own tokens only; the compiled decode step is batch-invariant
+        as it is (each row's sums in one order)."""
         lens = [len(c.tokens) for c in chunks]
         if self.decode_kernel is None or min(lens) > 1:
             return self._torch(chunks, lens, cache, record_routing)
@@ -135,7 +158,8 @@ class RolloutModel(ModelWeights):
         all attend over as many positions: the decode steps at each position together, each
         prefill alone. A batch pads every row's attention to its longest, and the padding
         moves the last bits of the softmax's and the value product's sums (rows of one length
-        need none); the matmuls give each row the same bits in any batch."""
+        need none); the matmuls, in one kernel (`batch_invariant`), give each row the same bits
+        in any batch."""
         if not self.batch_invariant or len(chunks) == 1:
             return self._forward(chunks, lens, cache, record_routing)
         parts: dict[tuple[int, int], list[int]] = {}

@@ -306,3 +306,26 @@ def test_batch_invariant_rows_are_their_forward_alone(ckpts):
     model.batch_invariant = False
     moved = [not torch.equal(*_rows_alone_and_batched(model, seed)) for seed in range(3)]
     assert any(moved)  # (what the mode is for: a plain batch moves some rows' bits)
+
+
+def test_batch_invariant_products_take_one_kernel_whatever_their_size(ckpts):
+    """torch computes a bf16 product with oneDNN or with its own kernel by the product's size
+    (batch x rows x inner x columns against 16^3), and the two round differently. A decode
+    step's attention (softmax [rows x kv heads, heads per kv head, k_len] times v) crosses that
+    size between 2 and 3 rows at a position: a deterministic server's sample changed its
+    log-probs from its 18th token when it decoded beside one row instead of two (about 1 draw in
+    300 below differs without the mode). With `batch_invariant` each batch element's product is
+    the same bits whatever the batch; turned off, oneDNN is back as it was."""
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"], torch.bfloat16, "fp8")
+    before = torch.backends.mkldnn.enabled
+    model.batch_invariant = True
+    try:
+        g = torch.Generator().manual_seed(0)
+        for draw in range(3000):
+            k_len = 24 + draw % 9  # 2 rows x 2 kv heads: under the size; 3 rows: over it
+            p = torch.softmax(torch.randn(6, 2, k_len, generator=g) * 3, -1).to(torch.bfloat16)
+            v = torch.randn(6, k_len, 16, generator=g).to(torch.bfloat16)
+            assert torch.equal(torch.bmm(p[:4], v[:4]), torch.bmm(p, v)[:4]), draw
+    finally:
+        model.batch_invariant = False
+    assert torch.backends.mkldnn.enabled == before
