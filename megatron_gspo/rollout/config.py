@@ -54,7 +54,8 @@ class RolloutSection:
     # and SGLang's): a sample's tokens and log-probs do not depend on what the server batched
     # it with, so a rerun with the same seeds gives the same run at any machine load. The
     # built-in server's forward then runs in parts: the decode steps at each position together,
-    # each prefill alone (generation ~1.3-2x slower on the drift model)
+    # each prefill alone (generation ~1.3-2x slower on the drift model), and a bf16 or fp16
+    # server's products without oneDNN (one kernel whatever their size; slower)
     deterministic: bool = False
     # one /generate request per prompt group (a batch, each sample with its own rid and seed)
     # instead of one per sample: less per-request overhead (not through router_url: the router
