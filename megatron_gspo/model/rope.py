@@ -107,8 +107,8 @@ def rotary_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_atte
     sequence's positions from `freqs`, rotated by `rotary_bshd`. Context parallelism keeps
     megatron's function."""
     if cp_group is None or cp_group.size() > 1:
-        return _MEGATRON_THD(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention,
-                             mscale, cp_group)  # fmt: skip
+        return megatron_rotary_thd()(t, cu_seqlens, freqs, rotary_interleaved,
+                                     multi_latent_attention, mscale, cp_group)  # fmt: skip
     packed = _PACKED_FREQS.get((freqs, cu_seqlens), (), lambda: packed_freqs(cu_seqlens, freqs))
     return rotary_bshd(t.unsqueeze(1), packed, rotary_interleaved, multi_latent_attention,
                        mscale).squeeze(1)  # fmt: skip
@@ -130,6 +130,14 @@ def megatron_rotary():
     from megatron.core.models.common.embeddings import rope_utils
 
     return _MEGATRON or rope_utils._apply_rotary_pos_emb_bshd
+
+
+def megatron_rotary_thd():
+    """megatron-core's own `_apply_rotary_pos_emb_thd`, whether or not `rotary_thd` stands in
+    for it."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return _MEGATRON_THD or rope_utils._apply_rotary_pos_emb_thd
 
 
 def use_rotary_halves() -> None:

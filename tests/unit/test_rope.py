@@ -73,11 +73,12 @@ def _megatron_thd(monkeypatch):
 
     original = _megatron()
     assert rope_utils._apply_rotary_pos_emb_thd is rope.rotary_thd
+    assert rope.megatron_rotary_thd() is not rope.rotary_thd
 
     def thd(*args, **kwargs):
         with monkeypatch.context() as m:
             m.setattr(rope_utils, "_apply_rotary_pos_emb_bshd", original)
-            return rope._MEGATRON_THD(*args, **kwargs)
+            return rope.megatron_rotary_thd()(*args, **kwargs)
 
     return thd
 
