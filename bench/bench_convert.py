@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 # (bench/ on the path)
-from harness import Variant, finish, markdown_table, measure, parser
+from harness import Variant, finish, markdown_table, measure, parser, workdir
 from safetensors.torch import load_file, save_file
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
@@ -68,7 +67,12 @@ def main() -> None:
     ap = parser(__doc__, reps=3, warmup=0, quick="a tiny model (a check that it runs)")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-convert-"))
+    with workdir(args.workdir, "bench-convert-") as work:
+        run(work, args)
+
+
+def run(work: Path, args) -> None:
+    """The model in `work` (made unless there) and the three phases side by side."""
     src = work / ("hf-tiny" if args.quick else "hf")
     if not src.exists():
         make_tiny_model(TinySpec(seed=0) if args.quick else ONE_GB_MOE, src)
@@ -100,8 +104,6 @@ def main() -> None:
     print("(goal: hf->megatron and megatron->hf >= 0.5x plain)")
     print(f"load average {_load()}")
     finish(res, args)
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

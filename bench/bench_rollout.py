@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import torch
-from harness import Variant, finish, measure, median, parser  # (bench/ is on the path)
+from harness import Variant, finish, measure, median, parser, workdir  # (bench/ is on the path)
 from transfer_floors import cpu_seconds
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
@@ -90,10 +89,8 @@ def main() -> None:
     ap.add_argument("--decode-kernel", default="auto", choices=["auto", "c", "torch"],
                     help="the server's decode path (torch: the plain-torch fallback)")  # fmt: skip
     args = ap.parse_args()
-    if args.workdir is not None:
-        return run(Path(args.workdir), args)
-    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
-        return run(Path(tmp), args)
+    with workdir(args.workdir, "bench-rollout-") as work:
+        run(work, args)
 
 
 def run(work: Path, args) -> None:

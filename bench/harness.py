@@ -21,14 +21,16 @@ from one call: the steps of one training run)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -307,6 +309,17 @@ def add_common(
     if quick is not None:
         ap.add_argument("--quick", action="store_true", help=quick)
     return ap
+
+
+@contextlib.contextmanager
+def workdir(path: str | None, prefix: str) -> Iterator[Path]:
+    """A bench's working directory: `path` where given (kept, what it holds reused), else a new
+    temporary one, removed after the run."""
+    if path is not None:
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
 
 
 def parser(doc: str | None, **common: Any) -> argparse.ArgumentParser:
