@@ -79,8 +79,9 @@ class _LastCall:
         same = len(tensors) == len(self.tensors) and all(
             a is b for a, b in zip(tensors, self.tensors, strict=False))  # fmt: skip
         if not (same and key == self.key):
-            self.tensors, self.key, self.value = tensors, key, None
-            self.value = make()
+            self.tensors, self.key, self.value = (), (), None  # (the old value freed first)
+            value = make()
+            self.tensors, self.key, self.value = tensors, key, value
         return self.value
 
 
