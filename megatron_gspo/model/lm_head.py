@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from megatron_gspo.gemm_rows import MIN_GEMM_ROWS
 from megatron_gspo.model.vocab_softmax import (
     chunk_grad,
     chunk_stats,
@@ -123,11 +124,6 @@ class ChunkedLMHead(torch.autograd.Function):
         elif grad_w is not None and weight.dtype != torch.float32:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None
-
-
-# Fewer rows than this take another kernel in a CPU's BLAS (MKL: 1-3 rows, a GEMV-like path
-# rounding differently); from it on each row of a product is the same whatever rows share it.
-MIN_GEMM_ROWS = 4
 
 
 @dataclass(frozen=True)

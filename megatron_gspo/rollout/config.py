@@ -54,8 +54,9 @@ class RolloutSection:
     # and SGLang's): a sample's tokens and log-probs do not depend on what the server batched
     # it with, so a rerun with the same seeds gives the same run at any machine load. The
     # built-in server's forward then runs in parts: the decode steps at each position together,
-    # each prefill alone (generation ~1.3-2x slower on the drift model), and a bf16 or fp16
-    # server's products without oneDNN (one kernel whatever their size; slower)
+    # each prefill alone (generation ~1.3-2x slower on the drift model), its products over at
+    # least 4 rows (a CPU's BLAS takes another kernel for 1-3), and a bf16 or fp16 server's
+    # without oneDNN (one kernel whatever their size; slower)
     deterministic: bool = False
     # one /generate request per prompt group (a batch, each sample with its own rid and seed)
     # instead of one per sample: less per-request overhead (not through router_url: the router

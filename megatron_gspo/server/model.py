@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, overload
 import torch
 import torch.nn.functional as F
 
+from megatron_gspo.gemm_rows import at_least_gemm_rows, padded_blocks
 from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.server.kv_cache import KVCache
 from megatron_gspo.server.weights import ModelWeights
@@ -112,7 +113,9 @@ class RolloutModel(ModelWeights):
         round differently, so a row's bits would change with the number of rows beside it (a
         decode step's attention over [rows at a position x kv heads] crosses that size). Without
         oneDNN every product takes one kernel, each row summed in one order; only reduced
-        precision is slower (an fp32 product is MKL's either way)."""
+        precision is slower (an fp32 product is MKL's either way). MKL itself takes another
+        kernel for 1-3 rows: with the mode on, products of fewer rows are padded to 4
+        (`_linear`, `_experts`)."""
         on, onednn = bool(on), torch.backends.mkldnn
         if on and not self._batch_invariant:
             self._onednn_before = bool(onednn.enabled)
@@ -143,8 +146,8 @@ class RolloutModel(ModelWeights):
         torch's batched forward is not batch-invariant: a sequence's logits change in their
         last bits with the batch it is in (its attention is padded to the batch's longest row).
         With `batch_invariant` torch runs the chunks in parts that need no padding (`_torch`),
-        and every product in one kernel whatever its size (the property's setter), so each
-        one's logits depend on its own tokens only; the compiled decode step is batch-invariant
+        and every product in one kernel whatever its size (the property's setter; products of
+        1-3 rows padded to 4, `_linear`), so each one's logits depend on its own tokens only; the compiled decode step is batch-invariant
         as it is (each row's sums in one order)."""
         lens = [len(c.tokens) for c in chunks]
         if self.decode_kernel is None or min(lens) > 1:
@@ -158,8 +161,8 @@ class RolloutModel(ModelWeights):
         all attend over as many positions: the decode steps at each position together, each
         prefill alone. A batch pads every row's attention to its longest, and the padding
         moves the last bits of the softmax's and the value product's sums (rows of one length
-        need none); the matmuls, in one kernel (`batch_invariant`), give each row the same bits
-        in any batch."""
+        need none); the matmuls, in one kernel over at least 4 rows (`batch_invariant`,
+        `_linear`), give each row the same bits in any batch."""
         if not self.batch_invariant or len(chunks) == 1:
             return self._forward(chunks, lens, cache, record_routing)
         parts: dict[tuple[int, int], list[int]] = {}
@@ -187,7 +190,7 @@ class RolloutModel(ModelWeights):
             x = x[_longs(rows)]
         x = _rms(x, self.params["model.norm.weight"], self.spec.rms_norm_eps)
         head = self.params.get("lm_head.weight", self.params["model.embed_tokens.weight"])
-        rows_NV = F.linear(x, head).float()
+        rows_NV = self._linear(x, head).float()
         routed_out = None
         if record_routing and routed:
             routed_out = list(torch.stack(routed, 1).to(torch.int32).split(lens))
@@ -300,7 +303,7 @@ class RolloutModel(ModelWeights):
         s, p = self.spec, self.params
         pre = f"model.layers.{i}."
         T, hd, H, G = x.shape[0], s.head_dim, s.num_heads, s.num_kv_heads
-        qkv = F.linear(x, self.fused[pre + "qkv"], self.fused.get(pre + "qkv_bias"))
+        qkv = self._linear(x, self.fused[pre + "qkv"], self.fused.get(pre + "qkv_bias"))
         qkv = qkv.view(T, H + 2 * G, hd)
         qk, v = qkv[:, : H + G], qkv[:, H + G :]  # q and k heads normed and rotated together
         if s.qk_norm:
@@ -331,16 +334,16 @@ class RolloutModel(ModelWeights):
                 enable_gqa=True,
             )  # fmt: skip
             o_T = o.transpose(1, 2)[m.b_T, m.j_T].reshape(T, H * hd)
-        return F.linear(o_T, p[pre + "self_attn.o_proj.weight"])
+        return self._linear(o_T, p[pre + "self_attn.o_proj.weight"])
 
     def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.fused[pre + "gate_up"]).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, self.params[pre + "mlp.down_proj.weight"])
+        gate, up = self._linear(x, self.fused[pre + "gate_up"]).chunk(2, -1)
+        return self._linear(F.silu(gate) * up, self.params[pre + "mlp.down_proj.weight"])
 
     def _moe(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts; returns the output and the chosen experts [T, k]."""
         s = self.spec
-        logits_TE = F.linear(x, self.params[f"model.layers.{i}.mlp.gate.weight"])
+        logits_TE = self._linear(x, self.params[f"model.layers.{i}.mlp.gate.weight"])
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         w_Tk, idx_Tk = torch.topk(probs_TE, s.topk, dim=-1)
         if s.norm_topk_prob:
@@ -349,28 +352,46 @@ class RolloutModel(ModelWeights):
 
     def _experts(self, i, x, w_Tk, idx_Tk) -> torch.Tensor:
         """The (token, expert) pairs sorted by expert once; each expert's block goes through its
-        weights (one grouped matmul for all experts where torch has it), and one index_add sums
-        the k outputs of each token."""
-        s, ex = self.spec, self.experts[i]
+        weights (`_expert_blocks`), and one index_add sums the k outputs of each token. With
+        `batch_invariant` each block is computed among at least MIN_GEMM_ROWS rows (zero rows
+        padding a smaller one), as `_linear` computes."""
         order_N = torch.argsort(idx_Tk.view(-1), stable=True)  # N = T * k pairs
-        tok_N = order_N // s.topk
-        counts_E = torch.bincount(idx_Tk.view(-1), minlength=s.num_experts)
+        tok_N = order_N // self.spec.topk
+        counts_E = torch.bincount(idx_Tk.view(-1), minlength=self.spec.num_experts)
         h_ND = x[tok_N]
+        if self._batch_invariant:
+            at_N, padded_E = padded_blocks(counts_E, idx_Tk.view(-1)[order_N])
+            h_PD = h_ND.new_zeros((int(padded_E.sum()), h_ND.shape[1]))
+            y_ND = self._expert_blocks(i, h_PD.index_copy_(0, at_N, h_ND), padded_E)[at_N]
+        else:
+            y_ND = self._expert_blocks(i, h_ND, counts_E)
+        y_ND *= w_Tk.view(-1)[order_N, None]
+        return torch.zeros_like(x).index_add_(0, tok_N, y_ND)
+
+    def _expert_blocks(self, i: int, h_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, `counts_E` of them per expert, through their experts' MLPs:
+        one grouped matmul for all experts where torch has it, else one expert at a time."""
+        ex = self.experts[i]
         if _GROUPED_MM and self.grouped_mm:
             offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
             gate, up = torch._grouped_mm(h_ND, ex["gate_up"].transpose(1, 2), offs=offs).chunk(
                 2, -1
             )
-            y_ND = torch._grouped_mm(F.silu(gate) * up, ex["down"].transpose(1, 2), offs=offs)
-        else:
-            outs = []
-            for e, h in enumerate(h_ND.split(counts_E.tolist())):
-                if len(h):
-                    gate, up = F.linear(h, ex["gate_up"][e]).chunk(2, -1)
-                    outs.append(F.linear(F.silu(gate) * up, ex["down"][e]))
-            y_ND = torch.cat(outs)
-        y_ND *= w_Tk.view(-1)[order_N, None]
-        return torch.zeros_like(x).index_add_(0, tok_N, y_ND)
+            return torch._grouped_mm(F.silu(gate) * up, ex["down"].transpose(1, 2), offs=offs)
+        outs = []
+        for e, h in enumerate(h_ND.split(counts_E.tolist())):
+            if len(h):
+                gate, up = F.linear(h, ex["gate_up"][e]).chunk(2, -1)
+                outs.append(F.linear(F.silu(gate) * up, ex["down"][e]))
+        return torch.cat(outs)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+        """F.linear; with `batch_invariant` over at least MIN_GEMM_ROWS rows (zero rows padding
+        fewer): a CPU's BLAS computes 1-3 rows with another kernel, rounding otherwise, so a
+        row's bits would change with how many rows share its product (gemm_rows.py)."""
+        if not self._batch_invariant:
+            return F.linear(x, w, b)
+        return F.linear(at_least_gemm_rows(x), w, b)[: x.shape[0]]
 
 
 @dataclass

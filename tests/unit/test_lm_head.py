@@ -232,7 +232,8 @@ def test_selected_rows_are_the_whole_heads_bit_for_bit(keep_bytes):
     and d/dh, and d/dW (whose other rows' log-probs get no gradient), equal the head without a
     selection bit for bit, d/dh of the others is 0; chunks where fewer than MIN_GEMM_ROWS rows
     are selected are computed whole (rows 5-7 of chunk 0 below), one without any is skipped."""
-    from megatron_gspo.model.lm_head import MIN_GEMM_ROWS, plan_rows
+    from megatron_gspo.gemm_rows import MIN_GEMM_ROWS
+    from megatron_gspo.model.lm_head import plan_rows
 
     g = torch.Generator().manual_seed(9)
     n = 600  # chunks of 256: 0-255, 256-511, 512-599

@@ -293,19 +293,46 @@ def _rows_alone_and_batched(model: RolloutModel, seed: int):
     return batched, torch.stack(alone)
 
 
-def test_batch_invariant_rows_are_their_forward_alone(ckpts):
-    """--enable-deterministic-inference: in a bf16 fp8 server's step mixing decode steps at
-    several positions with prefills, every row's logits are bit for bit those of its forward
-    alone (so a sample does not depend on what it is batched with). The plain batched forward,
-    whose rows attend over the batch's longest, is not."""
-    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"], torch.bfloat16, "fp8")
+INVARIANT_CASES = {  # (dtype, quantization, the experts' grouped matmul)
+    "bf16-fp8": (torch.bfloat16, "fp8", True),
+    "fp32-grouped": (torch.float32, None, True),
+    "fp32-loop": (torch.float32, None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(INVARIANT_CASES))
+def test_batch_invariant_rows_are_their_forward_alone(ckpts, monkeypatch, case):
+    """--enable-deterministic-inference: in a step mixing decode steps at several positions with
+    prefills, every row's logits are bit for bit those of its forward alone (so a sample does
+    not depend on what it is batched with), in a bf16 fp8 server and in an fp32 one through
+    torch (where no compiled decode kernel is attached), with either expert path. The plain
+    batched forward, whose rows attend over the batch's longest, is not. In fp32 a product of
+    1-3 rows takes another kernel in MKL than one of 4 or more (gemm_rows.py): without the
+    padding to 4 rows, 7 of 10 such steps moved a row here."""
+    dtype, quantization, grouped = INVARIANT_CASES[case]
+    if grouped and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    monkeypatch.setattr(rollout_model, "_GROUPED_MM", grouped)
+    model = RolloutModel.from_pretrained(ckpts["qwen3_moe"], dtype, quantization)
+    assert model.decode_kernel is None  # (the torch path; the compiled step is tested apart)
     model.batch_invariant = True
-    for seed in range(3):
+    for seed in range(4):
         batched, alone = _rows_alone_and_batched(model, seed)
         assert torch.equal(batched, alone), seed
     model.batch_invariant = False
-    moved = [not torch.equal(*_rows_alone_and_batched(model, seed)) for seed in range(3)]
+    moved = [not torch.equal(*_rows_alone_and_batched(model, seed)) for seed in range(4)]
     assert any(moved)  # (what the mode is for: a plain batch moves some rows' bits)
+
+
+def test_padded_expert_blocks_put_each_row_in_its_experts_block():
+    """Blocks of 3, 0, 5, 1 rows padded to 4, 0, 5, 4: each row's place, written out."""
+    from megatron_gspo.gemm_rows import MIN_GEMM_ROWS, padded_blocks
+
+    assert MIN_GEMM_ROWS == 4
+    expert_N = torch.tensor([0, 0, 0, 2, 2, 2, 2, 2, 3])
+    at_N, padded_E = padded_blocks(torch.tensor([3, 0, 5, 1]), expert_N)
+    assert padded_E.tolist() == [4, 0, 5, 4]
+    assert at_N.tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9]
 
 
 def test_batch_invariant_products_take_one_kernel_whatever_their_size(ckpts):
