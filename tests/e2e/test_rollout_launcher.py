@@ -320,26 +320,43 @@ def test_sglang_command_from_config():
     assert redacted(["--api-key", "k3"], None) == ["--api-key", "***"]
 
 
-def test_a_deterministic_server_gives_the_same_samples_however_requests_arrive(ckpt, tmp_path):
-    """rollout.deterministic (--enable-deterministic-inference) on a bf16 fp8 server: the same
-    seeded samples, sent all at once or one prompt at a time at staggered moments (other
-    batches on the server each time), come back with the same tokens and log-probs."""
-    prompts = [[5 + i, 6, 7 + 2 * i, 9][: 2 + i % 3] * (1 + i) for i in range(6)]
+DETERMINISTIC = {  # (server options, prompts, samples per prompt, its decode steps' kernel)
+    # bf16 fp8 (decoding through torch: the compiled step is fp32's), prompts of 2-12 tokens
+    "bf16-fp8": ({"dtype": "bfloat16", "quantization": "fp8"},
+                 [[5 + i, 6, 7 + 2 * i, 9][: 2 + i % 3] * (1 + i) for i in range(6)], 4, "torch"),
+    # fp32 through torch: prompts of one length, 2 samples each, so the rows decoding at a
+    # position are 2 to 12 by the requests' timing (20 of 20 staggered runs differed before
+    # products of 1-3 rows were padded to 4)
+    "fp32-torch": ({"dtype": "float32", "extra_args": ["--decode-kernel", "torch"]},
+                   [[5 + i, 6 + i, 7 + 2 * i, 9] for i in range(6)], 2, "torch"),
+    # fp32 as served by default: decode steps through the compiled kernel, prefills through torch
+    "fp32": ({"dtype": "float32"}, [[5 + i, 6 + i, 7 + 2 * i, 9] for i in range(6)], 2, "c"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DETERMINISTIC))
+def test_a_deterministic_server_gives_the_same_samples_however_requests_arrive(
+    ckpt, tmp_path, case
+):
+    """rollout.deterministic (--enable-deterministic-inference): the same seeded samples, sent
+    all at once or one prompt at a time at staggered moments (other batches on the server each
+    time), come back with the same tokens and log-probs."""
+    options, prompts, n, kernel = DETERMINISTIC[case]
     sp = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 11}
-    cfg = builtin(ckpt, dtype="bfloat16", quantization="fp8", deterministic=True)
+    cfg = builtin(ckpt, deterministic=True, **options)
     with ServerGroup([cfg], tmp_path / "logs", monitor=False) as group:
 
         async def together():
             async with RolloutClient(group.urls) as c:
-                return await c.generate(prompts, n=4, sampling_params=sp, grouped=True)
+                return await c.generate(prompts, n=n, sampling_params=sp, grouped=True)
 
         async def staggered():
             async with RolloutClient(group.urls) as c:
 
                 async def one(i):  # the seeds `generate` gives prompt i's samples above
                     await asyncio.sleep(0.03 * i)
-                    mine = dict(sp, sampling_seed=sp["sampling_seed"] + 4 * i)
-                    return (await c.generate([prompts[i]], n=4, sampling_params=mine))[0]
+                    mine = dict(sp, sampling_seed=sp["sampling_seed"] + n * i)
+                    return (await c.generate([prompts[i]], n=n, sampling_params=mine))[0]
 
                 return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
@@ -349,7 +366,9 @@ def test_a_deterministic_server_gives_the_same_samples_however_requests_arrive(c
             async with RolloutClient(group.urls) as c:
                 return await c.get(group.urls[0], "/server_info")
 
-        assert asyncio.run(info())["enable_deterministic_inference"] is True
+        shown = asyncio.run(info())
+        assert shown["enable_deterministic_inference"] is True
+        assert shown["decode_kernel"] == kernel
     assert [[(s.tokens, s.logprobs) for s in g] for g in first] == [
         [(s.tokens, s.logprobs) for s in g] for g in second
     ]
