@@ -9,7 +9,9 @@ Both use the same number of torch threads; the server is idle while HF runs.
 
 On a shared machine wall-clock rates swing with the load, so each repetition also reports tokens
 per CPU-second: the server process's CPU time (all its threads, HTTP included; the client's is
-not counted) against the CPU time of the process running HF `generate`.
+not counted) against the CPU time of the process running HF `generate`. The server's is summed
+over its threads' schedstat (ns; /proc's clock ticks of 10 ms would not resolve a short run); a
+repetition in which one of its threads ended has none ("n/a").
 
     .venv/bin/python bench/bench_rollout.py [--reps 5] [--new-tokens 64] [--threads 1]
                                             [--decode-kernel auto|c|torch] [--json OUT]
@@ -24,8 +26,15 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from harness import Variant, finish, measure, median, parser, workdir  # (bench/ is on the path)
-from transfer_floors import cpu_seconds
+from harness import (  # (bench/ is on the path)
+    CpuRead,
+    Variant,
+    finish,
+    measure,
+    median,
+    parser,
+    workdir,
+)
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.client import RolloutClient
@@ -47,12 +56,15 @@ def run_server(url: str, pid: int, batch: list[list[int]], samples: int, new: in
 
     async def go():
         async with RolloutClient([url], max_concurrency=256) as c:
-            t, cpu = time.perf_counter(), cpu_seconds(pid)
+            t, cpu = time.perf_counter(), CpuRead.of(pid)
             out = await c.generate(batch, n=samples, sampling_params=sp, return_logprob=True)
-            dt, dcpu = time.perf_counter() - t, cpu_seconds(pid) - cpu
+            dt, dcpu = time.perf_counter() - t, cpu.seconds_to(CpuRead.of(pid))
         tokens = sum(len(s.tokens) for g in out for s in g)
         assert tokens == len(batch) * samples * new, tokens
-        return {"tokens_per_s": tokens / dt, "tokens_per_cpu_s": tokens / max(dcpu, 1e-9)}
+        rates = {"tokens_per_s": tokens / dt}
+        if dcpu:  # (None: a thread ended between the reads)
+            rates["tokens_per_cpu_s"] = tokens / dcpu
+        return rates
 
     return asyncio.run(go())
 
@@ -121,11 +133,16 @@ def run(work: Path, args) -> None:
     print(res.table({"tokens_per_s": "tokens/s", "tokens_per_cpu_s": "tokens per CPU-second"},
                     fmt=".0f"))  # fmt: skip
     a, b = res.median("server", "tokens_per_s"), res.median("hf", "tokens_per_s")
-    a_cpu, b_cpu = res.median("server", "tokens_per_cpu_s"), res.median("hf", "tokens_per_cpu_s")
     paired = median(res.paired("server", "hf", "tokens_per_s"))
-    print(f"median tokens per CPU-second: built-in server {a_cpu:.0f}, HF generate {b_cpu:.0f} "
-          f"(ratio {res.ratio('server', 'hf', 'tokens_per_cpu_s'):.2f}x); median of "
-          f"per-repetition ratios {paired:.2f}x")  # fmt: skip
+    if res.values("server", "tokens_per_cpu_s"):
+        a_cpu = res.median("server", "tokens_per_cpu_s")
+        b_cpu = res.median("hf", "tokens_per_cpu_s")
+        print(f"median tokens per CPU-second: built-in server {a_cpu:.0f}, HF generate "
+              f"{b_cpu:.0f} (ratio {res.ratio('server', 'hf', 'tokens_per_cpu_s'):.2f}x)")  # fmt: skip
+    else:
+        print("tokens per CPU-second: n/a (a server thread ended within every repetition; "
+              "its time is in /proc's clock ticks only)")  # fmt: skip
+    print(f"median of per-repetition ratios of tokens/s: {paired:.2f}x")
     print(f"median generated tokens/s: built-in server {a:.0f}, HF transformers generate {b:.0f}")
     print(f"ratio built-in server / HF generate: {res.ratio('server', 'hf', 'tokens_per_s'):.2f}x "
           "(goal >= 2x)")  # fmt: skip
@@ -134,8 +151,10 @@ def run(work: Path, args) -> None:
 
 def _print_rep(variant: str, rep: int, samples: list[dict]) -> None:
     s = samples[0]
-    print(f"rep {rep}: {variant:6s} {s['tokens_per_s']:8.0f} tok/s, "
-          f"{s['tokens_per_cpu_s']:.0f} per CPU-second", flush=True)  # fmt: skip
+    cpu = s.get("tokens_per_cpu_s")
+    per_cpu = "n/a" if cpu is None else f"{cpu:.0f}"
+    print(f"rep {rep}: {variant:6s} {s['tokens_per_s']:8.0f} tok/s, {per_cpu} per CPU-second",
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

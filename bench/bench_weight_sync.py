@@ -55,10 +55,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from harness import Variant, measure, median
+from harness import Variant, cpu_seconds, measure, median
 from transfer_floors import (  # (bench/ is on the path: run as a script)
     Memcpy,
-    cpu_seconds,
     cuda_ipc_gbps,
     gloo_gbps,
     gpu_copy_gbps,

@@ -136,6 +136,42 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads, ended ones too), from /proc: clock ticks of
+    10 ms."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class CpuRead:
+    """A process's CPU time at one moment: in clock ticks (`cpu_seconds`), and each live
+    thread's in ns (its schedstat), which resolves a run of a tenth of a second."""
+
+    seconds: float
+    threads_ns: dict[int, int]
+
+    @classmethod
+    def of(cls, pid: int) -> CpuRead:
+        threads = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # (one ending)
+                threads[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+        return cls(cpu_seconds(pid), threads)
+
+    def seconds_to(self, later: CpuRead) -> float | None:
+        """CPU seconds from this read to `later`, from the threads' ns; None where that is not
+        all of it: a thread of this read ended by `later`, or the ticks count more than a tick
+        per thread beyond the threads' sum (a thread started and ended between the reads)."""
+        if not self.threads_ns.keys() <= later.threads_ns.keys():
+            return None
+        fine = sum(ns - self.threads_ns.get(t, 0) for t, ns in later.threads_ns.items()) / 1e9
+        tick = 1 / os.sysconf("SC_CLK_TCK")
+        if later.seconds - self.seconds - fine > (len(later.threads_ns) + 1) * tick:
+            return None
+        return fine
+
+
 @dataclass
 class Result:
     """Everything one run of a benchmark measured: per variant the samples of each rep in the

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 # (bench/ is on the path: run as a script)
-from harness import Result, Variant, measure, summarize
-from transfer_floors import cpu_seconds
+from harness import Result, Variant, cpu_seconds, measure, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

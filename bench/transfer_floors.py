@@ -6,7 +6,6 @@ it. Imported by the bench (bench/ is on the path when it runs as a script)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -52,12 +51,6 @@ def shm_free() -> int:
         return shutil.disk_usage("/dev/shm").free
     except OSError:
         return 0
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _gloo_peer(rank: int, port: int, nbytes: int, bucket: int, out) -> None:

@@ -146,3 +146,51 @@ def test_results_of_several_runs_combine_under_a_prefix():
     res.include(one, "tiny")
     assert res.samples == {"tiny a": [{"seconds": 2.0}]} and res.order == ["tiny a"]
     assert res.extra["tiny"]["x"] == 1
+
+
+def test_a_process_cpu_time_summed_over_its_threads():
+    """`CpuRead` on a child process whose two threads spin for 0.3 s of CPU each (by each
+    thread's own clock): read while they are alive, about 0.6 s between two reads; read after
+    they ended (they started and ended between the reads, so only the ticks count them), or
+    with a thread of the first read gone, None."""
+    import subprocess
+    import time
+
+    code = (
+        "import sys, threading, time\n"
+        "def spin(spun, ev):\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < 0.3: pass\n"
+        "    spun.wait(); ev.wait()\n"
+        "for _ in range(2):\n"
+        "    sys.stdin.readline(); ev, spun = threading.Event(), threading.Barrier(3)\n"
+        "    ts = [threading.Thread(target=spin, args=(spun, ev)) for _ in range(2)]\n"
+        "    [t.start() for t in ts]; spun.wait(); print('spun', flush=True)\n"
+        "    sys.stdin.readline(); ev.set(); [t.join() for t in ts]; print('ended', flush=True)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    def say(line: str, answer: str):
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == answer
+
+    try:
+        time.sleep(0.2)  # (started, waiting on stdin)
+        before = harness.CpuRead.of(p.pid)
+        assert list(before.threads_ns) == [p.pid]  # one thread yet
+        say("go", "spun")
+        alive = harness.CpuRead.of(p.pid)
+        assert len(alive.threads_ns) == 3
+        assert 0.55 < before.seconds_to(alive) < 0.7
+        say("end", "ended")
+        assert harness.CpuRead.of(p.pid).threads_ns.keys() == before.threads_ns.keys()
+        assert alive.seconds_to(harness.CpuRead.of(p.pid)) is None  # two threads ended
+        ended = harness.CpuRead.of(p.pid)
+        say("again", "spun")
+        say("end", "ended")
+        assert ended.seconds_to(harness.CpuRead.of(p.pid)) is None  # in the ticks only
+    finally:
+        p.kill()
+        p.wait()
