@@ -147,8 +147,8 @@ class RolloutModel(ModelWeights):
         last bits with the batch it is in (its attention is padded to the batch's longest row).
         With `batch_invariant` torch runs the chunks in parts that need no padding (`_torch`),
         and every product in one kernel whatever its size (the property's setter; products of
-        1-3 rows padded to 4, `_linear`), so each one's logits depend on its own tokens only; the compiled decode step is batch-invariant
-        as it is (each row's sums in one order)."""
+        1-3 rows padded to 4, `_linear`), so each one's logits depend on its own tokens only;
+        the compiled decode step is batch-invariant as it is (each row's sums in one order)."""
         lens = [len(c.tokens) for c in chunks]
         if self.decode_kernel is None or min(lens) > 1:
             return self._torch(chunks, lens, cache, record_routing)
