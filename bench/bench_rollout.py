@@ -137,8 +137,9 @@ def run(work: Path, args) -> None:
     if res.values("server", "tokens_per_cpu_s"):
         a_cpu = res.median("server", "tokens_per_cpu_s")
         b_cpu = res.median("hf", "tokens_per_cpu_s")
+        cpu_ratio = res.ratio("server", "hf", "tokens_per_cpu_s")
         print(f"median tokens per CPU-second: built-in server {a_cpu:.0f}, HF generate "
-              f"{b_cpu:.0f} (ratio {res.ratio('server', 'hf', 'tokens_per_cpu_s'):.2f}x)")  # fmt: skip
+              f"{b_cpu:.0f} (ratio {cpu_ratio:.2f}x)")  # fmt: skip
     else:
         print("tokens per CPU-second: n/a (a server thread ended within every repetition; "
               "its time is in /proc's clock ticks only)")  # fmt: skip
