@@ -162,6 +162,7 @@ def test_a_process_cpu_time_summed_over_its_threads():
         "    t = time.thread_time()\n"
         "    while time.thread_time() - t < 0.3: pass\n"
         "    spun.wait(); ev.wait()\n"
+        "print('ready', flush=True)\n"
         "for _ in range(2):\n"
         "    sys.stdin.readline(); ev, spun = threading.Event(), threading.Barrier(3)\n"
         "    ts = [threading.Thread(target=spin, args=(spun, ev)) for _ in range(2)]\n"
@@ -176,8 +177,18 @@ def test_a_process_cpu_time_summed_over_its_threads():
         p.stdin.flush()
         assert p.stdout.readline().strip() == answer
 
+    def one_thread() -> harness.CpuRead:
+        """A read once the ended threads have left /proc (a joined thread's task lingers a
+        moment)."""
+        for _ in range(500):
+            read = harness.CpuRead.of(p.pid)
+            if list(read.threads_ns) == [p.pid]:
+                return read
+            time.sleep(0.01)
+        raise AssertionError(f"threads still listed: {read.threads_ns}")
+
     try:
-        time.sleep(0.2)  # (started, waiting on stdin)
+        assert p.stdout.readline().strip() == "ready"
         before = harness.CpuRead.of(p.pid)
         assert list(before.threads_ns) == [p.pid]  # one thread yet
         say("go", "spun")
@@ -185,12 +196,11 @@ def test_a_process_cpu_time_summed_over_its_threads():
         assert len(alive.threads_ns) == 3
         assert 0.55 < before.seconds_to(alive) < 0.7
         say("end", "ended")
-        assert harness.CpuRead.of(p.pid).threads_ns.keys() == before.threads_ns.keys()
-        assert alive.seconds_to(harness.CpuRead.of(p.pid)) is None  # two threads ended
-        ended = harness.CpuRead.of(p.pid)
+        ended = one_thread()
+        assert alive.seconds_to(ended) is None  # two threads ended
         say("again", "spun")
         say("end", "ended")
-        assert ended.seconds_to(harness.CpuRead.of(p.pid)) is None  # in the ticks only
+        assert ended.seconds_to(one_thread()) is None  # in the ticks only
     finally:
         p.kill()
         p.wait()
