@@ -34,6 +34,7 @@ class TrainerSetup:
         from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
 
         cfg = self.cfg
+        check_model_path(cfg.model.path, cfg.data.train)
         spec, _ = checkpoint_spec(cfg.model.path)
         cfg.check_context(
             spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")
@@ -158,3 +159,17 @@ def _launcher_node() -> int | None:
     if not value.isdigit():
         raise UserError(f"{NODE_ENV}={value!r} must be this node's index (0, 1, ...)")
     return int(value)
+
+
+def check_model_path(path: str, train_source: str) -> None:
+    """model.path is a directory, or a one-line error naming how to get one there: for a
+    built-in task, the command that makes its starting model (as scripts/quickstart.sh does)."""
+    if Path(path).is_dir():
+        return
+    fix = "point model.path at an HF or Megatron checkpoint"
+    if train_source.startswith("builtin:"):
+        task = train_source.removeprefix("builtin:")
+        flags = "--preset drift" if task == "sortlong" else f"--task {task}"
+        command = f"megatron-gspo make-task-model {flags} --out {path}"
+        fix += f", or make {task}'s starting model there: {command}"
+    raise UserError(f"model.path {path} does not exist: {fix}")

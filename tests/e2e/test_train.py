@@ -449,6 +449,28 @@ def test_config_typo_is_one_line_error(task_model, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("config", "fix"),
+    [
+        ("tiny_moe_gspo.yaml", "make arith's starting model there: megatron-gspo make-task-model "
+                               "--task arith --out {path}"),
+        ("drift_moe_gspo.yaml", "make sortlong's starting model there: megatron-gspo "
+                                "make-task-model --preset drift --out {path}"),
+        ("qwen3_30b_a3b_gspo.yaml", None),
+    ],
+)  # fmt: skip
+def test_a_missing_model_path_is_one_line_error_naming_how_to_make_it(tmp_path, config, fix):
+    """A new user's first command without the starting model: one line that names the command
+    making it for a built-in task (what scripts/quickstart.sh runs), nothing written."""
+    missing = tmp_path / "no_model"
+    rc, out = train(config, tmp_path / "run", missing)
+    assert rc == 2, out[-2000:]
+    want = f"error: model.path {missing} does not exist: point model.path at an HF or Megatron "
+    want += "checkpoint" + ("" if fix is None else ", or " + fix.format(path=missing))
+    assert _errors(out) == [want]
+    assert not (tmp_path / "run").exists()
+
+
 def test_reward_plugin_that_raises(task_model, tmp_path):
     plugin = tmp_path / "bad_reward.py"
     plugin.write_text("def score(prompt, response, answer):\n    raise ValueError('boom')\n")
