@@ -75,3 +75,31 @@ def check(directory: Path, modules) -> None:
             f"{directory}'s adapters were trained on {saved['base_path']}, whose files differ "
             f"from model.path {rec['base_path']}; point model.path at that base"
         )
+    differ = shape_differences(saved["lora"], rec["lora"])
+    if differ:
+        raise UserError(
+            f"{directory}'s adapters have {differ}, which set their shapes; resume with those "
+            "(the run's config), or start another run with --run-dir NEW_DIR"
+        )
+
+
+# The lora: keys that set the adapters' tensors (their names and shapes); alpha and dropout
+# change only what they compute.
+SHAPE_KEYS = ("rank", "targets", "experts")
+
+
+def shape_differences(saved: dict, now: dict) -> str:
+    """The shape-setting keys where a checkpoint's adapters (`saved`) differ from the config's
+    (`now`), as "lora.rank=16 (not 8), ..."; "" where none does."""
+    out = []
+    for key in SHAPE_KEYS:
+        a, b = saved.get(key), now.get(key)
+        if key == "targets":
+            a, b = sorted(a or []), sorted(b or [])
+        if a != b:
+            out.append(f"lora.{key}={_show(saved.get(key))} (not {_show(now.get(key))})")
+    return ", ".join(out)
+
+
+def _show(value) -> str:
+    return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value)

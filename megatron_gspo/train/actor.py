@@ -384,3 +384,10 @@ class Actor(MicrobatchLayout):
         from megatron_gspo.train import optim_state
 
         optim_state.load_actor(self.chunks, self.optimizer, directory)
+
+    def check_checkpoint(self, directory) -> None:
+        """`load` would find adapters of this actor's base and shape in `directory` (or none,
+        as this actor has none): a one-line error otherwise, before anything is loaded."""
+        from megatron_gspo.model import lora_ckpt
+
+        lora_ckpt.check(directory, [c.module for c in self.chunks])

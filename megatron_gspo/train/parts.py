@@ -51,13 +51,17 @@ def build_parts(
     from megatron_gspo.train.share import rollout_side
 
     stack = ExitStack()
+    setup = None
     try:
         setup = stack.enter_context(TrainerSetup(cfg, run_dir, resume, allow_config_change))
-        fleet, rollouts = rollout_side(cfg, run_dir, setup.hf_dir, stack)
+        # the run directory is written once the prompts and the reward load, before the servers
+        fleet, rollouts = rollout_side(cfg, run_dir, setup.hf_dir, stack, setup.commit)
         sampler = setup.sampler(rollouts.n_train_prompts)
         sync = setup.weight_sync(fleet.urls, fleet.api_key)
         stack.callback(sync.close)
     except BaseException:
+        if setup is not None:
+            setup.abandon()  # (refused before commit: the directory as it was found)
         stack.close()
         raise
     return Parts(cfg, run_dir, setup, fleet, rollouts, sampler, sync, stack)

@@ -14,6 +14,10 @@ Resuming with a config that differs from the run's in what it computes (the algo
 data, the optimizer...) is refused unless --allow-config-change; what may change freely is in
 MAY_CHANGE (how long to run, how to log, where the servers are).
 
+A start decides all this first (`prepare`) and does it (`StartPlan.carry_out`) only once its
+inputs are checked (the model built, the dataset and the reward loaded): a start refused before
+then leaves the directory as it found it, and removes one it made.
+
 The lock is an `fcntl.flock` on RUN_DIR/.lock, taken by global rank 0 (the process that writes
 the directory) before it looks, and released when that process ends, however it ends (the
 kernel drops the lock of a killed process). A second trainer gets an error naming the first.
@@ -25,6 +29,7 @@ import fcntl
 import os
 import shutil
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -66,7 +71,14 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"--run-dir {self.run_dir} is a file; pass --run-dir NEW_DIR")
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a parent that is a file, a read-only place
+            raise UserError(
+                f"cannot make --run-dir {self.run_dir} ({e.strerror}); pass --run-dir NEW_DIR"
+            ) from None
         fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -89,9 +101,46 @@ class RunDirLock:
             self._fd = None
 
 
-def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool) -> Path | None:
-    """Rank 0, holding the lock: the checkpoint to resume from (None: a fresh start), after
-    clearing what an earlier attempt without a checkpoint left. Prints what it does."""
+@dataclass
+class StartPlan:
+    """What a start does in the run directory it found (`prepare`), done by `carry_out` once
+    the start's inputs are checked: a start refused before then (a model, a dataset or a reward
+    that fails to load) leaves the directory as it was."""
+
+    checkpoint: Path | None = None  # to resume from; None: a fresh start
+    set_aside: list[tuple[Path, str]] = field(default_factory=list)  # newer, unverified: why
+    clear: list[str] = field(default_factory=list)  # an earlier attempt's files
+    changes: str | None = None  # a changed config resumed with (--allow-config-change)
+
+    def carry_out(self, run_dir: Path) -> None:
+        """Rank 0, holding the lock: set aside, clear or keep what the plan says; print it."""
+        if self.set_aside:
+            why = "; ".join(f"{c.name}: {problem}" for c, problem in self.set_aside)
+            dest = checkpointing.set_aside(run_dir, [c for c, _ in self.set_aside])
+            assert self.checkpoint is not None  # (set aside only to resume from an older one)
+            print(
+                f"resuming from {self.checkpoint.name}, the newest checkpoint that verifies; "
+                f"skipped {why} (moved to {dest.relative_to(run_dir)}/, not deleted)",
+                flush=True,
+            )
+        if self.clear:
+            print(_clear_attempt(run_dir, self.clear), flush=True)
+        if self.changes is not None:
+            assert self.checkpoint is not None
+            path = run_dir / CONFIG_FILE
+            kept = path.with_name(f"config.until_{self.checkpoint.name}.yaml")
+            os.replace(path, kept)
+            print(
+                f"resuming with a changed config ({self.changes}); the run's is kept as "
+                f"{kept.name}",
+                flush=True,
+            )
+
+
+def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool) -> StartPlan:
+    """Rank 0, holding the lock: what this start does with what it finds in `run_dir` (the
+    checkpoint to resume from, an earlier attempt without one to clear), or the error that
+    refuses it. Changes nothing: `StartPlan.carry_out` does."""
     ckpt = checkpointing.latest(run_dir)
     if ckpt is not None:
         if not resume:
@@ -99,36 +148,27 @@ def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool)
                 f"{run_dir} holds an earlier run (last complete checkpoint: {ckpt.name}); pass "
                 "--resume to continue it or --run-dir NEW_DIR to start another"
             )
-        ckpt = _verified(run_dir)
-        _check_config(run_dir, ckpt, cfg, allow_config_change)
-        return ckpt
+        ckpt, skipped = _verified(run_dir)
+        changes = _check_config(run_dir, cfg, allow_config_change)
+        return StartPlan(ckpt, skipped, changes=changes)
     left = [name for name in ATTEMPT_FILES + SCRATCH if (run_dir / name).exists()]
-    if left:
-        print(_clear_attempt(run_dir, left), flush=True)
-    elif resume:
+    if not left and resume:
         print(f"--resume: {run_dir} holds no checkpoint yet; starting the run", flush=True)
-    return None
+    return StartPlan(clear=left)
 
 
-def _verified(run_dir: Path) -> Path:
-    """The newest checkpoint that verifies; the newer ones that do not are set aside and named
-    in one line. None verifying is an error that changes nothing."""
+def _verified(run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest checkpoint that verifies, and the newer ones that do not (with why). None
+    verifying is an error."""
     ckpt, skipped = checkpointing.newest_verified(run_dir)
-    why = "; ".join(f"{c.name}: {problem}" for c, problem in skipped)
     if ckpt is None:
+        why = "; ".join(f"{c.name}: {problem}" for c, problem in skipped)
         raise UserError(
             f"no checkpoint in {checkpointing.checkpoint_root(run_dir)} verifies ({why}); "
             "nothing was changed: restore the files from a copy, or start another run with "
             "--run-dir NEW_DIR"
         )
-    if skipped:
-        dest = checkpointing.set_aside(run_dir, [c for c, _ in skipped])
-        print(
-            f"resuming from {ckpt.name}, the newest checkpoint that verifies; skipped {why} "
-            f"(moved to {dest.relative_to(run_dir)}/, not deleted)",
-            flush=True,
-        )
-    return ckpt
+    return ckpt, skipped
 
 
 def _clear_attempt(run_dir: Path, left: list[str]) -> str:
@@ -161,15 +201,16 @@ def _clear_attempt(run_dir: Path, left: list[str]) -> str:
     )
 
 
-def _check_config(run_dir: Path, ckpt: Path, cfg: Config, allow: bool) -> None:
-    """Refuse (unless `allow`) to resume with a config that computes something else."""
+def _check_config(run_dir: Path, cfg: Config, allow: bool) -> str | None:
+    """Refuse (unless `allow`) to resume with a config that computes something else; the
+    changes allowed, listed (None: none)."""
     path = run_dir / CONFIG_FILE
     if not path.is_file():
-        return
+        return None
     changes = config_changes(yaml.safe_load(path.read_text()) or {}, cfg)
     changes = [c for c in changes if not c[0].startswith(MAY_CHANGE)]
     if not changes:
-        return
+        return None
     listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
     if not allow:
         raise UserError(
@@ -177,11 +218,7 @@ def _check_config(run_dir: Path, ckpt: Path, cfg: Config, allow: bool) -> None:
             "run's config, or pass --allow-config-change to resume with this one anyway, or "
             "--run-dir NEW_DIR to start another run"
         )
-    kept = path.with_name(f"config.until_{ckpt.name}.yaml")
-    os.replace(path, kept)
-    print(
-        f"resuming with a changed config ({listed}); the run's is kept as {kept.name}", flush=True
-    )
+    return listed
 
 
 def config_changes(old_raw: dict, new: Config) -> list[tuple[str, object, object]]:

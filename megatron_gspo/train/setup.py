@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron_gspo.config import Config, dump_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
-from megatron_gspo.train.run_dir import RunDirLock, prepare
+from megatron_gspo.train.run_dir import RunDirLock, StartPlan, prepare
 from megatron_gspo.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ class TrainerSetup:
         self.allow_config_change = allow_config_change
         self.resume_from: Path | None = None
         self.lock: RunDirLock | None = None
+        self.plan: StartPlan | None = None
+        self.made = self.committed = False
 
     def __enter__(self) -> TrainerSetup:
         import torch.distributed as dist
@@ -43,27 +45,41 @@ class TrainerSetup:
         dims.validate(spec)
         init_distributed(dims, seed=cfg.seed)
         self.rank0 = dist.get_rank() == 0
-        made = self.rank0 and not self.run_dir.exists()  # this start makes the run directory
+        self.made = self.rank0 and not self.run_dir.exists()  # this start makes the directory
         try:
-            self.resume_from = self._claim_run_dir()
+            self.plan = self._claim_run_dir()
+            self.resume_from = self.plan.checkpoint
             self.hf_dir = hf_files_dir(cfg.model.path).resolve()
             self.actor = self._build_actor(dims)
-            if self.rank0:  # (after the model loaded: a start that fails before writes nothing)
-                (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-                dump_config(cfg, self.run_dir / "config.yaml")
+            if self.resume_from is not None:  # adapters of another shape: refused before loading
+                self.actor.check_checkpoint(self.resume_from / "model")
         except BaseException:
-            if made and self.lock is not None:  # made here and still held (not another's)
-                shutil.rmtree(self.run_dir, ignore_errors=True)
-            self.__exit__()
+            self.abandon()
             raise
         return self
+
+    def commit(self) -> None:
+        """Rank 0, once the start's inputs are checked: carry out the run directory's plan
+        (run_dir.py) and write the config. Until then the directory is as this start found it."""
+        assert self.plan is not None
+        self.plan.carry_out(self.run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        dump_config(self.cfg, self.run_dir / "config.yaml")
+        self.committed = True
+
+    def abandon(self) -> None:
+        """A start refused before `commit`: remove the run directory if this start made it
+        (it holds only the lock file), and let it go."""
+        if self.made and self.lock is not None and not self.committed:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.__exit__()
 
     def __exit__(self, *exc) -> None:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
 
-    def _claim_run_dir(self) -> Path | None:
+    def _claim_run_dir(self) -> StartPlan:
         """Rank 0 locks the run directory for this trainer's lifetime and decides what the start
         does there; every rank learns the checkpoint to resume from, or the error."""
         import torch.distributed as dist
@@ -72,8 +88,8 @@ class TrainerSetup:
         if self.rank0:
             try:
                 self.lock = RunDirLock(self.run_dir).acquire()
-                ckpt = prepare(self.run_dir, self.resume, self.cfg, self.allow_config_change)
-                box = [("ok", ckpt)]
+                plan = prepare(self.run_dir, self.resume, self.cfg, self.allow_config_change)
+                box = [("ok", plan)]
             except UserError as e:
                 box = [("error", str(e))]
         dist.broadcast_object_list(box, src=0)

@@ -9,6 +9,7 @@ rank sharded by the actor (`Actor.shard`), never whole. So every rank takes the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -72,11 +73,16 @@ class SharedRollouts:
 
 
 def rollout_side(
-    cfg: Config, run_dir: Path, hf_dir: Path, stack: ExitStack
+    cfg: Config,
+    run_dir: Path,
+    hf_dir: Path,
+    stack: ExitStack,
+    inputs_checked: Callable[[], None] = lambda: None,
 ) -> tuple[ServerFleet, SharedRollouts]:
     """The fleet and the batches, as this rank holds them: rank 0 loads the prompts, starts the
-    reward workers, the servers and their clients (`stack` closes them, last started first);
-    the other ranks get a view of the fleet (URLs and key, no supervisor) and receive batches."""
+    reward workers, calls `inputs_checked`, then starts the servers and their clients (`stack`
+    closes them, last started first); the other ranks get a view of the fleet (URLs and key, no
+    supervisor) and receive batches."""
     fleet, producer = None, None
     if dist.get_rank() == 0:
         prompts = PromptSet(cfg, hf_dir)
@@ -84,6 +90,7 @@ def rollout_side(
         stack.callback(io.close)
         gen = Generation(cfg, prompts.tokenizer, run_dir)  # (a broken reward fails before servers)
         stack.callback(gen.close)
+        inputs_checked()
         fleet = ServerFleet.start(cfg, run_dir, hf_dir, io, prompts.longest)
         stack.callback(fleet.close)
         assert fleet.generator is not None  # (started: connected)

@@ -211,6 +211,43 @@ def test_run_dir_without_a_checkpoint_starts_again_with_either_command(task_mode
         (run_dir / "metrics.jsonl").read_text(),
         (run_dir / "config.yaml").read_text(),
     ) == before
+    # A changed config allowed, then refused on its dataset: the run's config stays the run's.
+    missing = tmp_path / "none.jsonl"
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume",
+                    "--allow-config-change", "algo.loss=grpo", f"data.train={missing}")  # fmt: skip
+    assert rc == 2 and str(missing) in _errors(out)[-1], out[-3000:]
+    assert (run_dir / "config.yaml").read_text() == before[1]
+    assert not list(run_dir.glob("config.until_*"))
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume", steps=2)
+    assert rc == 0 and [r["step"] for r in metrics(run_dir)] == [0, 1, 2], out[-3000:]
+
+
+def test_resuming_adapters_with_another_shape_is_one_line_error(task_model, tmp_path):
+    """The adapters' rank, targets and expert mode set their tensors: a resume that changes
+    them is refused in one line before anything is loaded or written (it was megatron's
+    shape-mismatch traceback, after the run's config had been replaced)."""
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_gspo_lora.yaml", run_dir, task_model, steps=1)
+    assert rc == 0, out[-3000:]
+    before = _files(run_dir)
+    rc, out = train("tiny_moe_gspo_lora.yaml", run_dir, task_model, "--resume",
+                    "--allow-config-change", "lora.rank=8", "lora.experts=shared")  # fmt: skip
+    ckpt = run_dir / "checkpoints" / "step_1" / "model"
+    assert rc == 2 and _errors(out)[-1] == (
+        f"error: {ckpt}'s adapters have lora.rank=16 (not 8), lora.experts=per_expert (not "
+        "shared), which set their shapes; resume with those (the run's config), or start "
+        "another run with --run-dir NEW_DIR"
+    ), out[-3000:]
+    assert _files(run_dir) == before
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under root but the lock and the logs (which each start appends to)."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lock" and "logs" not in p.relative_to(root).parts
+    }
 
 
 def test_second_trainer_on_a_run_dir_is_refused(task_model, tmp_path):
@@ -254,6 +291,7 @@ def test_broken_rows_and_a_dead_rollout_url_fail_fast(task_model, tmp_path):
     rc, out = train("tiny_moe_gspo.yaml", tmp_path / "a", task_model, *use)
     [error] = _errors(out)
     assert rc == 2 and "3 of 21 rows are broken (more than 10%)" in error, out[-3000:]
+    assert not (tmp_path / "a").exists()  # a refused dataset leaves no run directory
     data.write_text("\n".join([*rows, "{not json"]) + "\n")
     from megatron_gspo.comm import free_port
 
@@ -439,6 +477,15 @@ def test_verification_passes_16_bit_servers_and_catches_a_corrupt_bucket(task_mo
 
 def _errors(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("error:")]
+
+
+def test_a_run_dir_that_is_a_file_is_one_line_error(task_model, tmp_path):
+    (tmp_path / "afile").write_text("mine\n")
+    rc, out = train("tiny_moe_gspo.yaml", tmp_path / "afile", task_model)
+    assert rc == 2 and _errors(out) == [
+        f"error: --run-dir {tmp_path / 'afile'} is a file; pass --run-dir NEW_DIR"
+    ], out[-2000:]
+    assert (tmp_path / "afile").read_text() == "mine\n"
 
 
 def test_config_typo_is_one_line_error(task_model, tmp_path):

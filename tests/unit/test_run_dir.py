@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -60,6 +61,10 @@ MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version":
                      "common_backend": "torch", "common_backend_version": 1}  # fmt: skip
 
 
+def _tree(root: Path) -> list:
+    return sorted((p.relative_to(root), p.stat().st_size) for p in root.rglob("*"))
+
+
 def cfg(*overrides):
     return load_config(None, ["model.path=m", *overrides])
 
@@ -68,7 +73,10 @@ def cfg(*overrides):
 def test_an_attempt_without_checkpoint_starts_again(tmp_path, capsys, resume):
     run = tmp_path / "run"
     _attempt(run)
-    assert rd.prepare(run, resume, cfg(), False) is None
+    before = _tree(run)
+    plan = rd.prepare(run, resume, cfg(), False)
+    assert plan.checkpoint is None and _tree(run) == before  # decided, nothing done yet
+    plan.carry_out(run)
     line = capsys.readouterr().out.strip()
     assert "\n" not in line and "moved metrics.jsonl to aborted/1/" in line
     assert "deleted checkpoints/ (incomplete" in line and "logs/ goes on" in line
@@ -77,11 +85,12 @@ def test_an_attempt_without_checkpoint_starts_again(tmp_path, capsys, resume):
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
     assert (run / "notes.txt").read_text() == "mine\n"  # not ours: left alone
     (run / "metrics.jsonl").write_text('{"step": 0}\n')  # and once more
-    assert rd.prepare(run, resume, cfg(), False) is None and (run / "aborted/2").is_dir()
+    rd.prepare(run, resume, cfg(), False).carry_out(run)
+    assert (run / "aborted/2").is_dir()
 
 
 def test_resume_in_an_empty_dir_starts_the_run(tmp_path, capsys):
-    assert rd.prepare(tmp_path, True, cfg(), False) is None
+    assert rd.prepare(tmp_path, True, cfg(), False) == rd.StartPlan()
     assert "holds no checkpoint yet; starting the run" in capsys.readouterr().out
 
 
@@ -91,7 +100,7 @@ def test_a_checkpoint_needs_resume_and_the_same_config(tmp_path, capsys):
     with pytest.raises(UserError, match="pass --resume"):
         rd.prepare(tmp_path, False, cfg(), False)
     free = ("train.steps=99", "logging.console=false", "rollout.urls=[http://a:1]")
-    assert rd.prepare(tmp_path, True, cfg(*free), False) == ckpt
+    assert rd.prepare(tmp_path, True, cfg(*free), False) == rd.StartPlan(ckpt)
     changed = cfg("algo.loss=grpo", "optim.lr=2e-6", *free)
     with pytest.raises(UserError) as e:
         rd.prepare(tmp_path, True, changed, False)
@@ -100,7 +109,9 @@ def test_a_checkpoint_needs_resume_and_the_same_config(tmp_path, capsys):
         "optim.lr: 1e-06 -> 2e-06; "
     )
     assert "--allow-config-change" in str(e.value) and "\n" not in str(e.value)
-    assert rd.prepare(tmp_path, True, changed, True) == ckpt
+    plan = rd.prepare(tmp_path, True, changed, True)
+    assert plan.checkpoint == ckpt and not (tmp_path / "config.until_step_1.yaml").exists()
+    plan.carry_out(tmp_path)  # once the start's inputs are checked
     assert "resuming with a changed config (algo.loss" in capsys.readouterr().out
     kept = yaml.safe_load((tmp_path / "config.until_step_1.yaml").read_text())
     assert kept["algo"]["loss"] == "gspo"  # the steps so far ran with it
@@ -184,7 +195,9 @@ def test_resume_skips_a_checkpoint_that_verifies_but_cannot_be_loaded(tmp_path, 
     change(bad)
     assert checkpointing.verify(bad) is None and problem in checkpointing.loadable(bad)
     assert checkpointing.loadable(good) is None
-    assert rd.prepare(tmp_path, True, cfg(), False) == good
+    plan = rd.prepare(tmp_path, True, cfg(), False)
+    assert plan.checkpoint == good and bad.exists()  # set aside once the start goes on
+    plan.carry_out(tmp_path)
     line = capsys.readouterr().out.strip()
     assert line.startswith("resuming from step_1, the newest checkpoint that verifies; skipped")
     assert "step_2: " in line and problem in line and "\n" not in line
@@ -198,7 +211,9 @@ def test_resume_skips_a_checkpoint_that_does_not_verify(tmp_path, capsys, damage
     DAMAGE[damage](bad)
     problem = checkpointing.verify(bad)
     assert problem is not None and "\n" not in problem
-    assert rd.prepare(tmp_path, True, cfg(), False) == good
+    plan = rd.prepare(tmp_path, True, cfg(), False)
+    assert plan.checkpoint == good and bad.exists()  # set aside once the start goes on
+    plan.carry_out(tmp_path)
     line = capsys.readouterr().out.strip()
     assert line.startswith("resuming from step_1, the newest checkpoint that verifies; skipped")
     assert f"step_2: {problem}" in line and "\n" not in line
