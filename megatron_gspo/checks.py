@@ -1,8 +1,10 @@
 """The config checks every section uses: one line naming the key and what it accepts.
 
 `in_range` is the one check of a number: finite (no NaN or inf) and within the bounds given.
-Every integer of the config is also a 64-bit one (`INT_MAX`) and every duration at most
-`MAX_SECONDS`, so no value overflows where it is used (torch, numpy, timedelta, thread waits)."""
+Every integer of the config is also a 64-bit one (`INT_MAX`), every float one that a 32-bit
+float holds (0, or a magnitude in [FLOAT32_TINY, FLOAT32_MAX]: the step computes in fp32, where
+1e39 is inf and 1e-320 is 0) and every duration at most `MAX_SECONDS`, so no value overflows
+where it is used (torch, numpy, timedelta, thread waits)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ INT_MAX = 2**63 - 1  # torch and numpy integers are 64-bit
 # The longest wait a duration key may ask for (about 31 years): below what thread waits
 # (threading.TIMEOUT_MAX, about 292 years) and timedelta accept, so "no limit" is a big number.
 MAX_SECONDS = 1e9
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 magnitude
 
 
 def need(value, key: str, what: str) -> None:
@@ -49,6 +53,11 @@ def in_range(
         ok = value > lo if lo_open else value >= lo
     if ok and hi is not None:
         ok = value < hi if hi_open else value <= hi
+    if ok and not is_int and not (value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX):
+        raise UserError(
+            f"{key} must be a number a 32-bit float holds (0, or a magnitude in "
+            f"[1.2e-38, 3.4e38]), not {show(value)}"
+        )
     if ok:
         return
     what = "an integer" if is_int else "a finite number"

@@ -10,6 +10,7 @@ layer's experts (`lora.experts: shared`) lives on the MoE layer, a dense paramet
 
 from __future__ import annotations
 
+from megatron_gspo.errors import UserError
 from megatron_gspo.model.lora import (
     Kind,
     LoraAdapter,
@@ -27,6 +28,7 @@ def apply_lora(chunks, cfg: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
     (none when LoRA is off: then nothing is frozen)."""
     if not cfg.enabled:
         return []
+    _check_fits(chunks, cfg)
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
@@ -36,6 +38,32 @@ def apply_lora(chunks, cfg: LoraConfig, seed: int = 0) -> list[LoraAdapter]:
         for layer in chunk.decoder.layers:
             out += _layer(layer, layer.layer_number - 1, spec, cfg, seed)
     return out
+
+
+def _check_fits(chunks, cfg: LoraConfig) -> None:
+    """lora.targets name a linear these layers have, and lora.rank is at most the hidden size
+    (every adapted linear has min(in, out) <= it, so a larger rank adds nothing but memory):
+    one-line errors, before anything is frozen or allocated."""
+    hidden = chunks[0].model_spec.hidden_size
+    if cfg.rank > hidden:
+        raise UserError(
+            f"lora.rank {cfg.rank} is above the model's hidden size {hidden}, the most an "
+            f"adapter's rank can use; set lora.rank <= {hidden}"
+        )
+    present = {Target.QKV.value, Target.PROJ.value}  # every layer's attention
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            moe = getattr(layer.mlp, "experts", None) is not None
+            present |= {t.value for t in _MLP_TARGETS[moe]}
+    if not present & set(cfg.targets):
+        raise UserError(
+            f"lora.targets {', '.join(cfg.targets)} match no linear of this model's layers "
+            f"(here: {', '.join(t.value for t in Target if t.value in present)}); name at "
+            "least one of those"
+        )
+
+
+_MLP_TARGETS = {False: (Target.FC1, Target.FC2), True: (Target.EXPERT_FC1, Target.EXPERT_FC2)}
 
 
 def _layer(layer, lid: int, spec, cfg: LoraConfig, seed: int) -> list[LoraAdapter]:

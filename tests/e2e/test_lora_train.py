@@ -5,7 +5,7 @@ was not."""
 
 import pytest
 
-from tests.e2e.test_train import metrics, task_model, train  # noqa: F401 (a fixture)
+from tests.e2e.test_train import error_lines, files, metrics, task_model, train  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -32,13 +32,45 @@ def test_lora_run_serves_the_merged_policy_and_resumes_exactly(task_model, tmp_p
             assert g.get(key) == w.get(key), (g["step"], key, g.get(key), w.get(key))
 
 
-def test_resuming_lora_on_another_base_is_refused(task_model, tmp_path):  # noqa: F811
+def test_resuming_lora_as_full_weights_or_other_adapters_is_refused(task_model, tmp_path):  # noqa: F811
+    """The adapters' rank, targets and expert mode set their tensors: a resume that changes
+    them is one line before anything is loaded or written (it was megatron's shape-mismatch
+    traceback, after the run's config had been replaced)."""
     run = tmp_path / "run"
     rc, out = train(CONFIG, run, task_model, steps=1)
     assert rc == 0, out[-3000:]
+    before = files(run)
     rc, out = train(CONFIG, run, task_model, "--resume", "--allow-config-change", "lora.rank=0",
                     steps=2)  # fmt: skip
     assert rc != 0 and "holds LoRA adapters; set lora.rank" in out, out[-2000:]
+    rc, out = train(CONFIG, run, task_model, "--resume", "--allow-config-change", "lora.rank=8",
+                    "lora.experts=shared", steps=2)  # fmt: skip
+    ckpt = run / "checkpoints" / "step_1" / "model"
+    assert rc == 2 and error_lines(out)[-1] == (
+        f"error: {ckpt}'s adapters have lora.rank=16 (not 8), lora.experts=per_expert (not "
+        "shared), which set their shapes; resume with those (the run's config), or start "
+        "another run with --run-dir NEW_DIR"
+    ), out[-3000:]
+    assert files(run) == before
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("lora.targets=[linear_fc1, linear_fc2]", "lora.targets linear_fc1, linear_fc2 match no "
+         "linear of this model's layers (here: linear_qkv, linear_proj, expert_fc1, expert_fc2); "
+         "name at least one of those"),
+        ("lora.rank=1000000000000", "lora.rank 1000000000000 is above the model's hidden size "
+         "64, the most an adapter's rank can use; set lora.rank <= 64"),
+    ],
+)  # fmt: skip
+def test_adapters_the_model_cannot_take_are_one_line_errors(task_model, tmp_path, override,  # noqa: F811
+                                                            error):  # fmt: skip
+    """Targets only a dense MLP has, on a model of MoE layers (an IndexError after a whole
+    rollout), and a rank past what any adapted linear can use (a 1.5 PB allocation)."""
+    rc, out = train(CONFIG, tmp_path / "run", task_model, override, steps=1)
+    assert rc == 2 and error_lines(out) == [f"error: {error}"], out[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("config", ["tiny_moe_grpo_r2.yaml", "tiny_moe_grpo_r3.yaml"])

@@ -235,6 +235,30 @@ def test_values_that_overflow_where_used_are_refused(tmp_path, override, message
     assert str(e.value).startswith(message), str(e.value)
 
 
+F32 = "must be a number a 32-bit float holds (0, or a magnitude in [1.2e-38, 3.4e38]), not "
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algo.loss=grpo", "algo.clip_high=1e39"],
+        ["algo.loss=sapo", "algo.sapo_tau_neg=1e308"],
+        ["algo.loss=sapo", "algo.sapo_tau_pos=1e-320"],
+        ["algo.mismatch=tis", "algo.tis_cap=1e308"],
+        ["algo.kl_coef=1e308"],
+        ["optim.lr=1e-40"],
+    ],
+)
+def test_floats_beyond_fp32_are_refused(tmp_path, overrides):
+    """The step computes in fp32: these were inf or 0 there (a traceback converting a clip
+    bound, or a NaN loss and every update skipped)."""
+    key, value = overrides[-1].split("=")
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, "model: {path: m}\n"), overrides)
+    assert str(e.value) == f"{key} {F32}{float(value)!r}"
+    load_config(_write(tmp_path, "model: {path: m}\n"), [*overrides[:-1], f"{key}=2.0"])
+
+
 def test_an_override_that_is_not_yaml_is_text_for_a_string_key_else_an_error(tmp_path):
     """`data.template={prompt}{x}` used to be a 33-line yaml ParserError traceback."""
     path = _write(tmp_path, "model: {path: m}\n")
