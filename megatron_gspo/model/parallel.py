@@ -65,54 +65,71 @@ class ParallelDims(ParallelConfig):
         """megatron's virtual pipeline size: the chunks per rank where more than one, else None."""
         return self.chunks if self.chunks > 1 else None
 
-    def validate(self, spec=None) -> None:
-        """Raise UserError for a layout that cannot work, naming the fix."""
+    def validate(self, spec=None, keys: bool = False) -> None:
+        """Raise UserError for a layout that cannot work, naming the fix: the command-line
+        flags (--tp 2), or with `keys` the config keys (parallel.tp=2) that set it."""
+        n = _Names(self, keys)
         for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
-                raise UserError(f"--{name} must be >= 1")
+                raise UserError(f"{n.key(name)} must be >= 1")
         if spec is not None:
-            self._validate_model(spec)
+            self._validate_model(spec, n)
         if self.world_size % (self.tp * self.pp):
             raise UserError(
                 f"world size {self.world_size} is not divisible by tp*pp={self.tp * self.pp}; "
-                "change --tp/--pp or the number of processes"
+                f"change {n.key('tp')}/{n.key('pp')} or the number of processes"
             )
         if self.world_size % (self.expert_tp * self.ep * self.pp):
             raise UserError(
                 f"world size {self.world_size} is not divisible by etp*ep*pp="
-                f"{self.expert_tp * self.ep * self.pp}; change --ep/--etp"
+                f"{self.expert_tp * self.ep * self.pp}; change {n.key('ep')}/{n.key('etp')}"
             )
         if self.vpp is not None and self.vpp > 1 and self.pp < 2:
-            raise UserError("--vpp needs --pp >= 2")
+            raise UserError(f"{n.key('vpp')} needs {n.key('pp')} >= 2")
 
-    def _validate_model(self, spec) -> None:
+    def _validate_model(self, spec, n: _Names) -> None:
         if spec.num_heads % self.tp or spec.num_kv_heads % self.tp:
             raise UserError(
-                f"--tp {self.tp} does not divide the model's {spec.num_heads} attention heads and "
-                f"{spec.num_kv_heads} key/value heads; choose a --tp that divides both"
+                f"{n.set('tp')} does not divide the model's {spec.num_heads} attention heads and "
+                f"{spec.num_kv_heads} key/value heads; choose a {n.key('tp')} that divides both"
             )
         if spec.ffn_hidden_size % self.tp:
             raise UserError(
-                f"--tp {self.tp} does not divide intermediate_size {spec.ffn_hidden_size}"
+                f"{n.set('tp')} does not divide intermediate_size {spec.ffn_hidden_size}"
             )
         if spec.is_moe and spec.num_experts % self.ep:
             raise UserError(
-                f"--ep {self.ep} does not divide the model's {spec.num_experts} experts; "
-                "choose an --ep that divides it"
+                f"{n.set('ep')} does not divide the model's {spec.num_experts} experts; "
+                f"choose a {n.key('ep')} that divides it"
             )
         if not spec.is_moe and self.ep > 1:
-            raise UserError(f"--ep {self.ep} needs an MoE model; this {spec.architecture} is dense")
+            raise UserError(f"{n.set('ep')} needs an MoE model; this {spec.architecture} is dense")
         if spec.is_moe and spec.moe_ffn_hidden_size % self.expert_tp:
             raise UserError(
-                f"--etp {self.expert_tp} does not divide moe_intermediate_size "
+                f"{n.set('etp', self.expert_tp)} does not divide moe_intermediate_size "
                 f"{spec.moe_ffn_hidden_size}"
             )
         stages = self.pp * self.chunks
         if spec.num_layers % stages:
             raise UserError(
                 f"{spec.num_layers} layers cannot be split into pp*vpp={stages} equal stages; "
-                "change --pp/--vpp"
+                f"change {n.key('pp')}/{n.key('vpp')}"
             )
+
+
+@dataclass(frozen=True)
+class _Names:
+    """How an error names a parallel size: a command-line flag or a config key."""
+
+    dims: ParallelDims
+    keys: bool
+
+    def key(self, name: str) -> str:
+        return f"parallel.{name}" if self.keys else f"--{name}"
+
+    def set(self, name: str, value: int | None = None) -> str:
+        value = getattr(self.dims, name) if value is None else value
+        return f"parallel.{name}={value}" if self.keys else f"--{name} {value}"
 
 
 def device_type() -> str:

@@ -42,7 +42,7 @@ class TrainerSetup:
             spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")
         )
         dims = cfg.parallel.dims(world_size_from_env())
-        dims.validate(spec)
+        dims.validate(spec, keys=True)
         init_distributed(dims, seed=cfg.seed)
         self.rank0 = dist.get_rank() == 0
         self.made = self.rank0 and not self.run_dir.exists()  # this start makes the directory

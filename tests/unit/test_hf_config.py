@@ -53,6 +53,29 @@ def test_layouts_that_cannot_work_are_refused(tiny_models, dims, message):
         dims.validate(spec)
 
 
+@pytest.mark.parametrize(
+    "dims, flags, keys",
+    [
+        (ParallelDims(tp=2, world_size=3), "change --tp/--pp or the number of processes",
+         "change parallel.tp/parallel.pp or the number of processes"),
+        (ParallelDims(vpp=2, world_size=1), "--vpp needs --pp >= 2",
+         "parallel.vpp needs parallel.pp >= 2"),
+        (ParallelDims(tp=3, world_size=3), "--tp 3 does not divide the model's 4 attention heads "
+         "and 2 key/value heads; choose a --tp that divides both", "parallel.tp=3 does not divide"
+         " the model's 4 attention heads and 2 key/value heads; choose a parallel.tp that divides "
+         "both"),
+    ],
+)  # fmt: skip
+def test_a_layout_error_names_the_flags_or_the_config_keys_that_set_it(tiny_models, dims, flags,
+                                                                        keys):  # fmt: skip
+    """`train` takes parallel.* keys, `convert` and `score` flags: each error names its own."""
+    spec = model_spec(load_hf_config(tiny_models["moe"]))
+    for named, want in ((False, flags), (True, keys)):
+        with pytest.raises(UserError) as e:
+            dims.validate(spec, keys=named)
+        assert want in str(e.value)
+
+
 GOOD = {
     "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2,
     "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100,
