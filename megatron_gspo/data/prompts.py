@@ -109,11 +109,11 @@ def _row(record: object) -> PromptRow | None:
 def _read_jsonl(path: Path) -> tuple[list[PromptRow], int]:
     rows, skipped = [], 0
     with open(path, "rb") as f:
-        for line in f:
+        for i, line in enumerate(f):
             if not line.strip():
                 continue
-            try:
-                row = _row(json.loads(line.decode("utf-8")))
+            try:  # (a byte-order mark some editors write opens the file, not its first row)
+                row = _row(json.loads(line.decode("utf-8-sig" if i == 0 else "utf-8")))
             except (UnicodeDecodeError, json.JSONDecodeError):
                 row = None
             if row is None:
@@ -148,7 +148,8 @@ def _read_parquet(path: Path) -> tuple[list[PromptRow], int]:
 
 
 class PromptSampler:
-    """Batches of row indices: a fresh permutation of the rows each epoch, `batch_size` at a time.
+    """Batches of row indices: a fresh permutation of the rows each epoch, `batch_size` at a time
+    (`batch_size`: rollout.prompts_per_step, which its errors name).
 
     Epoch e's order is a permutation drawn from numpy's generator seeded with (seed, e), so any
     position in the stream can be rebuilt from (epoch, pos) alone. The last n_rows % batch_size
@@ -157,11 +158,11 @@ class PromptSampler:
 
     def __init__(self, n_rows: int, batch_size: int, seed: int) -> None:
         if batch_size < 1:
-            raise UserError(f"prompt batch size must be at least 1, got {batch_size}")
+            raise UserError(f"rollout.prompts_per_step must be at least 1, got {batch_size}")
         if n_rows < batch_size:
             raise UserError(
                 f"the prompt dataset has {n_rows} usable rows, fewer than the {batch_size} "
-                "prompts a step needs; lower the prompts per step or give more rows"
+                "prompts a step needs; lower rollout.prompts_per_step or give more rows"
             )
         self.n_rows, self.batch_size, self.seed = n_rows, batch_size, seed
         self.epoch, self.pos = 0, 0
@@ -193,7 +194,7 @@ class PromptSampler:
         if mine != theirs:
             raise UserError(
                 f"the saved prompt order is for (rows, batch size, seed) = {theirs}, this run has "
-                f"{mine}; resume with the same dataset, prompts per step and seed"
+                f"{mine}; resume with the same data.train, rollout.prompts_per_step and seed"
             )
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._order = self._permutation(self.epoch)

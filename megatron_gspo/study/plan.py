@@ -11,6 +11,12 @@ its clip range and options, advantages, routing replay, the mismatch correction)
               < the sweep's KEY=value < seed=<k> (and model.path when the study made the model)
 
 With `--sweep KEY=v1,v2` every arm runs at every value (DIR/runs/<arm>/<j>_<value>/seed<k>).
+Neither an override for every run nor the sweep may set a key of an arm's row: the arm would run
+another arm's algorithm under its own name (`ARM:key=value` sets one for one arm).
+
+The study makes its starting model (DIR/model, `make-task-model`) only when the base config's own
+model.path is missing and the config trains on a built-in task: what the shipped configs say to
+make. A model.path given on the command line, or as a sweep value, must exist.
 
 The base config is copied to DIR/base_config.yaml when the study starts and every run reads
 that copy, so editing the source file mid-study cannot change the runs still to come. DIR/study.json
@@ -33,7 +39,7 @@ import yaml
 from megatron_gspo.algo.config import Mismatch
 from megatron_gspo.algo.policy_loss import resolve_agg
 from megatron_gspo.config import Config, load_config
-from megatron_gspo.config_renames import rename_keys
+from megatron_gspo.config_renames import RENAMED, rename_keys, renamed
 from megatron_gspo.errors import UserError
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -245,32 +251,83 @@ def build_study(
         raise UserError(f"--seeds {n_seeds}: run at least one seed")
     table = table if table is not None else algo_table(arms=algos)
     common, per_algo = split_overrides(overrides, algos)
+    check_arm_keys(arm_keys(table, algos), common, sweep)
     if steps is not None:
         common = [*common, f"train.steps={steps}"]
     base = load_config(config, common)
     study = Study(Path(config), Path(out), {}, [base.seed + i for i in range(n_seeds)],
                   base.train.steps, base.train.eval_every, common=common, sweep=sweep)  # fmt: skip
-    # each sweep value is a path of its own when the sweep is over the starting model
-    model = None if sweep and sweep.key == "model.path" else _starting_model(base, study.out)
     points: list[tuple[str | None, list[str]]] = [(None, [])]
     if sweep:
+        check_distinct(config, common, sweep)
         points = [(f"{j}_{_slug(v)}", [sweep.point(v)]) for j, v in enumerate(sweep.values)]
     for algo in algos:
         layered = [*row_overrides(table[algo]), *common, *per_algo[algo]]
         study.algos[algo] = _algo_settings(load_config(config, layered))
         for sub, at in points:
-            run_steps = load_config(config, layered + at).train.steps  # (checks the value)
+            run_cfg = load_config(config, layered + at)  # (checks the value)
+            model = _starting_model(run_cfg, _sets_model(common + per_algo[algo] + at), study.out)
+            study.made_model = model or study.made_model
             for seed in study.seeds:
                 extra = [f"seed={seed}"] + ([f"model.path={model}"] if model else [])
                 run_dir = study.out / "runs" / algo / (sub or "") / f"seed{seed}"
                 study.runs.append(RunSpec(algo, seed, run_dir, tuple(layered + at + extra),
-                                          at[0] if at else None, study.out, run_steps))  # fmt: skip
-    study.made_model = model
+                                          at[0] if at else None, study.out,
+                                          run_cfg.train.steps))  # fmt: skip
     study.steps = max(r.steps or 0 for r in study.runs)  # (a sweep of train.steps: the longest)
     # every arm at every sweep value per seed first; per value, every arm first
     order = {p: j for j, p in enumerate(sweep.point(v) for v in sweep.values)} if sweep else {}
     study.runs.sort(key=lambda r: (r.seed, order.get(r.point or "", 0), algos.index(r.algo)))
     return study
+
+
+def arm_keys(table: dict[str, dict], algos: list[str]) -> set[str]:
+    """The dotted config keys that the arms' rows set: what makes one arm differ from another."""
+    return {k if "." in k else f"algo.{k}" for a in algos for k in table[a]}
+
+
+def check_arm_keys(keys: set[str], common: list[str], sweep: Sweep | None) -> None:
+    """An override for every run or a sweep of a key that an arm sets would run an arm under
+    its name with another arm's settings (a "gspo" arm with algo.loss=grpo): refused, naming
+    the per-arm spelling instead."""
+    for item in common:
+        key, _, value = item.partition("=")
+        hit = _arm_key(key.strip(), value.strip(), keys)
+        if hit:
+            raise UserError(
+                f"override {item!r}: {hit} is set by each arm (its config's row); set it for "
+                f"one arm with ARM:{key.strip()}=value, or choose the arms with --algos"
+            )
+    hit = _arm_key(sweep.key, sweep.values[0], keys) if sweep else None
+    if sweep and hit:
+        raise UserError(
+            f"--sweep {sweep.key}=...: {hit} is set by each arm (its config's row); compare its "
+            f"values as arms with --algos (a config of the family each), or set it for one arm "
+            f"with ARM:{sweep.key}=value"
+        )
+
+
+def _arm_key(key: str, value: str, keys: set[str]) -> str | None:
+    """The arm key that override `key=value` sets (under its name now, for an earlier name; a
+    whole section sets all of its keys), or None."""
+    names = {key}
+    if key in RENAMED:
+        names = {RENAMED[key], *renamed(key, value)}
+    hits = sorted(k for k in keys for n in names if k == n or k.startswith(n + "."))
+    return hits[0] if hits else None
+
+
+def check_distinct(config: Path, common: list[str], sweep: Sweep) -> None:
+    """Two sweep values that make the same config (1e-4 and 0.0001) would run one point twice
+    under two names: refused."""
+    seen: dict[str, str] = {}
+    for value in sweep.values:
+        resolved = json.dumps(load_config(config, [*common, sweep.point(value)]).to_dict(),
+                              sort_keys=True, default=str)  # fmt: skip
+        if resolved in seen:
+            raise UserError(f"--sweep {sweep.key}: {seen[resolved]} and {value} are the same "
+                            "value; list each once")  # fmt: skip
+        seen[resolved] = value
 
 
 def _slug(value: str) -> str:
@@ -296,11 +353,24 @@ def _algo_settings(cfg: Config) -> dict:
     }
 
 
-def _starting_model(cfg: Config, out: Path) -> Path | None:
-    """None when model.path exists; else DIR/model, made by `make-task-model` before the runs."""
-    if Path(cfg.model.path).exists():
+def _starting_model(cfg: Config, given: bool, out: Path) -> Path | None:
+    """None when model.path exists. When it does not and it is the base config's own location
+    of a built-in task's starting model (runs/task_model, runs/drift_model: what the configs
+    say to make), DIR/model, made by `make-task-model` before the runs. A model.path given on
+    the command line (or a sweep value) is not stood in for: a typo would train a tiny task
+    model under the name of the real one; nor is a model for a data set of one's own."""
+    from megatron_gspo.train.setup import check_model_path
+
+    path = cfg.model.path
+    if Path(path).exists():
         return None
+    if given or not cfg.data.train.startswith("builtin:"):
+        check_model_path(path, cfg.data.train)
     return (out / "model").resolve()
+
+
+def _sets_model(overrides: list[str]) -> bool:
+    return any(o.partition("=")[0].strip() in ("model.path", "model") for o in overrides)
 
 
 def task_of(cfg_path: Path, common: list[str]) -> str:

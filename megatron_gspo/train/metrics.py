@@ -73,30 +73,44 @@ def encode_line(row: dict[str, Scalar]) -> str:
     return json.dumps({k: _encode(v) for k, v in row.items()}, allow_nan=False) + "\n"
 
 
-def _parse(path: Path, text: str, lineno: int) -> dict:
+def _parse(path: Path, raw: bytes, lineno: int) -> tuple[str, dict]:
+    """(text, row) of line `lineno`; bytes that are not UTF-8 or not a row are the same error."""
     try:
+        text = raw.decode("utf-8").removesuffix("\r")
         row = json.loads(text)
-    except json.JSONDecodeError:
-        row = None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        text, row = "", None
     if not isinstance(row, dict) or not isinstance(row.get("step"), int):
         raise UserError(f"{path}:{lineno} is not a metrics line; delete it or restore the file")
-    return {k: _decode(v) for k, v in row.items()}
+    return text, {k: _decode(v) for k, v in row.items()}
 
 
 def _complete_rows(path: Path) -> list[tuple[str, dict]]:
-    """(line, row) for every complete line; a torn last line (no newline, or cut JSON) is skipped."""
-    lines = path.read_text(encoding="utf-8").split("\n")
-    torn = lines.pop()  # text after the last newline: "" unless the last write was cut
+    """(line, row) for every complete line; a torn last line (no newline, or cut JSON) is skipped.
+    The file is read as bytes and each line decoded alone: a write cut inside a character tears
+    only the last line, and stray bytes are named by their line."""
+    lines = path.read_bytes().split(b"\n")
+    torn = lines.pop()  # bytes after the last newline: empty unless the last write was cut
     rows = []
     for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            rows.append((line, _parse(path, line, i)))
+            rows.append(_parse(path, line, i))
         except UserError:
-            if i < len(lines) or torn:
+            if i < len(lines) or torn or not _could_be_cut(line):
                 raise
     return rows
+
+
+def _could_be_cut(raw: bytes) -> bool:
+    """A write cut short leaves UTF-8, at most its last character cut; bytes that are not UTF-8
+    before that (a stray \\xff) are not a torn line but a file that is not metrics."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.reason == "unexpected end of data"
+    return True
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

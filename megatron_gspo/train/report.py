@@ -7,6 +7,8 @@ or --labels). A panel whose keys no run has says "n/a". When a run logs per-laye
 `build_figure` takes `(label, rows)` pairs, so other commands reuse it: rows made by
 `aggregate_seeds` carry `<key>:min` / `<key>:max`, drawn as a band around the mean line.
 Matplotlib is used through its object API on the Agg canvas (no pyplot, no global backend).
+The command refuses an --out that exists (a figure the user kept is not replaced) or whose
+directory does not (a typo would scatter directories), and a run with no metrics line yet.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.train.metrics import read_metrics
+from megatron_gspo.train.metrics import METRICS_FILE, read_metrics
 
 Run = tuple[str, list[dict]]
 LAYER_KEY = re.compile(r"^routing/changed_fraction/layer_(\d+)$")
@@ -205,7 +207,12 @@ def load_runs(run_dirs: Sequence[Path], labels: Sequence[str] | None = None) -> 
     if labels is not None and len(labels) != len(run_dirs):
         raise UserError(f"{len(labels)} labels for {len(run_dirs)} run directories; pass one each")
     labels = list(labels) if labels is not None else default_labels(run_dirs)
-    return [(label, read_metrics(Path(d))) for label, d in zip(labels, run_dirs)]
+    runs = [(label, read_metrics(Path(d))) for label, d in zip(labels, run_dirs)]
+    for d, (_, rows) in zip(run_dirs, runs):
+        if not rows:  # (a figure of nothing is not a report of the run)
+            raise UserError(f"{Path(d) / METRICS_FILE} has no metrics yet (no complete line); "
+                            "pass a run that has logged a step")  # fmt: skip
+    return runs
 
 
 def save_png(fig, out: Path) -> Path:
@@ -223,8 +230,14 @@ def save_png(fig, out: Path) -> Path:
 
 def make_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Path:
     """Plot the runs' metrics.jsonl into one PNG at `out`; returns `out`."""
-    if Path(out).suffix.lower() != ".png":
+    out = Path(out)
+    if out.suffix.lower() != ".png":
         raise UserError(f"--out {out}: the report is a PNG; give a path ending in .png")
+    if out.exists():
+        raise UserError(f"--out {out} exists; pass a new path, or delete it to write it again")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: directory {out.parent} does not exist; create it, or "
+                        "give a path in an existing directory")  # fmt: skip
     return save_png(build_figure(load_runs(run_dirs, labels)), out)
 
 

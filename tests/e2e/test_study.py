@@ -141,9 +141,12 @@ def test_algo_table_reads_the_base_configs_family(tmp_path):
     assert algo_table(base=tmp_path / "deep_gspo.yaml") == algo_table()
 
 
-def test_the_drift_study_reads_its_family_and_makes_its_model_with_the_preset(tmp_path):
-    """configs/drift_moe_gspo.yaml: the drift configs' algo rows, and, with model.path missing,
-    DIR/model made by make-task-model with the drift preset (the shape sortlong is tuned for)."""
+def test_the_drift_study_reads_its_family_and_makes_its_model_with_the_preset(
+    tmp_path, monkeypatch
+):
+    """configs/drift_moe_gspo.yaml: the drift configs' algo rows, and, with the config's own
+    model.path (runs/drift_model) missing, DIR/model made by make-task-model with the drift
+    preset (the shape sortlong is tuned for)."""
     from megatron_gspo.data.warmstart import PRESETS
     from megatron_gspo.study.plan import task_of
     from megatron_gspo.study.runner import preset_for
@@ -153,12 +156,57 @@ def test_the_drift_study_reads_its_family_and_makes_its_model_with_the_preset(tm
     for name, row in table.items():
         algo = yaml.safe_load((ROOT / "configs" / f"drift_moe_{name}.yaml").read_text())["algo"]
         assert row == {k: algo[k] for k in row}
-    study = build_study(base, tmp_path, list(table), 1, [f"model.path={tmp_path / 'none'}"],
-                        table=table)  # fmt: skip
-    assert study.made_model == (tmp_path / "model").resolve()
+    monkeypatch.chdir(tmp_path)  # (runs/drift_model, relative, is missing here)
+    study = build_study(base, tmp_path / "study", list(table), 1, [], table=table)
+    made = (tmp_path / "study" / "model").resolve()
+    assert study.made_model == made
+    assert all(r.overrides[-1] == f"model.path={made}" for r in study.runs)
     task = task_of(base, study.common)
     assert task == "sortlong" and PRESETS["drift"]["task"] == task
     assert preset_for(task) == ["--preset", "drift"] and preset_for("arith") == []
+
+
+def test_a_missing_model_path_given_on_the_command_line_is_one_line_error(tmp_path):
+    """The study makes a model only where the base config's own model.path is missing: one given
+    on the command line that does not exist (a typo of a real path) is not replaced by a tiny
+    task model; it is one line naming the path and the command that makes one, nothing made."""
+    missing = tmp_path / "no_model"
+    cmd = [sys.executable, "-m", "megatron_gspo", "study", "--config", str(BASE), "--algos",
+           "gspo", "--seeds", "1", "--steps", "1", "--out", str(tmp_path / "S"),
+           f"model.path={missing}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=cli_env(), cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: model.path {missing} does not exist: point model.path at an HF or Megatron "
+        f"checkpoint, or make arith's starting model there: megatron-gspo make-task-model "
+        f"--task arith --out {missing}"
+    ]
+    assert "starting model" not in proc.stdout and not (tmp_path / "S").exists()
+    with pytest.raises(UserError, match=f"model.path {missing} does not exist"):
+        build_study(BASE, tmp_path / "S", ["gspo", "grpo"], 1, [f"grpo:model.path={missing}"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.loss=grpo"], "override 'algo.loss=grpo': algo.loss is set by each arm (its "
+                             "config's row); set it for one arm with ARM:algo.loss=value, or "
+                             "choose the arms with --algos"),
+        (["algo.clip_high=0.5"], "override 'algo.clip_high=0.5': algo.clip_high is set by each "
+                                 "arm"),
+        (["algo={loss: grpo}"], "override 'algo={loss: grpo}': algo.clip_high is set by each "
+                                "arm"),
+    ],
+)  # fmt: skip
+def test_an_override_of_a_key_an_arm_sets_is_refused(tmp_path, overrides, message):
+    """A "gspo" arm that runs GRPO because an override for every run set its loss: refused, the
+    per-arm spelling named; a key no arm sets (algo.tis here) and ARM:key=value still run."""
+    with pytest.raises(UserError) as e:
+        build_study(BASE, tmp_path, ["gspo", "grpo"], 1, overrides)
+    assert str(e.value).startswith(message)
+    study = build_study(BASE, tmp_path, ["gspo", "grpo"], 1,
+                        ["algo.tis_reduce=mean", "grpo:algo.clip_high=0.5"])  # fmt: skip
+    assert study.algos["gspo"]["loss"] == "gspo" and study.algos["grpo"]["clip_high"] == 0.5
 
 
 def test_unknown_algorithm_is_a_user_error():

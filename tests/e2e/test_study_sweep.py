@@ -111,9 +111,15 @@ def test_the_sweep_plan(tmp_path):
     assert first.train_config == tmp_path / "base_config.yaml"
     steps = build_study(BASE, tmp_path / "t", ["gspo"], 1, [], sweep=parse_sweep("train.steps=1,3"))
     assert [r.steps for r in steps.runs] == [1, 3] and steps.steps == 3
+    (tmp_path / "a" / "small").mkdir(parents=True)
+    (tmp_path / "b" / "large").mkdir(parents=True)
+    values = f"{tmp_path}/a/small,{tmp_path}/b/large"
     models = build_study(BASE, tmp_path / "m", ["gspo"], 1, [],
-                         sweep=parse_sweep("model.path=/a/small,/b/large"))  # fmt: skip
+                         sweep=parse_sweep(f"model.path={values}"))  # fmt: skip
     assert models.made_model is None and models.runs[1].run_dir.parent.name == "1_large"
+    with pytest.raises(UserError, match=f"model.path {tmp_path}/b/typo does not exist"):
+        build_study(BASE, tmp_path / "m", ["gspo"], 1, [],
+                    sweep=parse_sweep(f"model.path={tmp_path}/a/small,{tmp_path}/b/typo"))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -128,6 +134,41 @@ def test_the_sweep_plan(tmp_path):
 def test_bad_sweeps_are_one_line_errors(text, message):
     with pytest.raises(UserError, match=message):
         parse_sweep(text)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("algo.loss=gspo,grpo", "--sweep algo.loss=...: algo.loss is set by each arm (its "
+                                "config's row); compare its values as arms with --algos (a "
+                                "config of the family each), or set it for one arm with "
+                                "ARM:algo.loss=value"),
+        ("algo.routing_replay=none,r3", "--sweep algo.routing_replay=...: algo.routing_replay "
+                                        "is set by each arm"),
+    ],
+)  # fmt: skip
+def test_a_sweep_of_a_key_an_arm_sets_is_refused(tmp_path, text, message):
+    """`--algos gspo,grpo --sweep algo.loss=gspo,grpo` would run "grpo @ algo.loss=gspo"."""
+    with pytest.raises(UserError) as e:
+        build_study(BASE, tmp_path, ["gspo", "grpo"], 1, [], sweep=parse_sweep(text))
+    assert str(e.value).startswith(message)
+    assert not tmp_path.joinpath("runs").exists()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("optim.lr=1e-4,0.0001", "--sweep optim.lr: 1e-4 and 0.0001 are the same value; list "
+                                 "each once"),
+        ("rollout.group_size=4,2,+4", "--sweep rollout.group_size: 4 and +4 are the same "
+                                       "value; list each once"),
+    ],
+)  # fmt: skip
+def test_sweep_values_that_read_the_same_are_refused(tmp_path, text, message):
+    """Duplicates are found by the values the config reads, not by how they are spelled."""
+    with pytest.raises(UserError) as e:
+        build_study(BASE, tmp_path, ["gspo"], 1, [], sweep=parse_sweep(text))
+    assert str(e.value) == message
 
 
 def test_a_sweep_value_the_config_refuses_fails_before_any_run(tmp_path):

@@ -162,6 +162,19 @@ def test_jsonl_broken_rows_are_skipped_and_counted(tmp_path):
     assert got.source == str(path)
 
 
+def test_a_byte_order_mark_opening_a_jsonl_is_not_a_broken_row(tmp_path):
+    """Editors on Windows write a UTF-8 BOM first: the first row reads as the others do; a BOM
+    anywhere else is not one and that row is broken."""
+    rows = [json.dumps({"prompt": f"p{i}", "answer": str(i)}) for i in range(3)]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(rows).encode() + b"\n")
+    got = load_prompts(str(path))
+    assert [(r.prompt, r.answer) for r in got.rows] == [("p0", "0"), ("p1", "1"), ("p2", "2")]
+    assert got.skipped == 0
+    path.write_bytes("\n".join(rows).encode() + b"\n\xef\xbb\xbf" + rows[0].encode() + b"\n")
+    assert load_prompts(str(path)).skipped == 1
+
+
 def test_broken_rows_are_reported_and_too_many_are_an_error(tmp_path):
     good = [json.dumps({"prompt": f"p{i}", "answer": i}) for i in range(18)]
     path = tmp_path / "d.jsonl"
@@ -230,14 +243,18 @@ def test_sampler_resumes_from_json_state():
     resumed = PromptSampler(7, 2, seed=1)
     resumed.load_state_dict(state)
     assert [resumed.next_batch() for _ in range(6)] == expected
-    with pytest.raises(UserError, match="resume with the same dataset"):
+    with pytest.raises(
+        UserError, match="resume with the same data.train, rollout.prompts_per_step and seed"
+    ):
         PromptSampler(8, 2, seed=1).load_state_dict(state)
 
 
 def test_sampler_errors():
-    with pytest.raises(UserError, match="3 usable rows, fewer than the 4 prompts"):
+    with pytest.raises(UserError) as e:
         PromptSampler(3, 4, seed=0)
-    with pytest.raises(UserError, match="at least 1"):
+    assert str(e.value) == ("the prompt dataset has 3 usable rows, fewer than the 4 prompts a "
+                            "step needs; lower rollout.prompts_per_step or give more rows")  # fmt: skip
+    with pytest.raises(UserError, match="rollout.prompts_per_step must be at least 1, got 0"):
         PromptSampler(3, 0, seed=0)
 
 

@@ -104,13 +104,23 @@ def test_a_documented_command_parses_and_its_config_loads(where, argv, tmp_path,
     if args.command == "train":
         load_config(args.config, args.overrides)
     elif args.command == "study":
-        from megatron_gspo.study import plan
+        plan_study(args, tmp_path, monkeypatch)
 
-        table = plan.algo_table(fallback=Path(args.config).parent, base=Path(args.config),
-                                arms=plan.split_names(args.algos))  # fmt: skip
-        plan.build_study(args.config, tmp_path / "study", plan.parse_algos(args.algos, table),
-                         args.seeds, args.overrides, args.steps, table,
-                         plan.parse_sweep(args.sweep))  # fmt: skip
+
+def plan_study(args, tmp_path: Path, monkeypatch) -> None:
+    """Plan a study where the documents' make-task-model commands have made their models: a
+    model.path the study is given must exist (only its config's own is made by the study)."""
+    from megatron_gspo.study import plan
+
+    monkeypatch.chdir(tmp_path)
+    for _, argv in COMMANDS:
+        if argv[0] == "make-task-model" and "--out" in argv:
+            (tmp_path / argv[argv.index("--out") + 1]).mkdir(parents=True, exist_ok=True)
+    config = ROOT / args.config
+    table = plan.algo_table(fallback=config.parent, base=config, arms=plan.split_names(args.algos))
+    plan.build_study(config, tmp_path / "study", plan.parse_algos(args.algos, table),
+                     args.seeds, args.overrides, args.steps, table,
+                     plan.parse_sweep(args.sweep))  # fmt: skip
 
 
 NAMED = re.compile(

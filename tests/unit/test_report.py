@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from megatron_gspo.train.report import (
     make_report,
     register,
 )
+from tests.helpers import cli_env
 
 pytestmark = pytest.mark.unit
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -104,6 +107,7 @@ def test_report_command_writes_a_png(two_runs, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "figs" / "report.png"
+    out.parent.mkdir()
     argv = ["report", *map(str, two_runs), "--out", str(out), "--labels", "GSPO, GRPO"]
     args = parser.parse_args(argv)
     args.func(args)
@@ -126,6 +130,48 @@ def test_errors(two_runs, tmp_path):
     with pytest.raises(UserError, match="ending in .png"):
         make_report(two_runs, tmp_path / "r.pdf")
     assert not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\xff\xfe\n", "{m}:1 is not a metrics line; delete it or restore the file"),
+        (b'{"step": 1}\n\xff\xfe\n{"step": 3}\n', "{m}:2 is not a metrics line; delete it or "
+                                                  "restore the file"),
+        (b"", "{m} has no metrics yet (no complete line); pass a run that has logged a step"),
+        (b'{"step": 1, "rew', "{m} has no metrics yet (no complete line); pass a run that has "
+                              "logged a step"),
+    ],
+    ids=["not-utf8", "not-utf8-inside", "empty", "torn"],
+)  # fmt: skip
+def test_a_metrics_file_that_cannot_be_plotted_is_one_line_error(tmp_path, content, message):
+    """Bytes that are not UTF-8 are a line that is not metrics (not a decoding traceback); a
+    file with no complete line is no report (not a blank PNG); no PNG is written."""
+    (tmp_path / "run").mkdir()
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "megatron_gspo", "report", str(tmp_path / "run"),
+                           "--out", str(tmp_path / "u.png")], capture_output=True, text=True,
+                          timeout=120, env=cli_env())  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"error: {message.format(m=metrics)}"]
+    assert not (tmp_path / "u.png").exists()
+
+
+def test_an_existing_out_or_a_missing_directory_is_refused(two_runs, tmp_path):
+    """docs/commands.md: an existing output path is an error; nor is a directory made for it."""
+    old = tmp_path / "old.png"
+    old.write_bytes(b"the user's figure")
+    with pytest.raises(UserError) as e:
+        make_report(two_runs, old)
+    assert str(e.value) == f"--out {old} exists; pass a new path, or delete it to write it again"
+    assert old.read_bytes() == b"the user's figure"
+    deep = tmp_path / "typo" / "figs" / "r.png"
+    with pytest.raises(UserError) as e:
+        make_report(two_runs, deep)
+    assert str(e.value) == (f"--out {deep}: directory {deep.parent} does not exist; create it, "
+                            "or give a path in an existing directory")  # fmt: skip
+    assert not (tmp_path / "typo").exists()
 
 
 def test_default_labels_disambiguate(tmp_path):
