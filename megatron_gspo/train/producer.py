@@ -55,17 +55,37 @@ class PromptSet:
             report_broken_rows(self.eval, "data.eval")
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.template, self.max_tokens = d.template, d.max_prompt_tokens
+        line = self.cut_notice()
+        if line:
+            print(line, flush=True)
 
     def encode(self, text: str) -> list[int]:
         """A prompt's tokens under `data.template`, its last `data.max_prompt_tokens` kept."""
+        ids = self.encode_whole(text)
+        return ids[-self.max_tokens :] if len(ids) > self.max_tokens else ids
+
+    def encode_whole(self, text: str) -> list[int]:
         from megatron_gspo.data.prompts import encode_prompt
 
-        ids = encode_prompt(self.tokenizer, text, self.template)
-        return ids[-self.max_tokens :] if len(ids) > self.max_tokens else ids
+        return encode_prompt(self.tokenizer, text, self.template)
 
     def longest(self, among: int = 1024) -> int:
         """The longest of the first `among` train prompts, in tokens (SGLang's sizing)."""
         return max((len(self.encode(row.prompt)) for row in self.train.rows[:among]), default=0)
+
+    def cut_notice(self, among: int = 1024) -> str | None:
+        """A line saying how many of the first `among` train prompts are longer than
+        data.max_prompt_tokens, which `encode` cuts to their last tokens; None if none is."""
+        rows = self.train.rows[:among]
+        over = [n for n in (len(self.encode_whole(r.prompt)) for r in rows) if n > self.max_tokens]
+        if not over:
+            return None
+        where = f"the first {len(rows)}" if len(rows) < len(self.train.rows) else str(len(rows))
+        return (
+            f"data.train: {len(over)} of {where} prompts are longer than data.max_prompt_tokens "
+            f"({self.max_tokens} tokens; the longest {max(over)}); each is cut to its last "
+            f"{self.max_tokens} tokens: raise data.max_prompt_tokens or shorten them"
+        )
 
 
 class BatchProducer:

@@ -184,8 +184,11 @@ def check_model_path(path: str, train_source: str) -> None:
         return
     fix = "point model.path at an HF or Megatron checkpoint"
     if train_source.startswith("builtin:"):
+        from megatron_gspo.data.warmstart import PRESETS
+
         task = train_source.removeprefix("builtin:")
-        flags = "--preset drift" if task == "sortlong" else f"--task {task}"
+        preset = next((name for name, p in PRESETS.items() if p["task"] == task), None)
+        flags = f"--task {task}" if preset is None else f"--preset {preset}"
         command = f"megatron-gspo make-task-model {flags} --out {path}"
         fix += f", or make {task}'s starting model there: {command}"
     raise UserError(f"model.path {path} does not exist: {fix}")

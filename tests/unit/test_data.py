@@ -272,3 +272,28 @@ def test_encode_prompt(tokenizer):
         encode_prompt(tokenizer, "a", template="{prompt} {other}")
     with pytest.raises(UserError, match="encodes to no tokens"):
         encode_prompt(tokenizer, "   ")
+
+
+def test_prompts_longer_than_max_prompt_tokens_are_cut_with_a_notice(tmp_path, tokenizer, capsys):
+    """A prompt past data.max_prompt_tokens keeps its last tokens (the question, not the
+    preamble); the start says how many are cut, once, instead of cutting them silently."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.train.producer import PromptSet
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    rows = [{"prompt": "1 + 1 =", "answer": 2}, {"prompt": "9 " * 40 + "+ 2 =", "answer": 11},
+            {"prompt": "8 " * 20 + "=", "answer": 8}]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, ["model.path=m", f"data.train={data}", f"data.eval={data}",
+                             "data.max_prompt_tokens=16"])  # fmt: skip
+    prompts = PromptSet(cfg, tmp_path / "tok")
+    whole = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    assert [len(w) > 16 for w in whole] == [False, True, True]
+    assert capsys.readouterr().out == (
+        f"data.train: 2 of 3 prompts are longer than data.max_prompt_tokens (16 tokens; the "
+        f"longest {len(whole[1])}); each is cut to its last 16 tokens: raise "
+        "data.max_prompt_tokens or shorten them\n"
+    )
+    assert prompts.encode(rows[1]["prompt"]) == whole[1][-16:]
+    assert prompts.encode(rows[0]["prompt"]) == whole[0]
