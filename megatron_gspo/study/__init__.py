@@ -24,7 +24,7 @@ from megatron_gspo.errors import UserError
 
 def run_study(args: argparse.Namespace, command: str) -> Path:
     """Plan, run what is left, write the report; returns DIR/report.md."""
-    from megatron_gspo.study import plan
+    from megatron_gspo.study import overrides, plan
     from megatron_gspo.study.report_md import write_report
     from megatron_gspo.study.runner import ensure_model, execute
 
@@ -35,7 +35,7 @@ def run_study(args: argparse.Namespace, command: str) -> Path:
         raise UserError(f"--algos {args.algos!r}: name the arms, comma-separated (gspo,grpo)")
     table = plan.algo_table(fallback=Path(args.config).parent, base=Path(args.config), arms=names)
     algos = plan.parse_algos(args.algos, table)
-    sweep = plan.parse_sweep(args.sweep)
+    sweep = overrides.parse_sweep(args.sweep)
     study = plan.build_study(args.config, args.out, algos, args.seeds, args.overrides,
                              args.steps, table, sweep)  # fmt: skip
     plan.check_manifest(study)

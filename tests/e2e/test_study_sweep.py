@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.study.plan import algo_table, build_study, parse_sweep
+from megatron_gspo.study.overrides import parse_sweep
+from megatron_gspo.study.plan import algo_table, build_study
 from tests.helpers import cli_env
 
 pytestmark = [pytest.mark.e2e]

@@ -110,7 +110,7 @@ def test_a_documented_command_parses_and_its_config_loads(where, argv, tmp_path,
 def plan_study(args, tmp_path: Path, monkeypatch) -> None:
     """Plan a study where the documents' make-task-model commands have made their models: a
     model.path the study is given must exist (only its config's own is made by the study)."""
-    from megatron_gspo.study import plan
+    from megatron_gspo.study import overrides, plan
 
     monkeypatch.chdir(tmp_path)
     for _, argv in COMMANDS:
@@ -120,7 +120,7 @@ def plan_study(args, tmp_path: Path, monkeypatch) -> None:
     table = plan.algo_table(fallback=config.parent, base=config, arms=plan.split_names(args.algos))
     plan.build_study(config, tmp_path / "study", plan.parse_algos(args.algos, table),
                      args.seeds, args.overrides, args.steps, table,
-                     plan.parse_sweep(args.sweep))  # fmt: skip
+                     overrides.parse_sweep(args.sweep))  # fmt: skip
 
 
 NAMED = re.compile(
