@@ -1,0 +1,95 @@
+"""What the built-in rollout server does with requests beside their sampling values: flags that
+abort requests are booleans or a 400, a client that goes away stops its work, top-level fields
+it does not serve are a 400, and request ids are strings that never collide. Real servers over
+real HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+from tests.e2e.server_process import running_server
+from tests.e2e.test_server_hardening import FLAGS, VALID, assert_refused, generate, post
+
+pytestmark = pytest.mark.e2e
+
+LONG = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(TinySpec(layers=2), tmp_path_factory.mktemp("req") / "m")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with running_server(model, *FLAGS) as url:
+        yield url
+
+
+def load(url: str) -> tuple[int, int]:
+    """(running, waiting) requests of the server."""
+    info = json.loads(urllib.request.urlopen(url + "/get_server_info", timeout=10).read())
+    state = info["internal_states"][0]
+    return state["num_running_reqs"], state["num_waiting_reqs"]
+
+
+def wait_for_load(url: str, want, timeout: float = 10.0) -> tuple[int, int]:
+    deadline = time.monotonic() + timeout
+    while (now := load(url)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+@contextlib.contextmanager
+def held_request(url: str, rid: str = "held"):
+    """A request waiting in a paused server (it cannot finish on its own); yields the dict its
+    answer lands in, after the block aborts it and resumes generation."""
+    answer: dict = {}
+    assert post(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+
+    def send() -> None:
+        answer["status"], answer["body"] = generate(url, VALID, timeout=30, rid=rid)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    try:
+        assert wait_for_load(url, (0, 1)) == (0, 1)
+        yield answer
+    finally:
+        post(url, "/abort_request", {"abort_all": True})
+        post(url, "/continue_generation", {})
+        thread.join(timeout=30)
+
+
+# ---- flags that abort requests -------------------------------------------------------------
+
+NOT_FLAGS = ["false", [0], {}, 2, "true"]
+
+
+@pytest.mark.parametrize("value", NOT_FLAGS, ids=repr)
+def test_abort_flags_that_are_not_booleans_are_a_400_and_abort_nothing(server, tmp_path, value):
+    with held_request(server) as answer:
+        for path, body, field in [
+            ("/abort_request", {"abort_all": value}, "abort_all must be true or false"),
+            ("/update_weight_version", {"new_version": "v2", "abort_all_requests": value},
+             "abort_all_requests must be true or false"),
+            ("/update_weights_from_disk", {"model_path": str(tmp_path),
+             "abort_all_requests": value}, "abort_all_requests must be true or false"),
+            ("/update_weights_from_disk", {"model_path": str(tmp_path), "flush_cache": value},
+             "flush_cache must be true or false"),
+        ]:  # fmt: skip
+            status, out = post(server, path, body)
+            assert_refused(status, out, field)
+        assert load(server) == (0, 1)  # still there: nothing was aborted
+        assert json.loads(urllib.request.urlopen(server + "/get_model_info").read())[
+            "weight_version"] != "v2"  # fmt: skip
+    assert answer["status"] == 200
+    assert answer["body"]["meta_info"]["finish_reason"]["type"] == "abort"
