@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from aiohttp import web
@@ -54,6 +55,12 @@ log = logging.getLogger("megatron_gspo.server.app")
 DECODE_KERNEL_ENV = "MEGATRON_GSPO_DECODE_KERNEL"
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
 HOSTS = web.AppKey("hosts", gate.Hosts)
+DISCONNECT_POLL_S = 0.25  # how often a waiting /generate checks that its client is still there
+CLIENT_CLOSED = 499  # (nginx's status for it; the answer goes nowhere, aiohttp drops it)
+
+
+class ClientGone(Exception):
+    """The client of a /generate closed its connection before the answer."""
 
 
 # ---- generation ----------------------------------------------------------------------------
@@ -67,7 +74,10 @@ async def generate(request: web.Request) -> web.Response:
     reqs, as_list, opts = parse_generate(body, vocab, encode, context, st.limits)
     if not st.engine.alive:
         return _engine_down(st.engine)
-    done = await _submit_and_wait(st.engine, reqs)
+    try:
+        done = await _submit_and_wait(st.engine, reqs, lambda: _client_gone(request))
+    except ClientGone:
+        return bad("the client disconnected; its requests were aborted", CLIENT_CLOSED)
     failed = [r.error for r in done if r.error]
     if failed:
         return bad(failed[0], status=500)
@@ -76,7 +86,18 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out if as_list else out[0])
 
 
-async def _submit_and_wait(engine: Engine, reqs: list[Request]) -> list[Request]:
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _submit_and_wait(
+    engine: Engine, reqs: list[Request], client_gone: Callable[[], bool] = lambda: False
+) -> list[Request]:
+    """Submit `reqs` and wait for them all; abort them once `client_gone()` says nobody waits
+    for the answer. aiohttp does not cancel a handler whose client disconnected (its
+    handler_cancellation is off, and turning it on would cancel weight updates half-way too),
+    so the wait looks at the connection itself every DISCONNECT_POLL_S."""
     loop = asyncio.get_running_loop()
     futures = []
     for req in reqs:
@@ -84,9 +105,13 @@ async def _submit_and_wait(engine: Engine, reqs: list[Request]) -> list[Request]
         req.on_done = lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r)
         futures.append(fut)
         engine.submit(req)
+    results = asyncio.gather(*futures)
     try:
-        return list(await asyncio.gather(*futures))
-    except asyncio.CancelledError:  # the client went away: stop spending compute on it
+        while not (await asyncio.wait([results], timeout=DISCONNECT_POLL_S))[0]:
+            if client_gone():
+                raise ClientGone
+        return list(results.result())
+    except (asyncio.CancelledError, ClientGone):  # stop spending compute on it
         for req in reqs:
             engine.abort(req.rid, "client disconnected")
         raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -93,3 +94,26 @@ def test_abort_flags_that_are_not_booleans_are_a_400_and_abort_nothing(server, t
             "weight_version"] != "v2"  # fmt: skip
     assert answer["status"] == 200
     assert answer["body"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+# ---- a client that goes away ---------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_has_its_samples_aborted(server):
+    """Its 8 samples wait in a paused server, so only the abort can end them."""
+    host, port = server.removeprefix("http://").split(":")
+    body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {**LONG, "n": 8}}).encode()
+    head = f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    assert post(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(head.encode() + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            assert wait_for_load(server, (0, 8)) == (0, 8)
+            t0 = time.monotonic()
+        assert wait_for_load(server, (0, 0), timeout=3) == (0, 0)  # the client closed: aborted
+        print(f"aborted {time.monotonic() - t0:.2f} s after the client disconnected")
+    finally:
+        post(server, "/abort_request", {"abort_all": True})
+        post(server, "/continue_generation", {})
+    status, out = generate(server)
+    assert status == 200 and len(out["output_ids"]) == 3  # and the server serves on
