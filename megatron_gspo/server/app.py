@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -49,7 +51,7 @@ from megatron_gspo.server.http_common import BODY_TIMEOUT, STATE, BodyTimeout, b
 from megatron_gspo.server.quantize import QUANTIZATIONS
 from megatron_gspo.server.sampling import SamplingParams
 from megatron_gspo.server.state import ServerState
-from megatron_gspo.server.validate import BadRequest, is_loopback
+from megatron_gspo.server.validate import SEED_END, BadRequest, is_loopback, show
 
 log = logging.getLogger("megatron_gspo.server.app")
 DECODE_KERNEL_ENV = "MEGATRON_GSPO_DECODE_KERNEL"
@@ -330,19 +332,38 @@ def check_host(host: str, api_key: str | None) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> None:
+    check_serve_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     check_host(args.host, args.api_key)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    for flag in ("max_running_requests", "max_n", "max_batch_size"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    try:
+        state = ServerState(args)
+    except kernels.KernelUnavailable as e:
+        raise UserError(f"{e}; pass --decode-kernel auto or torch") from None
+    gc.freeze()  # the model, torch and the libraries: never garbage, so never scanned again
+    asyncio.run(_serve(state))
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Range-check the flags before anything loads, so a typo is one line, not a traceback
+    from deep inside the socket or torch calls that would take the value."""
+    bounds: dict[str, tuple[int, int | None]] = {
+        "port": (0, 65535),
+        "threads": (0, 4096),
+        "random_seed": (0, SEED_END - 1),
+    }
+    bounds |= dict.fromkeys(("max_running_requests", "max_n", "max_batch_size"), (1, None))
+    for flag, (lo, hi) in bounds.items():
+        value = getattr(args, flag)
+        if value < lo or (hi is not None and value > hi):
+            where = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise UserError(f"--{flag.replace('_', '-')} must be {where}, got {show(value)}")
     for flag in ("read_timeout", "shutdown_timeout", "weight_group_timeout"):
         if not 0 < getattr(args, flag) <= 1e9:
             raise UserError(f"--{flag.replace('_', '-')} must be in (0, 1e9] seconds")
-    state = ServerState(args)
-    gc.freeze()  # the model, torch and the libraries: never garbage, so never scanned again
-    asyncio.run(_serve(state))
+    if args.log_level.upper() not in logging.getLevelNamesMapping():
+        raise UserError(f"--log-level {args.log_level!r} is not a level; use info or warning")
 
 
 async def _serve(state: ServerState) -> None:
@@ -354,8 +375,11 @@ async def _serve(state: ServerState) -> None:
         shutdown_timeout=min(5.0, state.args.shutdown_timeout / 2),
     )
     await runner.setup()
-    site = web.TCPSite(runner, state.args.host, state.args.port)
-    await site.start()
+    try:
+        await _listen(runner, state.args.host, state.args.port)
+    except UserError:
+        await runner.cleanup()
+        raise
     state.args.port = runner.addresses[0][1]
     state.engine.start()
     print(f"serving {state.model_path} on http://{state.args.host}:{state.args.port}", flush=True)
@@ -367,6 +391,19 @@ async def _serve(state: ServerState) -> None:
         state.engine.stop(timeout_s=state.args.shutdown_timeout / 3)
         state.weights.close()
         await runner.cleanup()
+
+
+async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except socket.gaierror as e:
+        raise UserError(
+            f"--host {host!r} is not an address of this machine ({e.strerror}); "
+            "pass an address or a name that resolves to one"
+        ) from None
+    except OSError as e:
+        fix = "--port 0 picks a free one" if e.errno == errno.EADDRINUSE else "check --host"
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}") from None
 
 
 def _on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, grace_s: float):
