@@ -24,6 +24,7 @@ from megatron_gspo.server.validate import (
     INT32_MAX,
     BadRequest,
     Limits,
+    body_flag,
     flag,
     integer,
     show,
@@ -47,7 +48,8 @@ def parse_generate(
     Every field is checked here (type and range), so the engine only sees valid requests."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if body.get("stream"):
+    check_fields(body)
+    if body_flag(body, "stream"):
         raise BadRequest("stream=true is not supported by the built-in server")
     prompts, batched = _prompts(body, encode, limits)
     for ids in prompts:
@@ -92,6 +94,43 @@ def parse_generate(
     start = body.get("routed_experts_start_len") or 0
     options = {"routed_start": integer(start, "routed_experts_start_len", 0, INT32_MAX)}
     return requests, batched or params[0].n > 1, options
+
+
+# SGLang's GenerateReqInput fields: those this server serves, those that only steer scheduling,
+# logging or routing among many servers (no effect on one built-in server's answers), and those
+# that would change the answer and are not implemented here.
+SERVED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+          "return_routed_experts", "routed_experts_start_len", "stream"}  # fmt: skip
+NO_EFFECT = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id",
+             "priority", "routing_key", "extra_key", "data_parallel_rank", "routed_dp_rank",
+             "received_time", "external_trace_header"}  # fmt: skip
+NOT_SERVED = {"input_embeds", "image_data", "video_data", "audio_data", "modalities",
+              "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+              "return_hidden_states", "return_entropy", "return_bytes", "return_sampling_mask",
+              "return_prompt_token_ids", "session_params", "lora_path", "lora_id",
+              "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+              "bootstrap_pair_key", "background", "require_reasoning"}  # fmt: skip
+
+
+def check_fields(body: dict) -> None:
+    """Refuse a field SGLang does not know (a typo would otherwise be ignored) and one this
+    server does not implement, unless its value asks for nothing (null, false, 0, [])."""
+    unknown = sorted(set(body) - SERVED - NO_EFFECT - NOT_SERVED)
+    if unknown:
+        names = ", ".join(show(k) for k in unknown[:5])
+        raise BadRequest(f"unknown request fields: {names} (check the spelling)")
+    for key in sorted(NOT_SERVED & set(body)):
+        if not _asks_nothing(body[key]):
+            raise BadRequest(
+                f"{key} is not supported by the built-in server; leave it out (got "
+                f"{show(body[key])})"
+            )
+
+
+def _asks_nothing(v: object) -> bool:
+    if isinstance(v, list):
+        return all(_asks_nothing(x) for x in v)
+    return v is None or v is False or (type(v) is int and v == 0)
 
 
 def _prompts(body: dict, encode, limits: Limits) -> tuple[list[list[int]], bool]:

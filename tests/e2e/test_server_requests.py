@@ -117,3 +117,39 @@ def test_a_client_that_disconnects_has_its_samples_aborted(server):
         post(server, "/continue_generation", {})
     status, out = generate(server)
     assert status == 200 and len(out["output_ids"]) == 3  # and the server serves on
+
+
+# ---- top-level fields ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"foo": 1}, "unknown request fields: 'foo'"),
+        ({"top_logprobs_num": 5}, "top_logprobs_num is not supported by the built-in server"),
+        ({"top_logprobs_num": -3}, "top_logprobs_num is not supported"),
+        ({"token_ids_logprob": [1, 2]}, "token_ids_logprob is not supported"),
+        ({"return_hidden_states": True}, "return_hidden_states is not supported"),
+        ({"stream": "no"}, "stream must be true or false, got 'no'"),
+        ({"stream": True}, "stream=true is not supported"),
+        ({"sampling_params": {**VALID, "stream_interval": "x"}}, "sampling_params.stream_interval"),
+        ({"sampling_params": {**VALID, "spaces_between_special_tokens": [1]}},
+         "sampling_params.spaces_between_special_tokens must be true or false"),
+        ({"sampling_params": {**VALID, "custom_params": 3}},
+         "sampling_params.custom_params must be a JSON object"),
+    ],
+)  # fmt: skip
+def test_fields_the_server_does_not_serve_are_a_400(server, body, words):
+    status, out = post(server, "/generate", {"input_ids": [5, 6, 7], "sampling_params": VALID,
+                                              **body})  # fmt: skip
+    assert_refused(status, out, words)
+
+
+def test_fields_that_ask_for_nothing_are_served(server):
+    quiet = {"top_logprobs_num": 0, "token_ids_logprob": None, "return_hidden_states": False,
+             "stream": False, "log_metrics": True, "data_parallel_rank": 0}  # fmt: skip
+    sp = {**VALID, "stream_interval": 1, "spaces_between_special_tokens": True,
+          "custom_params": {"a": 1}}  # fmt: skip
+    status, out = generate(server, sp, **quiet)
+    assert status == 200 and len(out["output_ids"]) == 3, out
+
