@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -78,7 +79,7 @@ def parse_generate(
     routed = False if routed is None else flag(routed, "return_routed_experts")
     requests: list[Request] = []
     for i, (ids, sp) in enumerate(zip(prompts, params)):
-        group = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
+        group = rids[i] if rids[i] is not None else uuid.uuid4().hex
         for j in range(sp.n):
             requests.append(
                 Request(
@@ -91,6 +92,7 @@ def parse_generate(
                     return_routed=routed,
                 )
             )
+    _check_distinct(requests)
     start = body.get("routed_experts_start_len") or 0
     options = {"routed_start": integer(start, "routed_experts_start_len", 0, INT32_MAX)}
     return requests, batched or params[0].n > 1, options
@@ -167,14 +169,25 @@ def _rids(rids: object, n: int) -> list:
             raise BadRequest("rid must be a list of distinct strings, one per prompt")
         return rids
     if rids is not None and not _is_rid(rids):
-        raise BadRequest(f"rid must be a string, got {type(rids).__name__}")
+        raise BadRequest(f"rid must be a string, got {show(rids)}")
     if rids is not None and n > 1:
         raise BadRequest("a batch needs a list of rids, one per prompt")
     return [rids] * n
 
 
 def _is_rid(r: object) -> bool:
-    return isinstance(r, str) or (isinstance(r, int) and not isinstance(r, bool))
+    return isinstance(r, str)  # (SGLang's rid: a string, or a list of them for a batch)
+
+
+def _check_distinct(requests: list[Request]) -> None:
+    """The ids a batch creates ({rid}_{j} for n > 1) must differ: a client tells its answers
+    apart by them, and an abort by one would reach the other."""
+    twice = sorted(rid for rid, count in Counter(r.rid for r in requests).items() if count > 1)
+    if twice:
+        raise BadRequest(
+            f"the request's rids give colliding ids {', '.join(map(repr, twice[:5]))} "
+            "(prompt i with n > 1 makes {rid[i]}_0 .. {rid[i]}_{n-1}): choose distinct rids"
+        )
 
 
 def _check_ids(ids: list, vocab_size: int) -> None:

@@ -80,6 +80,9 @@ async def generate(request: web.Request) -> web.Response:
         done = await _submit_and_wait(st.engine, reqs, lambda: _client_gone(request))
     except ClientGone:
         return bad("the client disconnected; its requests were aborted", CLIENT_CLOSED)
+    refused = [r.refused for r in done if r.refused]
+    if refused:
+        return bad(refused[0])
     failed = [r.error for r in done if r.error]
     if failed:
         return bad(failed[0], status=500)
@@ -106,7 +109,7 @@ async def _submit_and_wait(
         fut = loop.create_future()
         req.on_done = lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r)
         futures.append(fut)
-        engine.submit(req)
+    engine.submit(*reqs)
     results = asyncio.gather(*futures)
     try:
         while not (await asyncio.wait([results], timeout=DISCONNECT_POLL_S))[0]:

@@ -153,3 +153,34 @@ def test_fields_that_ask_for_nothing_are_served(server):
     status, out = generate(server, sp, **quiet)
     assert status == 200 and len(out["output_ids"]) == 3, out
 
+
+# ---- request ids ---------------------------------------------------------------------------
+
+
+def test_ids_that_collide_in_one_batch_are_a_400(server):
+    body = {"input_ids": [[3, 4], [5, 6]], "rid": ["x_0", "x"],
+            "sampling_params": [{"n": 1, "max_new_tokens": 2}, {"n": 2, "max_new_tokens": 2}]}  # fmt: skip
+    status, out = post(server, "/generate", body)
+    assert_refused(status, out, "the request's rids give colliding ids 'x_0'")
+
+
+def test_a_rid_in_use_is_a_400_and_free_again_once_aborted(server):
+    with held_request(server, rid="busy"):
+        for rid, n in (("busy", 1), ("busy", 2)):
+            status, out = generate(server, {**VALID, "n": n}, rid=rid)
+            assert_refused(status, out, "rid 'busy' is in use by a request not finished yet")
+        assert load(server) == (0, 1)  # the held one is untouched
+    status, out = generate(server, rid="busy")  # aborted: the rid is free again
+    assert status == 200 and out["meta_info"]["id"] == "busy", out
+
+
+@pytest.mark.parametrize("rid", [5, 5.0, True, None])
+def test_rid_is_a_string_in_generate_and_abort_alike(server, rid):
+    if rid is None:
+        assert generate(server, rid="s")[0] == 200
+        assert post(server, "/abort_request", {"rid": "s"})[0] == 200
+        return
+    for path, body in (("/generate", {"input_ids": [5], "sampling_params": VALID, "rid": rid}),
+                       ("/abort_request", {"rid": rid})):  # fmt: skip
+        status, out = post(server, path, body)
+        assert_refused(status, out, f"rid must be a string, got {rid!r}")
