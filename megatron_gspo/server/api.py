@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from megatron_gspo.server.validate import (
     INT32_MAX,
     BadRequest,
     Limits,
+    body_flag,
     flag,
     integer,
     show,
@@ -47,7 +49,8 @@ def parse_generate(
     Every field is checked here (type and range), so the engine only sees valid requests."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if body.get("stream"):
+    check_fields(body)
+    if body_flag(body, "stream"):
         raise BadRequest("stream=true is not supported by the built-in server")
     prompts, batched = _prompts(body, encode, limits)
     for ids in prompts:
@@ -76,7 +79,7 @@ def parse_generate(
     routed = False if routed is None else flag(routed, "return_routed_experts")
     requests: list[Request] = []
     for i, (ids, sp) in enumerate(zip(prompts, params)):
-        group = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
+        group = rids[i] if rids[i] is not None else uuid.uuid4().hex
         for j in range(sp.n):
             requests.append(
                 Request(
@@ -89,9 +92,47 @@ def parse_generate(
                     return_routed=routed,
                 )
             )
+    _check_distinct(requests)
     start = body.get("routed_experts_start_len") or 0
     options = {"routed_start": integer(start, "routed_experts_start_len", 0, INT32_MAX)}
     return requests, batched or params[0].n > 1, options
+
+
+# SGLang's GenerateReqInput fields: those this server serves, those that only steer scheduling,
+# logging or routing among many servers (no effect on one built-in server's answers), and those
+# that would change the answer and are not implemented here.
+SERVED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+          "return_routed_experts", "routed_experts_start_len", "stream"}  # fmt: skip
+NO_EFFECT = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id",
+             "priority", "routing_key", "extra_key", "data_parallel_rank", "routed_dp_rank",
+             "received_time", "external_trace_header"}  # fmt: skip
+NOT_SERVED = {"input_embeds", "image_data", "video_data", "audio_data", "modalities",
+              "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+              "return_hidden_states", "return_entropy", "return_bytes", "return_sampling_mask",
+              "return_prompt_token_ids", "session_params", "lora_path", "lora_id",
+              "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+              "bootstrap_pair_key", "background", "require_reasoning"}  # fmt: skip
+
+
+def check_fields(body: dict) -> None:
+    """Refuse a field SGLang does not know (a typo would otherwise be ignored) and one this
+    server does not implement, unless its value asks for nothing (null, false, 0, [])."""
+    unknown = sorted(set(body) - SERVED - NO_EFFECT - NOT_SERVED)
+    if unknown:
+        names = ", ".join(show(k) for k in unknown[:5])
+        raise BadRequest(f"unknown request fields: {names} (check the spelling)")
+    for key in sorted(NOT_SERVED & set(body)):
+        if not _asks_nothing(body[key]):
+            raise BadRequest(
+                f"{key} is not supported by the built-in server; leave it out (got "
+                f"{show(body[key])})"
+            )
+
+
+def _asks_nothing(v: object) -> bool:
+    if isinstance(v, list):
+        return all(_asks_nothing(x) for x in v)
+    return v is None or v is False or (type(v) is int and v == 0)
 
 
 def _prompts(body: dict, encode, limits: Limits) -> tuple[list[list[int]], bool]:
@@ -128,14 +169,25 @@ def _rids(rids: object, n: int) -> list:
             raise BadRequest("rid must be a list of distinct strings, one per prompt")
         return rids
     if rids is not None and not _is_rid(rids):
-        raise BadRequest(f"rid must be a string, got {type(rids).__name__}")
+        raise BadRequest(f"rid must be a string, got {show(rids)}")
     if rids is not None and n > 1:
         raise BadRequest("a batch needs a list of rids, one per prompt")
     return [rids] * n
 
 
 def _is_rid(r: object) -> bool:
-    return isinstance(r, str) or (isinstance(r, int) and not isinstance(r, bool))
+    return isinstance(r, str)  # (SGLang's rid: a string, or a list of them for a batch)
+
+
+def _check_distinct(requests: list[Request]) -> None:
+    """The ids a batch creates ({rid}_{j} for n > 1) must differ: a client tells its answers
+    apart by them, and an abort by one would reach the other."""
+    twice = sorted(rid for rid, count in Counter(r.rid for r in requests).items() if count > 1)
+    if twice:
+        raise BadRequest(
+            f"the request's rids give colliding ids {', '.join(map(repr, twice[:5]))} "
+            "(prompt i with n > 1 makes {rid[i]}_0 .. {rid[i]}_{n-1}): choose distinct rids"
+        )
 
 
 def _check_ids(ids: list, vocab_size: int) -> None:

@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from aiohttp import web
@@ -48,12 +51,18 @@ from megatron_gspo.server.http_common import BODY_TIMEOUT, STATE, BodyTimeout, b
 from megatron_gspo.server.quantize import QUANTIZATIONS
 from megatron_gspo.server.sampling import SamplingParams
 from megatron_gspo.server.state import ServerState
-from megatron_gspo.server.validate import BadRequest, is_loopback
+from megatron_gspo.server.validate import SEED_END, BadRequest, is_loopback, show
 
 log = logging.getLogger("megatron_gspo.server.app")
 DECODE_KERNEL_ENV = "MEGATRON_GSPO_DECODE_KERNEL"
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
 HOSTS = web.AppKey("hosts", gate.Hosts)
+DISCONNECT_POLL_S = 0.25  # how often a waiting /generate checks that its client is still there
+CLIENT_CLOSED = 499  # (nginx's status for it; the answer goes nowhere, aiohttp drops it)
+
+
+class ClientGone(Exception):
+    """The client of a /generate closed its connection before the answer."""
 
 
 # ---- generation ----------------------------------------------------------------------------
@@ -67,7 +76,13 @@ async def generate(request: web.Request) -> web.Response:
     reqs, as_list, opts = parse_generate(body, vocab, encode, context, st.limits)
     if not st.engine.alive:
         return _engine_down(st.engine)
-    done = await _submit_and_wait(st.engine, reqs)
+    try:
+        done = await _submit_and_wait(st.engine, reqs, lambda: _client_gone(request))
+    except ClientGone:
+        return bad("the client disconnected; its requests were aborted", CLIENT_CLOSED)
+    refused = [r.refused for r in done if r.refused]
+    if refused:
+        return bad(refused[0])
     failed = [r.error for r in done if r.error]
     if failed:
         return bad(failed[0], status=500)
@@ -76,17 +91,32 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response(out if as_list else out[0])
 
 
-async def _submit_and_wait(engine: Engine, reqs: list[Request]) -> list[Request]:
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _submit_and_wait(
+    engine: Engine, reqs: list[Request], client_gone: Callable[[], bool] = lambda: False
+) -> list[Request]:
+    """Submit `reqs` and wait for them all; abort them once `client_gone()` says nobody waits
+    for the answer. aiohttp does not cancel a handler whose client disconnected (its
+    handler_cancellation is off, and turning it on would cancel weight updates half-way too),
+    so the wait looks at the connection itself every DISCONNECT_POLL_S."""
     loop = asyncio.get_running_loop()
     futures = []
     for req in reqs:
         fut = loop.create_future()
         req.on_done = lambda r, f=fut: loop.call_soon_threadsafe(_resolve, f, r)
         futures.append(fut)
-        engine.submit(req)
+    engine.submit(*reqs)
+    results = asyncio.gather(*futures)
     try:
-        return list(await asyncio.gather(*futures))
-    except asyncio.CancelledError:  # the client went away: stop spending compute on it
+        while not (await asyncio.wait([results], timeout=DISCONNECT_POLL_S))[0]:
+            if client_gone():
+                raise ClientGone
+        return list(results.result())
+    except (asyncio.CancelledError, ClientGone):  # stop spending compute on it
         for req in reqs:
             engine.abort(req.rid, "client disconnected")
         raise
@@ -305,19 +335,38 @@ def check_host(host: str, api_key: str | None) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> None:
+    check_serve_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     check_host(args.host, args.api_key)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    for flag in ("max_running_requests", "max_n", "max_batch_size"):
-        if getattr(args, flag) < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    try:
+        state = ServerState(args)
+    except kernels.KernelUnavailable as e:
+        raise UserError(f"{e}; pass --decode-kernel auto or torch") from None
+    gc.freeze()  # the model, torch and the libraries: never garbage, so never scanned again
+    asyncio.run(_serve(state))
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Range-check the flags before anything loads, so a typo is one line, not a traceback
+    from deep inside the socket or torch calls that would take the value."""
+    bounds: dict[str, tuple[int, int | None]] = {
+        "port": (0, 65535),
+        "threads": (0, 4096),
+        "random_seed": (0, SEED_END - 1),
+    }
+    bounds |= dict.fromkeys(("max_running_requests", "max_n", "max_batch_size"), (1, None))
+    for flag, (lo, hi) in bounds.items():
+        value = getattr(args, flag)
+        if value < lo or (hi is not None and value > hi):
+            where = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise UserError(f"--{flag.replace('_', '-')} must be {where}, got {show(value)}")
     for flag in ("read_timeout", "shutdown_timeout", "weight_group_timeout"):
         if not 0 < getattr(args, flag) <= 1e9:
             raise UserError(f"--{flag.replace('_', '-')} must be in (0, 1e9] seconds")
-    state = ServerState(args)
-    gc.freeze()  # the model, torch and the libraries: never garbage, so never scanned again
-    asyncio.run(_serve(state))
+    if args.log_level.upper() not in logging.getLevelNamesMapping():
+        raise UserError(f"--log-level {args.log_level!r} is not a level; use info or warning")
 
 
 async def _serve(state: ServerState) -> None:
@@ -329,8 +378,11 @@ async def _serve(state: ServerState) -> None:
         shutdown_timeout=min(5.0, state.args.shutdown_timeout / 2),
     )
     await runner.setup()
-    site = web.TCPSite(runner, state.args.host, state.args.port)
-    await site.start()
+    try:
+        await _listen(runner, state.args.host, state.args.port)
+    except UserError:
+        await runner.cleanup()
+        raise
     state.args.port = runner.addresses[0][1]
     state.engine.start()
     print(f"serving {state.model_path} on http://{state.args.host}:{state.args.port}", flush=True)
@@ -342,6 +394,19 @@ async def _serve(state: ServerState) -> None:
         state.engine.stop(timeout_s=state.args.shutdown_timeout / 3)
         state.weights.close()
         await runner.cleanup()
+
+
+async def _listen(runner: web.AppRunner, host: str, port: int) -> None:
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except socket.gaierror as e:
+        raise UserError(
+            f"--host {host!r} is not an address of this machine ({e.strerror}); "
+            "pass an address or a name that resolves to one"
+        ) from None
+    except OSError as e:
+        fix = "--port 0 picks a free one" if e.errno == errno.EADDRINUSE else "check --host"
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}; {fix}") from None
 
 
 def _on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, grace_s: float):

@@ -15,7 +15,7 @@ from megatron_gspo.server.engine import Engine
 from megatron_gspo.server.http_common import STATE, bad, read_json, run_on_engine
 from megatron_gspo.server.sampling import BadRequest
 from megatron_gspo.server.state import ServerState
-from megatron_gspo.server.validate import weight_dir
+from megatron_gspo.server.validate import body_flag, show, weight_dir
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -45,8 +45,8 @@ async def abort_request(request: web.Request) -> web.Response:
     engine = request.app[STATE].engine
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
-        raise BadRequest("rid must be a string")
-    if body.get("abort_all"):
+        raise BadRequest(f"rid must be a string, got {show(rid)}")
+    if body_flag(body, "abort_all"):
         engine.abort(None)
     elif rid:
         engine.abort(rid)
@@ -60,7 +60,7 @@ async def update_weight_version(request: web.Request) -> web.Response:
     if not isinstance(version, str) or not version:
         raise BadRequest("new_version must be a non-empty string")
     engine = request.app[STATE].engine
-    if body.get("abort_all_requests"):
+    if body_flag(body, "abort_all_requests"):
         engine.abort(None, "Abort by update_weight_version")
     await run_on_engine(engine, lambda e: setattr(e, "weight_version", version))
     return web.json_response({"success": True, "message": f"Weight version set to {version}."})
@@ -76,8 +76,10 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         raise BadRequest("weight_version must be a string")
     if body.get("load_format") not in (None, "auto", "safetensors"):
         raise BadRequest(f"load_format {body['load_format']!r} is not supported; use auto")
+    abort_all = body_flag(body, "abort_all_requests")
+    body_flag(body, "flush_cache")  # (checked only: this server keeps no prefix cache)
     path = weight_dir(path, st.served_path)
-    if body.get("abort_all_requests"):
+    if abort_all:
         st.engine.abort(None, "Abort by update_weights_from_disk")
 
     def load(engine: Engine) -> int:

@@ -91,8 +91,12 @@ class Engine(SamplingSteps):
         self._post(("stop",))
         self._thread.join(timeout=timeout_s)
 
-    def submit(self, req: Request) -> None:
-        self._post(("submit", req))
+    def submit(self, *reqs: Request) -> None:
+        """Queue `reqs` together. When one of their ids (rid or group) is one that a queued or
+        running request holds, all of them are refused (`req.refused` says why): an abort by
+        that id would reach both. Checked on the engine thread, in order with the aborts: a
+        client that aborts a rid and sends it again is not refused."""
+        self._post(("submit", reqs))
 
     def abort(self, rid: str | None = None, message: str = "Abort request") -> None:
         """Abort one request by rid, or all (rid None); they finish with partial output."""
@@ -136,9 +140,9 @@ class Engine(SamplingSteps):
         """Answer a message the engine thread will never read: fail it at once."""
         why = f"the generation engine is not running ({self._dead})"
         if msg[0] == "submit":
-            req = msg[1]
-            req.error = why
-            self._finish(req, {"type": "abort", "message": why})
+            for req in msg[1]:
+                req.error = why
+                self._finish(req, {"type": "abort", "message": why})
         elif msg[0] == "call":
             msg[1].future.set_exception(RuntimeError(why))
 
@@ -209,7 +213,7 @@ class Engine(SamplingSteps):
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "submit":
-            self.waiting.append(msg[1])
+            self._queue(msg[1])
         elif kind == "abort":
             self._abort(msg[1], msg[2])
         elif kind == "pause":
@@ -220,6 +224,17 @@ class Engine(SamplingSteps):
             self.paused = False
         elif kind == "call":
             self.commands.append(msg[1])
+
+    def _queue(self, reqs: tuple[Request, ...]) -> None:
+        held = {i for r in [*self.running, *self.waiting] for i in (r.rid, r.group)}
+        taken = sorted(held.intersection(i for r in reqs for i in (r.rid, r.group)) - {""})
+        if not taken:
+            self.waiting.extend(reqs)
+            return
+        why = f"rid {', '.join(map(repr, taken[:5]))} is in use by a request not finished yet"
+        for req in reqs:
+            req.refused = why
+            self._finish(req, {"type": "abort", "message": why})
 
     def _abort(self, rid: str | None, message: str) -> None:
         for req in [*self.running, *self.waiting]:

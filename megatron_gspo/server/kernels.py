@@ -256,10 +256,14 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return wt.view(*lead, K, n16 // 16, 16).transpose(-3, -2).contiguous()
 
 
+class KernelUnavailable(RuntimeError):
+    """The compiled decode step was insisted on ("c") and cannot serve this model here."""
+
+
 def attach(model, mode: str = "auto") -> bool:
     """Make `model` decode with the kernel where `mode` wants it and it can; returns whether
     it does. "auto" takes it for fp32 models unless several torch threads would serve a large
-    model better; "c" insists (RuntimeError where it cannot). Builds the library on first use
+    model better; "c" insists (KernelUnavailable where it cannot). Builds the library on first use
     (about a second; call it before serving)."""
     if mode not in MODES:
         raise ValueError(f"decode kernel mode must be one of {MODES}, got {mode!r}")
@@ -274,7 +278,9 @@ def attach(model, mode: str = "auto") -> bool:
     lib = library() if why is None else None
     if lib is None:
         if mode == "c":
-            raise RuntimeError(f"decode kernel requested but unavailable ({why or 'no build'})")
+            raise KernelUnavailable(
+                f"decode kernel requested but unavailable ({why or 'no build'})"
+            )
         return False
     model.decode_kernel = CompiledDecode(lib, model)
     return True

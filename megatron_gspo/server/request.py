@@ -29,6 +29,7 @@ class Request:
     routed: list[torch.Tensor] = field(default_factory=list)  # [n, L, k] per forward chunk
     finish_reason: dict | None = None
     error: str | None = None  # set when the engine failed on this request (HTTP 500)
+    refused: str | None = None  # set when its id was in use (HTTP 400)
     weight_version: str = ""
     created: float = field(default_factory=time.perf_counter)
     finished: float = 0.0

@@ -150,6 +150,18 @@ def _fill(sp: SamplingParams, raw: dict, vocab_size: int, limits: Limits) -> Non
     top = vocab_size - 1
     sp.stop_token_ids = [integer(t, key("stop_token_ids"), 0, top) for t in ids]
     sp.logit_bias = _logit_bias(raw.get("logit_bias", {}), key("logit_bias"), vocab_size)
+    _check_unused(raw, key)
+
+
+def _check_unused(raw: dict, key) -> None:
+    """Keys SGLang takes that change nothing here (no streaming, no custom logit processors,
+    no detokenizer spacing option): checked by type all the same, as SGLang does."""
+    if "stream_interval" in raw:
+        integer(raw["stream_interval"], key("stream_interval"), 1, INT32_MAX)
+    if "spaces_between_special_tokens" in raw:
+        flag(raw["spaces_between_special_tokens"], key("spaces_between_special_tokens"))
+    if "custom_params" in raw and not isinstance(raw["custom_params"], dict):
+        raise BadRequest(f"{key('custom_params')} must be a JSON object")
 
 
 def _stop_strings(stop: object, key: str) -> list[str]:

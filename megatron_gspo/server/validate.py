@@ -76,6 +76,13 @@ def flag(v: object, key: str) -> bool:
     raise BadRequest(f"{key} must be true or false, got {show(v)}")
 
 
+def body_flag(body: dict, key: str, default: bool = False) -> bool:
+    """`body[key]` as a flag (missing or null: `default`). A string such as "false" is refused
+    rather than read as true: a flag that aborts requests must not fire by accident."""
+    v = body.get(key)
+    return default if v is None else flag(v, key)
+
+
 def check_depth(obj: object, limit: int = MAX_JSON_DEPTH) -> None:
     """Refuse a JSON value nested deeper than `limit` (iterative: no recursion to exhaust)."""
     stack: list[tuple[Any, int]] = [(obj, 1)]  # obj: the parsed JSON value

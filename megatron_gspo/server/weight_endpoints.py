@@ -50,7 +50,7 @@ from megatron_gspo.server.state import (
     TooManyInits,
     WeightUpdates,
 )
-from megatron_gspo.server.validate import is_local_address
+from megatron_gspo.server.validate import body_flag, is_local_address
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -114,10 +114,8 @@ def _options(body: dict) -> tuple[str | None, bool]:
     version = body.get("weight_version")
     if version is not None and (not isinstance(version, str) or not version):
         raise BadRequest("weight_version must be a non-empty string")
-    for key in ("flush_cache", "abort_all_requests"):
-        if not isinstance(body.get(key, False), bool):
-            raise BadRequest(f"{key} must be true or false")
-    return version, bool(body.get("abort_all_requests", False))
+    body_flag(body, "flush_cache")  # (checked only: this server keeps no prefix cache)
+    return version, body_flag(body, "abort_all_requests")
 
 
 async def _load(
