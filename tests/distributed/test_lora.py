@@ -266,3 +266,22 @@ def test_lora_to_hf_refuses_a_truncated_adapter_file(lora_step, tmp_path):
         "re-copy it"
     )
     assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))
+
+
+@pytest.mark.parametrize("command", ["megatron-to-hf", "score"])
+def test_a_lora_checkpoint_given_as_a_model_names_lora_to_hf(lora_step, tmp_path, command):
+    """It used to say "no config.json ...; point at an HF checkpoint directory"."""
+    out = tmp_path / "o"
+    args = {
+        "megatron-to-hf": ["convert", "megatron-to-hf", "--megatron", str(lora_step),
+                           "--out", str(out)],
+        "score": ["score", "--checkpoint", str(lora_step), "--input", str(tmp_path / "in"),
+                  "--output", str(out)],
+    }[command]  # fmt: skip
+    proc = run_cli(args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {lora_step} holds LoRA adapters, not a model; make the model with "
+        f"`megatron-gspo convert lora-to-hf --checkpoint {lora_step} --out NEW_DIR` and use that"
+    )
+    assert not out.exists()
