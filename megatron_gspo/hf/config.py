@@ -103,7 +103,15 @@ def model_spec(cfg: dict) -> ModelSpec:
             f"rope type {show(rope_type)} is not supported yet; use a default-RoPE model"
         )
     hidden = _int(cfg, "hidden_size")
-    topk = _int(cfg, "num_experts_per_tok", 0, lo=0, hi=max(experts, 0) if experts else None)
+    # a MoE model routes each token to 1..experts experts (absent: transformers' default, 8); a
+    # dense one ignores the key
+    topk = _int(cfg, "num_experts_per_tok", 8, lo=1, hi=experts) if experts else 0
+    kv_heads = _int(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise UserError(
+            f"config.json: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
     return ModelSpec(
         arch=arch,
         architecture=arch_name,
@@ -111,18 +119,18 @@ def model_spec(cfg: dict) -> ModelSpec:
         hidden_size=hidden,
         num_layers=n_layers,
         num_heads=heads,
-        num_kv_heads=_int(cfg, "num_key_value_heads", heads),
+        num_kv_heads=kv_heads,
         head_dim=_int(cfg, "head_dim", hidden // heads),
         ffn_hidden_size=_int(cfg, "intermediate_size"),
         moe_ffn_hidden_size=_int(cfg, "moe_intermediate_size", 0, lo=0),
         num_experts=experts,
         topk=topk,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=_bool(cfg, "norm_topk_prob"),
         moe_layers=moe_layers,
         rope_theta=_float(cfg, "rope_theta", rope.get("rope_theta", 10000.0)),
         rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        tie_embeddings=_bool(cfg, "tie_word_embeddings"),
+        qkv_bias=arch == "qwen2" or _bool(cfg, "attention_bias"),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
         dtype=_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -149,6 +157,17 @@ def _int(cfg: dict, key: str, default=_REQUIRED, lo: int = 1, hi: int | None = N
     top = MAX_SIZE if hi is None else hi
     if not _is_int(v) or not lo <= v <= top:
         raise UserError(f"config.json: {key} must be an integer in [{lo}, {top}], not {show(v)}")
+    return v
+
+
+def _bool(cfg: dict, key: str) -> bool:
+    """A JSON true or false (absent: false); a string such as "yes" is refused, not read as
+    true, since a wrong guess here changes which tensors the model has."""
+    v = cfg.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise UserError(f"config.json: {key} must be true or false, not {show(v)}")
     return v
 
 

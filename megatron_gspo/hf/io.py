@@ -94,6 +94,18 @@ class HFReader:
     def keys(self) -> list[str]:
         return list(self.files)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of every tensor, from the files' headers (no weight is read)."""
+        out = {}
+        for name, filename in self.files.items():
+            header, _ = self._header(filename)
+            entry = header.get(name)
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            if not isinstance(shape, list):
+                raise UserError(f"{self.path / filename} has no readable entry for {name!r}")
+            out[name] = tuple(shape)
+        return out
+
     def get(self, name: str) -> torch.Tensor:
         filename = self._file_of(name)
         try:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf import io as hf_io
+from megatron_gspo.hf.shapes import check_tensors
 from megatron_gspo.model import checkpoint as mckpt
 from megatron_gspo.model import weights
 from megatron_gspo.model.checkpoint_reader import DistCheckpointReader
@@ -41,8 +42,8 @@ def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool)
     if out.exists():
         raise UserError(f"output path {out} exists; remove it or choose another --out")
     dims.validate(spec)
-    if meta is None:
-        hf_io.HFReader(src)  # a missing or truncated weight file fails here, before any work
+    if meta is None:  # a missing or truncated file, or weights the config does not describe
+        check_tensors(hf_io.HFReader(src).shapes(), spec, str(src))
     return spec
 
 
@@ -125,7 +126,10 @@ def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> 
     try:
         reader = DistCheckpointReader(meg_dir / "model")
         try:
-            mine = _my_share(weights.stored_params(reader, spec), reader)
+            params = weights.stored_params(reader, spec)
+            check_tensors(weights.stored_hf_shapes(reader, params, spec), spec, str(meg_dir))
+            weights.check_vocab_padding(reader, params, spec)
+            mine = _my_share(params, reader)
             tensors = (t for sp in mine for t in weights.read_stored(reader, sp, spec))
             written = write_rank_shards(tensors, tmp)
         finally:

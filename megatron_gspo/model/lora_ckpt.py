@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig
 
 LORA_FILE = "lora.json"
 _MIB = 1 << 20
@@ -103,3 +104,47 @@ def shape_differences(saved: dict, now: dict) -> str:
 
 def _show(value) -> str:
     return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+
+
+def read_record(directory: Path) -> tuple[dict, LoraConfig]:
+    """The record a checkpoint's model/ `directory` holds, and its adapters' config, fully
+    checked (UserError naming the file): a hand-edited or damaged lora.json must fail here, not
+    as a traceback inside the model build or as adapters merged at the wrong scale."""
+    path = Path(directory) / LORA_FILE
+    if not path.is_file():
+        raise UserError(f"{directory.parent} holds no LoRA adapters (no model/{LORA_FILE})")
+    try:
+        rec = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-copy the checkpoint") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("lora"), dict):
+        raise UserError(f'{path} has no "lora" object; re-copy the checkpoint')
+    for key in ("base_path", "base_fingerprint"):
+        if not isinstance(rec.get(key), str):
+            raise UserError(f"{path} has no {key} string; re-copy the checkpoint")
+    return rec, _config(rec["lora"], path)
+
+
+def _config(saved: dict, path: Path) -> LoraConfig:
+    fields = {f.name for f in dataclasses.fields(LoraConfig)}
+    if set(saved) != fields:
+        odd = sorted(set(saved) ^ fields)
+        raise UserError(f'{path}: "lora" must hold exactly {sorted(fields)} (not so: {odd})')
+    try:
+        experts = ExpertAdapters(saved["experts"])
+    except ValueError:
+        choices = [e.value for e in ExpertAdapters]
+        raise UserError(
+            f"{path}: lora.experts {saved['experts']!r} is not one of {choices}"
+        ) from None
+    rank, targets = saved["rank"], saved["targets"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise UserError(f"{path}: lora.rank must be an integer >= 1, not {rank!r}")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise UserError(f"{path}: lora.targets must be a list of names, not {targets!r}")
+    cfg = LoraConfig(**{**saved, "experts": experts})
+    try:
+        cfg.check()  # alpha a finite number > 0, dropout in [0, 1), known targets
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    return cfg

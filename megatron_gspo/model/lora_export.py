@@ -18,32 +18,78 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.hf import io as hf_io
 from megatron_gspo.model import lora_ckpt
 from megatron_gspo.model.lora import is_lora_param
-from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig
+from megatron_gspo.model.lora_config import LoraConfig
 from megatron_gspo.model.lora_peft import all_factors, peft_config, peft_tensors
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 
 PEFT_DIR = "adapter"  # under --out: the PEFT adapter beside the merged model
 
 
-def read_record(checkpoint: Path) -> tuple[dict, LoraConfig]:
-    path = checkpoint / "model" / lora_ckpt.LORA_FILE
-    if not path.is_file():
-        raise UserError(f"{checkpoint} holds no LoRA adapters (no model/{lora_ckpt.LORA_FILE})")
-    rec = json.loads(path.read_text())
-    cfg = dict(rec["lora"])
-    cfg["experts"] = ExpertAdapters(cfg["experts"])
-    return rec, LoraConfig(**cfg)
+def adapter_shapes(chunks) -> dict[str, tuple[int, ...]]:
+    """{checkpoint key: global shape} of the adapters the chunks hold, over every rank."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_gspo.model.checkpoint import sharded_model_state
+
+    mine = {}
+    for sd in sharded_model_state(chunks).values():
+        adapters = {name: sh for name, sh in sd.items() if is_lora_param(name)}
+        for t in nested_values(adapters):
+            if isinstance(t, ShardedTensor):
+                mine[t.key] = tuple(t.global_shape)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def check_adapters(chunks, directory: Path) -> None:
+    """The checkpoint at `directory` holds exactly the adapters lora.json implies, each of its
+    shape: a record that names fewer targets or another rank than the tensors would otherwise
+    drop trained adapters without a word, or fail deep inside the load."""
+    from megatron_gspo.model.checkpoint_reader import DistCheckpointReader
+
+    reader = DistCheckpointReader(directory)
+    try:
+        found = {
+            k: reader.shape(k)
+            for k in reader.keys()
+            if is_lora_param(k) and not k.startswith("optimizer.")
+        }
+    finally:
+        reader.close()
+    want = adapter_shapes(chunks)
+    where = f"{directory / lora_ckpt.LORA_FILE} disagrees with the adapters saved beside it"
+    odd = sorted(set(want) ^ set(found))
+    if odd:
+        which = "lacks" if odd[0] in want else "also holds"
+        raise UserError(
+            f"{where}: {len(odd)} adapter tensor(s) differ, e.g. the checkpoint {which} {odd[0]}; "
+            "fix lora.json or re-copy the checkpoint"
+        )
+    for key, shape in want.items():
+        if found[key] != shape:
+            raise UserError(f"{where}: {key} is {found[key]}, lora.json implies {shape}")
 
 
 def load_adapters(chunks, directory: Path) -> None:
     """Fill the adapters of `chunks` from a run checkpoint's model/ (collective)."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
 
     from megatron_gspo.model.checkpoint import sharded_model_state, take_over
 
     model = sharded_model_state(chunks)
     model = {k: {n: v for n, v in sd.items() if is_lora_param(n)} for k, sd in model.items()}
-    state = dist_checkpointing.load({"model": model}, str(directory))
+    try:
+        state = dist_checkpointing.load({"model": model}, str(directory))
+    except (Exception, CheckpointException) as e:  # a truncated or damaged file, in any form
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, CheckpointException):  # its own text only lists the failing ranks
+            first = "a file is truncated or corrupt"
+        raise UserError(f"cannot read dist-checkpoint {directory} ({first}); re-copy it") from None
     for i, chunk in enumerate(chunks):
         take_over(chunk, state["model"][f"model{i}"], directory, copy=True, keep=is_lora_param)
 
@@ -60,13 +106,19 @@ def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> N
     from megatron_gspo.model.weights import iter_hf
 
     checkpoint, out = Path(checkpoint), Path(out)
-    rec, cfg = read_record(checkpoint)
+    rec, cfg = lora_ckpt.read_record(checkpoint / "model")
     if out.exists():
         raise UserError(f"output path {out} exists; remove it or choose another --out")
     init_distributed(dims)
     chunks = load_policy(rec["base_path"], dims, lora=cfg)
-    if chunks[0].lora_record["base_fingerprint"] != rec["base_fingerprint"]:
+    built = lora_ckpt.lora_record(chunks)
+    if built is None:
+        raise UserError(
+            f"{checkpoint}'s lora.json targets no module of the model at {rec['base_path']}"
+        )
+    if built["base_fingerprint"] != rec["base_fingerprint"]:
         raise UserError(f"the base at {rec['base_path']} changed since {checkpoint} was saved")
+    check_adapters(chunks, checkpoint / "model")
     load_adapters(chunks, checkpoint / "model")
     tmp, ok = shared_tmpdir(out), False
     try:

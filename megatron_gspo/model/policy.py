@@ -21,6 +21,11 @@ def checkpoint_spec(path: str | Path) -> tuple[ModelSpec, dict | None]:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"checkpoint {path} does not exist; check the path")
+    if (path / "model" / lora_ckpt.LORA_FILE).is_file():  # adapters only, no model weights
+        raise UserError(
+            f"{path} holds LoRA adapters, not a model; make the model with `megatron-gspo "
+            f"convert lora-to-hf --checkpoint {path} --out NEW_DIR` and use that"
+        )
     if mckpt.is_megatron_checkpoint(path):
         meta = mckpt.read_meta(path)
         return model_spec(load_hf_config(path / "hf")), meta

@@ -119,7 +119,7 @@ def load_hf(chunks, reader) -> None:
         info = shard_info(lp.map)
         local = shard(lp.map.layout, full, info.rank, info.size)
         if local.shape != lp.param.shape:
-            raise ValueError(
+            raise UserError(
                 f"{lp.map.hf_names} give {tuple(local.shape)} for {lp.map.megatron_name} "
                 f"{tuple(lp.param.shape)}: checkpoint and config disagree"
             )
@@ -193,7 +193,7 @@ def hf_sharded_state(chunks, reader) -> dict:
         rows = _row_range(sh.data, lp.param)
         data = _hf_rows(lp, reader, rows, **kw).to(lp.param.dtype)
         if data.shape != sh.data.shape:
-            raise ValueError(
+            raise UserError(
                 f"{lp.map.hf_names} give {tuple(data.shape)} for {lp.map.megatron_name} "
                 f"{tuple(sh.data.shape)}: checkpoint and config disagree"
             )
@@ -248,7 +248,8 @@ class StoredParam:
 
 def stored_params(reader, spec) -> list[StoredParam]:
     """Every parameter a dist-checkpoint holds, mapped to HF names (UserError if it does not
-    fit `spec` or misses a tensor). The tied output layer is left out (the embedding is it)."""
+    fit `spec` or misses a tensor). A tied model has no output layer of its own (the embedding
+    is it)."""
     bridge = get_bridge(spec.arch)
     layers = {i: i for i in range(spec.num_layers)}  # keys hold global layer numbers
     out = []
@@ -264,7 +265,10 @@ def stored_params(reader, spec) -> list[StoredParam]:
                     "config; was it made from another config?"
                 ) from None
             if spec.tie_embeddings and name == "output_layer.weight":
-                continue
+                raise UserError(
+                    "checkpoint and config disagree: tie_word_embeddings is true in config.json, "
+                    "but the dist-checkpoint holds its own output layer; fix the config"
+                )
             numel = int(torch.Size(shape[len(index) :]).numel())
             out.append(StoredParam(key, index, pm, itemsize * numel))
     _check_complete(out, spec)
@@ -333,11 +337,53 @@ def read_stored(reader, sp: StoredParam, spec) -> list[tuple[str, torch.Tensor]]
         t = reader.read(sp.key, offsets, sizes)
         return t.reshape(sizes[len(lead) :])
 
+    return _hf_parts(sp, spec, inner, rows)
+
+
+def stored_hf_shapes(reader, params: list[StoredParam], spec) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} that `read_stored` would give for `params`, worked out on the meta
+    device (nothing is read); a tensor that cannot be split as the config says is a UserError."""
+    out = {}
+    for sp in params:
+        inner = reader.shape(sp.key)[len(sp.index) :]
+
+        def rows(a: int, b: int, inner=inner) -> torch.Tensor:
+            return torch.empty((b - a, *inner[1:]), device="meta")
+
+        try:
+            parts = _hf_parts(sp, spec, inner, rows)
+        except (RuntimeError, ValueError) as e:  # a reshape the config's head counts do not fit
+            raise UserError(
+                f"dist-checkpoint tensor {sp.key} {tuple(inner)} does not split as config.json "
+                f"says ({str(e).splitlines()[0]}): checkpoint and config disagree"
+            ) from None
+        out.update({name: tuple(t.shape) for name, t in parts})
+    return out
+
+
+def check_vocab_padding(reader, params: list[StoredParam], spec) -> None:
+    """The embedding's rows past config.json's vocab_size are padding, which is zero (merge pads
+    with zeros and a row no token selects gets no gradient); a non-zero row there means the
+    config's vocab_size is smaller than the vocabulary the weights were trained with."""
+    for sp in params:
+        if sp.map.hf_names != ("model.embed_tokens.weight",):
+            continue
+        rows, hidden = reader.shape(sp.key)
+        if rows > spec.vocab_size:
+            pad = reader.read(sp.key, (spec.vocab_size, 0), (rows - spec.vocab_size, hidden))
+            if pad.any():
+                raise UserError(
+                    f"checkpoint and config disagree: the embedding has trained rows past "
+                    f"config.json's vocab_size {spec.vocab_size}; fix vocab_size in hf/config.json"
+                )
+
+
+def _hf_parts(sp: StoredParam, spec, inner, rows) -> list[tuple[str, torch.Tensor]]:
     names, layout = sp.map.hf_names, sp.map.layout
     if layout is Layout.GLU:
         n = inner[0] // 2
         return [(names[0], rows(0, n)), (names[1], rows(n, 2 * n))]
     if layout is Layout.VOCAB:
-        return [(names[0], rows(0, spec.vocab_size))]
+        return [(names[0], rows(0, min(spec.vocab_size, inner[0])))]
     geo = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
     return list(zip(names, split(sp.map, rows(0, inner[0]), vocab=spec.vocab_size, **geo)))

@@ -7,6 +7,8 @@ PEFT 0.21 rewrites target_modules named gate_proj/up_proj/down_proj into expert 
 Qwen3-MoE (a transformers-4 adapter conversion) and so drops the dense layer's MLP adapters; the
 reference turns that conversion off (model/lora_peft.py)."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,106 @@ def test_convert_exports_the_merged_model_and_a_peft_adapter(experts, tiny_model
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     untrained = hf_token_logprobs(base, seqs)
     assert max((a - b).abs().max() for a, b in zip(untrained, want)) > 1e-3  # it moved
+
+
+@pytest.fixture(scope="module")
+def lora_step(tiny_models, tmp_path_factory) -> Path:
+    """A LoRA checkpoint (rank 4, every target, per-expert adapters) saved on one rank."""
+    step = tmp_path_factory.mktemp("lora") / "step_2"
+    run_distributed(WORKER, 1, str(tiny_models["moe_all"]), str(step.parent / "out.pt"),
+                    "--resume", str(step / "model"), out=None)  # fmt: skip
+    return step
+
+
+def _edit_record(rec: dict, change: str) -> str | None:
+    """Apply one named damage to a lora.json record; a str is written as the file instead."""
+    lora = rec["lora"]
+    edits = {
+        "rank 2": lambda: lora.update(rank=2),
+        "rank -1": lambda: lora.update(rank=-1),
+        "unknown target": lambda: lora.update(targets=["nope"]),
+        "shared experts": lambda: lora.update(experts="shared"),
+        "bogus experts": lambda: lora.update(experts="bogus"),
+        "no lora": lambda: rec.pop("lora"),
+        "extra key": lambda: lora.update(extra=1),
+        "alpha NaN": lambda: lora.update(alpha=float("nan")),
+        "fewer targets": lambda: lora.update(targets=["linear_qkv"]),
+    }
+    if change == "not JSON":
+        return "{bad"
+    edits[change]()
+    return None
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("rank 2", "layers.0.self_attention.linear_qkv_lora.A is (12, 64), lora.json implies "
+                   "(6, 64)"),
+        ("rank -1", "lora.json: lora.rank must be an integer >= 1, not -1"),
+        ("unknown target", "lora.json: lora.targets: unknown target 'nope'"),
+        ("shared experts", "disagrees with the adapters saved beside it: 20 adapter tensor(s) "
+                           "differ"),
+        ("bogus experts", "lora.json: lora.experts 'bogus' is not one of"),
+        ("no lora", 'lora.json has no "lora" object'),
+        ("extra key", "must hold exactly ['alpha', 'dropout', 'experts', 'rank', 'targets'] "
+                      "(not so: ['extra'])"),
+        ("alpha NaN", "lora.json: lora.alpha must be a finite number > 0, not nan"),
+        ("fewer targets", "disagrees with the adapters saved beside it: "),
+        ("not JSON", "lora.json is not valid JSON"),
+    ],
+)  # fmt: skip
+def test_lora_to_hf_refuses_a_record_that_disagrees_with_the_adapters(
+    lora_step, tmp_path, change, message
+):
+    """A lora.json that disagrees with the saved tensors used to give a traceback
+    (CheckpointException, AttributeError, KeyError, TypeError, JSONDecodeError), or exit 0 with
+    NaN in every merged weight (alpha NaN) or half the trained adapters dropped (fewer
+    targets)."""
+    bad = tmp_path / "step"
+    shutil.copytree(lora_step, bad)
+    path = bad / "model" / "lora.json"
+    rec = json.loads(path.read_text())
+    text = _edit_record(rec, change)
+    path.write_text(text if text is not None else json.dumps(rec))
+    out = tmp_path / "hf"
+    proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(bad), "--out", str(out)])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))
+
+
+def test_lora_to_hf_refuses_a_truncated_adapter_file(lora_step, tmp_path):
+    bad = tmp_path / "step"
+    shutil.copytree(lora_step, bad)
+    f = bad / "model" / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])
+    out = tmp_path / "hf"
+    proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(bad), "--out", str(out)])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot read dist-checkpoint {bad / 'model'} (a file is truncated or corrupt); "
+        "re-copy it"
+    )
+    assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))
+
+
+@pytest.mark.parametrize("command", ["megatron-to-hf", "score"])
+def test_a_lora_checkpoint_given_as_a_model_names_lora_to_hf(lora_step, tmp_path, command):
+    """It used to say "no config.json ...; point at an HF checkpoint directory"."""
+    out = tmp_path / "o"
+    args = {
+        "megatron-to-hf": ["convert", "megatron-to-hf", "--megatron", str(lora_step),
+                           "--out", str(out)],
+        "score": ["score", "--checkpoint", str(lora_step), "--input", str(tmp_path / "in"),
+                  "--output", str(out)],
+    }[command]  # fmt: skip
+    proc = run_cli(args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {lora_step} holds LoRA adapters, not a model; make the model with "
+        f"`megatron-gspo convert lora-to-hf --checkpoint {lora_step} --out NEW_DIR` and use that"
+    )
+    assert not out.exists()

@@ -137,3 +137,65 @@ def test_a_model_that_does_not_load_leaves_no_run_directory(tmp_path, tiny_model
     left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
     assert left == [".lock", "logs", "logs/launch.log"]
     assert (run / "logs" / "launch.log").read_text() == "the launch script's\n"
+
+
+def _with_config(src: Path, dst: Path, config: str = "config.json", **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / config).read_text())
+    cfg.update(changes)
+    (dst / config).write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        ({"vocab_size": 10}, "model.embed_tokens.weight is (128, 64), the config implies (10, 64)"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings is true, but the weights have"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, not 'yes'"),
+        ({"num_attention_heads": 3, "num_key_value_heads": 3}, "q_proj.weight is (64, 64)"),
+    ],
+)
+def test_hf_to_megatron_refuses_a_config_that_disagrees_with_the_weights(
+    tmp_path, tiny_models, changes, pattern
+):
+    """vocab_size 10 over 128 embedding rows, or tie_word_embeddings beside a trained lm_head,
+    used to convert with exit 0 and the rows or the lm_head lost; 3 heads over 4 heads' weights
+    was a ValueError traceback."""
+    bad = _with_config(tiny_models["moe"], tmp_path / "bad", **changes)
+    out = tmp_path / "o"
+    proc = run_cli(["convert", "hf-to-megatron", "--hf", str(bad), "--out", str(out)])
+    assert_clean_failure(proc, pattern, tmp_path)
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def moe_megatron(tmp_path_factory, tiny_models) -> Path:
+    out = tmp_path_factory.mktemp("meg") / "moe"
+    proc = run_cli(
+        ["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out)]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        ({"hidden_size": 128}, "model.embed_tokens.weight is (128, 64), the config implies (128, 128)"),
+        ({"vocab_size": 10}, "the embedding has trained rows past config.json's vocab_size 10"),
+        ({"tie_word_embeddings": True}, "but the dist-checkpoint holds its own output layer"),
+        ({"moe_intermediate_size": 16}, "gate_proj.weight is (32, 64), the config implies (16, 64)"),
+    ],
+)  # fmt: skip
+def test_megatron_to_hf_refuses_a_config_that_disagrees_with_the_weights(
+    tmp_path, moe_megatron, changes, pattern
+):
+    """hidden_size 128 over 64-wide weights used to convert with exit 0 into a checkpoint
+    nothing could load."""
+    bad = _with_config(moe_megatron, tmp_path / "bad", "hf/config.json", **changes)
+    out = tmp_path / "o"
+    proc = run_cli(["convert", "megatron-to-hf", "--megatron", str(bad), "--out", str(out)])
+    assert_clean_failure(proc, pattern, tmp_path)
+    assert "checkpoint and config disagree" in proc.stderr or "true or false" in proc.stderr
+    assert not out.exists()

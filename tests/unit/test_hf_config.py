@@ -90,7 +90,8 @@ GOOD = {
      ("vocab_size", 2**70), ("vocab_size", True), ("num_attention_heads", 0),
      ("torch_dtype", "int8"), ("torch_dtype", "nope"), ("num_experts_per_tok", 99),
      ("decoder_sparse_step", 0), ("rope_parameters", [1]), ("mlp_only_layers", "0"),
-     ("max_position_embeddings", 1.5), ("head_dim", -16)],
+     ("max_position_embeddings", 1.5), ("head_dim", -16), ("num_experts_per_tok", 0),
+     ("tie_word_embeddings", "yes"), ("norm_topk_prob", 1)],
 )  # fmt: skip
 def test_malformed_config_values_are_one_line_naming_the_key(key, value):
     """NaN, a negative size, a string for a number, an unknown dtype: each used to be a
@@ -111,3 +112,13 @@ def test_a_config_that_is_no_object_or_no_json_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": ' + "9" * 5000 + "}")
     with pytest.raises(UserError, match="is not valid JSON"):
         load_hf_config(tmp_path)
+
+
+def test_head_counts_that_do_not_group_are_refused():
+    """3 query heads over 2 key/value heads used to load, and the server then failed every
+    /generate with a 500."""
+    with pytest.raises(UserError) as e:
+        model_spec({**GOOD, "num_attention_heads": 3, "num_key_value_heads": 2})
+    assert str(e.value) == (
+        "config.json: num_attention_heads (3) must be a multiple of num_key_value_heads (2)"
+    )
