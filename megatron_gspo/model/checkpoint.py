@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_gspo.errors import UserError
 
@@ -190,15 +191,30 @@ def _without_fsync():
         writer.write_preloaded_data = orig
 
 
+# What a dist-checkpoint load raises on a damaged or mismatched checkpoint: torch's
+# CheckpointException (a BaseException, which `except Exception` lets through) and the rest.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+def load_error(e: BaseException) -> str:
+    """Why a dist-checkpoint load failed, in one line: the first line of the error, or for
+    torch's CheckpointException (each failing rank's traceback) its last, the cause."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return (lines[-1] if isinstance(e, CheckpointException) else lines[0])[:300]
+
+
 def load_model(chunks, directory: str | Path) -> None:
     """Collective: load a dist-checkpoint saved under any layout into this layout's chunks."""
     from megatron.core import dist_checkpointing
 
     try:
         state = dist_checkpointing.load(sharded_model_state(chunks), str(directory))
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot read dist-checkpoint {directory} ({first}); re-copy it") from e
+    except LOAD_ERRORS as e:
+        raise UserError(
+            f"cannot read dist-checkpoint {directory} ({load_error(e)}); re-copy it"
+        ) from None
     for i, chunk in enumerate(chunks):
         take_over(chunk, state[f"model{i}"], directory)
 

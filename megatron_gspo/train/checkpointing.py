@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.model.checkpoint import LOAD_ERRORS, load_error
 from megatron_gspo.train.files import fsync_dir
 
 _NAME = re.compile(r"^step_(\d+)$")
@@ -98,7 +99,8 @@ def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
 
 
 def load(actor, path: Path) -> dict:
-    """Collective: restore model, optimizer and this rank's RNG; returns the trainer state."""
+    """Collective: restore model and optimizer; returns the trainer state. This rank's RNG is
+    `restore_rng`'s, set when the run goes on (nothing may draw from it in between)."""
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise UserError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
@@ -106,16 +108,20 @@ def load(actor, path: Path) -> dict:
         actor.load(path / "model")
     except UserError:
         raise
-    except Exception as e:  # a checkpoint that verified and still fails: name it, no traceback
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    except LOAD_ERRORS as e:  # a checkpoint that verified and still fails: name it, no traceback
         raise UserError(
-            f"cannot load checkpoint {path} ({type(e).__name__}: {first}); move it to "
-            f"{path.parent / UNVERIFIED}/ to resume from the one before"
-        ) from e
+            f"cannot load checkpoint {path} ({type(e).__name__}: {load_error(e)}); if "
+            "model.path or its model changed since, resume with the run's; if the checkpoint "
+            f"is damaged, move it to {path.parent / UNVERIFIED}/ to resume from the one before"
+        ) from None
+    return json.loads(state_file.read_text())
+
+
+def restore_rng(path: Path) -> None:
+    """Set this rank's torch RNG to checkpoint `path`'s."""
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved
         torch.set_rng_state(torch.load(rng, weights_only=True))
-    return json.loads(state_file.read_text())
 
 
 def _write_manifest(directory: Path) -> None:

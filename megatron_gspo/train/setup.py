@@ -27,6 +27,7 @@ class TrainerSetup:
         self.resume_from: Path | None = None
         self.lock: RunDirLock | None = None
         self.plan: StartPlan | None = None
+        self.resumed: TrainState | None = None  # the checkpoint's trainer state, once loaded
         self.made = self.committed = False
 
     def __enter__(self) -> TrainerSetup:
@@ -51,17 +52,22 @@ class TrainerSetup:
             self.resume_from = self.plan.checkpoint
             self.hf_dir = hf_files_dir(cfg.model.path).resolve()
             self.actor = self._build_actor(dims)
-            if self.resume_from is not None:  # adapters of another shape: refused before loading
-                self.actor.check_checkpoint(self.resume_from / "model")
+            if self.resume_from is not None:  # (before the directory is written: see commit)
+                self.actor.check_checkpoint(self.resume_from / "model")  # adapters' shapes
+                state = checkpointing.load(self.actor, self.resume_from)
+                self.resumed = TrainState.from_state_dict(state)
         except BaseException:
             self.abandon()
             raise
         return self
 
-    def commit(self) -> None:
-        """Rank 0, once the start's inputs are checked: carry out the run directory's plan
+    def commit(self, n_train_prompts: int) -> None:
+        """Rank 0, once the start's inputs are checked (the checkpoint loaded, the prompts and
+        the reward loaded: `n_train_prompts` of them): carry out the run directory's plan
         (run_dir.py) and write the config. Until then the directory is as this start found it."""
         assert self.plan is not None
+        if self.resumed is not None:  # the saved prompt order fits this dataset (else: why not)
+            self._new_sampler(n_train_prompts).load_state_dict(self.resumed.sampler)
         self.plan.carry_out(self.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         dump_config(self.cfg, self.run_dir / "config.yaml")
@@ -123,10 +129,13 @@ class TrainerSetup:
         return actor
 
     def sampler(self, n_rows: int):
+        self._sampler = self._new_sampler(n_rows)
+        return self._sampler
+
+    def _new_sampler(self, n_rows: int):
         from megatron_gspo.data.prompts import PromptSampler
 
-        self._sampler = PromptSampler(n_rows, self.cfg.rollout.prompts_per_step, self.cfg.seed)
-        return self._sampler
+        return PromptSampler(n_rows, self.cfg.rollout.prompts_per_step, self.cfg.seed)
 
     def weight_sync(self, urls: list[str], api_key: str | None = None):
         from megatron_gspo.weight_sync.config import ServerRef
@@ -151,9 +160,10 @@ class TrainerSetup:
     def restore(self, sampler, sync, fleet) -> TrainState:
         """Fresh run: step 0. Resume: load the newest complete checkpoint and bring the rollout
         servers to its weights (they started from the base model)."""
-        if self.resume_from is None:
+        if self.resume_from is None or self.resumed is None:
             return TrainState(sampler=sampler.state_dict())
-        state = TrainState.from_state_dict(checkpointing.load(self.actor, self.resume_from))
+        state = self.resumed  # (loaded at the start, see __enter__)
+        checkpointing.restore_rng(self.resume_from)
         sampler.load_state_dict(state.sampler)
         version = str(state.weight_version)
         report = sync.sync(version)

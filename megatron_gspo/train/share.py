@@ -77,10 +77,10 @@ def rollout_side(
     run_dir: Path,
     hf_dir: Path,
     stack: ExitStack,
-    inputs_checked: Callable[[], None] = lambda: None,
+    inputs_checked: Callable[[int], None] = lambda n_train_prompts: None,
 ) -> tuple[ServerFleet, SharedRollouts]:
     """The fleet and the batches, as this rank holds them: rank 0 loads the prompts, starts the
-    reward workers, calls `inputs_checked`, then starts the servers and their clients (`stack`
+    reward workers, calls `inputs_checked` (with the number of train prompts), then starts the servers and their clients (`stack`
     closes them, last started first); the other ranks get a view of the fleet (URLs and key, no
     supervisor) and receive batches."""
     fleet, producer = None, None
@@ -90,7 +90,7 @@ def rollout_side(
         stack.callback(io.close)
         gen = Generation(cfg, prompts.tokenizer, run_dir)  # (a broken reward fails before servers)
         stack.callback(gen.close)
-        inputs_checked()
+        inputs_checked(len(prompts.train.rows))
         fleet = ServerFleet.start(cfg, run_dir, hf_dir, io, prompts.longest)
         stack.callback(fleet.close)
         assert fleet.generator is not None  # (started: connected)

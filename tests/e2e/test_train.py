@@ -218,6 +218,19 @@ def test_run_dir_without_a_checkpoint_starts_again_with_either_command(task_mode
     assert rc == 2 and str(missing) in error_lines(out)[-1], out[-3000:]
     assert (run_dir / "config.yaml").read_text() == before[1]
     assert not list(run_dir.glob("config.until_*"))
+    # Another model's shapes (a changed model.path): one line, not torch's CheckpointException
+    # (a BaseException) traceback, and the checkpoint loads before anything is written.
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+
+    other = make_tiny_model(TinySpec(moe_ffn=48), tmp_path / "other")
+    seen = len((tmp_path / "run.log").read_text())
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume",
+                    "--allow-config-change", f"model.path={other}")  # fmt: skip
+    error = error_lines(out)[-1]
+    assert rc == 2 and "Traceback" not in out[seen:], out[seen:][-3000:]
+    assert error.startswith(f"error: cannot load checkpoint {run_dir / 'checkpoints' / 'step_1'} (")
+    assert "Global shape mismatch" in error and "resume with the run's" in error
+    assert (run_dir / "config.yaml").read_text() == before[1]
     rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume", steps=2)
     assert rc == 0 and [r["step"] for r in metrics(run_dir)] == [0, 1, 2], out[-3000:]
 
