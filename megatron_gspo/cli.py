@@ -195,7 +195,7 @@ def _add_study(sub) -> None:
 
 def _add_serve(sub) -> None:
     try:
-        from megatron_gspo.server.app import add_serve_args, serve_main
+        from megatron_gspo.server.serve import add_serve_args, serve_main
     except ImportError:
         return
     p = sub.add_parser("serve", help="the built-in SGLang-compatible rollout server")

@@ -94,24 +94,12 @@ def model_spec(cfg: dict) -> ModelSpec:
     moe_layers = tuple(
         experts > 0 and i not in set(dense_only) and (i + 1) % step == 0 for i in range(n_layers)
     )
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise UserError(f"config.json: rope_parameters must be an object, not {show(rope)}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise UserError(
-            f"rope type {show(rope_type)} is not supported yet; use a default-RoPE model"
-        )
+    rope = _rope(cfg)
     hidden = _int(cfg, "hidden_size")
     # a MoE model routes each token to 1..experts experts (absent: transformers' default, 8); a
     # dense one ignores the key
     topk = _int(cfg, "num_experts_per_tok", 8, lo=1, hi=experts) if experts else 0
-    kv_heads = _int(cfg, "num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise UserError(
-            f"config.json: num_attention_heads ({heads}) must be a multiple of "
-            f"num_key_value_heads ({kv_heads})"
-        )
+    kv_heads = _kv_heads(cfg, heads)
     return ModelSpec(
         arch=arch,
         architecture=arch_name,
@@ -135,6 +123,30 @@ def model_spec(cfg: dict) -> ModelSpec:
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
         dtype=_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
+
+
+def _kv_heads(cfg: dict, heads: int) -> int:
+    """Key/value heads: each serves the same number of query heads (GQA)."""
+    kv_heads = _int(cfg, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise UserError(
+            f"config.json: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    return kv_heads
+
+
+def _rope(cfg: dict) -> dict:
+    """The config's RoPE parameters: default RoPE only (theta from them or the config)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"config.json: rope_parameters must be an object, not {show(rope)}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise UserError(
+            f"rope type {show(rope_type)} is not supported yet; use a default-RoPE model"
+        )
+    return rope
 
 
 _REQUIRED = object()

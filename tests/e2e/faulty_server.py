@@ -16,7 +16,7 @@ import sys
 import threading
 import traceback
 
-from megatron_gspo.server import app, engine
+from megatron_gspo.server import engine, serve
 
 
 def _die(self) -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     elif fault != "linger":
         raise SystemExit(f"unknown fault {fault!r}; use die, stuck or linger")
     try:
-        app.main(argv)
+        serve.main(argv)
     except OSError:
         if fault != "linger":
             raise
