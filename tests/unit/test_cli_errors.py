@@ -296,3 +296,35 @@ def test_score_refuses_bad_flags(tmp_path, tiny_models, flags, message, capsys):
     line = main_error([*argv, "--output", str(tmp_path / "o.jsonl"), *flags], capsys)
     assert line == "error: " + message.replace("DIR", str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--topk", "99"], "config.json: num_experts_per_tok must be an integer in [1, 8], not 99; set by --topk"),
+        (["--layers", "0"], "config.json: num_hidden_layers must be an integer in [1, 2147483647], not 0; set by --layers"),
+        (["--hidden", "-1"], "config.json: hidden_size must be an integer in [1, 2147483647], not -1; set by --hidden"),
+        (["--heads", "3"], "config.json: num_attention_heads (3) must be a multiple of num_key_value_heads (2); set by --heads"),
+        (["--experts", "0"], "--experts must be >= 1 for a qwen3_moe model, not 0; use --arch qwen3 for a dense one"),
+        (["--moe-ffn", "0"], "--moe-ffn must be >= 1 for a qwen3_moe model, not 0; use --arch qwen3 for a dense one"),
+        (["--dense-layers", "7"], "--dense-layers 7 is not a layer of a 2-layer model; use layer ids in [0, 2)"),
+    ],
+)  # fmt: skip
+def test_make_tiny_model_refuses_a_model_the_tools_would_refuse(tmp_path, flags, message, capsys):
+    """Each of these used to write a checkpoint with exit 0 (that convert then refused, or that
+    was not the model asked for), or fail with a RuntimeError traceback (--hidden -1)."""
+    argv = ["make-tiny-model", "--out", str(tmp_path / "m"), *flags]
+    assert main_error(argv, capsys) == f"error: {message}"
+    assert not list(tmp_path.iterdir())
+
+
+def test_make_tiny_model_refuses_bad_layer_ids(tmp_path, capsys):
+    """--dense-layers x was a ValueError traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["make-tiny-model", "--out", str(tmp_path / "m"), "--dense-layers", "x"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "megatron-gspo make-tiny-model: error: argument --dense-layers: "
+        "'x' is not a comma-separated list of layer ids, e.g. 0,3"
+    )
+    assert not list(tmp_path.iterdir())
