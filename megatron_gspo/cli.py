@@ -53,12 +53,20 @@ def _cmd_make_tiny(args) -> None:
     from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     fields = {k: v for k, v in vars(args).items() if k in TinySpec.__dataclass_fields__}
-    fields["dense_layers"] = [int(x) for x in args.dense_layers.split(",") if x.strip()]
     try:
         make_tiny_model(TinySpec(**fields), args.out)
     except (FileExistsError, ValueError) as e:
         raise UserError(str(e)) from None
     print(f"wrote {args.out}")
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of layer ids, e.g. 0,3"
+        ) from None
 
 
 def _add_make_tiny(sub) -> None:
@@ -79,7 +87,12 @@ def _add_make_tiny(sub) -> None:
         ("seed", 0),
     ]:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
-    p.add_argument("--dense-layers", default="", help="comma-separated dense layer ids, e.g. 0")
+    p.add_argument(
+        "--dense-layers",
+        type=_layer_ids,
+        default=[],
+        help="comma-separated dense layer ids, e.g. 0",
+    )
     p.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false")
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.errors import UserError
+from megatron_gspo.outputs import check_new_output
+
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 BASE_WORDS = (
     [str(d) for d in range(10)]
@@ -156,6 +159,48 @@ def hf_config(spec: TinySpec):
     raise ValueError(f"unknown --arch {spec.arch!r}; choose qwen3_moe, qwen3 or qwen2")
 
 
+# The flag of make-tiny-model that sets each config.json key model_spec checks.
+FLAG_OF_KEY = {
+    "num_hidden_layers": "--layers",
+    "hidden_size": "--hidden",
+    "num_attention_heads": "--heads",
+    "num_key_value_heads": "--kv-heads",
+    "head_dim": "--head-dim",
+    "moe_intermediate_size": "--moe-ffn",
+    "intermediate_size": "--ffn",
+    "num_experts_per_tok": "--topk",
+    "num_experts": "--experts",
+    "vocab_size": "--vocab-size",
+}
+
+
+def check_spec(spec: TinySpec) -> None:
+    """The checkpoint `spec` describes is one the project reads back: its config.json passes the
+    checks that convert, score and serve make of it (a UserError naming the flag otherwise)."""
+    from megatron_gspo.hf.config import SUPPORTED, model_spec
+
+    vocabulary(spec.vocab_size, spec.tokenizer)
+    # model_spec reads 0 experts, or 0-wide ones, as a dense model: not what was asked for
+    for flag, n in (("--experts", spec.experts), ("--moe-ffn", spec.moe_ffn)):
+        if spec.arch == "qwen3_moe" and n < 1:
+            raise UserError(
+                f"{flag} must be >= 1 for a qwen3_moe model, not {n}; "
+                "use --arch qwen3 for a dense one"
+            )
+    outside = [i for i in spec.dense_layers if not 0 <= i < spec.layers]
+    if outside:
+        raise UserError(
+            f"--dense-layers {outside[0]} is not a layer of a {spec.layers}-layer model; "
+            f"use layer ids in [0, {spec.layers})"
+        )
+    class_name = {arch: name for name, arch in SUPPORTED.items()}.get(spec.arch, spec.arch)
+    try:
+        model_spec({**hf_config(spec).to_dict(), "architectures": [class_name]})
+    except UserError as e:
+        key = min((k for k in FLAG_OF_KEY if k in str(e)), key=str(e).find, default=None)
+        raise UserError(f"{e}; set by {FLAG_OF_KEY[key]}" if key else str(e)) from None
+
+
 def make_tiny_model(spec: TinySpec, out: str | os.PathLike) -> Path:
     """Write an HF checkpoint (config, safetensors, tokenizer) to `out`, atomically."""
     import transformers
@@ -163,6 +208,8 @@ def make_tiny_model(spec: TinySpec, out: str | os.PathLike) -> Path:
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; remove it or pass another --out")
+    check_spec(spec)
+    check_new_output(out, "--out")
     config = hf_config(spec)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))

@@ -30,6 +30,7 @@ from megatron_gspo.model import weights
 from megatron_gspo.model.checkpoint_reader import DistCheckpointReader
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
+from megatron_gspo.outputs import check_new_output
 
 SHARD_BYTES = 4 << 30  # largest HF shard file a rank writes
 
@@ -39,8 +40,7 @@ def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool)
     if want_megatron != (meta is not None):
         kind = "a Megatron" if want_megatron else "an HF"
         raise UserError(f"{src} is not {kind} checkpoint; check --hf / --megatron")
-    if out.exists():
-        raise UserError(f"output path {out} exists; remove it or choose another --out")
+    check_new_output(out, "--out")
     dims.validate(spec)
     if meta is None:  # a missing or truncated file, or weights the config does not describe
         check_tensors(hf_io.HFReader(src).shapes(), spec, str(src))

@@ -21,6 +21,7 @@ from megatron_gspo.model.lora import is_lora_param
 from megatron_gspo.model.lora_config import LoraConfig
 from megatron_gspo.model.lora_peft import all_factors, peft_config, peft_tensors
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
+from megatron_gspo.outputs import check_new_output
 
 PEFT_DIR = "adapter"  # under --out: the PEFT adapter beside the merged model
 
@@ -107,8 +108,7 @@ def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> N
 
     checkpoint, out = Path(checkpoint), Path(out)
     rec, cfg = lora_ckpt.read_record(checkpoint / "model")
-    if out.exists():
-        raise UserError(f"output path {out} exists; remove it or choose another --out")
+    check_new_output(out, "--out")
     init_distributed(dims)
     chunks = load_policy(rec["base_path"], dims, lora=cfg)
     built = lora_ckpt.lora_record(chunks)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import random_sequences, run_cli, write_jsonl
+from megatron_gspo import cli
+from tests.helpers import random_sequences, read_logprobs, run_cli, write_jsonl
 
 pytestmark = pytest.mark.unit
 
@@ -17,6 +18,17 @@ def assert_clean_failure(proc, pattern, parent):
     assert len(lines) == 1 and pattern in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not list(parent.glob(".*tmp*")), "temporary output left behind"
+
+
+def main_error(argv: list[str], capsys) -> str:
+    """The error line of `megatron-gspo ARGV` run in this process (exit 2, no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 def test_missing_checkpoint(tmp_path):
@@ -199,3 +211,120 @@ def test_megatron_to_hf_refuses_a_config_that_disagrees_with_the_weights(
     assert_clean_failure(proc, pattern, tmp_path)
     assert "checkpoint and config disagree" in proc.stderr or "true or false" in proc.stderr
     assert not out.exists()
+
+
+def _unwritable_outputs(tmp_path: Path, name: str) -> list[tuple[str, str]]:
+    """(path, the start of its error line) for outputs that cannot be created: below a file,
+    and in /proc (which takes no new entries, even from root)."""
+    (tmp_path / "file").write_text("mine")
+    below = tmp_path / "file" / name
+    return [
+        (str(below), f"cannot create output path {below}: {tmp_path / 'file'} is a file, not a directory; choose another"),
+        (f"/proc/{name}", f"cannot create output path /proc/{name}: /proc takes no new files ("),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_convert_refuses_an_output_it_cannot_create(
+    tmp_path, tiny_models, moe_megatron, direction, capsys
+):
+    """--out below a file or in /proc used to fail with a FileExistsError, NotADirectoryError
+    or PermissionError traceback."""
+    src = ["--hf", str(tiny_models["moe"])]
+    if direction == "megatron-to-hf":
+        src = ["--megatron", str(moe_megatron)]
+    for out, start in _unwritable_outputs(tmp_path, "x"):
+        line = main_error(["convert", direction, *src, "--out", out], capsys)
+        assert line.startswith(f"error: {start}") and line.endswith(" another --out"), line
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_score_refuses_an_output_it_cannot_create_before_loading(tmp_path, tiny_models, capsys):
+    """Used to fail only after loading the model and scoring every line, with a traceback."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [[3, 4]])
+    ckpt = ["score", "--checkpoint", str(tiny_models["moe"]), "--input", str(inp)]
+    for out, start in _unwritable_outputs(tmp_path, "x.jsonl"):
+        line = main_error([*ckpt, "--output", out], capsys)
+        assert line.startswith(f"error: {start}") and line.endswith(" another --output"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "in.jsonl"]
+
+
+def test_score_makes_a_missing_output_directory(tmp_path, tiny_models):
+    """As convert does for --out (used to be a FileNotFoundError after all the scoring)."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [[3, 4]])
+    out = tmp_path / "new" / "dir" / "out.jsonl"
+    ckpt = str(tiny_models["moe"])
+    proc = run_cli(["score", "--checkpoint", ckpt, "--input", str(inp), "--output", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [len(lp) for lp in read_logprobs(out)] == [2]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'\xff\xfe{"input_ids":[3]}\n', "in.jsonl:1: not UTF-8 text; save the file as UTF-8"),
+        (b'{"input_ids":[3]}\n{"input_ids":[true,4]}\n', 'in.jsonl:2: "input_ids" holds true or false; token ids are ints'),
+        (json.dumps({"input_ids": [3] * 3000}).encode(), "in.jsonl:1: 3000 tokens exceed the model's context of 2048 tokens (max_position_embeddings); shorten or remove the line"),
+    ],
+)  # fmt: skip
+def test_score_refuses_bad_input(tmp_path, tiny_models, content, message, capsys):
+    """Non-UTF-8 bytes were a UnicodeDecodeError traceback; true was scored as token 1, and a
+    sequence past the model's context was scored without a word."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(content)
+    out = tmp_path / "out.jsonl"
+    argv = ["score", "--checkpoint", str(tiny_models["moe"]), "--input", str(inp)]
+    assert main_error([*argv, "--output", str(out)], capsys) == f"error: {tmp_path}/{message}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, not 0"),
+        (["--micro-batch-size", "-1"], "--micro-batch-size must be >= 1, not -1"),
+        (["--input", "DIR"], "input DIR is a directory; point --input at a JSONL file"),
+    ],
+)
+def test_score_refuses_bad_flags(tmp_path, tiny_models, flags, message, capsys):
+    """--micro-batch-size 0 was a ValueError traceback, -1 a StopIteration; a directory as
+    --input was said not to exist."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [[3, 4]])
+    flags = [str(tmp_path) if f == "DIR" else f for f in flags]
+    argv = ["score", "--checkpoint", str(tiny_models["moe"]), "--input", str(inp)]
+    line = main_error([*argv, "--output", str(tmp_path / "o.jsonl"), *flags], capsys)
+    assert line == "error: " + message.replace("DIR", str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--topk", "99"], "config.json: num_experts_per_tok must be an integer in [1, 8], not 99; set by --topk"),
+        (["--layers", "0"], "config.json: num_hidden_layers must be an integer in [1, 2147483647], not 0; set by --layers"),
+        (["--hidden", "-1"], "config.json: hidden_size must be an integer in [1, 2147483647], not -1; set by --hidden"),
+        (["--heads", "3"], "config.json: num_attention_heads (3) must be a multiple of num_key_value_heads (2); set by --heads"),
+        (["--experts", "0"], "--experts must be >= 1 for a qwen3_moe model, not 0; use --arch qwen3 for a dense one"),
+        (["--moe-ffn", "0"], "--moe-ffn must be >= 1 for a qwen3_moe model, not 0; use --arch qwen3 for a dense one"),
+        (["--dense-layers", "7"], "--dense-layers 7 is not a layer of a 2-layer model; use layer ids in [0, 2)"),
+    ],
+)  # fmt: skip
+def test_make_tiny_model_refuses_a_model_the_tools_would_refuse(tmp_path, flags, message, capsys):
+    """Each of these used to write a checkpoint with exit 0 (that convert then refused, or that
+    was not the model asked for), or fail with a RuntimeError traceback (--hidden -1)."""
+    argv = ["make-tiny-model", "--out", str(tmp_path / "m"), *flags]
+    assert main_error(argv, capsys) == f"error: {message}"
+    assert not list(tmp_path.iterdir())
+
+
+def test_make_tiny_model_refuses_bad_layer_ids(tmp_path, capsys):
+    """--dense-layers x was a ValueError traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["make-tiny-model", "--out", str(tmp_path / "m"), "--dense-layers", "x"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "megatron-gspo make-tiny-model: error: argument --dense-layers: "
+        "'x' is not a comma-separated list of layer ids, e.g. 0,3"
+    )
+    assert not list(tmp_path.iterdir())
