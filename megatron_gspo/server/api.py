@@ -98,14 +98,9 @@ def parse_generate(
     return requests, batched or params[0].n > 1, options
 
 
-# SGLang's GenerateReqInput fields: those this server serves, those that only steer scheduling,
-# logging or routing among many servers (no effect on one built-in server's answers), and those
-# that would change the answer and are not implemented here.
-SERVED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-          "return_routed_experts", "routed_experts_start_len", "stream"}  # fmt: skip
-NO_EFFECT = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id",
-             "priority", "routing_key", "extra_key", "data_parallel_rank", "routed_dp_rank",
-             "received_time", "external_trace_header"}  # fmt: skip
+# SGLang's GenerateReqInput fields that would change the answer and are not implemented here.
+# The others are served, or only steer scheduling, logging or routing among many servers; a
+# field SGLang does not know is ignored, as SGLang ignores it (sglang-router adds `model`).
 NOT_SERVED = {"input_embeds", "image_data", "video_data", "audio_data", "modalities",
               "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
               "return_hidden_states", "return_entropy", "return_bytes", "return_sampling_mask",
@@ -115,12 +110,8 @@ NOT_SERVED = {"input_embeds", "image_data", "video_data", "audio_data", "modalit
 
 
 def check_fields(body: dict) -> None:
-    """Refuse a field SGLang does not know (a typo would otherwise be ignored) and one this
-    server does not implement, unless its value asks for nothing (null, false, 0, [])."""
-    unknown = sorted(set(body) - SERVED - NO_EFFECT - NOT_SERVED)
-    if unknown:
-        names = ", ".join(show(k) for k in unknown[:5])
-        raise BadRequest(f"unknown request fields: {names} (check the spelling)")
+    """Refuse a field this server does not implement unless its value asks for nothing (null,
+    false, 0, []): the client would get an answer without what it asked for."""
     for key in sorted(NOT_SERVED & set(body)):
         if not _asks_nothing(body[key]):
             raise BadRequest(
