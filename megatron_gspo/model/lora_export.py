@@ -78,18 +78,23 @@ def check_adapters(chunks, directory: Path) -> None:
 def load_adapters(chunks, directory: Path) -> None:
     """Fill the adapters of `chunks` from a run checkpoint's model/ (collective)."""
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from megatron_gspo.model.checkpoint import sharded_model_state, take_over
+    from megatron_gspo.model.checkpoint import (
+        LOAD_ERRORS,
+        load_error,
+        sharded_model_state,
+        take_over,
+    )
 
     model = sharded_model_state(chunks)
     model = {k: {n: v for n, v in sd.items() if is_lora_param(n)} for k, sd in model.items()}
     try:
         state = dist_checkpointing.load({"model": model}, str(directory))
-    except (Exception, CheckpointException) as e:  # a truncated or damaged file, in any form
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if isinstance(e, CheckpointException):  # its own text only lists the failing ranks
-            first = "a file is truncated or corrupt"
+    except LOAD_ERRORS as e:  # a truncated or damaged file, in any form
+        # (torch's CheckpointException here: adapter shapes are checked before, so a file)
+        is_file = isinstance(e, CheckpointException)
+        first = "a file is truncated or corrupt" if is_file else load_error(e)
         raise UserError(f"cannot read dist-checkpoint {directory} ({first}); re-copy it") from None
     for i, chunk in enumerate(chunks):
         take_over(chunk, state["model"][f"model{i}"], directory, copy=True, keep=is_lora_param)

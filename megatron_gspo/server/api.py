@@ -75,8 +75,7 @@ def parse_generate(
     return_logprob = [flag(v, "return_logprob") for v in return_logprob]
     start_len = _per_item(body, "logprob_start_len", -1, len(prompts))
     start_len = [integer(v, "logprob_start_len", -1, INT32_MAX) for v in start_len]
-    routed = body.get("return_routed_experts")
-    routed = False if routed is None else flag(routed, "return_routed_experts")
+    routed = body_flag(body, "return_routed_experts")
     requests: list[Request] = []
     for i, (ids, sp) in enumerate(zip(prompts, params)):
         group = rids[i] if rids[i] is not None else uuid.uuid4().hex
