@@ -44,7 +44,7 @@ class RolloutSection:
     connect_grace_s: float = 15.0
     # the servers' numerics (null: the checkpoint's dtype). bfloat16 against an fp32 trainer
     # opens the train-inference gap real engines have: log-probs and MoE routing then differ
-    # between rollout and trainer (what R3 and algo.tis address)
+    # between rollout and trainer (what R3 and algo.mismatch address)
     dtype: str | None = None  # float32 | bfloat16 | float16
     # fp8: the servers round their linear weights to float8 e4m3 (SGLang's --quantization fp8;
     # the built-in server's is weight-only, computed in rollout.dtype: server/quantize.py), a
@@ -63,8 +63,8 @@ class RolloutSection:
     # takes one sampling_params per request)
     group_requests: bool = True
     # N: the servers generate the batches of steps k+1..k+N while the trainer trains on step
-    # k's, which is then N weight versions old (algo.tis corrects for it); 0: synchronous.
-    # train/ahead.py
+    # k's, which is then N weight versions old (algo.mismatch=tis corrects for it); 0:
+    # synchronous. train/ahead.py
     max_staleness: int = 0
     # with max_staleness: a weight sync does not wait for the generation in flight; its
     # requests are aborted, the weights synced, and each sample goes on from its tokens so far

@@ -23,8 +23,8 @@ synchronous loop does: that would make the trainer wait. The rollout log-probs o
 those of the weights that drew it, the behavior policy (pi_behav). The step's old log-probs are
 the trainer's at the start of the step: the proximal policy pi_prox, which the clipped ratio is
 taken against. The decoupled objective ("Batch size-invariance for policy optimization", Hilton
-et al., 2022; AReaL, Fu et al., 2025, uses it for asynchronous RL), with `algo.tis` and
-`algo.tis_cap` = C (algo/mismatch.py):
+et al., 2022; AReaL, Fu et al., 2025, uses it for asynchronous RL), with `algo.mismatch: tis`
+at `algo.mismatch_level` token or sequence and `algo.tis_cap` = C (algo/mismatch.py):
 
     GRPO (tis: token):    J = E_{y ~ pi_behav} [ 1/|y| sum_t w_t min(r_t A, clip(r_t) A) ]
                           r_t = pi_theta(y_t) / pi_prox(y_t),  w_t = min(pi_prox(y_t) / pi_behav(y_t), C)
@@ -32,7 +32,7 @@ et al., 2022; AReaL, Fu et al., 2025, uses it for asynchronous RL), with `algo.t
                           s = (pi_theta(y) / pi_prox(y))^(1/|y|),  w = min(pi_prox(y) / pi_behav(y), C)
 
 w corrects for the sample coming from pi_behav; the clip keeps the update near pi_prox, not near
-the stale behavior policy. Without `algo.tis` w = 1: the stale samples are used as if on-policy.
+the stale behavior policy. Without a mismatch correction w = 1: the stale samples are used as if on-policy.
 
 Generations in flight when the run stops are dropped: the checkpoint of step k stores the prompt
 sampler's position before step k+1's prompts were drawn, so `--resume` draws them again and
