@@ -1,7 +1,8 @@
 """The run config's renamed keys: RENAMED maps a key's earlier name to its name now.
 
 A YAML file or an override that writes the earlier name loads as with the new one and prints one
-line saying so (`config: 'algo.tis' is now 'algo.mismatch' ...; the old name will be removed`).
+line saying so (`config: 'algo.tis' is now 'algo.mismatch' ...; the old name will be removed`),
+once per process.
 The earlier and the new name given together with values that disagree (in one YAML file, or
 among the overrides) are an error: which one is meant cannot be told. Given together with values
 that agree they load (the config.yaml a run wrote before a rename lists both). An override of either name replaces the YAML file's
@@ -21,6 +22,9 @@ from megatron_gspo.errors import UserError
 RENAMED: dict[str, str] = {
     "algo.tis": "algo.mismatch",  # algo.tis: L is algo.mismatch: tis, algo.mismatch_level: L
 }
+# The notices this process has printed: a command that loads configs several times (`study`
+# loads its base config once per run it plans) says each once. Tests clear it.
+NOTICES_PRINTED: set[str] = set()
 # The renamed keys whose values are written differently now: old value -> {new key: value}.
 RESPELLED: dict[str, Callable[[Any], dict[str, Any]]] = {"algo.tis": tis_as_mismatch}
 
@@ -90,13 +94,15 @@ def _both(where: str, old: str, new: str) -> str:
 
 def tell(old: str, value: Any, moved: dict[str, Any], told: set[str] | None = None) -> None:
     """The one line saying earlier key `old` (given `value`, read as `moved`) was read: once per
-    key and load, on rank 0 only."""
+    key and load, each distinct line once per process, on rank 0 only."""
     if told is not None:
         if old in told:
             return
         told.add(old)
     spelled = ", ".join(f"{k}={v}" for k, v in moved.items()) or "nothing set"
     how = f" ({old}={value} reads as {spelled})" if old in RESPELLED else ""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"config: {old!r} is now {RENAMED[old]!r}{how}; the old name will be removed",
-              file=sys.stderr, flush=True)  # fmt: skip
+    line = f"config: {old!r} is now {RENAMED[old]!r}{how}; the old name will be removed"
+    if line in NOTICES_PRINTED or os.environ.get("RANK", "0") != "0":
+        return
+    NOTICES_PRINTED.add(line)
+    print(line, file=sys.stderr, flush=True)

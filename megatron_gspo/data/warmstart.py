@@ -58,6 +58,7 @@ from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.data.transcripts import TOOL_TASKS, segments_batch, tool_task_batch
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+from megatron_gspo.outputs import check_new_output
 
 INFO_FILE = "warmstart.json"
 # Copying the list back is an easier habit to pick up than forgetting a carry: with the arith
@@ -266,12 +267,11 @@ def make_task_model(
     `preset` names a model shape in PRESETS (with its task, used when `task` is None; arith
     without either); `knobs` override WarmStartSpec fields. The checkpoint appears at `out`
     complete or not at all (built in a temporary directory beside it, then renamed). `out` must
-    not exist.
+    not exist and must be creatable; both are checked before any work, as convert checks its
+    --out.
     """
-    out = Path(out)
     task, spec = task_model_spec(task, preset, **knobs)
-    if out.exists():
-        raise UserError(f"{out} exists; remove it or pass another --out")
+    out = check_new_output(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     threads = torch.get_num_threads()

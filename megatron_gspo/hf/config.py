@@ -82,18 +82,7 @@ def model_spec(cfg: dict) -> ModelSpec:
         )
     arch = SUPPORTED[arch_name]
     n_layers, heads = _int(cfg, "num_hidden_layers"), _int(cfg, "num_attention_heads")
-    experts = _int(cfg, "num_experts", _int(cfg, "num_local_experts", 0, lo=0), lo=0)
-    if arch != "qwen3_moe":
-        experts = 0
-    step = _int(cfg, "decoder_sparse_step", 1)
-    dense_only = cfg.get("mlp_only_layers") or []
-    if not isinstance(dense_only, list) or not all(_is_int(i) for i in dense_only):
-        raise UserError(
-            f"config.json: mlp_only_layers must be a list of layer ids, not {show(dense_only)}"
-        )
-    moe_layers = tuple(
-        experts > 0 and i not in set(dense_only) and (i + 1) % step == 0 for i in range(n_layers)
-    )
+    experts, moe_layers = _moe_layers(cfg, arch, n_layers)
     rope = _rope(cfg)
     hidden = _int(cfg, "hidden_size")
     # a MoE model routes each token to 1..experts experts (absent: transformers' default, 8); a
@@ -110,7 +99,7 @@ def model_spec(cfg: dict) -> ModelSpec:
         num_kv_heads=kv_heads,
         head_dim=_int(cfg, "head_dim", hidden // heads),
         ffn_hidden_size=_int(cfg, "intermediate_size"),
-        moe_ffn_hidden_size=_int(cfg, "moe_intermediate_size", 0, lo=0),
+        moe_ffn_hidden_size=_moe_width(cfg, any(moe_layers)),
         num_experts=experts,
         topk=topk,
         norm_topk_prob=_bool(cfg, "norm_topk_prob"),
@@ -123,6 +112,52 @@ def model_spec(cfg: dict) -> ModelSpec:
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
         dtype=_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
     )
+
+
+def _moe_layers(cfg: dict, arch: str, n_layers: int) -> tuple[int, tuple[bool, ...]]:
+    """The expert count and which layers are MoE. A MoE architecture with no experts is refused
+    rather than read as a dense model: the weights it names would not match the tensors."""
+    if arch != "qwen3_moe":
+        return 0, (False,) * n_layers
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    experts = _int(cfg, key, 0, lo=0)
+    if experts == 0:
+        raise UserError(
+            f"config.json: {key} is {_given(cfg, key)} for Qwen3MoeForCausalLM; set it >= 1, "
+            "or for a dense model use Qwen3ForCausalLM (model_type qwen3) with no num_experts"
+        )
+    step = _int(cfg, "decoder_sparse_step", 1)
+    dense_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(_is_int(i) for i in dense_only):
+        raise UserError(
+            f"config.json: mlp_only_layers must be a list of layer ids, not {show(dense_only)}"
+        )
+    bad = sorted({i for i in dense_only if not 0 <= i < n_layers})
+    if bad:
+        raise UserError(
+            f"config.json: mlp_only_layers has layer ids {show(bad)} outside [0, {n_layers}) "
+            f"(num_hidden_layers is {n_layers})"
+        )
+    dense = set(dense_only)
+    moe = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    return experts, moe
+
+
+def _moe_width(cfg: dict, has_moe_layers: bool) -> int:
+    """One expert's FFN width: at least 1 where a layer is MoE (absent or 0 would build experts
+    with no weights)."""
+    width = _int(cfg, "moe_intermediate_size", 0, lo=0)
+    if has_moe_layers and width == 0:
+        raise UserError(
+            f"config.json: moe_intermediate_size is {_given(cfg, 'moe_intermediate_size')} on a "
+            "MoE model; set it >= 1 (one expert's FFN width), or for a dense model use "
+            "Qwen3ForCausalLM (model_type qwen3) with no num_experts"
+        )
+    return width
+
+
+def _given(cfg: dict, key: str) -> str:
+    return "missing" if cfg.get(key) is None else show(cfg[key])
 
 
 def _kv_heads(cfg: dict, heads: int) -> int:

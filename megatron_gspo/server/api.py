@@ -11,6 +11,7 @@ L = every decoder layer, as SGLang encodes it: the rows of dense (non-MoE) layer
 from __future__ import annotations
 
 import base64
+import difflib
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -93,19 +94,45 @@ def parse_generate(
             )
     _check_distinct(requests)
     start = body.get("routed_experts_start_len") or 0
-    options = {"routed_start": integer(start, "routed_experts_start_len", 0, INT32_MAX)}
+    options = {
+        "routed_start": integer(start, "routed_experts_start_len", 0, INT32_MAX),
+        "unknown": unknown_fields(body),
+    }
     return requests, batched or params[0].n > 1, options
 
 
-# SGLang's GenerateReqInput fields that would change the answer and are not implemented here.
-# The others are served, or only steer scheduling, logging or routing among many servers; a
-# field SGLang does not know is ignored, as SGLang ignores it (sglang-router adds `model`).
+# SGLang's GenerateReqInput fields: those this server serves, those that only steer scheduling,
+# logging or routing among many servers (no effect on one built-in server's answers), and those
+# that would change the answer and are not implemented here. A field SGLang does not know is
+# ignored, as SGLang ignores it (sglang-router adds `model`), and named once in the server's log
+# (a misspelt `return_logprobs` would otherwise come back without log-probs and no word why).
+SERVED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+          "return_routed_experts", "routed_experts_start_len", "stream"}  # fmt: skip
+NO_EFFECT = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id",
+             "priority", "routing_key", "extra_key", "data_parallel_rank", "routed_dp_rank",
+             "received_time", "external_trace_header"}  # fmt: skip
 NOT_SERVED = {"input_embeds", "image_data", "video_data", "audio_data", "modalities",
               "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
               "return_hidden_states", "return_entropy", "return_bytes", "return_sampling_mask",
               "return_prompt_token_ids", "session_params", "lora_path", "lora_id",
               "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
               "bootstrap_pair_key", "background", "require_reasoning"}  # fmt: skip
+
+
+KNOWN = SERVED | NO_EFFECT | NOT_SERVED
+
+
+def unknown_fields(body: dict) -> list[str]:
+    """The top-level fields of `body` that SGLang does not know (ignored), sorted."""
+    return sorted(k for k in body if k not in KNOWN)
+
+
+def ignored_field_notice(name: str) -> str:
+    """The log line for an ignored field, naming the known field it is close to, if any (a
+    name far longer than any field's is no misspelling, and is not compared)."""
+    close = difflib.get_close_matches(name, sorted(KNOWN), n=1) if len(name) <= 64 else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"/generate: ignored the unknown field {show(name)}{hint}, as SGLang ignores it"
 
 
 def check_fields(body: dict) -> None:

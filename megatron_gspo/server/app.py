@@ -33,7 +33,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from megatron_gspo.server import control, gate, weight_endpoints
-from megatron_gspo.server.api import format_result, parse_generate
+from megatron_gspo.server.api import format_result, ignored_field_notice, parse_generate
 from megatron_gspo.server.engine import Engine, Request
 from megatron_gspo.server.http_common import BODY_TIMEOUT, STATE, BodyTimeout, bad, read_json
 from megatron_gspo.server.sampling import SamplingParams
@@ -44,6 +44,7 @@ log = logging.getLogger("megatron_gspo.server.app")
 VERSION = "megatron-gspo-builtin-0.1 (sglang 0.5.23 API)"
 HOSTS = web.AppKey("hosts", gate.Hosts)
 DISCONNECT_POLL_S = 0.25  # how often a waiting /generate checks that its client is still there
+MAX_IGNORED_LOGGED = 100  # distinct ignored /generate fields named in the log
 CLIENT_CLOSED = 499  # (nginx's status for it; the answer goes nowhere, aiohttp drops it)
 
 
@@ -60,6 +61,7 @@ async def generate(request: web.Request) -> web.Response:
     encode = st.encode if st.tokenizer else None
     vocab, context = st.spec.vocab_size, st.engine.context_len
     reqs, as_list, opts = parse_generate(body, vocab, encode, context, st.limits)
+    _log_ignored(st, opts["unknown"])
     if not st.engine.alive:
         return _engine_down(st.engine)
     try:
@@ -75,6 +77,16 @@ async def generate(request: web.Request) -> web.Response:
     decode = st.decode if st.tokenizer else None
     out = [format_result(r, st.engine, decode, opts["routed_start"]) for r in done]
     return web.json_response(out if as_list else out[0])
+
+
+def _log_ignored(st: ServerState, names: list[str]) -> None:
+    """Name each ignored field once per server: a router adds its own to every request, and a
+    line per request would bury the rest of the log. Past MAX_IGNORED_LOGGED distinct names
+    (clients that make names up) no more are logged, so the set stays small."""
+    for name in names:
+        if name not in st.ignored_fields and len(st.ignored_fields) < MAX_IGNORED_LOGGED:
+            st.ignored_fields.add(name)
+            log.warning("%s", ignored_field_notice(name))
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -137,6 +137,7 @@ class ServerState:
         self.weights = WeightUpdates(group_timeout_s=float(args.weight_group_timeout))
         self.weights.model_numel = model.numel()
         self.limits = Limits(max_n=args.max_n, max_batch=args.max_batch_size)
+        self.ignored_fields: set[str] = set()  # unknown /generate fields already logged
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids

@@ -156,6 +156,23 @@ def test_fields_that_ask_for_nothing_are_served(server):
     assert status == 200 and len(out["output_ids"]) == 3, out
 
 
+def test_an_unknown_field_is_ignored_and_named_once_in_the_log(model, tmp_path):
+    """A misspelt `return_logprobs` used to come back without log-probs and no word why; the
+    field is still ignored (sglang-router adds `model`), named once per server, not per
+    request, with the known field it is close to."""
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log, running_server(model, *FLAGS, stderr=log) as url:
+        for _ in range(2):
+            status, out = generate(url, return_logprobs=True, model="m")
+            assert status == 200 and "output_token_logprobs" not in out["meta_info"], out
+    lines = [ln for ln in log_path.read_text().splitlines() if "ignored" in ln]
+    assert [ln.split(" megatron_gspo.server.app ", 1)[1] for ln in lines] == [
+        "/generate: ignored the unknown field 'model', as SGLang ignores it",
+        "/generate: ignored the unknown field 'return_logprobs' (did you mean 'return_logprob'?),"
+        " as SGLang ignores it",
+    ], lines
+
+
 # ---- request ids ---------------------------------------------------------------------------
 
 

@@ -250,6 +250,16 @@ def test_score_refuses_an_output_it_cannot_create_before_loading(tmp_path, tiny_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "in.jsonl"]
 
 
+def test_make_task_model_refuses_an_output_it_cannot_create(tmp_path, capsys):
+    """--out below a file used to be a bare "[Errno 17] File exists" line, and in /proc a
+    PermissionError traceback."""
+    for out, start in _unwritable_outputs(tmp_path, "m"):
+        line = main_error(["make-task-model", "--out", out], capsys)
+        assert line.startswith(f"error: {start}") and line.endswith(" another --out"), line
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_score_makes_a_missing_output_directory(tmp_path, tiny_models):
     """As convert does for --out (used to be a FileNotFoundError after all the scoring)."""
     inp = write_jsonl(tmp_path / "in.jsonl", [[3, 4]])

@@ -7,7 +7,7 @@ import yaml
 
 from megatron_gspo import docs_gen
 from megatron_gspo.config import load_config
-from megatron_gspo.config_renames import RENAMED
+from megatron_gspo.config_renames import NOTICES_PRINTED, RENAMED
 from megatron_gspo.errors import UserError
 
 pytestmark = pytest.mark.unit
@@ -42,6 +42,14 @@ def _notices(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("config:")]
 
 
+@pytest.fixture(autouse=True)
+def _no_notice_printed_yet():
+    """Each test sees the notices as a new process would (they print once per process)."""
+    NOTICES_PRINTED.clear()
+    yield
+    NOTICES_PRINTED.clear()
+
+
 def test_every_renamed_key_has_a_case_here():
     assert {old for old, _ in TODAY} == set(RENAMED)
 
@@ -55,11 +63,30 @@ def test_an_earlier_key_loads_as_its_new_keys_with_one_line(tmp_path, capsys, ol
     (line,) = _notices(capsys)
     assert line.startswith(f"config: {old!r} is now {RENAMED[old]!r}")
     assert line.endswith("the old name will be removed")
+    NOTICES_PRINTED.clear()
     from_override = load_config(_write(tmp_path, {}, "base.yaml"), [f"{old}={value}"])
     assert from_override.to_dict() == want and len(_notices(capsys)) == 1
     # in the file and again as an override: still one line for the load
+    NOTICES_PRINTED.clear()
     both = load_config(_write(tmp_path, {old: value}, "old.yaml"), [f"{old}={value}"])
     assert both.to_dict() == want and len(_notices(capsys)) == 1
+
+
+def test_the_notice_prints_once_per_process_however_often_the_config_loads(tmp_path, capsys):
+    """`study` loads its base config once per run it plans, and used to print the notice each
+    time; a different value of the key is a different notice, printed once too."""
+    for _ in range(3):
+        load_config(_write(tmp_path, {"algo.tis": "token"}))
+        load_config(_write(tmp_path, {}), ["algo.tis=token"])
+    (line,) = _notices(capsys)
+    assert line == (
+        "config: 'algo.tis' is now 'algo.mismatch' (algo.tis=token reads as algo.mismatch=tis, "
+        "algo.mismatch_level=token); the old name will be removed"
+    )
+    load_config(_write(tmp_path, {"algo.tis": "sequence"}))
+    load_config(_write(tmp_path, {"algo.tis": "sequence"}))
+    (line,) = _notices(capsys)
+    assert "(algo.tis=sequence reads as" in line
 
 
 def test_the_earlier_tis_key_reaches_the_loss(tmp_path, capsys):

@@ -24,6 +24,7 @@ def test_decoder_sparse_step_and_v4_field_names():
         "intermediate_size": 128,
         "vocab_size": 100,
         "num_experts": 8,
+        "moe_intermediate_size": 32,
         "decoder_sparse_step": 2,
         "mlp_only_layers": [3],
         "rope_theta": 1e6,
@@ -79,7 +80,7 @@ def test_a_layout_error_names_the_flags_or_the_config_keys_that_set_it(tiny_mode
 GOOD = {
     "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2,
     "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100,
-    "num_experts": 8, "num_experts_per_tok": 2,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
 }  # fmt: skip
 
 
@@ -121,4 +122,44 @@ def test_head_counts_that_do_not_group_are_refused():
         model_spec({**GOOD, "num_attention_heads": 3, "num_key_value_heads": 2})
     assert str(e.value) == (
         "config.json: num_attention_heads (3) must be a multiple of num_key_value_heads (2)"
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts": 0}, "config.json: num_experts is 0 for Qwen3MoeForCausalLM; set it >= 1, "
+         "or for a dense model use Qwen3ForCausalLM (model_type qwen3) with no num_experts"),
+        ({"num_experts": None, "num_local_experts": 0}, "config.json: num_local_experts is 0 for "
+         "Qwen3MoeForCausalLM; set it >= 1, or for a dense model use Qwen3ForCausalLM "
+         "(model_type qwen3) with no num_experts"),
+        ({"moe_intermediate_size": 0}, "config.json: moe_intermediate_size is 0 on a MoE model; "
+         "set it >= 1 (one expert's FFN width), or for a dense model use Qwen3ForCausalLM "
+         "(model_type qwen3) with no num_experts"),
+        ({"moe_intermediate_size": None}, "config.json: moe_intermediate_size is missing on a "
+         "MoE model; set it >= 1 (one expert's FFN width), or for a dense model use "
+         "Qwen3ForCausalLM (model_type qwen3) with no num_experts"),
+    ],
+)  # fmt: skip
+def test_a_moe_config_with_no_experts_is_refused_not_read_as_dense(change, message):
+    """num_experts 0 used to give a dense spec (and moe_intermediate_size 0 experts with no
+    weights), so convert and the server then failed on the checkpoint's expert tensors."""
+    with pytest.raises(UserError) as e:
+        model_spec({**GOOD, **change})
+    assert str(e.value) == message
+
+
+def test_a_moe_config_whose_layers_are_all_dense_needs_no_expert_width():
+    spec = model_spec({**GOOD, "mlp_only_layers": [0, 1], "moe_intermediate_size": 0})
+    assert not spec.is_moe and spec.moe_ffn_hidden_size == 0
+
+
+def test_mlp_only_layers_outside_the_model_are_named():
+    """Ids past the last layer (or negative) used to be ignored, so a config meant for another
+    depth loaded with the wrong layers dense."""
+    with pytest.raises(UserError) as e:
+        model_spec({**GOOD, "mlp_only_layers": [0, 2, -1, 5]})
+    assert str(e.value) == (
+        "config.json: mlp_only_layers has layer ids [-1, 2, 5] outside [0, 2) "
+        "(num_hidden_layers is 2)"
     )

@@ -128,7 +128,7 @@ def test_calc_tool_model_has_the_chat_tokenizer(tmp_path):
 
 def test_bad_requests_leave_nothing_behind(tmp_path):
     (tmp_path / "exists").mkdir()
-    with pytest.raises(UserError, match="exists; remove it or pass another --out"):
+    with pytest.raises(UserError, match="exists; remove it or choose another --out"):
         make_task_model(tmp_path / "exists")
     with pytest.raises(UserError, match="unknown warm-start setting"):
         make_task_model(tmp_path / "m", lr=1.0)
