@@ -160,6 +160,69 @@ def test_torchrun_sh_multi_node_needs_a_rendezvous(tmp_path):
     assert r.returncode == 2 and "RDZV_ENDPOINT=host:port" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must be this node's index in the job, 0..1"),
+        ({"NNODES": "2", "NODE_RANK": "-1"}, "NODE_RANK=-1 must be this node's index in the job, 0..1"),
+        ({"NODE_RANK": "x"}, "NODE_RANK=x must be this node's index in the job, 0..0"),
+        ({"NNODES": "two"}, "NNODES=two must be the number of nodes in the job (1 or more)"),
+        ({"GPUS_PER_NODE": "1.5"}, "GPUS_PER_NODE=1.5 must be a whole number (or unset)"),
+        ({"SERVER_PORT_BASE": "abc"}, "SERVER_PORT_BASE=abc must be a port number (0: free ports)"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0 must be at least 1 (or unset for the default)"),
+    ],
+)  # fmt: skip
+def test_torchrun_sh_refuses_numbers_outside_the_job(tmp_path, env, message):
+    """NODE_RANK=2 of a 2-node job used to wait forever for a training that never came, x was
+    read as node 0 (or died on 'x: unbound variable'), NPROC_PER_NODE=0 became the default."""
+    multi = {"RDZV_ENDPOINT": "127.0.0.1:1", "LAUNCH_ID": "t", "MEGATRON_GSPO_API_KEY": "k"}
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        **multi, **env,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, f"error: {message}\n")
+    assert not list(tmp_path.rglob("*.log"))  # nothing started
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc-per-node", "0"], "NPROC_PER_NODE=0 must be at least 1 (or unset for the default)"),
+        (["--servers-per-node", "-3"], "SERVERS_PER_NODE=-3 must be at least 1 (or unset for the default)"),
+        (["--gpus-per-node", "-2"], "GPUS_PER_NODE=-2: a node has 0 (CPU only) or more GPUs"),
+        (["rollout.backend", "sglang"], "'rollout.backend' is not an override; write key.sub=value"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_counts_it_used_to_replace_or_plan_with(args, message):
+    """--nproc-per-node 0 was replaced by the default, -3 servers were planned, and a word
+    without '=' was dropped: each is now the one-line error, exit 2."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "launch/plan.py"), "--config",
+         str(ROOT / "configs/tiny_moe_gspo.yaml"), *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"error: {message}\n", "")
+
+
+def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_path):
+    """serve_node.log is appended to by every launch into a run directory; the failure line used
+    to be the last 'error:' line of the whole file, an earlier launch's when this one's servers
+    died without one (here a traceback)."""
+    logs = tmp_path / "run" / "logs" / "servers" / "node0"
+    logs.mkdir(parents=True)
+    (logs / "serve_node.log").write_text("error: node 0: the failure of an earlier launch\n")
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        "rollout.backend=sglang", f"rollout.sglang_python={tmp_path}/no/python",
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first == (
+        "error: rollout servers on node 0 stopped: FileNotFoundError: [Errno 2] No such file or "
+        f"directory: '{tmp_path}/no/python' (see {logs}/serve_node.log)"
+    ), r.stderr
+
+
 def test_sbatch_refuses_to_run_outside_slurm():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     r = subprocess.run(
