@@ -453,6 +453,34 @@ def test_a_checkpoint_with_a_malformed_config_is_a_400(server, model, tmp_path):
     assert post(server, "/update_weights_from_disk", {"model_path": str(model)})[0] == 200
 
 
+def test_an_index_cannot_send_the_server_outside_its_checkpoint(server, model, tmp_path):
+    """The directory of /update_weights_from_disk is checked (its user, its mode), but the files
+    its index named were read wherever they were: "../elsewhere/model.safetensors" loaded a
+    checkpoint nobody checked, "/etc/passwd" was opened. Only files of that directory are read
+    now, and a weight_map of the wrong kind is a 400 too (it was a 500)."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(model, elsewhere)
+    before = greedy(server)
+    names = list(load_file(str(model / "model.safetensors")))
+    for i, file in enumerate(["../elsewhere/model.safetensors", "/etc/passwd", "sub/x", "..", 5]):
+        ckpt = tmp_path / f"c{i}"
+        ckpt.mkdir()
+        shutil.copy(model / "config.json", ckpt)
+        index = ckpt / "model.safetensors.index.json"
+        index.write_text(json.dumps({"weight_map": {n: file for n in names}}))
+        status, out = post(server, "/update_weights_from_disk", {"model_path": str(ckpt)})
+        assert (status, out["message"]) == (400, (
+            f"Failed to update weights: {index} puts {names[0]!r} in {str(file)!r}, not a file "
+            "of the checkpoint's own directory; re-copy the checkpoint"
+        )), out  # fmt: skip
+    index.write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    status, out = post(server, "/update_weights_from_disk", {"model_path": str(ckpt)})
+    assert (status, out["message"]) == (400, (
+        f"Failed to update weights: {index}'s weight_map is no mapping; re-copy the checkpoint"
+    )), out  # fmt: skip
+    assert greedy(server) == before
+
+
 # ---- distributed groups and their buffers --------------------------------------------------
 
 
