@@ -430,6 +430,47 @@ def test_malformed_bucket_shapes_are_a_400(keyed):
         assert status == 400, (shape, out)
 
 
+class _Reduce:
+    """Pickles as the call `fn(*args)`: what a hostile payload can ask the unpickler for."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_a_payload_cannot_make_a_tensor_of_bytes_nobody_wrote(server):
+    """torch.Tensor(n) and an empty storage grown by the view rebuilt on it both gave a tensor
+    of uninitialized server memory, which a keyless server loaded as weights (no shared memory
+    needed). Now a 400 naming why, and the weights stay as they were."""
+    import base64
+    import pickle
+
+    from torch.multiprocessing import reductions as r
+
+    hidden = 64
+    empty = _Reduce(r.rebuild_typed_storage, _Reduce(r.rebuild_storage_empty, torch.UntypedStorage),
+                    torch.float32)  # fmt: skip
+    grown = _Reduce(r.rebuild_tensor, torch.Tensor, empty, (0, (hidden,), (1,), False))
+    payloads = {
+        "weight payload calls torch.Tensor: refused (a tensor's bytes come only from the "
+        "shared memory its sender wrote)": _Reduce(torch.Tensor, hidden),
+        f"a tensor of size ({hidden},) needs {hidden} elements of its storage, which holds 0": (
+            grown
+        ),
+    }
+    before = greedy(server)
+    for message, tensor in payloads.items():
+        raw = pickle.dumps([("model.norm.weight", tensor)], protocol=4)
+        body = {"serialized_named_tensors": [base64.b64encode(raw).decode()]}
+        assert post(server, "/begin_weight_update", {"selector": "target"})[0] == 200
+        status, out = post(server, "/update_weights_from_tensor", body)
+        assert post(server, "/end_weight_update", {})[0] == 200
+        assert (status, out["message"]) == (400, message), out
+    assert greedy(server) == before
+
+
 def test_a_checkpoint_with_a_malformed_config_is_a_400(server, model, tmp_path):
     """config.json holding NaN used to be a 500 at /update_weights_from_disk."""
     cfg = json.loads((model / "config.json").read_text())
