@@ -133,7 +133,7 @@ def _cfg_layout(**kwargs):
 
 
 def _torchrun_sh(*args: str, **env: str) -> subprocess.CompletedProcess:
-    full = dict(os.environ, PYTHON=sys.executable, **env)
+    full = {**os.environ, "PYTHON": sys.executable, **env}
     return subprocess.run(
         ["bash", str(ROOT / "launch/torchrun.sh"), *args],
         capture_output=True, text=True, env=full, timeout=120,
@@ -207,20 +207,53 @@ def test_plan_refuses_counts_it_used_to_replace_or_plan_with(args, message):
 def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_path):
     """serve_node.log is appended to by every launch into a run directory; the failure line used
     to be the last 'error:' line of the whole file, an earlier launch's when this one's servers
-    died without one (here a traceback)."""
+    died without one (here killed, as the kernel's OOM killer does)."""
     logs = tmp_path / "run" / "logs" / "servers" / "node0"
     logs.mkdir(parents=True)
     (logs / "serve_node.log").write_text("error: node 0: the failure of an earlier launch\n")
+    python = tmp_path / "python"  # the real python, but serve_node.py is killed at once
+    python.write_text(
+        '#!/bin/bash\ncase "$1" in */serve_node.py) echo Killed; exit 137 ;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
     r = _torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
-        "rollout.backend=sglang", f"rollout.sglang_python={tmp_path}/no/python",
+        PYTHON=str(python),
     )  # fmt: skip
     assert r.returncode == 1, r.stderr
     first = r.stderr.splitlines()[0]
     assert first == (
-        "error: rollout servers on node 0 stopped: FileNotFoundError: [Errno 2] No such file or "
-        f"directory: '{tmp_path}/no/python' (see {logs}/serve_node.log)"
+        f"error: rollout servers on node 0 stopped: Killed (see {logs}/serve_node.log)"
     ), r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["rollout.backend=sglang", "rollout.sglang_python=/no/python"], 1,
+         "node 0: cannot start a rollout server: [Errno 2] No such file or directory: "
+         "'/no/python'"),
+        (["--port-base", "65535", "--servers-per-node", "2"], 2,
+         "--port-base 65535 leaves the port numbers (0..65535); pick a lower one"),
+        (["--node-rank", "3"], 2, "--node-rank 3 is not a node of this 1-node job"),
+        (["--nnodes", "2", "rollout.placement=disaggregated", "sync.method=distributed"], 2,
+         "node 0 serves nothing in this layout (disaggregated)"),
+    ],
+)  # fmt: skip
+def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, args, code, message):
+    """A server python that is not there was a traceback; a port range past 65535, a node
+    outside the job or one that serves nothing started servers (that failed, or should not be)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "launch/serve_node.py"), "servers", "--config",
+         str(ROOT / "configs/tiny_moe_gspo.yaml"), "--log-dir", str(tmp_path / "logs"),
+         "--urls-file", str(tmp_path / "urls.txt"), *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (code, f"error: {message}\n")
+    assert not (tmp_path / "urls.txt").exists()
+    if code == 2:
+        assert not (tmp_path / "logs").exists()  # refused before any server was started
 
 
 def test_sbatch_refuses_to_run_outside_slurm():
