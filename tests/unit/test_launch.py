@@ -256,6 +256,32 @@ def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, arg
         assert not (tmp_path / "logs").exists()  # refused before any server was started
 
 
+def test_slurm_local_stops_nothing_from_a_directory_another_could_write(tmp_path):
+    """slurm_local.sh's state directory (default under /tmp) is where `stop` reads the PIDs it
+    kills and `start` writes the config its daemons run: one that another user made, or can
+    write, used to be taken as it was (here `stop` killed a process named by a planted PID
+    file). Now refused in one line, the process left alone."""
+    planted = tmp_path / "state"
+    planted.mkdir()
+    planted.chmod(0o777)
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        (planted / "slurmd.pid").write_text(f"{victim.pid}\n")
+        r = subprocess.run(
+            ["bash", str(ROOT / "scripts/slurm_local.sh"), "stop"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "SLURM_LOCAL_DIR": str(planted)},
+        )  # fmt: skip
+        assert (r.returncode, r.stderr) == (2, (
+            f"error: SLURM_LOCAL_DIR {planted} is not a directory of this user that only it can "
+            f"write (owner uid {os.getuid()}, mode 777); remove it or set SLURM_LOCAL_DIR to one\n"
+        ))  # fmt: skip
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 def test_sbatch_refuses_to_run_outside_slurm():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     r = subprocess.run(
