@@ -100,6 +100,7 @@ def make_layout(
     r = cfg.rollout
     if nnodes < 1:
         raise UserError(f"the job needs at least one node, not {nnodes}")
+    _check_counts(gpus_per_node, nproc_per_node, servers_per_node)
     if r.placement == Placement.COLOCATED:
         if rollout_nodes:
             raise UserError(
@@ -128,6 +129,16 @@ def make_layout(
     )
     _check(cfg, layout)
     return layout
+
+
+def _check_counts(gpus: int, nproc: int | None, servers: int | None) -> None:
+    """Counts given on the command line: a zero or negative one is refused, not replaced by
+    the default (NPROC_PER_NODE=0 started one rank per GPU) or planned with (-1 ranks)."""
+    if gpus < 0:
+        raise UserError(f"GPUS_PER_NODE={gpus}: a node has 0 (CPU only) or more GPUs")
+    for name, value in (("NPROC_PER_NODE", nproc), ("SERVERS_PER_NODE", servers)):
+        if value is not None and value < 1:
+            raise UserError(f"{name}={value} must be at least 1 (or unset for the default)")
 
 
 def _default_nproc(r, nnodes: int, gpus: int) -> int:
@@ -239,7 +250,10 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def layout_from_args(args: argparse.Namespace) -> tuple[Config, Layout]:
-    cfg = load_config(args.config, [o for o in args.overrides if "=" in o])
+    for o in args.overrides:
+        if "=" not in o:  # (was dropped without a word: the layout planned without it)
+            raise UserError(f"{o!r} is not an override; write key.sub=value")
+    cfg = load_config(args.config, args.overrides)
     return cfg, make_layout(
         cfg,
         nnodes=args.nnodes,

@@ -116,6 +116,13 @@ def cmd_servers(args) -> int:
     from megatron_gspo.rollout.launcher import ServerFailed, ServerGroup
 
     cfg, layout = layout_from_args(args)
+    if not 0 <= args.node_rank < layout.nnodes:
+        raise UserError(
+            f"--node-rank {args.node_rank} is not a node of this {layout.nnodes}-node job"
+        )
+    if args.node_rank not in layout.serving_nodes:
+        raise UserError(f"node {args.node_rank} serves nothing in this layout ({layout.placement})")
+    _check_port("--port-base", args.port_base, last=args.port_base + layout.servers_per_node - 1)
     configs = server_configs(cfg, layout, args.node_rank, args.host, args.port_base)
     group = ServerGroup(
         configs, args.log_dir, health_timeout_s=cfg.rollout.health_timeout_s, monitor=False
@@ -147,7 +154,14 @@ def cmd_servers(args) -> int:
         group.stop()
 
 
+def _check_port(flag: str, port: int, last: int | None = None) -> None:
+    """A port (0: a free one), and the last of the range it starts, within 0..65535."""
+    if not 0 <= port <= 65535 or (port and last is not None and last > 65535):
+        raise UserError(f"{flag} {port} leaves the port numbers (0..65535); pick a lower one")
+
+
 def cmd_router(args) -> int:
+    _check_port("--port", args.port)
     python = os.environ.get("SGLANG_PYTHON") or sys.executable
     cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *args.worker_urls]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
@@ -242,6 +256,14 @@ def main(argv=None) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except OSError as e:  # a log directory or a server's python that cannot be used
+        what = (
+            f"node {args.node_rank}: cannot start a rollout server"
+            if args.cmd == "servers"
+            else "cannot start sglang-router"
+        )
+        print(f"error: {what}: {e}", file=sys.stderr)
+        code = 1
     except Stop:
         code = 0
     sys.exit(code)

@@ -80,6 +80,19 @@ free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1
 NNODES="${NNODES:-${SLURM_NNODES:-1}}"
 NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-$(gpu_count)}"
+# Every number is checked before anything starts: bash's arithmetic reads a word as a variable
+# (NODE_RANK=x would be node 0), and a node outside the job would wait for a training that never
+# comes.
+in_range() { [[ "$1" =~ ^[0-9]{1,6}$ ]] && ((10#$1 >= $2 && 10#$1 <= $3)); }  # VALUE MIN MAX
+in_range "$NNODES" 1 999999 || die "NNODES=$NNODES must be the number of nodes in the job (1 or more)"
+in_range "$NODE_RANK" 0 "$((10#$NNODES - 1))" \
+    || die "NODE_RANK=$NODE_RANK must be this node's index in the job, 0..$((10#$NNODES - 1))"
+for var in GPUS_PER_NODE NPROC_PER_NODE ROLLOUT_NODES SERVERS_PER_NODE; do
+    [[ -z "${!var:-}" ]] || in_range "${!var}" 0 999999 || die "$var=${!var} must be a whole number (or unset)"
+done
+[[ -z "${SERVER_PORT_BASE:-}" ]] || in_range "$SERVER_PORT_BASE" 0 65535 \
+    || die "SERVER_PORT_BASE=$SERVER_PORT_BASE must be a port number (0: free ports)"
+NNODES=$((10#$NNODES)) NODE_RANK=$((10#$NODE_RANK))
 if [[ "$NNODES" -gt 1 ]]; then
     [[ -n "${RDZV_ENDPOINT:-}" ]] || die "RDZV_ENDPOINT=host:port of the first node is required with NNODES=$NNODES"
     [[ -n "${LAUNCH_ID:-${SLURM_JOB_ID:-}}" ]] \
@@ -222,20 +235,25 @@ abort_job() {  # abort_job MESSAGE: tell the other nodes, then stop here
 other_node_failed() { [[ -f "$STATE/abort" ]]; }
 
 # ---- rollout servers on this node ------------------------------------------------------------
+SERVE_LOG="$SERVER_LOGS/serve_node.log"
+SERVE_LOG_START=0  # the log is appended to by every launch: only this one's part is read
 if ((SERVES)); then
+    [[ -f "$SERVE_LOG" ]] && SERVE_LOG_START="$(wc -c < "$SERVE_LOG")"
     "$PYTHON" "$HERE/serve_node.py" servers "${PLAN_ARGS[@]}" --node-rank "$NODE_RANK" \
         --host "$SERVER_HOST" --port-base "${SERVER_PORT_BASE:-0}" --log-dir "$SERVER_LOGS" \
-        --urls-file "$STATE/urls/node$NODE_RANK.txt" >> "$SERVER_LOGS/serve_node.log" 2>&1 &
+        --urls-file "$STATE/urls/node$NODE_RANK.txt" >> "$SERVE_LOG" 2>&1 &
     SERVE_PID=$!
     log "rollout servers starting (pid $SERVE_PID), logs in $SERVER_LOGS"
 fi
 servers_dead() {
     [[ -n "$SERVE_PID" ]] && ! kill -0 "$SERVE_PID" 2>/dev/null
 }
-servers_failure() {
-    local tail_line
-    tail_line="$(grep -h '^error:' "$SERVER_LOGS/serve_node.log" 2>/dev/null | tail -1)"
-    echo "rollout servers on node $NODE_RANK stopped: ${tail_line#error: }"
+servers_failure() {  # the last error line of this launch's part of the log, else its last line
+    local part line
+    part="$(tail -c "+$((SERVE_LOG_START + 1))" "$SERVE_LOG" 2>/dev/null || true)"
+    line="$(grep -E '^(error|[^ ]*: error):' <<< "$part" | tail -1 || true)"
+    [[ -n "$line" ]] || line="$(grep -v '^[[:space:]]*$' <<< "$part" | tail -1 || true)"
+    echo "rollout servers on node $NODE_RANK stopped: ${line#error: } (see $SERVE_LOG)"
 }
 
 # ---- a node that only serves: hold the servers until training ends ---------------------------

@@ -73,6 +73,18 @@ PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 EOF
 }
 
+# DIR holds the config the daemons run and the PID files `stop` kills by: under /tmp another
+# user could have made it first (and put a config or a PID of their choosing there). So it must
+# be this user's and writable by nobody else; it is made so when it does not exist yet.
+own_dir() {
+    [[ -e "$DIR" ]] || (umask 077 && mkdir -p "$DIR")
+    local owner mode
+    owner="$(stat -L -c %u "$DIR")" mode="$(stat -L -c %a "$DIR")"
+    if [[ -L "$DIR" || ! -d "$DIR" || "$owner" != "$(id -u)" ]] || (((8#$mode & 8#022) != 0)); then
+        die "SLURM_LOCAL_DIR $DIR is not a directory of this user that only it can write (owner uid $owner, mode $mode); remove it or set SLURM_LOCAL_DIR to one"
+    fi
+}
+
 pid_alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 node_state() { SLURM_CONF="$CONF" sinfo -h -N -o '%t' 2>/dev/null | head -1; }
@@ -129,8 +141,8 @@ status() {
 }
 
 case "${1:-}" in
-    start) start ;;
-    stop) stop ;;
-    status) status ;;
+    start) own_dir; start ;;
+    stop) own_dir; stop ;;
+    status) own_dir; status ;;
     *) die "usage: scripts/slurm_local.sh start|stop|status" ;;
 esac

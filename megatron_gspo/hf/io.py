@@ -55,9 +55,9 @@ class HFReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise UserError(f"{index} is unreadable ({e}); re-copy the checkpoint") from None
-            return dict(weight_map)
+            return _own_files(index, weight_map)
         single = self.path / "model.safetensors"
         if not single.is_file():
             raise UserError(
@@ -198,6 +198,21 @@ class HFReader:
     def dtype(self) -> torch.dtype:
         """The dtype of the checkpoint's floating-point weights (of its first tensor)."""
         return self.get(next(iter(self.files))).dtype
+
+
+def _own_files(index: Path, weight_map: object) -> dict[str, str]:
+    """The index's tensor -> file map, once every file is a plain name in the index's own
+    directory: a name with a path in it ("../x", "/etc/passwd", "sub/x") would have a server
+    that checked the directory it was given read files it never checked."""
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{index}'s weight_map is no mapping; re-copy the checkpoint")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\0" in file:
+            raise UserError(
+                f"{index} puts {str(name)[:100]!r} in {str(file)[:100]!r}, not a file of the "
+                "checkpoint's own directory; re-copy the checkpoint"
+            )
+    return dict(weight_map)
 
 
 def _pread_into(fd: int, dst: torch.Tensor, offset: int, n: int, path: Path) -> None:

@@ -5,8 +5,10 @@ importable function; this unpickler resolves only the globals a tensor payload n
 tensor and storage rebuild functions for shared CPU memory (the "file_system" strategy), the
 tensor and storage classes, dtypes, torch.Size, and plain containers. Anything else — os.system,
 builtins.eval, a CUDA IPC handle on a CPU server, the "fd" strategy's file-descriptor passing —
-is refused with `BadPayload` before it is called. The decoded object is then checked to be one
-of the two shapes SGLang accepts.
+is refused with `BadPayload` before it is called. The classes are given to torch's rebuild
+functions as names that cannot be called (torch.Tensor(n) would be n bytes nobody wrote), and a
+tensor is rebuilt only where its view fits in its storage (torch's own would grow an empty one).
+The decoded object is then checked to be one of the two shapes SGLang accepts.
 
 Shared memory: a CPU tensor arrives as the name of a shared-memory object that the sender's torch
 created. torch's own rebuild would open any name the payload gives read-write, connect to a
@@ -176,14 +178,67 @@ def _rebuild_storage_filename(senders: frozenset[int]):
     return rebuild
 
 
+@dataclass(frozen=True)
+class _TypeName:
+    """A tensor or storage class as a payload names it: what torch's rebuild functions are
+    given. Not the class itself, which a pickle could call (torch.Tensor(n), UntypedStorage(n))
+    to make a tensor of n bytes that nobody wrote, loaded as weights."""
+
+    cls: type
+
+    def __call__(self, *args, **kwargs):
+        name = f"{self.cls.__module__}.{self.cls.__qualname__}"
+        raise BadPayload(
+            f"weight payload calls {name}: refused (a tensor's bytes come only from the shared "
+            "memory its sender wrote)"
+        )
+
+
+def _rebuild_tensor(cls: object, storage: object, metadata: object) -> torch.Tensor:
+    """torch's `rebuild_tensor`, once the view fits in its storage: torch's own would grow an
+    empty storage to any size the payload gives and hand back its uninitialized bytes."""
+    if not isinstance(cls, _TypeName) or not isinstance(storage, torch.TypedStorage):
+        raise BadPayload("a tensor must be rebuilt from a tensor class and a typed storage")
+    offset, size, stride, requires_grad = _view(metadata)
+    span = 0 if 0 in size else offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+    held = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # (no deprecation warning)
+    if span > held:
+        raise BadPayload(
+            f"a tensor of size {str(size)[:80]} needs {span} elements of its storage, which "
+            f"holds {held}"
+        )
+    return reductions.rebuild_tensor(cls.cls, storage, (offset, size, stride, requires_grad))
+
+
+def _view(metadata: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
+    """A rebuilt tensor's (offset, size, stride, requires_grad), every number an int >= 0."""
+    try:
+        offset, size, stride, requires_grad = metadata
+        size, stride = tuple(size), tuple(stride)
+    except (TypeError, ValueError):
+        raise BadPayload("a tensor's metadata must be (offset, size, stride, grad)") from None
+    dims = (offset, *size, *stride)
+    if len(size) != len(stride) or len(size) > 64 or type(requires_grad) is not bool:
+        raise BadPayload("a tensor's metadata must give one stride per size and a bool grad")
+    if not all(type(d) is int and d >= 0 for d in dims):
+        raise BadPayload("a tensor's offset, sizes and strides must be integers >= 0")
+    return offset, size, stride, requires_grad
+
+
+def _rebuild_storage_empty(cls: object) -> torch.UntypedStorage:
+    if cls != _TypeName(torch.UntypedStorage):
+        raise BadPayload("an empty storage must be an UntypedStorage")
+    return torch.UntypedStorage()
+
+
 _ALLOWED: dict[tuple[str, str], object] = {
-    ("torch.multiprocessing.reductions", "rebuild_tensor"): reductions.rebuild_tensor,
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"): reductions.rebuild_storage_empty,
+    ("torch.multiprocessing.reductions", "rebuild_tensor"): _rebuild_tensor,
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"): _rebuild_storage_empty,
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"): reductions.rebuild_typed_storage,
-    ("torch", "Tensor"): torch.Tensor,
-    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
-    ("torch", "UntypedStorage"): torch.UntypedStorage,
-    ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch", "Tensor"): _TypeName(torch.Tensor),
+    ("torch.nn.parameter", "Parameter"): _TypeName(torch.nn.Parameter),
+    ("torch", "UntypedStorage"): _TypeName(torch.UntypedStorage),
+    ("torch.storage", "UntypedStorage"): _TypeName(torch.UntypedStorage),
     ("torch", "Size"): torch.Size,
     ("types", "SimpleNamespace"): types.SimpleNamespace,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,

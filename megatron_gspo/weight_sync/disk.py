@@ -143,7 +143,9 @@ class VersionDirs:
         if self.record.is_file():  # a restarted trainer continues from what the last one wrote
             saved = json.loads(self.record.read_text())
             self.restore = RestorePoint(saved["path"], saved["version"])
-            self.created = list(saved.get("created", []))
+            # only directories under this root are ours to delete: a run directory copied to
+            # branch a run carries a record naming the versions of the run it was copied from
+            self.created = [p for p in saved.get("created", []) if self._ours(p)]
 
     def tmp(self, version: str) -> Path:
         return self.root / f".v{version}.tmp"
@@ -161,11 +163,14 @@ class VersionDirs:
             tmp.mkdir(parents=True)
         return tmp
 
+    def _ours(self, path: str) -> bool:
+        return Path(path).parent == self.root
+
     def _recyclable(self) -> str | None:
         if len(self.created) < self.keep or self.created[0] == self.restore.path:
             return None
         old = self.created[0]
-        return old if Path(old).parent == self.root and Path(old).is_dir() else None
+        return old if self._ours(old) and Path(old).is_dir() else None
 
     def finish(self, version: str, outcomes: list[dict], base_model: Path) -> Path:
         """Index the stages' shards, add config and tokenizer, rename into place."""
@@ -191,11 +196,11 @@ class VersionDirs:
 
     def set_restore(self, point: RestorePoint) -> None:
         self.restore = point
-        if point.path not in self.created and Path(point.path).parent == self.root:
+        if point.path not in self.created and self._ours(point.path):
             self.created.append(point.path)
         while len(self.created) > self.keep:
             old = self.created.pop(0)
-            if old != point.path:
+            if old != point.path and self._ours(old):
                 shutil.rmtree(old, ignore_errors=True)
         tmp = self.record.with_suffix(".tmp")
         tmp.write_text(json.dumps({**point.__dict__, "created": self.created}, indent=2) + "\n")

@@ -430,6 +430,47 @@ def test_malformed_bucket_shapes_are_a_400(keyed):
         assert status == 400, (shape, out)
 
 
+class _Reduce:
+    """Pickles as the call `fn(*args)`: what a hostile payload can ask the unpickler for."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_a_payload_cannot_make_a_tensor_of_bytes_nobody_wrote(server):
+    """torch.Tensor(n) and an empty storage grown by the view rebuilt on it both gave a tensor
+    of uninitialized server memory, which a keyless server loaded as weights (no shared memory
+    needed). Now a 400 naming why, and the weights stay as they were."""
+    import base64
+    import pickle
+
+    from torch.multiprocessing import reductions as r
+
+    hidden = 64
+    empty = _Reduce(r.rebuild_typed_storage, _Reduce(r.rebuild_storage_empty, torch.UntypedStorage),
+                    torch.float32)  # fmt: skip
+    grown = _Reduce(r.rebuild_tensor, torch.Tensor, empty, (0, (hidden,), (1,), False))
+    payloads = {
+        "weight payload calls torch.Tensor: refused (a tensor's bytes come only from the "
+        "shared memory its sender wrote)": _Reduce(torch.Tensor, hidden),
+        f"a tensor of size ({hidden},) needs {hidden} elements of its storage, which holds 0": (
+            grown
+        ),
+    }
+    before = greedy(server)
+    for message, tensor in payloads.items():
+        raw = pickle.dumps([("model.norm.weight", tensor)], protocol=4)
+        body = {"serialized_named_tensors": [base64.b64encode(raw).decode()]}
+        assert post(server, "/begin_weight_update", {"selector": "target"})[0] == 200
+        status, out = post(server, "/update_weights_from_tensor", body)
+        assert post(server, "/end_weight_update", {})[0] == 200
+        assert (status, out["message"]) == (400, message), out
+    assert greedy(server) == before
+
+
 def test_a_checkpoint_with_a_malformed_config_is_a_400(server, model, tmp_path):
     """config.json holding NaN used to be a 500 at /update_weights_from_disk."""
     cfg = json.loads((model / "config.json").read_text())
@@ -451,6 +492,34 @@ def test_a_checkpoint_with_a_malformed_config_is_a_400(server, model, tmp_path):
     status, out = post(server, "/update_weights_from_disk", {"model_path": str(bad)})
     assert status == 400 and "vocab_size" in out["message"], out
     assert post(server, "/update_weights_from_disk", {"model_path": str(model)})[0] == 200
+
+
+def test_an_index_cannot_send_the_server_outside_its_checkpoint(server, model, tmp_path):
+    """The directory of /update_weights_from_disk is checked (its user, its mode), but the files
+    its index named were read wherever they were: "../elsewhere/model.safetensors" loaded a
+    checkpoint nobody checked, "/etc/passwd" was opened. Only files of that directory are read
+    now, and a weight_map of the wrong kind is a 400 too (it was a 500)."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(model, elsewhere)
+    before = greedy(server)
+    names = list(load_file(str(model / "model.safetensors")))
+    for i, file in enumerate(["../elsewhere/model.safetensors", "/etc/passwd", "sub/x", "..", 5]):
+        ckpt = tmp_path / f"c{i}"
+        ckpt.mkdir()
+        shutil.copy(model / "config.json", ckpt)
+        index = ckpt / "model.safetensors.index.json"
+        index.write_text(json.dumps({"weight_map": {n: file for n in names}}))
+        status, out = post(server, "/update_weights_from_disk", {"model_path": str(ckpt)})
+        assert (status, out["message"]) == (400, (
+            f"Failed to update weights: {index} puts {names[0]!r} in {str(file)!r}, not a file "
+            "of the checkpoint's own directory; re-copy the checkpoint"
+        )), out  # fmt: skip
+    index.write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    status, out = post(server, "/update_weights_from_disk", {"model_path": str(ckpt)})
+    assert (status, out["message"]) == (400, (
+        f"Failed to update weights: {index}'s weight_map is no mapping; re-copy the checkpoint"
+    )), out  # fmt: skip
+    assert greedy(server) == before
 
 
 # ---- distributed groups and their buffers --------------------------------------------------

@@ -133,7 +133,7 @@ def _cfg_layout(**kwargs):
 
 
 def _torchrun_sh(*args: str, **env: str) -> subprocess.CompletedProcess:
-    full = dict(os.environ, PYTHON=sys.executable, **env)
+    full = {**os.environ, "PYTHON": sys.executable, **env}
     return subprocess.run(
         ["bash", str(ROOT / "launch/torchrun.sh"), *args],
         capture_output=True, text=True, env=full, timeout=120,
@@ -158,6 +158,128 @@ def test_torchrun_sh_refuses_a_layout_that_cannot_work(tmp_path):
 def test_torchrun_sh_multi_node_needs_a_rendezvous(tmp_path):
     r = _torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), NNODES="2")
     assert r.returncode == 2 and "RDZV_ENDPOINT=host:port" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must be this node's index in the job, 0..1"),
+        ({"NNODES": "2", "NODE_RANK": "-1"}, "NODE_RANK=-1 must be this node's index in the job, 0..1"),
+        ({"NODE_RANK": "x"}, "NODE_RANK=x must be this node's index in the job, 0..0"),
+        ({"NNODES": "two"}, "NNODES=two must be the number of nodes in the job (1 or more)"),
+        ({"GPUS_PER_NODE": "1.5"}, "GPUS_PER_NODE=1.5 must be a whole number (or unset)"),
+        ({"SERVER_PORT_BASE": "abc"}, "SERVER_PORT_BASE=abc must be a port number (0: free ports)"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0 must be at least 1 (or unset for the default)"),
+    ],
+)  # fmt: skip
+def test_torchrun_sh_refuses_numbers_outside_the_job(tmp_path, env, message):
+    """NODE_RANK=2 of a 2-node job used to wait forever for a training that never came, x was
+    read as node 0 (or died on 'x: unbound variable'), NPROC_PER_NODE=0 became the default."""
+    multi = {"RDZV_ENDPOINT": "127.0.0.1:1", "LAUNCH_ID": "t", "MEGATRON_GSPO_API_KEY": "k"}
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        **multi, **env,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, f"error: {message}\n")
+    assert not list(tmp_path.rglob("*.log"))  # nothing started
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc-per-node", "0"], "NPROC_PER_NODE=0 must be at least 1 (or unset for the default)"),
+        (["--servers-per-node", "-3"], "SERVERS_PER_NODE=-3 must be at least 1 (or unset for the default)"),
+        (["--gpus-per-node", "-2"], "GPUS_PER_NODE=-2: a node has 0 (CPU only) or more GPUs"),
+        (["rollout.backend", "sglang"], "'rollout.backend' is not an override; write key.sub=value"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_counts_it_used_to_replace_or_plan_with(args, message):
+    """--nproc-per-node 0 was replaced by the default, -3 servers were planned, and a word
+    without '=' was dropped: each is now the one-line error, exit 2."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "launch/plan.py"), "--config",
+         str(ROOT / "configs/tiny_moe_gspo.yaml"), *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"error: {message}\n", "")
+
+
+def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_path):
+    """serve_node.log is appended to by every launch into a run directory; the failure line used
+    to be the last 'error:' line of the whole file, an earlier launch's when this one's servers
+    died without one (here killed, as the kernel's OOM killer does)."""
+    logs = tmp_path / "run" / "logs" / "servers" / "node0"
+    logs.mkdir(parents=True)
+    (logs / "serve_node.log").write_text("error: node 0: the failure of an earlier launch\n")
+    python = tmp_path / "python"  # the real python, but serve_node.py is killed at once
+    python.write_text(
+        '#!/bin/bash\ncase "$1" in */serve_node.py) echo Killed; exit 137 ;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        PYTHON=str(python),
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first == (
+        f"error: rollout servers on node 0 stopped: Killed (see {logs}/serve_node.log)"
+    ), r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["rollout.backend=sglang", "rollout.sglang_python=/no/python"], 1,
+         "node 0: cannot start a rollout server: [Errno 2] No such file or directory: "
+         "'/no/python'"),
+        (["--port-base", "65535", "--servers-per-node", "2"], 2,
+         "--port-base 65535 leaves the port numbers (0..65535); pick a lower one"),
+        (["--node-rank", "3"], 2, "--node-rank 3 is not a node of this 1-node job"),
+        (["--nnodes", "2", "rollout.placement=disaggregated", "sync.method=distributed"], 2,
+         "node 0 serves nothing in this layout (disaggregated)"),
+    ],
+)  # fmt: skip
+def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, args, code, message):
+    """A server python that is not there was a traceback; a port range past 65535, a node
+    outside the job or one that serves nothing started servers (that failed, or should not be)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "launch/serve_node.py"), "servers", "--config",
+         str(ROOT / "configs/tiny_moe_gspo.yaml"), "--log-dir", str(tmp_path / "logs"),
+         "--urls-file", str(tmp_path / "urls.txt"), *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (code, f"error: {message}\n")
+    assert not (tmp_path / "urls.txt").exists()
+    if code == 2:
+        assert not (tmp_path / "logs").exists()  # refused before any server was started
+
+
+def test_slurm_local_stops_nothing_from_a_directory_another_could_write(tmp_path):
+    """slurm_local.sh's state directory (default under /tmp) is where `stop` reads the PIDs it
+    kills and `start` writes the config its daemons run: one that another user made, or can
+    write, used to be taken as it was (here `stop` killed a process named by a planted PID
+    file). Now refused in one line, the process left alone."""
+    planted = tmp_path / "state"
+    planted.mkdir()
+    planted.chmod(0o777)
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        (planted / "slurmd.pid").write_text(f"{victim.pid}\n")
+        r = subprocess.run(
+            ["bash", str(ROOT / "scripts/slurm_local.sh"), "stop"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "SLURM_LOCAL_DIR": str(planted)},
+        )  # fmt: skip
+        assert (r.returncode, r.stderr) == (2, (
+            f"error: SLURM_LOCAL_DIR {planted} is not a directory of this user that only it can "
+            f"write (owner uid {os.getuid()}, mode 777); remove it or set SLURM_LOCAL_DIR to one\n"
+        ))  # fmt: skip
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_sbatch_refuses_to_run_outside_slurm():

@@ -3,6 +3,7 @@ safetensors shards, version directories, config checks, probe comparison, server
 
 import json
 import os
+import shutil
 import types
 
 import pytest
@@ -365,6 +366,34 @@ def test_version_dirs_keep_the_newest_and_persist_the_restore_point(tmp_path):
     dirs.start("5")
     dirs.discard("5")
     assert not dirs.tmp("5").exists() and out.exists()
+
+
+def test_a_copied_run_does_not_delete_the_versions_of_the_run_it_was_copied_from(tmp_path):
+    """restore.json lists the version directories a run made, by absolute path; a run directory
+    copied to branch an experiment used to delete the original run's versions as it made its
+    own. Only directories under its own root are deleted (or reused) now."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    first = VersionDirs(tmp_path / "a" / "weights", keep=2, base=RestorePoint(str(base), "0"))
+    for v in ("1", "2"):
+        first.start(v)
+        out = first.finish(v, [{"weight_map": {"w": "x.safetensors"}, "bytes": 4}], base)
+        first.set_restore(RestorePoint(str(out), v))
+    originals = sorted((tmp_path / "a" / "weights").glob("v*"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copy = VersionDirs(tmp_path / "b" / "weights", keep=2, base=RestorePoint(str(base), "0"))
+    for v in ("3", "4", "5"):
+        copy.start(v)
+        out = copy.finish(v, [{"weight_map": {"w": "x.safetensors"}, "bytes": 4}], base)
+        copy.set_restore(RestorePoint(str(out), v))
+    assert [p.name for p in originals] == ["v1", "v2"] and all(p.is_dir() for p in originals)
+    assert sorted(p.name for p in (tmp_path / "b" / "weights").glob("v*")) == [
+        "v1",
+        "v2",
+        "v4",
+        "v5",
+    ]
 
 
 @pytest.mark.parametrize(
