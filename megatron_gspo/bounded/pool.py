@@ -71,6 +71,7 @@ class _Slot:
     queue: deque = field(default_factory=deque)  # calls pinned to it
     thread: threading.Thread | None = None
     started: threading.Event = field(default_factory=threading.Event)  # its first start is over
+    start_error: str | None = None  # why its first start failed
 
 
 class Pool:
@@ -111,6 +112,15 @@ class Pool:
                 return False
         return True
 
+    def start_error(self) -> str | None:
+        """Why the first worker could not start (the user's code did not load: it raised,
+        exited, hung past start_timeout_s), None once it has; waits for that start. The check at
+        start that the user's code loads, made in a worker: nothing it does when imported reaches
+        the trainer."""
+        slot = self._slots[0]
+        slot.started.wait()
+        return self.broken or slot.start_error
+
     def submit(self, *args: Any, worker: int | None = None,
                incarnation: int | None = None) -> Future:  # fmt: skip
         """Future of the Outcome of handler(*args) (it never raises)."""
@@ -148,7 +158,8 @@ class Pool:
 
     def _serve(self, slot: _Slot) -> None:
         try:
-            self._guarded(self._start, slot)  # ready before the first call (else it retries)
+            why = self._guarded(self._start, slot)  # ready before the first call (else retried)
+            slot.start_error = why.message if isinstance(why, Outcome) else why
             slot.started.set()
             while (job := self._take(slot)) is not None:
                 if job.future.set_running_or_notify_cancel():

@@ -168,7 +168,7 @@ def _import_attr(spec: str) -> object:
         module = importlib.import_module(module_name)
     except UserError:  # raised by the module itself (a tool registered twice)
         raise
-    except Exception as e:
+    except BaseException as e:  # (SystemExit and KeyboardInterrupt raised by the module too)
         raise UserError(
             f"tool {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); put its "
             f"package on PYTHONPATH or use a built-in tool ({_known()})"

@@ -105,10 +105,35 @@ def test_load_env_names_the_fix(tmp_path):
     with pytest.raises(UserError, match="environment 'nosuch_mod:Env': cannot import"):
         load_env("nosuch_mod:Env")
     path = tmp_path / "envs.py"
-    path.write_text("X = 3\nclass Env:\n    pass\n")
+    path.write_text("X = 3\nclass Env:\n    def __init__(self, row):\n        pass\n")
     assert load_env(f"{path}:Env").__name__ == "Env"
     with pytest.raises(UserError, match="'X' is a int, not callable"):
         load_env(f"{path}:X")
+
+
+@pytest.mark.parametrize(
+    "fn, tools, message",
+    [
+        ("{path}:Env", [], "environment '{path}:Env': importing '{path}' raised SystemExit: 0"),
+        (ENV + "reward", [], "environment 'tests.unit.user_code:reward': it takes (prompt: 'str', "
+         "response: 'str', answer: 'str') -> 'float' (missing a required argument: 'response'); "
+         "it must be callable as fn(row) -> an episode with step(turn)"),
+        ("tools", ["{module}:f"], "tool '{module}:f': cannot import '{module}' (SystemExit: 0)"),
+    ],
+)  # fmt: skip
+def test_environment_code_that_does_not_load_fails_at_start_and_the_trainer_goes_on(
+    tmp_path, monkeypatch, fn, tools, message
+):
+    """The check at start loads the environment (its tools) in a worker, not in the trainer: a
+    module that exits when imported is a UserError, not the trainer's exit."""
+    path = tmp_path / "exits_on_import.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = {"path": str(path), "module": "exits_on_import"}
+    with pytest.raises(UserError) as e:
+        EnvCalls(fn.format(**names), [t.format(**names) for t in tools], timeout_s=5.0,
+                 vocab_size=100, workers=1)  # fmt: skip
+    assert str(e.value).startswith(message.format(**names))
 
 
 @pytest.mark.parametrize(
