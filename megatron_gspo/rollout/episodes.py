@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_gspo.bounded import one_line
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.env import EnvCalls, EnvError, Episode, Step, Turn
 from megatron_gspo.rollout.partial import finish
@@ -54,9 +55,15 @@ class ChatRender:
         if not getattr(self.tokenizer, "chat_template", None):
             raise EnvError("the environment gave chat messages, but the tokenizer has no chat "
                            "template; give text or token ids instead")  # fmt: skip
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation, tokenize=False
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation, tokenize=False
+            )
+        except Exception as e:  # (the template's raise_exception: a role it does not take, ...)
+            raise EnvError(
+                f"the tokenizer's chat template refused the environment's messages "
+                f"({one_line(f'{type(e).__name__}: {e}', 200)}); give messages it renders, or text"
+            ) from e
 
     def prompt(self, messages: list[dict], tools=None) -> list[int]:
         return self.encode(self._render(messages, tools, generation=True))

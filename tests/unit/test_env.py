@@ -18,7 +18,9 @@ from megatron_gspo.algo.policy_loss import policy_loss
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.data.prompts import PromptRow
 from megatron_gspo.errors import UserError
+from megatron_gspo.hf.tiny import build_tokenizer
 from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn, load_env
+from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
 from megatron_gspo.rollout.sample import Sample
 from megatron_gspo.rollout.tool_env import tool_env
 from megatron_gspo.train.generate import Generation
@@ -164,6 +166,34 @@ def test_tool_episode_runs_the_calls_of_a_turn_and_ends_on_an_answer():
     bad = episode.step(_turn("<tool_call>\n{not json\n</tool_call>"))
     assert bad.observation[0]["content"].startswith("error:")
     assert episode.step(_turn("1776<|im_end|>")) == Step(done=True)
+
+
+ROLES = (
+    "{% for m in messages %}{% if m.role not in ['user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('Unexpected role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"
+)
+
+
+def test_messages_the_chat_template_refuses_end_their_episode_not_the_run():
+    """A template that raises on a role it does not know (as many models' do): the episode
+    fails with the template's reason; the exception does not reach the step's rollout."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=ROLES, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls(ENV + "Returns", timeout_s=5.0, vocab_size=len(tok), workers=1)
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(2, 8, 32))
+    row = PromptRow("p", "a", extra={"prompt": [{"role": "judge", "content": "x"}]})
+    try:
+        sample = asyncio.run(runner.run(None, row, [1, 2], {}, False, (0, 0), 1))  # type: ignore[arg-type]
+    finally:
+        calls.close()
+    assert sample.env_error == (
+        "the tokenizer's chat template refused the environment's messages (TemplateError: "
+        "Unexpected role judge); give messages it renders, or text"
+    )
+    with pytest.raises(EnvError, match="chat template refused .*Unexpected role observer"):
+        ChatRender(tok).continuation([{"role": "observer", "content": "y"}])
 
 
 class _Tok:
