@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_gspo.bounded.outcome import Kind, Outcome
-from megatron_gspo.bounded.wire import FrameError, read_frame, write_frame
+from megatron_gspo.bounded.wire import MAX_FRAME, FrameError, read_frame, write_frame
 
 WORKER = "megatron_gspo.bounded.worker"
+_MIN_FRAME = 1 << 20  # bytes a worker may always answer with: a refusal, a traceback
 
 
 def default_workers() -> int:
@@ -78,11 +79,13 @@ class Pool:
     """Worker processes that run `loader(spec)`'s handler, one call at a time each."""
 
     def __init__(self, loader: str, spec: Any, *, workers: int, timeout_s: float, limit: str,
-                 start_timeout_s: float = 120.0, name: str = "bounded"):  # fmt: skip
+                 start_timeout_s: float = 120.0, name: str = "bounded",
+                 max_answer: int = MAX_FRAME):  # fmt: skip
         """`loader`: "module:function" returning the handler (worker.py); `limit`: the config
         key of `timeout_s`, named in the outcome of a call that passes it; `start_timeout_s`:
-        how long a worker may take to start (its imports), not counted in any call's limit."""
-        self.loader, self.spec, self.limit = loader, spec, limit
+        how long a worker may take to start (its imports), not counted in any call's limit;
+        `max_answer`: the most bytes of one answer (a longer one is refused by its worker)."""
+        self.loader, self.spec, self.limit, self.max_answer = loader, spec, limit, max_answer
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.broken: str | None = None  # the user's code failed to load: every call fails so
         self._cv = threading.Condition()
@@ -206,7 +209,8 @@ class Pool:
         """Send one call and wait for its answer, within the time limit."""
         try:
             write_frame(slot.req, request)
-            frame = read_frame(slot.resp, time.monotonic() + self.timeout_s)
+            deadline = time.monotonic() + self.timeout_s
+            frame = read_frame(slot.resp, deadline, max(self.max_answer, _MIN_FRAME))
         except TimeoutError:
             self._stop(slot)
             return Outcome(Kind.TIMEOUT, message=f"ran past {self.limit} ({self.timeout_s:g} s)")
@@ -246,7 +250,8 @@ class Pool:
             os.close(w_resp)
         slot.proc, slot.req, slot.resp = proc, w_req, r_resp
         slot.incarnation += 1
-        init = {"loader": self.loader, "spec": self.spec, "sys_path": list(sys.path)}
+        init = {"loader": self.loader, "spec": self.spec, "sys_path": list(sys.path),
+                "max_answer": self.max_answer}  # fmt: skip
         try:
             write_frame(w_req, pickle.dumps(init))
             frame = read_frame(r_resp, time.monotonic() + self.start_timeout_s)

@@ -9,9 +9,13 @@ answers, as JSON (never a pickle: the trainer reads no object of the user's maki
 
     {"value": v}                    the handler's result (plain data: numbers, text, lists, dicts)
     {"refused": why}                the handler said the result is wrong (`Refused`), or v is not
-                                    plain data
+                                    plain data, or its answer is longer than the pool's limit
     {"raised": "Type: message", "traceback": text}   anything raised, BaseException included
-                                    (SystemExit, KeyboardInterrupt raised by the user's code)
+                                    (SystemExit, KeyboardInterrupt raised by the user's code; an
+                                    exception whose str() fails too, by its type)
+
+Whatever the user's code raises or returns, the worker answers and lives on: only a call's time
+limit, or the user's code ending the process, takes it down (and with it the state it holds).
 
 The worker dies with the trainer: Linux's parent-death signal, and a check that the parent is
 still the one that started it.
@@ -52,21 +56,39 @@ def _resolve(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def _answer(handler, args: tuple) -> bytes:
+def _raised(e: BaseException) -> bytes:
+    """The answer for an exception, read without trusting it: its str() may raise as well."""
+    try:
+        message = str(e)
+    except BaseException:
+        message = ""
+    try:
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except BaseException:
+        text = ""
+    raised = one_line(f"{type(e).__name__}: {message}" if message else type(e).__name__)
+    return json.dumps({"raised": raised, "traceback": text[-MAX_TRACEBACK:]}).encode()
+
+
+def _refused(why: str) -> bytes:
+    return json.dumps({"refused": one_line(why)}).encode()
+
+
+def _answer(handler, args: tuple, limit: int) -> bytes:
     try:
         value = handler(*args)
     except Refused as e:
-        return json.dumps({"refused": one_line(str(e))}).encode()
+        return _refused(str(e))
     except BaseException as e:  # the user's SystemExit and KeyboardInterrupt included
-        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        raised = one_line(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-        return json.dumps({"raised": raised, "traceback": text[-MAX_TRACEBACK:]}).encode()
+        return _raised(e)
     try:
-        return json.dumps({"value": value}).encode()
+        data = json.dumps({"value": value}).encode()
     except (TypeError, ValueError, RecursionError) as e:
-        return json.dumps(
-            {"refused": one_line(f"returned {type(value).__name__}, not plain data ({e})")}
-        ).encode()
+        return _refused(f"returned {type(value).__name__}, not plain data ({e})")
+    if len(data) > limit:  # (the trainer would refuse the frame, and could not say why)
+        return _refused(f"returned {len(data)} bytes of {type(value).__name__}, over the limit "
+                        f"of {limit}; return less")  # fmt: skip
+    return data
 
 
 def serve(req: int, resp: int) -> int:
@@ -84,7 +106,7 @@ def serve(req: int, resp: int) -> int:
         frame = read_frame(req)
         if frame is None:
             return 0
-        write_frame(resp, _answer(handler, pickle.loads(frame)))
+        write_frame(resp, _answer(handler, pickle.loads(frame), init["max_answer"]))
 
 
 def main(argv: list[str]) -> int:

@@ -145,7 +145,8 @@ def act(kind: str) -> str:
 
 def handler(spec):
     """handler(kind) misbehaves as `kind` says, else answers {"pid": ..., "spec": spec};
-    "object" returns something that is not plain data, "child" starts a `sleep` in the
+    "object" returns something that is not plain data, "unprintable" raises an exception whose
+    message cannot be read, "long" returns 2000 characters, "child" starts a `sleep` in the
     background first (its pid in the file named by USER_CODE_CALLS) and then hangs."""
     if spec == "broken":
         raise ImportError("no module named 'nothing_here'")
@@ -153,6 +154,10 @@ def handler(spec):
     def call(kind: str, seconds: float = 0.0):
         if kind == "object":
             return object()
+        if kind == "unprintable":
+            raise Unprintable
+        if kind == "long":
+            return "x" * 2000
         if kind == "child":
             import subprocess
 
@@ -164,3 +169,10 @@ def handler(spec):
         return {"pid": os.getpid(), "spec": spec}
 
     return call
+
+
+class Unprintable(Exception):
+    """An exception whose message cannot be read: str() raises."""
+
+    def __str__(self):
+        raise RuntimeError("no message")
