@@ -142,6 +142,7 @@ def test_environment_code_that_does_not_load_fails_at_start_and_the_trainer_goes
     "keys, message",
     [
         (["env.fn=nomodule"], "env.fn 'nomodule' is neither tools"),
+        (["env.fn=envs.py:"], "env.fn 'envs.py:' is neither tools nor module:function_or_class"),
         (["env.fn=tools"], "env.fn tools needs env.tools"),
         (["env.tools=[calc]"], "env.tools is used by env.fn=tools only"),
         (["env.fn=a:b", "env.max_turns=0"], "env.max_turns"),

@@ -138,6 +138,17 @@ def test_a_plugin_that_exits_or_cannot_be_called_fails_at_start_and_the_trainer_
     assert out.returncode == 0
 
 
+@pytest.mark.parametrize("fn", ["123", ":", "exact ", "judge.py:", ":judge"])
+def test_a_reward_fn_that_names_nothing_is_refused_with_the_config(fn):
+    """Found when the config is checked, not once the model is built (where the plugin loads)."""
+    with pytest.raises(UserError) as e:
+        load_config(None, ["model.path=m", f"reward.fn='{fn}'"]).check()
+    assert str(e.value) == (
+        f"reward.fn {fn!r} is neither exact, math nor module:function (or file.py:function); "
+        "write it as one of those"
+    )
+
+
 class _Tok:
     def decode(self, ids, skip_special_tokens=True):
         return "x" * len(ids)
