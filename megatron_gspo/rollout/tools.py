@@ -194,7 +194,15 @@ def _resolve_one(spec: str) -> Tool:
             "(its signature becomes the tool's parameters)"
         )
     registered = [t for t in REGISTRY.values() if t.fn is obj]  # decorated with @tool
-    return registered[0] if registered else make_tool(obj)
+    if registered:
+        return registered[0]
+    try:
+        return make_tool(obj)
+    except (ValueError, TypeError) as e:  # (a builtin without a signature: max, print)
+        raise UserError(
+            f"tool {spec!r}: its parameters cannot be read ({e}); wrap it in a function with "
+            "named parameters"
+        ) from None
 
 
 def resolve_tools(specs: list[str]) -> dict[str, Tool]:
