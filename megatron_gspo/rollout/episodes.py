@@ -47,6 +47,14 @@ class ChatRender:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.end_of_turn = tokenizer.eos_token or ""
+        # no token stands for more characters than this (4x its longest entry: a normalizer may
+        # shorten text), so a longer text needs more tokens than a budget, known untokenized
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.chars_per_token = 4 * max(map(len, vocab), default=64)
+
+    def fits(self, texts: list[str], tokens: int) -> bool:
+        """Whether `texts` may fit in `tokens` tokens (False: they certainly do not)."""
+        return sum(map(len, texts)) <= tokens * self.chars_per_token
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -176,16 +184,24 @@ class EpisodeRunner:
             ep.reward = ep.reward if step.reward is None else float(step.reward)
             if step.done:
                 return ep.finish("stop")
-            obs = self._observation(step)
-            if t + 1 == lim.max_turns or len(s.tokens) + len(obs) >= lim.max_tokens:
+            room = lim.max_tokens - len(s.tokens)
+            obs = self._observation(step, room)
+            if t + 1 == lim.max_turns or obs is None or len(obs) >= room:
                 break
             ep.add_env(obs)
         return ep.finish("length")
 
-    def _observation(self, step: Step) -> list[int]:
+    def _observation(self, step: Step, room: int) -> list[int] | None:
+        """The observation's tokens; None when its text cannot fit in `room` tokens, found
+        without tokenizing it (megabytes of text would hold the trainer's loop for seconds)."""
         obs = step.observation
         if obs is None:
             return []
+        texts = (
+            [obs] if isinstance(obs, str) else [m["content"] for m in obs if isinstance(m, dict)]
+        )
+        if not self.render.fits(texts, room):
+            return None
         if isinstance(obs, str):
             return self.render.encode(obs)
         if obs and isinstance(obs[0], dict):
