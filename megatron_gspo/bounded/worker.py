@@ -51,17 +51,35 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _contain(req: int, resp: int) -> None:
+    """What the user's code starts does not inherit the pipes (a background process holding
+    the answer pipe hid this worker's death until the time limit), and this process is the
+    kernel's first choice when memory runs out (the user's code rather than the trainer)."""
+    for fd in (req, resp):
+        os.set_inheritable(fd, False)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def _resolve(name: str):
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def _raised(e: BaseException) -> bytes:
-    """The answer for an exception, read without trusting it: its str() may raise as well."""
+def _message(e: BaseException) -> str:
+    """str(e), read without trusting it: "" where its str() raises as well."""
     try:
-        message = str(e)
+        return str(e)
     except BaseException:
-        message = ""
+        return ""
+
+
+def _raised(e: BaseException) -> bytes:
+    """The answer for an exception: "Type: message", or its type alone."""
+    message = _message(e)
     try:
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     except BaseException:
@@ -99,7 +117,9 @@ def serve(req: int, resp: int) -> int:
     try:
         handler = _resolve(init["loader"])(init["spec"])
     except BaseException as e:
-        write_frame(resp, json.dumps({"failed": one_line(str(e) or type(e).__name__)}).encode())
+        write_frame(
+            resp, json.dumps({"failed": one_line(_message(e) or type(e).__name__)}).encode()
+        )
         return 1
     write_frame(resp, b'{"ready": true}')
     while True:
@@ -112,6 +132,7 @@ def serve(req: int, resp: int) -> int:
 def main(argv: list[str]) -> int:
     req, resp, parent = (int(a) for a in argv[1:4])
     _die_with_parent(parent)
+    _contain(req, resp)
     try:
         return serve(req, resp)
     except (KeyboardInterrupt, BrokenPipeError):  # (a signal while idle; the trainer gone)

@@ -51,6 +51,7 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
         ("raise", Kind.RAISED, "RuntimeError: broken"),
         ("die", Kind.DIED, "exited with code 7"),
         ("kill", Kind.DIED, "killed by SIGKILL"),
+        ("orphan", Kind.DIED, "exited with code 7"),  # (not a time-out: what it left is no peer)
         ("object", Kind.REFUSED, "returned object, not plain data"),
     ],
 )
@@ -86,6 +87,10 @@ def test_an_unreadable_exception_or_a_long_answer_fails_that_call_and_its_worker
         Kind.REFUSED, f"returned {size} bytes of str, over the limit of 1000; return less"
     )  # fmt: skip
     assert (after.value["pid"], after.incarnation) == (first.value["pid"], first.incarnation)
+
+
+def test_a_worker_is_the_one_the_kernel_kills_when_memory_runs_out(pool):
+    assert pool.submit("oom_score_adj").result(timeout=30).value == "1000"
 
 
 def test_a_killed_worker_takes_what_it_started_with_it(tmp_path, monkeypatch):

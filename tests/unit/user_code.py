@@ -146,7 +146,8 @@ def act(kind: str) -> str:
 def handler(spec):
     """handler(kind) misbehaves as `kind` says, else answers {"pid": ..., "spec": spec};
     "object" returns something that is not plain data, "unprintable" raises an exception whose
-    message cannot be read, "long" returns 2000 characters, "child" starts a `sleep` in the
+    message cannot be read, "long" returns 2000 characters, "oom_score_adj" its process's,
+    "orphan" leaves a shell's background process behind and exits, "child" starts a `sleep` in the
     background first (its pid in the file named by USER_CODE_CALLS) and then hangs."""
     if spec == "broken":
         raise ImportError("no module named 'nothing_here'")
@@ -158,6 +159,12 @@ def handler(spec):
             raise Unprintable
         if kind == "long":
             return "x" * 2000
+        if kind == "oom_score_adj":
+            with open(f"/proc/{os.getpid()}/oom_score_adj") as f:
+                return f.read().strip()
+        if kind == "orphan":  # a background process of a shell, then the worker's end
+            os.system("sleep 30 &")
+            os._exit(7)
         if kind == "child":
             import subprocess
 
