@@ -35,6 +35,21 @@ def _import_file(spec: str, path: Path, kind: str):
     return module
 
 
+def _import_fix(module_name: str, missing: str | None) -> str:
+    """What to do about the module `missing` that importing `module_name` did not find: the
+    plugin's own package, a module beside its file (a file is imported alone, as a module of
+    its own: its folder is not on the path), or a package to install."""
+    if missing is not None and (module_name + ".").startswith(missing + "."):
+        return "put its package on PYTHONPATH or give the path of a .py file"
+    top = (missing or "").partition(".")[0]
+    folder = Path(module_name).parent if module_name.endswith(".py") else None
+    if top and folder is not None and ((folder / f"{top}.py").is_file() or (folder / top).is_dir()):
+        return (
+            f"it imports {top!r} from its own folder: put {str(folder.resolve())!r} on PYTHONPATH"
+        )
+    return f"install {missing!r}, which it imports"
+
+
 def _import(spec: str, module_name: str, kind: str):
     try:
         if module_name.endswith(".py"):
@@ -43,12 +58,7 @@ def _import(spec: str, module_name: str, kind: str):
     except UserError:
         raise
     except ModuleNotFoundError as e:
-        named = e.name is not None and (module_name + ".").startswith(e.name + ".")
-        fix = (
-            "put its package on PYTHONPATH or give the path of a .py file"
-            if named
-            else f"install {e.name!r}, which it imports"
-        )
+        fix = _import_fix(module_name, e.name)
         raise UserError(f"{kind} {spec!r}: cannot import {module_name!r} ({e}); {fix}") from e
     except BaseException as e:  # (SystemExit and KeyboardInterrupt raised by the module too)
         raised = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

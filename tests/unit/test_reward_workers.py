@@ -138,6 +138,20 @@ def test_a_plugin_that_exits_or_cannot_be_called_fails_at_start_and_the_trainer_
     assert out.returncode == 0
 
 
+def test_a_plugin_file_that_imports_a_module_beside_it_is_told_to_put_its_folder_on_the_path(
+    tmp_path,
+):
+    (tmp_path / "helpers.py").write_text("def norm(s):\n    return s.strip()\n")
+    path = tmp_path / "my_rewards.py"
+    path.write_text("from helpers import norm\n\ndef judge(p, r, a):\n    return 1.0\n")
+    with pytest.raises(UserError) as e:
+        RewardScorer(f"{path}:judge", workers=1)
+    assert str(e.value) == (
+        f"reward plugin '{path}:judge': cannot import '{path}' (No module named 'helpers'); it "
+        f"imports 'helpers' from its own folder: put '{tmp_path}' on PYTHONPATH"
+    )
+
+
 @pytest.mark.parametrize("fn", ["123", ":", "exact ", "judge.py:", ":judge"])
 def test_a_reward_fn_that_names_nothing_is_refused_with_the_config(fn):
     """Found when the config is checked, not once the model is built (where the plugin loads)."""
