@@ -37,6 +37,7 @@ class Limits:
     max_turns: int
     max_turn_tokens: int
     max_tokens: int
+    max_prompt_tokens: int | None = None  # an environment's first prompt (data.max_prompt_tokens)
 
 
 class ChatRender:
@@ -131,6 +132,11 @@ class _Episode:
         return s
 
 
+def _over(size: str, cap: int) -> EnvError:
+    return EnvError(f"prompt() returned {size}, over data.max_prompt_tokens ({cap} tokens); "
+                    "return a shorter prompt or raise data.max_prompt_tokens")  # fmt: skip
+
+
 class EpisodeRunner:
     """Runs episodes against the rollout servers and the environment (`calls`)."""
 
@@ -159,9 +165,23 @@ class EpisodeRunner:
                 self.calls.end(episode)
 
     def _prompt(self, first, tools) -> list[int]:
-        if isinstance(first, str):
-            return self.render.encode(first)
-        return self.render.prompt(first, tools)
+        """The environment's first prompt as tokens: not empty, and within the prompt length the
+        config sized the servers and the context for (or the servers would refuse it)."""
+        cap = self.limits.max_prompt_tokens
+        texts = [first] if isinstance(first, str) else [m["content"] for m in first]
+        if cap is not None and not self.render.fits(texts, cap):  # (megabytes: not tokenized)
+            raise _over(f"{sum(map(len, texts))} characters", cap)
+        ids = (
+            self.render.encode(first)
+            if isinstance(first, str)
+            else self.render.prompt(first, tools)
+        )
+        if not ids:
+            raise EnvError("prompt() returned an empty prompt; return text, chat messages, or "
+                           "None for the row's prompt")  # fmt: skip
+        if cap is not None and len(ids) > cap:
+            raise _over(f"{len(ids)} tokens", cap)
+        return ids
 
     async def _turns(self, client: RolloutClient, ep: _Episode, episode: Episode, sampling: dict,
                      routed: bool, seed_stride: int) -> Sample:  # fmt: skip

@@ -179,7 +179,8 @@ def _runner(cfg: Config, tokenizer, log_path: Path | None):
     fn = cast(str, e.fn)
     calls = EnvCalls(fn, e.tools, timeout_s=e.timeout_s, vocab_size=len(tokenizer),
                      workers=e.workers)  # fmt: skip
-    limits = Limits(e.max_turns, e.max_turn_tokens or cfg.rollout.max_new_tokens, e.max_tokens)
+    limits = Limits(e.max_turns, e.max_turn_tokens or cfg.rollout.max_new_tokens, e.max_tokens,
+                    cfg.data.max_prompt_tokens)  # fmt: skip
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
     return EpisodeRunner(calls, ChatRender(tokenizer), limits, log_path)

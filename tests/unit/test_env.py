@@ -197,6 +197,35 @@ def test_messages_the_chat_template_refuses_end_their_episode_not_the_run():
         ChatRender(tok).continuation([{"role": "observer", "content": "y"}])
 
 
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "prompt() returned an empty prompt; return text, chat messages, or None for the "
+         "row's prompt"),
+        ("x" * 21, "prompt() returned 21 tokens, over data.max_prompt_tokens (20 tokens); return "
+         "a shorter prompt or raise data.max_prompt_tokens"),
+        ([{"role": "user", "content": "x" * 10**7}], "prompt() returned 10000000 characters, "
+         "over data.max_prompt_tokens (20 tokens); return a shorter prompt or raise "
+         "data.max_prompt_tokens"),
+    ],
+)  # fmt: skip
+def test_a_first_prompt_the_servers_would_refuse_ends_its_episode_not_the_run(prompt, message):
+    """Empty, or past data.max_prompt_tokens (what the context and the servers are sized for):
+    the servers answer 400, which ended the step's rollout and the run."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=ROLES, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls(ENV + "Returns", timeout_s=5.0, vocab_size=len(tok), workers=1)
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(2, 8, 32, max_prompt_tokens=20))
+    row = PromptRow("p", "a", extra={"prompt": prompt})
+    try:
+        sample = asyncio.run(runner.run(None, row, [1, 2], {}, False, (0, 0), 1))  # type: ignore[arg-type]
+    finally:
+        calls.close()
+    assert (sample.env_error, sample.tokens) == (message, [])
+
+
 class _Tok:
     """Decodes ids as letters (id 0 is the end-of-turn token, skipped as special)."""
 
