@@ -22,6 +22,8 @@ a process's main thread and cannot stop a long computation in C; a worker's time
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 import threading
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from megatron_gspo.bounded import Kind, Outcome, Pool, Refused, default_workers
 from megatron_gspo.errors import UserError
@@ -57,12 +60,22 @@ def checked_reward(value: object) -> float:
     return number
 
 
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
 def worker_reward(spec: str) -> Callable[[str, str, str], float]:
-    """In a worker (bounded/worker.py): the reward function named by `spec`, result checked."""
+    """In a worker (bounded/worker.py): the reward function named by `spec`, result checked. An
+    `async def` one (a remote judge) is run to its end on the worker's own event loop, kept for
+    the worker's life (a client session it made stays bound to it)."""
     fn = load_reward(spec)
+    loop = asyncio.new_event_loop()
 
     def call(prompt: str, response: str, answer: str) -> float:
-        return checked_reward(fn(prompt, response, answer))
+        value = fn(prompt, response, answer)
+        if inspect.isawaitable(value):
+            value = loop.run_until_complete(_awaited(value))
+        return checked_reward(value)
 
     return call
 

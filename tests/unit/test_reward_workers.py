@@ -78,6 +78,17 @@ def test_a_reward_that_is_not_a_finite_number_fails_its_sample(prompt, shown):
         scorer.close()
 
 
+def test_an_async_reward_is_awaited_in_its_worker():
+    scorer = RewardScorer("tests.unit.user_code:async_reward", workers=1)
+    try:
+        got = [scorer.submit("p", r, "15").result(timeout=60) for r in ("15", "16", "15")]
+    finally:
+        scorer.close()
+    assert [(o.kind, o.value) for o in got] == [(Kind.VALUE, 1.0), (Kind.VALUE, 0.0)] + [
+        (Kind.VALUE, 1.0)
+    ]
+
+
 def test_math_is_scored_in_the_workers_and_exact_in_the_trainer():
     """math-verify's own bound (SIGALRM) works on a main thread only: math runs in workers."""
     math, exact = RewardScorer("math", workers=1), RewardScorer("exact")

@@ -59,6 +59,12 @@ def slow_reward(prompt: str, response: str, answer: str) -> float:
     return float(len(response))
 
 
+async def async_reward(prompt: str, response: str, answer: str) -> float:
+    """A remote judge's shape: awaits, then scores."""
+    await asyncio.sleep(0)
+    return 1.0 if response == answer else 0.0
+
+
 def junk_reward(prompt: str, response: str, answer: str):
     return {"nan": float("nan"), "str": "1.0", "none": None, "big": 10**400}.get(prompt, 0.5)
 
