@@ -226,6 +226,21 @@ def test_a_first_prompt_the_servers_would_refuse_ends_its_episode_not_the_run(pr
     assert (sample.env_error, sample.tokens) == (message, [])
 
 
+def test_an_async_tool_s_result_is_what_the_model_is_shown():
+    """Not "<coroutine object ...>": the call is awaited in the episode's worker."""
+    calls = EnvCalls("tools", [ENV + "async_echo"], timeout_s=5.0, vocab_size=100, workers=1)
+    turn = _turn('<tool_call>{"name": "async_echo", "arguments": {"text": "hi"}}</tool_call>')
+
+    async def go():
+        return [await calls.step(await calls.start(ROW), turn) for _ in range(2)]
+
+    try:
+        steps = asyncio.run(go())
+    finally:
+        calls.close()
+    assert [s.observation for s in steps] == [[{"role": "tool", "content": "echo hi"}]] * 2
+
+
 class _Tok:
     """Decodes ids as letters (id 0 is the end-of-turn token, skipped as special)."""
 

@@ -146,6 +146,13 @@ def act(kind: str) -> str:
     return "done"
 
 
+@tool
+async def async_echo(text: str) -> str:
+    """Echo the text, after awaiting (a remote service's shape)."""
+    await asyncio.sleep(0)
+    return f"echo {text}"
+
+
 # ---- a pool's handler (bounded/worker.py: loader(spec) -> handler) ---------------------------
 
 
