@@ -30,6 +30,16 @@ def choice(value, key: str, choices: tuple) -> None:
         raise UserError(f"{key} must be one of {', '.join(map(str, choices))}, not {show(value)}")
 
 
+def plugin_spec(value: str, key: str, names: tuple[str, ...], what: str) -> None:
+    """`value` is one of the built-in `names` or names the user's code: module:name or
+    file.py:name, both parts given (`what`: what the name is, "function")."""
+    module, _, attr = value.rpartition(":")
+    if value not in names and not (module.strip() and attr.strip()):
+        builtins = ", ".join(names)
+        raise UserError(f"{key} {show(value)} is neither {builtins} nor module:{what} (or "
+                        f"file.py:{what}); write it as one of those")  # fmt: skip
+
+
 def positive(value, key: str) -> None:
     in_range(value, key, 1)
 

@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_gspo.bounded.outcome import Kind, Outcome
-from megatron_gspo.bounded.wire import FrameError, read_frame, write_frame
+from megatron_gspo.bounded.wire import MAX_FRAME, FrameError, read_frame, write_frame
 
 WORKER = "megatron_gspo.bounded.worker"
+_MIN_FRAME = 1 << 20  # bytes a worker may always answer with: a refusal, a traceback
 
 
 def default_workers() -> int:
@@ -71,17 +72,20 @@ class _Slot:
     queue: deque = field(default_factory=deque)  # calls pinned to it
     thread: threading.Thread | None = None
     started: threading.Event = field(default_factory=threading.Event)  # its first start is over
+    start_error: str | None = None  # why its first start failed
 
 
 class Pool:
     """Worker processes that run `loader(spec)`'s handler, one call at a time each."""
 
     def __init__(self, loader: str, spec: Any, *, workers: int, timeout_s: float, limit: str,
-                 start_timeout_s: float = 120.0, name: str = "bounded"):  # fmt: skip
+                 start_timeout_s: float = 120.0, name: str = "bounded",
+                 max_answer: int = MAX_FRAME):  # fmt: skip
         """`loader`: "module:function" returning the handler (worker.py); `limit`: the config
         key of `timeout_s`, named in the outcome of a call that passes it; `start_timeout_s`:
-        how long a worker may take to start (its imports), not counted in any call's limit."""
-        self.loader, self.spec, self.limit = loader, spec, limit
+        how long a worker may take to start (its imports), not counted in any call's limit;
+        `max_answer`: the most bytes of one answer (a longer one is refused by its worker)."""
+        self.loader, self.spec, self.limit, self.max_answer = loader, spec, limit, max_answer
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.broken: str | None = None  # the user's code failed to load: every call fails so
         self._cv = threading.Condition()
@@ -110,6 +114,15 @@ class Pool:
             if not slot.started.wait(left):
                 return False
         return True
+
+    def start_error(self) -> str | None:
+        """Why the first worker could not start (the user's code did not load: it raised,
+        exited, hung past start_timeout_s), None once it has; waits for that start. The check at
+        start that the user's code loads, made in a worker: nothing it does when imported reaches
+        the trainer."""
+        slot = self._slots[0]
+        slot.started.wait()
+        return self.broken or slot.start_error
 
     def submit(self, *args: Any, worker: int | None = None,
                incarnation: int | None = None) -> Future:  # fmt: skip
@@ -148,7 +161,8 @@ class Pool:
 
     def _serve(self, slot: _Slot) -> None:
         try:
-            self._guarded(self._start, slot)  # ready before the first call (else it retries)
+            why = self._guarded(self._start, slot)  # ready before the first call (else retried)
+            slot.start_error = why.message if isinstance(why, Outcome) else why
             slot.started.set()
             while (job := self._take(slot)) is not None:
                 if job.future.set_running_or_notify_cancel():
@@ -195,7 +209,8 @@ class Pool:
         """Send one call and wait for its answer, within the time limit."""
         try:
             write_frame(slot.req, request)
-            frame = read_frame(slot.resp, time.monotonic() + self.timeout_s)
+            deadline = time.monotonic() + self.timeout_s
+            frame = read_frame(slot.resp, deadline, max(self.max_answer, _MIN_FRAME))
         except TimeoutError:
             self._stop(slot)
             return Outcome(Kind.TIMEOUT, message=f"ran past {self.limit} ({self.timeout_s:g} s)")
@@ -235,7 +250,8 @@ class Pool:
             os.close(w_resp)
         slot.proc, slot.req, slot.resp = proc, w_req, r_resp
         slot.incarnation += 1
-        init = {"loader": self.loader, "spec": self.spec, "sys_path": list(sys.path)}
+        init = {"loader": self.loader, "spec": self.spec, "sys_path": list(sys.path),
+                "max_answer": self.max_answer}  # fmt: skip
         try:
             write_frame(w_req, pickle.dumps(init))
             frame = read_frame(r_resp, time.monotonic() + self.start_timeout_s)

@@ -28,15 +28,16 @@ def write_frame(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def read_frame(fd: int, deadline: float | None = None) -> bytes | None:
+def read_frame(fd: int, deadline: float | None = None, limit: int = MAX_FRAME) -> bytes | None:
     """One frame's bytes; None at end of file (the writer closed or died) before a frame began.
-    `deadline` (time.monotonic()): TimeoutError once it passes; None waits for ever."""
+    `deadline` (time.monotonic()): TimeoutError once it passes; None waits for ever. A frame
+    longer than `limit` bytes is a FrameError."""
     header = _read_exactly(fd, HEADER.size, deadline, eof_ok=True)
     if header is None:
         return None
     (size,) = HEADER.unpack(header)
-    if size > MAX_FRAME:
-        raise FrameError(f"a frame of {size} bytes (the limit is {MAX_FRAME})")
+    if size > limit:
+        raise FrameError(f"a frame of {size} bytes (the limit is {limit})")
     return _read_exactly(fd, size, deadline, eof_ok=False) or b""
 
 

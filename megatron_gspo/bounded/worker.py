@@ -9,9 +9,13 @@ answers, as JSON (never a pickle: the trainer reads no object of the user's maki
 
     {"value": v}                    the handler's result (plain data: numbers, text, lists, dicts)
     {"refused": why}                the handler said the result is wrong (`Refused`), or v is not
-                                    plain data
+                                    plain data, or its answer is longer than the pool's limit
     {"raised": "Type: message", "traceback": text}   anything raised, BaseException included
-                                    (SystemExit, KeyboardInterrupt raised by the user's code)
+                                    (SystemExit, KeyboardInterrupt raised by the user's code; an
+                                    exception whose str() fails too, by its type)
+
+Whatever the user's code raises or returns, the worker answers and lives on: only a call's time
+limit, or the user's code ending the process, takes it down (and with it the state it holds).
 
 The worker dies with the trainer: Linux's parent-death signal, and a check that the parent is
 still the one that started it.
@@ -47,26 +51,62 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _contain(req: int, resp: int) -> None:
+    """What the user's code starts does not inherit the pipes (a background process holding
+    the answer pipe hid this worker's death until the time limit), and this process is the
+    kernel's first choice when memory runs out (the user's code rather than the trainer)."""
+    for fd in (req, resp):
+        os.set_inheritable(fd, False)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def _resolve(name: str):
     module, _, attr = name.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def _answer(handler, args: tuple) -> bytes:
+def _message(e: BaseException) -> str:
+    """str(e), read without trusting it: "" where its str() raises as well."""
+    try:
+        return str(e)
+    except BaseException:
+        return ""
+
+
+def _raised(e: BaseException) -> bytes:
+    """The answer for an exception: "Type: message", or its type alone."""
+    message = _message(e)
+    try:
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except BaseException:
+        text = ""
+    raised = one_line(f"{type(e).__name__}: {message}" if message else type(e).__name__)
+    return json.dumps({"raised": raised, "traceback": text[-MAX_TRACEBACK:]}).encode()
+
+
+def _refused(why: str) -> bytes:
+    return json.dumps({"refused": one_line(why)}).encode()
+
+
+def _answer(handler, args: tuple, limit: int) -> bytes:
     try:
         value = handler(*args)
     except Refused as e:
-        return json.dumps({"refused": one_line(str(e))}).encode()
+        return _refused(str(e))
     except BaseException as e:  # the user's SystemExit and KeyboardInterrupt included
-        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        raised = one_line(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-        return json.dumps({"raised": raised, "traceback": text[-MAX_TRACEBACK:]}).encode()
+        return _raised(e)
     try:
-        return json.dumps({"value": value}).encode()
+        data = json.dumps({"value": value}).encode()
     except (TypeError, ValueError, RecursionError) as e:
-        return json.dumps(
-            {"refused": one_line(f"returned {type(value).__name__}, not plain data ({e})")}
-        ).encode()
+        return _refused(f"returned {type(value).__name__}, not plain data ({e})")
+    if len(data) > limit:  # (the trainer would refuse the frame, and could not say why)
+        return _refused(f"returned {len(data)} bytes of {type(value).__name__}, over the limit "
+                        f"of {limit}; return less")  # fmt: skip
+    return data
 
 
 def serve(req: int, resp: int) -> int:
@@ -77,19 +117,22 @@ def serve(req: int, resp: int) -> int:
     try:
         handler = _resolve(init["loader"])(init["spec"])
     except BaseException as e:
-        write_frame(resp, json.dumps({"failed": one_line(str(e) or type(e).__name__)}).encode())
+        write_frame(
+            resp, json.dumps({"failed": one_line(_message(e) or type(e).__name__)}).encode()
+        )
         return 1
     write_frame(resp, b'{"ready": true}')
     while True:
         frame = read_frame(req)
         if frame is None:
             return 0
-        write_frame(resp, _answer(handler, pickle.loads(frame)))
+        write_frame(resp, _answer(handler, pickle.loads(frame), init["max_answer"]))
 
 
 def main(argv: list[str]) -> int:
     req, resp, parent = (int(a) for a in argv[1:4])
     _die_with_parent(parent)
+    _contain(req, resp)
     try:
         return serve(req, resp)
     except (KeyboardInterrupt, BrokenPipeError):  # (a signal while idle; the trainer gone)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_gspo.checks import in_range, need, seconds
+from megatron_gspo.checks import in_range, need, plugin_spec, seconds
 
 
 @dataclass
@@ -21,6 +21,7 @@ class RewardSection:
 
     def check(self) -> None:
         need(self.fn, "reward.fn", "exact, math or module:function")
+        plugin_spec(self.fn, "reward.fn", ("exact", "math"), "function")
         if self.workers is not None:
             in_range(self.workers, "reward.workers", 1, 1024)
         seconds(self.timeout_s, "reward.timeout_s")

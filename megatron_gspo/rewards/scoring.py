@@ -10,9 +10,11 @@ KeyboardInterrupt raised by the reward included), returns no finite number, pass
 limit or whose process dies fails that sample alone: its outcome says why in one line, and
 `log_path` (RUN_DIR/logs/reward.log) gets that line with the traceback.
 
-The plugin is imported once here, in the trainer, when the scorer is made, so a broken import
-fails at start with load_plugin's message; each worker then imports it once for its whole life
-(state the plugin keeps, a loaded judge model, a cache, lives once per worker).
+The plugin is never imported in the trainer: when the scorer is made, it waits for its first
+worker to import it, so a plugin that does not load (it raises, has the wrong signature, exits,
+hangs or kills its process when imported) fails at start with a UserError saying why, and the
+trainer is left as it was. Each worker imports it once for its whole life (state the plugin
+keeps, a loaded judge model, a cache, lives once per worker).
 `exact` is scored in the trainer: it is bounded by itself (linear in the response's length).
 `math` goes through the workers: math-verify bounds its parsing with SIGALRM, which works only on
 a process's main thread and cannot stop a long computation in C; a worker's time limit can.
@@ -20,6 +22,8 @@ a process's main thread and cannot stop a long computation in C; a worker's time
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 import threading
@@ -27,9 +31,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from megatron_gspo.bounded import Kind, Outcome, Pool, Refused, default_workers
+from megatron_gspo.errors import UserError
 from megatron_gspo.rewards import load_reward
+from megatron_gspo.rewards.plugin import loading_failed
 
 IN_PROCESS = frozenset({"exact"})  # built-in rewards bounded by themselves
 
@@ -53,12 +60,22 @@ def checked_reward(value: object) -> float:
     return number
 
 
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
 def worker_reward(spec: str) -> Callable[[str, str, str], float]:
-    """In a worker (bounded/worker.py): the reward function named by `spec`, result checked."""
+    """In a worker (bounded/worker.py): the reward function named by `spec`, result checked. An
+    `async def` one (a remote judge) is run to its end on the worker's own event loop, kept for
+    the worker's life (a client session it made stays bound to it)."""
     fn = load_reward(spec)
+    loop = asyncio.new_event_loop()
 
     def call(prompt: str, response: str, answer: str) -> float:
-        return checked_reward(fn(prompt, response, answer))
+        value = fn(prompt, response, answer)
+        if inspect.isawaitable(value):
+            value = loop.run_until_complete(_awaited(value))
+        return checked_reward(value)
 
     return call
 
@@ -69,12 +86,17 @@ class RewardScorer:
     def __init__(self, spec: str, workers: int | None = None, timeout_s: float = 60.0,
                  log_path: Path | None = None):  # fmt: skip
         self.spec, self.log_path = spec, log_path
-        self.fn = load_reward(spec)  # imported once here: a broken plugin fails now
         self._lock = threading.Lock()
         self.pool: Pool | None = None
-        if spec not in IN_PROCESS:
-            self.pool = Pool(_LOADER, spec, workers=workers or default_workers(),
-                             timeout_s=timeout_s, limit="reward.timeout_s", name="reward")  # fmt: skip
+        if spec in IN_PROCESS:
+            self.fn = load_reward(spec)
+            return
+        self.pool = Pool(_LOADER, spec, workers=workers or default_workers(),
+                         timeout_s=timeout_s, limit="reward.timeout_s", name="reward")  # fmt: skip
+        why = self.pool.start_error()  # (a plugin that does not load fails now, not per sample)
+        if why is not None:
+            self.pool.close()
+            raise UserError(loading_failed(f"reward plugin {spec!r}", why, bool(self.pool.broken)))
 
     def close(self) -> None:
         if self.pool is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from megatron_gspo.checks import choice, in_range, positive, seconds, show
+from megatron_gspo.checks import choice, in_range, plugin_spec, positive, seconds, show
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
 
@@ -147,11 +147,8 @@ class EnvSection:
     workers: int | None = None
 
     def check(self) -> None:
-        if self.fn is not None and self.fn != "tools" and ":" not in self.fn:
-            raise UserError(
-                f"env.fn {self.fn!r} is neither tools (the built-in tool-calling environment) "
-                "nor module:function_or_class; write it as one of those"
-            )
+        if self.fn is not None:  # (tools: the built-in tool-calling environment)
+            plugin_spec(self.fn, "env.fn", ("tools",), "function_or_class")
         if self.fn == "tools" and not self.tools:
             raise UserError("env.fn tools needs env.tools: tool names (calc) or module:function")
         if self.tools and self.fn != "tools":

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_gspo.bounded import Kind, Outcome, Pool, default_workers
+from megatron_gspo.errors import UserError
+from megatron_gspo.rewards.plugin import load_plugin, loading_failed
 
 TOOLS = "tools"  # env.fn of the built-in tool-calling environment (rollout/tool_env.py)
 _HOST = "megatron_gspo.rollout.env_host:episode_host"
@@ -88,9 +90,8 @@ class EnvError(Exception):
 
 def load_env(spec: str):
     """The episode factory named by `spec` (module:name or file.py:name)."""
-    from megatron_gspo.rewards.plugin import load_plugin
-
-    return load_plugin(spec, kind="environment", usage="fn(row) -> an episode with step(turn)")
+    return load_plugin(spec, kind="environment", usage="fn(row) -> an episode with step(turn)",
+                       args=1)  # fmt: skip
 
 
 @dataclass
@@ -110,11 +111,17 @@ class EnvCalls:
 
     def __init__(self, fn: str, tools: Sequence[str] = (), *, timeout_s: float, vocab_size: int,
                  workers: int | None = None):  # fmt: skip
-        """`fn`: env.fn (`tools`, or module:name / file.py:name); `tools`: env.tools."""
+        """`fn`: env.fn (`tools`, or module:name / file.py:name); `tools`: env.tools. Waits
+        for the first worker to load them: code that does not load is a UserError here."""
         self.timeout_s, self.vocab_size = timeout_s, vocab_size
         spec = {"fn": fn, "tools": list(tools), "vocab_size": vocab_size}
         self.pool = Pool(_HOST, spec, workers=workers or default_workers(), timeout_s=timeout_s,
                          limit="env.timeout_s", name="env")  # fmt: skip
+        why = self.pool.start_error()  # (code that does not load fails now, not per episode)
+        if why is not None:
+            self.pool.close()
+            what = f"environment {fn!r}" if fn != TOOLS else f"env.tools {list(tools)}"
+            raise UserError(loading_failed(what, why, bool(self.pool.broken)))
         self._keys = itertools.count()
         self._live = [0] * self.pool.workers  # episodes living in each worker
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_gspo.bounded import one_line
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.env import EnvCalls, EnvError, Episode, Step, Turn
 from megatron_gspo.rollout.partial import finish
@@ -36,6 +37,7 @@ class Limits:
     max_turns: int
     max_turn_tokens: int
     max_tokens: int
+    max_prompt_tokens: int | None = None  # an environment's first prompt (data.max_prompt_tokens)
 
 
 class ChatRender:
@@ -46,6 +48,14 @@ class ChatRender:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.end_of_turn = tokenizer.eos_token or ""
+        # no token stands for more characters than this (4x its longest entry: a normalizer may
+        # shorten text), so a longer text needs more tokens than a budget, known untokenized
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.chars_per_token = 4 * max(map(len, vocab), default=64)
+
+    def fits(self, texts: list[str], tokens: int) -> bool:
+        """Whether `texts` may fit in `tokens` tokens (False: they certainly do not)."""
+        return sum(map(len, texts)) <= tokens * self.chars_per_token
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -54,9 +64,15 @@ class ChatRender:
         if not getattr(self.tokenizer, "chat_template", None):
             raise EnvError("the environment gave chat messages, but the tokenizer has no chat "
                            "template; give text or token ids instead")  # fmt: skip
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation, tokenize=False
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation, tokenize=False
+            )
+        except Exception as e:  # (the template's raise_exception: a role it does not take, ...)
+            raise EnvError(
+                f"the tokenizer's chat template refused the environment's messages "
+                f"({one_line(f'{type(e).__name__}: {e}', 200)}); give messages it renders, or text"
+            ) from e
 
     def prompt(self, messages: list[dict], tools=None) -> list[int]:
         return self.encode(self._render(messages, tools, generation=True))
@@ -116,6 +132,11 @@ class _Episode:
         return s
 
 
+def _over(size: str, cap: int) -> EnvError:
+    return EnvError(f"prompt() returned {size}, over data.max_prompt_tokens ({cap} tokens); "
+                    "return a shorter prompt or raise data.max_prompt_tokens")  # fmt: skip
+
+
 class EpisodeRunner:
     """Runs episodes against the rollout servers and the environment (`calls`)."""
 
@@ -144,9 +165,23 @@ class EpisodeRunner:
                 self.calls.end(episode)
 
     def _prompt(self, first, tools) -> list[int]:
-        if isinstance(first, str):
-            return self.render.encode(first)
-        return self.render.prompt(first, tools)
+        """The environment's first prompt as tokens: not empty, and within the prompt length the
+        config sized the servers and the context for (or the servers would refuse it)."""
+        cap = self.limits.max_prompt_tokens
+        texts = [first] if isinstance(first, str) else [m["content"] for m in first]
+        if cap is not None and not self.render.fits(texts, cap):  # (megabytes: not tokenized)
+            raise _over(f"{sum(map(len, texts))} characters", cap)
+        ids = (
+            self.render.encode(first)
+            if isinstance(first, str)
+            else self.render.prompt(first, tools)
+        )
+        if not ids:
+            raise EnvError("prompt() returned an empty prompt; return text, chat messages, or "
+                           "None for the row's prompt")  # fmt: skip
+        if cap is not None and len(ids) > cap:
+            raise _over(f"{len(ids)} tokens", cap)
+        return ids
 
     async def _turns(self, client: RolloutClient, ep: _Episode, episode: Episode, sampling: dict,
                      routed: bool, seed_stride: int) -> Sample:  # fmt: skip
@@ -169,16 +204,24 @@ class EpisodeRunner:
             ep.reward = ep.reward if step.reward is None else float(step.reward)
             if step.done:
                 return ep.finish("stop")
-            obs = self._observation(step)
-            if t + 1 == lim.max_turns or len(s.tokens) + len(obs) >= lim.max_tokens:
+            room = lim.max_tokens - len(s.tokens)
+            obs = self._observation(step, room)
+            if t + 1 == lim.max_turns or obs is None or len(obs) >= room:
                 break
             ep.add_env(obs)
         return ep.finish("length")
 
-    def _observation(self, step: Step) -> list[int]:
+    def _observation(self, step: Step, room: int) -> list[int] | None:
+        """The observation's tokens; None when its text cannot fit in `room` tokens, found
+        without tokenizing it (megabytes of text would hold the trainer's loop for seconds)."""
         obs = step.observation
         if obs is None:
             return []
+        texts = (
+            [obs] if isinstance(obs, str) else [m["content"] for m in obs if isinstance(m, dict)]
+        )
+        if not self.render.fits(texts, room):
+            return None
         if isinstance(obs, str):
             return self.render.encode(obs)
         if obs and isinstance(obs[0], dict):

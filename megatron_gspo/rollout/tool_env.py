@@ -14,13 +14,16 @@ env.timeout_s, like any other environment's step.
 
 from __future__ import annotations
 
+import asyncio
+
 from megatron_gspo.rollout.env import Step, Turn
 from megatron_gspo.rollout.tools import Tool, call_tool, parse_tool_calls, resolve_tools
 
 
 class ToolEpisode:
-    def __init__(self, row, tools: dict[str, Tool]):
-        self.row, self._tools = row, tools
+    def __init__(self, row, tools: dict[str, Tool], loop: asyncio.AbstractEventLoop | None = None):
+        """`loop`: where `async def` tools run (one for the worker's life)."""
+        self.row, self._tools, self._loop = row, tools, loop
         self.tools = [t.schema for t in tools.values()]  # what the chat template lists
 
     def prompt(self) -> list[dict]:
@@ -30,15 +33,17 @@ class ToolEpisode:
         calls, errors = parse_tool_calls(turn.text)
         if not calls and not errors:
             return Step(done=True)
-        results = [call_tool(self._tools, c) for c in calls] + [f"error: {e}" for e in errors]
+        results = [call_tool(self._tools, c, self._loop) for c in calls]
+        results += [f"error: {e}" for e in errors]
         return Step(observation=[{"role": "tool", "content": r} for r in results])
 
 
 def tool_env(specs: list[str]):
     """The episode factory of `env.fn: tools` with the tools `specs` name."""
     tools = resolve_tools(specs)
+    loop = asyncio.new_event_loop()  # (the `async def` tools' calls, on one loop)
 
     def start(row) -> ToolEpisode:
-        return ToolEpisode(row, tools)
+        return ToolEpisode(row, tools, loop)
 
     return start

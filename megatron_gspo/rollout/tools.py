@@ -21,12 +21,14 @@ The model calls tools the way Qwen3 writes them, one JSON object per block:
 `parse_tool_calls` reads every block of a turn (text outside blocks is ignored) and lists one
 short error per malformed block; `call_tool` runs one call and returns the text fed back to the
 model. A failing call (unknown tool, wrong arguments, an exception in the tool) becomes the text
-"error: ..." shown to the model, as Qwen-Agent and verl do; it is never raised.
+"error: ..." shown to the model, as Qwen-Agent and verl do; it is never raised. A tool may be
+`async def`: its result is awaited, not shown to the model as a coroutine.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
 import inspect
 import json
@@ -168,7 +170,7 @@ def _import_attr(spec: str) -> object:
         module = importlib.import_module(module_name)
     except UserError:  # raised by the module itself (a tool registered twice)
         raise
-    except Exception as e:
+    except BaseException as e:  # (SystemExit and KeyboardInterrupt raised by the module too)
         raise UserError(
             f"tool {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); put its "
             f"package on PYTHONPATH or use a built-in tool ({_known()})"
@@ -194,7 +196,15 @@ def _resolve_one(spec: str) -> Tool:
             "(its signature becomes the tool's parameters)"
         )
     registered = [t for t in REGISTRY.values() if t.fn is obj]  # decorated with @tool
-    return registered[0] if registered else make_tool(obj)
+    if registered:
+        return registered[0]
+    try:
+        return make_tool(obj)
+    except (ValueError, TypeError) as e:  # (a builtin without a signature: max, print)
+        raise UserError(
+            f"tool {spec!r}: its parameters cannot be read ({e}); wrap it in a function with "
+            "named parameters"
+        ) from None
 
 
 def resolve_tools(specs: list[str]) -> dict[str, Tool]:
@@ -345,11 +355,28 @@ def _error(message: str) -> str:
     return _cap("error: " + " ".join(message.split()))  # one line
 
 
-def call_tool(tools: dict[str, Tool], call: ToolCall) -> str:
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+def _result(value: Any, loop: asyncio.AbstractEventLoop | None) -> Any:
+    """What the tool returned, an `async def` tool's awaited on `loop` (None: a loop of its own)."""
+    if not inspect.isawaitable(value):
+        return value
+    if loop is None:
+        return asyncio.run(_awaited(value))
+    return loop.run_until_complete(_awaited(value))
+
+
+def call_tool(
+    tools: dict[str, Tool], call: ToolCall, loop: asyncio.AbstractEventLoop | None = None
+) -> str:
     """The text fed back to the model for `call`: str(result), at most MAX_RESULT_CHARS.
 
     An unknown tool, arguments its signature does not take, or an exception in the tool give
     "error: <one line>" (a ValueError by its message alone, other exceptions with their type).
+    An `async def` tool is run to its end on `loop` (the one its worker keeps: a session the tool
+    holds stays bound to it), or on a loop of its own.
     """
     found = tools.get(call.name)
     if found is None:
@@ -360,7 +387,7 @@ def call_tool(tools: dict[str, Tool], call: ToolCall) -> str:
     except TypeError as e:
         return _error(f"bad arguments for {call.name}: {e}")
     try:
-        return _cap(str(found.fn(**call.arguments)))
+        return _cap(str(_result(found.fn(**call.arguments), loop)))
     except ValueError as e:
         return _error(str(e) or "ValueError")
     except Exception as e:

@@ -170,18 +170,17 @@ def _seeded(sampling: dict, k: int) -> dict:
 
 
 def _runner(cfg: Config, tokenizer, log_path: Path | None):
-    """The episode runner; the environment's code is imported here once (a broken import or a
-    bad tool fails at start) and then once in each of its worker processes."""
-    from megatron_gspo.rollout.env import TOOLS, EnvCalls, load_env
+    """The episode runner; the environment's code is imported once in each of its worker
+    processes, never here (a broken import or a bad tool fails at start, in EnvCalls)."""
+    from megatron_gspo.rollout.env import EnvCalls
     from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
-    from megatron_gspo.rollout.tool_env import tool_env
 
     e = cfg.env
     fn = cast(str, e.fn)
-    tool_env(e.tools) if fn == TOOLS else load_env(fn)
     calls = EnvCalls(fn, e.tools, timeout_s=e.timeout_s, vocab_size=len(tokenizer),
                      workers=e.workers)  # fmt: skip
-    limits = Limits(e.max_turns, e.max_turn_tokens or cfg.rollout.max_new_tokens, e.max_tokens)
+    limits = Limits(e.max_turns, e.max_turn_tokens or cfg.rollout.max_new_tokens, e.max_tokens,
+                    cfg.data.max_prompt_tokens)  # fmt: skip
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
     return EpisodeRunner(calls, ChatRender(tokenizer), limits, log_path)

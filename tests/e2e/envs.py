@@ -38,3 +38,13 @@ class Endless:
 
     def step(self, turn):
         return Step([10, 11, 12, 13])
+
+
+class Flood:
+    """Answers with 30 million characters of text (a log, a file), far past any episode's room."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, turn):
+        return Step("log line\n" * 3_000_000 + "end")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,19 @@ def test_an_episode_ends_at_its_turn_and_token_limits(server, chat_model, limits
     [s] = _episode(server, tok, "Endless", limits, greedy_no_eos)
     assert (s.turns, len(s.tokens), s.finish_reason) == (turns, length, "length")
     assert s.loss_mask[-2:] == [1, 1] and s.tokens[2:6] == [10, 11, 12, 13]
+
+
+def test_an_observation_far_past_the_episode_s_room_ends_it_without_being_tokenized(
+    server, chat_model
+):
+    """30 million characters cannot be 100 tokens: the episode ends at its token limit at once
+    (tokenizing them held the trainer's loop, every other episode with it, for 40 s)."""
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    t0 = time.perf_counter()
+    [s] = _episode(server, tok, "Flood", Limits(max_turns=3, max_turn_tokens=2, max_tokens=100),
+                   {"temperature": 0.0, "ignore_eos": True})  # fmt: skip
+    assert (s.turns, len(s.tokens), s.finish_reason, s.env_error) == (1, 2, "length", None)
+    assert time.perf_counter() - t0 < 15
 
 
 BAD_ENV = '''

@@ -51,6 +51,7 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
         ("raise", Kind.RAISED, "RuntimeError: broken"),
         ("die", Kind.DIED, "exited with code 7"),
         ("kill", Kind.DIED, "killed by SIGKILL"),
+        ("orphan", Kind.DIED, "exited with code 7"),  # (not a time-out: what it left is no peer)
         ("object", Kind.REFUSED, "returned object, not plain data"),
     ],
 )
@@ -67,6 +68,29 @@ def test_every_way_a_call_can_end_is_an_outcome_of_that_call_alone(pool, kind, e
         assert pool.submit("ok").result(timeout=30).value["spec"] == "s"
     if kind == "raise":
         assert "Traceback (most recent call last)" in o.detail and "misbehave" in o.detail
+
+
+def test_an_unreadable_exception_or_a_long_answer_fails_that_call_and_its_worker_lives_on():
+    """The worker answers for them: its death would end the state it holds (other episodes)."""
+    p = Pool(HANDLER, "s", workers=1, timeout_s=5.0, limit="test.timeout_s", max_answer=1000)
+    try:
+        first = p.submit("ok").result(timeout=60)
+        bad = p.submit("unprintable").result(timeout=30)
+        long = p.submit("long").result(timeout=30)
+        after = p.submit("ok").result(timeout=30)
+    finally:
+        p.close()
+    assert (bad.kind, bad.message) == (Kind.RAISED, "Unprintable")
+    assert bad.detail.endswith("Unprintable: <exception str() failed>\n")
+    size = len(json.dumps({"value": "x" * 2000}))
+    assert (long.kind, long.message) == (
+        Kind.REFUSED, f"returned {size} bytes of str, over the limit of 1000; return less"
+    )  # fmt: skip
+    assert (after.value["pid"], after.incarnation) == (first.value["pid"], first.incarnation)
+
+
+def test_a_worker_is_the_one_the_kernel_kills_when_memory_runs_out(pool):
+    assert pool.submit("oom_score_adj").result(timeout=30).value == "1000"
 
 
 def test_a_killed_worker_takes_what_it_started_with_it(tmp_path, monkeypatch):

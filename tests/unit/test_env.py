@@ -18,7 +18,9 @@ from megatron_gspo.algo.policy_loss import policy_loss
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.data.prompts import PromptRow
 from megatron_gspo.errors import UserError
+from megatron_gspo.hf.tiny import build_tokenizer
 from megatron_gspo.rollout.env import EnvCalls, EnvError, Step, Turn, load_env
+from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
 from megatron_gspo.rollout.sample import Sample
 from megatron_gspo.rollout.tool_env import tool_env
 from megatron_gspo.train.generate import Generation
@@ -105,16 +107,42 @@ def test_load_env_names_the_fix(tmp_path):
     with pytest.raises(UserError, match="environment 'nosuch_mod:Env': cannot import"):
         load_env("nosuch_mod:Env")
     path = tmp_path / "envs.py"
-    path.write_text("X = 3\nclass Env:\n    pass\n")
+    path.write_text("X = 3\nclass Env:\n    def __init__(self, row):\n        pass\n")
     assert load_env(f"{path}:Env").__name__ == "Env"
     with pytest.raises(UserError, match="'X' is a int, not callable"):
         load_env(f"{path}:X")
 
 
 @pytest.mark.parametrize(
+    "fn, tools, message",
+    [
+        ("{path}:Env", [], "environment '{path}:Env': importing '{path}' raised SystemExit: 0"),
+        (ENV + "reward", [], "environment 'tests.unit.user_code:reward': it takes (prompt: 'str', "
+         "response: 'str', answer: 'str') -> 'float' (missing a required argument: 'response'); "
+         "it must be callable as fn(row) -> an episode with step(turn)"),
+        ("tools", ["{module}:f"], "tool '{module}:f': cannot import '{module}' (SystemExit: 0)"),
+    ],
+)  # fmt: skip
+def test_environment_code_that_does_not_load_fails_at_start_and_the_trainer_goes_on(
+    tmp_path, monkeypatch, fn, tools, message
+):
+    """The check at start loads the environment (its tools) in a worker, not in the trainer: a
+    module that exits when imported is a UserError, not the trainer's exit."""
+    path = tmp_path / "exits_on_import.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = {"path": str(path), "module": "exits_on_import"}
+    with pytest.raises(UserError) as e:
+        EnvCalls(fn.format(**names), [t.format(**names) for t in tools], timeout_s=5.0,
+                 vocab_size=100, workers=1)  # fmt: skip
+    assert str(e.value).startswith(message.format(**names))
+
+
+@pytest.mark.parametrize(
     "keys, message",
     [
         (["env.fn=nomodule"], "env.fn 'nomodule' is neither tools"),
+        (["env.fn=envs.py:"], "env.fn 'envs.py:' is neither tools nor module:function_or_class"),
         (["env.fn=tools"], "env.fn tools needs env.tools"),
         (["env.tools=[calc]"], "env.tools is used by env.fn=tools only"),
         (["env.fn=a:b", "env.max_turns=0"], "env.max_turns"),
@@ -139,6 +167,78 @@ def test_tool_episode_runs_the_calls_of_a_turn_and_ends_on_an_answer():
     bad = episode.step(_turn("<tool_call>\n{not json\n</tool_call>"))
     assert bad.observation[0]["content"].startswith("error:")
     assert episode.step(_turn("1776<|im_end|>")) == Step(done=True)
+
+
+ROLES = (
+    "{% for m in messages %}{% if m.role not in ['user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('Unexpected role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"
+)
+
+
+def test_messages_the_chat_template_refuses_end_their_episode_not_the_run():
+    """A template that raises on a role it does not know (as many models' do): the episode
+    fails with the template's reason; the exception does not reach the step's rollout."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=ROLES, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls(ENV + "Returns", timeout_s=5.0, vocab_size=len(tok), workers=1)
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(2, 8, 32))
+    row = PromptRow("p", "a", extra={"prompt": [{"role": "judge", "content": "x"}]})
+    try:
+        sample = asyncio.run(runner.run(None, row, [1, 2], {}, False, (0, 0), 1))  # type: ignore[arg-type]
+    finally:
+        calls.close()
+    assert sample.env_error == (
+        "the tokenizer's chat template refused the environment's messages (TemplateError: "
+        "Unexpected role judge); give messages it renders, or text"
+    )
+    with pytest.raises(EnvError, match="chat template refused .*Unexpected role observer"):
+        ChatRender(tok).continuation([{"role": "observer", "content": "y"}])
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "prompt() returned an empty prompt; return text, chat messages, or None for the "
+         "row's prompt"),
+        ("x" * 21, "prompt() returned 21 tokens, over data.max_prompt_tokens (20 tokens); return "
+         "a shorter prompt or raise data.max_prompt_tokens"),
+        ([{"role": "user", "content": "x" * 10**7}], "prompt() returned 10000000 characters, "
+         "over data.max_prompt_tokens (20 tokens); return a shorter prompt or raise "
+         "data.max_prompt_tokens"),
+    ],
+)  # fmt: skip
+def test_a_first_prompt_the_servers_would_refuse_ends_its_episode_not_the_run(prompt, message):
+    """Empty, or past data.max_prompt_tokens (what the context and the servers are sized for):
+    the servers answer 400, which ended the step's rollout and the run."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=ROLES, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls(ENV + "Returns", timeout_s=5.0, vocab_size=len(tok), workers=1)
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(2, 8, 32, max_prompt_tokens=20))
+    row = PromptRow("p", "a", extra={"prompt": prompt})
+    try:
+        sample = asyncio.run(runner.run(None, row, [1, 2], {}, False, (0, 0), 1))  # type: ignore[arg-type]
+    finally:
+        calls.close()
+    assert (sample.env_error, sample.tokens) == (message, [])
+
+
+def test_an_async_tool_s_result_is_what_the_model_is_shown():
+    """Not "<coroutine object ...>": the call is awaited in the episode's worker."""
+    calls = EnvCalls("tools", [ENV + "async_echo"], timeout_s=5.0, vocab_size=100, workers=1)
+    turn = _turn('<tool_call>{"name": "async_echo", "arguments": {"text": "hi"}}</tool_call>')
+
+    async def go():
+        return [await calls.step(await calls.start(ROW), turn) for _ in range(2)]
+
+    try:
+        steps = asyncio.run(go())
+    finally:
+        calls.close()
+    assert [s.observation for s in steps] == [[{"role": "tool", "content": "echo hi"}]] * 2
 
 
 class _Tok:

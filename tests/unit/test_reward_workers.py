@@ -5,7 +5,11 @@ side by side, each sample sent as soon as its group's generation ends."""
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +24,7 @@ from megatron_gspo.train.generate import Generation
 
 pytestmark = pytest.mark.unit
 
+ROOT = Path(__file__).resolve().parents[2]
 REWARD = "tests.unit.user_code:reward"  # user_code.py: the prompt says how to misbehave
 
 
@@ -73,6 +78,17 @@ def test_a_reward_that_is_not_a_finite_number_fails_its_sample(prompt, shown):
         scorer.close()
 
 
+def test_an_async_reward_is_awaited_in_its_worker():
+    scorer = RewardScorer("tests.unit.user_code:async_reward", workers=1)
+    try:
+        got = [scorer.submit("p", r, "15").result(timeout=60) for r in ("15", "16", "15")]
+    finally:
+        scorer.close()
+    assert [(o.kind, o.value) for o in got] == [(Kind.VALUE, 1.0), (Kind.VALUE, 0.0)] + [
+        (Kind.VALUE, 1.0)
+    ]
+
+
 def test_math_is_scored_in_the_workers_and_exact_in_the_trainer():
     """math-verify's own bound (SIGALRM) works on a main thread only: math runs in workers."""
     math, exact = RewardScorer("math", workers=1), RewardScorer("exact")
@@ -88,6 +104,74 @@ def test_math_is_scored_in_the_workers_and_exact_in_the_trainer():
 def test_a_plugin_that_cannot_be_imported_fails_at_start_as_before():
     with pytest.raises(UserError, match="cannot import 'nosuch_mod_xyz'.*PYTHONPATH"):
         RewardScorer("nosuch_mod_xyz:fn")
+
+
+LOADS = """
+from megatron_gspo.errors import UserError
+from megatron_gspo.rewards.scoring import RewardScorer
+
+try:
+    RewardScorer("{spec}", workers=2)
+except UserError as e:
+    print("error:", e)
+print("the trainer goes on")
+"""
+
+
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        ("import sys\nsys.exit(0)\n", "importing '{path}' raised SystemExit: 0"),
+        ("raise KeyboardInterrupt\n", "importing '{path}' raised KeyboardInterrupt"),
+        ("import os\nos._exit(0)\n", "could not be loaded: a worker process ended while "
+         "starting (exited with code 0); its module must import without exiting, hanging or "
+         "ending its process"),
+        ("def judge(response):\n    return 1.0\n", "it takes (response) (too many positional "
+         "arguments); it must be callable as fn(prompt, response, answer) -> float"),
+    ],
+)  # fmt: skip
+def test_a_plugin_that_exits_or_cannot_be_called_fails_at_start_and_the_trainer_goes_on(
+    tmp_path, plugin, message
+):
+    """The check at start imports the plugin in a worker: a module that exits when imported
+    fails the load, with one line, instead of ending the trainer (silently, with code 0)."""
+    path = tmp_path / "judge.py"
+    path.write_text(plugin)
+    script = tmp_path / "trainer.py"
+    script.write_text(LOADS.format(spec=f"{path}:judge"))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    expected = f"error: reward plugin '{path}:judge'"
+    assert out.stdout.splitlines() == [
+        f"{expected}{'' if 'could not' in message else ':'} {message.format(path=path)}",
+        "the trainer goes on",
+    ], out.stderr[-2000:]
+    assert out.returncode == 0
+
+
+def test_a_plugin_file_that_imports_a_module_beside_it_is_told_to_put_its_folder_on_the_path(
+    tmp_path,
+):
+    (tmp_path / "helpers.py").write_text("def norm(s):\n    return s.strip()\n")
+    path = tmp_path / "my_rewards.py"
+    path.write_text("from helpers import norm\n\ndef judge(p, r, a):\n    return 1.0\n")
+    with pytest.raises(UserError) as e:
+        RewardScorer(f"{path}:judge", workers=1)
+    assert str(e.value) == (
+        f"reward plugin '{path}:judge': cannot import '{path}' (No module named 'helpers'); it "
+        f"imports 'helpers' from its own folder: put '{tmp_path}' on PYTHONPATH"
+    )
+
+
+@pytest.mark.parametrize("fn", ["123", ":", "exact ", "judge.py:", ":judge"])
+def test_a_reward_fn_that_names_nothing_is_refused_with_the_config(fn):
+    """Found when the config is checked, not once the model is built (where the plugin loads)."""
+    with pytest.raises(UserError) as e:
+        load_config(None, ["model.path=m", f"reward.fn='{fn}'"]).check()
+    assert str(e.value) == (
+        f"reward.fn {fn!r} is neither exact, math nor module:function (or file.py:function); "
+        "write it as one of those"
+    )
 
 
 class _Tok:

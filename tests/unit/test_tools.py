@@ -328,6 +328,14 @@ def test_resolve_a_decorated_function_keeps_its_registered_name():
         ("tests.unit.test_tools:NOT_A_FUNCTION", ["is a int, not a function"]),
         (":f", ["module:function", "calc"]),
         ("tests.unit.test_tools:", ["module:function"]),
+        (
+            "builtins:max",
+            [
+                "tool 'builtins:max': its parameters cannot be read (no signature "
+                "found for builtin",
+                "wrap it in a function with named parameters",
+            ],
+        ),
     ],
 )
 def test_resolve_errors_name_the_spec_and_the_fix(spec, words):

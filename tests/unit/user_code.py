@@ -59,6 +59,12 @@ def slow_reward(prompt: str, response: str, answer: str) -> float:
     return float(len(response))
 
 
+async def async_reward(prompt: str, response: str, answer: str) -> float:
+    """A remote judge's shape: awaits, then scores."""
+    await asyncio.sleep(0)
+    return 1.0 if response == answer else 0.0
+
+
 def junk_reward(prompt: str, response: str, answer: str):
     return {"nan": float("nan"), "str": "1.0", "none": None, "big": 10**400}.get(prompt, 0.5)
 
@@ -140,12 +146,21 @@ def act(kind: str) -> str:
     return "done"
 
 
+@tool
+async def async_echo(text: str) -> str:
+    """Echo the text, after awaiting (a remote service's shape)."""
+    await asyncio.sleep(0)
+    return f"echo {text}"
+
+
 # ---- a pool's handler (bounded/worker.py: loader(spec) -> handler) ---------------------------
 
 
 def handler(spec):
     """handler(kind) misbehaves as `kind` says, else answers {"pid": ..., "spec": spec};
-    "object" returns something that is not plain data, "child" starts a `sleep` in the
+    "object" returns something that is not plain data, "unprintable" raises an exception whose
+    message cannot be read, "long" returns 2000 characters, "oom_score_adj" its process's,
+    "orphan" leaves a shell's background process behind and exits, "child" starts a `sleep` in the
     background first (its pid in the file named by USER_CODE_CALLS) and then hangs."""
     if spec == "broken":
         raise ImportError("no module named 'nothing_here'")
@@ -153,6 +168,16 @@ def handler(spec):
     def call(kind: str, seconds: float = 0.0):
         if kind == "object":
             return object()
+        if kind == "unprintable":
+            raise Unprintable
+        if kind == "long":
+            return "x" * 2000
+        if kind == "oom_score_adj":
+            with open(f"/proc/{os.getpid()}/oom_score_adj") as f:
+                return f.read().strip()
+        if kind == "orphan":  # a background process of a shell, then the worker's end
+            os.system("sleep 30 &")
+            os._exit(7)
         if kind == "child":
             import subprocess
 
@@ -164,3 +189,10 @@ def handler(spec):
         return {"pid": os.getpid(), "spec": spec}
 
     return call
+
+
+class Unprintable(Exception):
+    """An exception whose message cannot be read: str() raises."""
+
+    def __str__(self):
+        raise RuntimeError("no message")
