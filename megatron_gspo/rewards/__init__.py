@@ -1,10 +1,11 @@
 """Verifiable rewards: exact answers for the built-in tasks, math answers, or the user's function.
 
 A reward function is fn(prompt, response_text, answer) -> float, 1.0 for a right answer and 0.0
-for a wrong one (the built-in ones return exactly these); a plugin may be `async def`. Training scores it in bounded worker
-processes, a failure ending its sample alone (rewards/scoring.py); `score_rewards` calls it
-here, on a batch of the built-in tasks (the warm start), and turns what can go wrong into a
-one-line UserError; `dynamic_sampling_keep` drops the groups that carry no learning signal.
+for a wrong one (the built-in ones return exactly these); a plugin may be `async def`. Training
+scores it in bounded worker processes, a failure ending its sample alone (rewards/scoring.py);
+`score_rewards` calls it here, on a batch of the built-in tasks (the warm start), and turns what
+can go wrong into a one-line UserError; `dynamic_sampling_keep` drops the groups that carry no
+learning signal.
 """
 
 from __future__ import annotations
