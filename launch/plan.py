@@ -1,7 +1,8 @@
 """Where the processes of one run go: trainer ranks, rollout servers and the router.
 
 Both launch scripts (launch/torchrun.sh on one node, launch/slurm/train.sbatch on many) read the
-same YAML config through this file, so a layout that cannot work fails before anything starts:
+same YAML config through this file, so a layout that cannot work, or a model.path that is not
+there, fails before anything starts:
 
     python launch/plan.py --config CFG --nnodes 2 --gpus-per-node 8 [key.sub=value ...]
 
@@ -264,9 +265,19 @@ def layout_from_args(args: argparse.Namespace) -> tuple[Config, Layout]:
     )
 
 
+def check_model(cfg: Config) -> None:
+    """model.path must be there before any server or rank starts: the servers would otherwise
+    start first and each fail on its own (no config.json), far from the fix. The same one-line
+    error as `train`'s, naming the command that makes a built-in task's starting model."""
+    from megatron_gspo.train.setup import check_model_path
+
+    check_model_path(cfg.model.path, cfg.data.train)
+
+
 def main(argv=None) -> None:
     try:
         cfg, layout = layout_from_args(parse_args(argv))
+        check_model(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

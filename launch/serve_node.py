@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan import add_layout_args, layout_from_args  # noqa: E402
+from plan import add_layout_args, check_model, layout_from_args  # noqa: E402
 
 from megatron_gspo.comm import free_port  # noqa: E402
 from megatron_gspo.errors import UserError  # noqa: E402
@@ -123,6 +123,7 @@ def cmd_servers(args) -> int:
     if args.node_rank not in layout.serving_nodes:
         raise UserError(f"node {args.node_rank} serves nothing in this layout ({layout.placement})")
     _check_port("--port-base", args.port_base, last=args.port_base + layout.servers_per_node - 1)
+    check_model(cfg)
     configs = server_configs(cfg, layout, args.node_rank, args.host, args.port_base)
     group = ServerGroup(
         configs, args.log_dir, health_timeout_s=cfg.rollout.health_timeout_s, monitor=False

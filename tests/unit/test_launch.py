@@ -132,11 +132,11 @@ def _cfg_layout(**kwargs):
 # ---- the scripts fail before starting anything -----------------------------------------------
 
 
-def _torchrun_sh(*args: str, **env: str) -> subprocess.CompletedProcess:
+def _torchrun_sh(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHON": sys.executable, **env}
     return subprocess.run(
         ["bash", str(ROOT / "launch/torchrun.sh"), *args],
-        capture_output=True, text=True, env=full, timeout=120,
+        capture_output=True, text=True, env=full, timeout=120, cwd=cwd,
     )  # fmt: skip
 
 
@@ -219,7 +219,7 @@ def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_pa
     python.chmod(0o755)
     r = _torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
-        PYTHON=str(python),
+        f"model.path={tmp_path}", PYTHON=str(python),
     )  # fmt: skip
     assert r.returncode == 1, r.stderr
     first = r.stderr.splitlines()[0]
@@ -247,13 +247,40 @@ def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, arg
     r = subprocess.run(
         [sys.executable, str(ROOT / "launch/serve_node.py"), "servers", "--config",
          str(ROOT / "configs/tiny_moe_gspo.yaml"), "--log-dir", str(tmp_path / "logs"),
-         "--urls-file", str(tmp_path / "urls.txt"), *args],
+         "--urls-file", str(tmp_path / "urls.txt"), *args, f"model.path={tmp_path}"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert (r.returncode, r.stderr) == (code, f"error: {message}\n")
     assert not (tmp_path / "urls.txt").exists()
     if code == 2:
         assert not (tmp_path / "logs").exists()  # refused before any server was started
+
+
+MISSING_TASK_MODEL = (
+    "error: model.path runs/task_model does not exist: point model.path at an HF or Megatron "
+    "checkpoint, or make arith's starting model there: megatron-gspo make-task-model --task "
+    "arith --out runs/task_model\n"
+)
+
+
+def test_a_launch_without_its_model_refuses_before_any_server_starts(tmp_path):
+    """On a fresh clone the tiny config's model.path (runs/task_model) is not made yet: the
+    launch started the rollout servers, which each failed on a missing config.json. Now plan.py,
+    serve_node.py and torchrun.sh refuse first with `train`'s line, naming the command."""
+    config = str(ROOT / "configs/tiny_moe_gspo.yaml")
+    run = lambda *cmd: subprocess.run(  # noqa: E731
+        [sys.executable, *cmd], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    r = run(str(ROOT / "launch/plan.py"), "--config", config)
+    assert (r.returncode, r.stderr, r.stdout) == (2, MISSING_TASK_MODEL, "")
+    r = run(str(ROOT / "launch/serve_node.py"), "servers", "--config", config,
+            "--log-dir", str(tmp_path / "logs"), "--urls-file", str(tmp_path / "urls.txt"))  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "urls.txt").exists()
+    r = _torchrun_sh("--config", config, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
+    assert not (tmp_path / "run" / "logs" / "servers" / "node0" / "serve_node.log").exists()
+    assert not list((tmp_path / "run").rglob("*.txt"))  # no server's URL
 
 
 def test_slurm_local_stops_nothing_from_a_directory_another_could_write(tmp_path):
