@@ -142,9 +142,13 @@ class VersionDirs:
         self.restore, self.created = base, []
         if self.record.is_file():  # a restarted trainer continues from what the last one wrote
             saved = json.loads(self.record.read_text())
-            self.restore = RestorePoint(saved["path"], saved["version"])
-            # only directories under this root are ours to delete: a run directory copied to
-            # branch a run carries a record naming the versions of the run it was copied from
+            # A run directory copied to branch a run carries a record naming the versions of the
+            # run it was copied from: only directories under this root are ours to delete, and
+            # only one of ours is a restore point, since that run may delete its own. Without
+            # one a restarted server starts on the base model and the trainer's catch_up brings
+            # it to the current weights, as before this run's first sync.
+            if self._ours(saved["path"]):
+                self.restore = RestorePoint(saved["path"], saved["version"])
             self.created = [p for p in saved.get("created", []) if self._ours(p)]
 
     def tmp(self, version: str) -> Path:
@@ -164,7 +168,9 @@ class VersionDirs:
         return tmp
 
     def _ours(self, path: str) -> bool:
-        return Path(path).parent == self.root
+        """Whether `path` is a version directory under this root, however either is spelled
+        (a run directory given as a relative path one time and an absolute one the next)."""
+        return Path(path).resolve().parent == self.root.resolve()
 
     def _recyclable(self) -> str | None:
         if len(self.created) < self.keep or self.created[0] == self.restore.path:

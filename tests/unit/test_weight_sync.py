@@ -396,6 +396,30 @@ def test_a_copied_run_does_not_delete_the_versions_of_the_run_it_was_copied_from
     ]
 
 
+def test_a_copied_run_restores_servers_from_its_own_versions_only(tmp_path, monkeypatch):
+    """A copied run's restore.json named a version directory of the run it was copied from:
+    once that run deleted it, a restarted server of the copy could not restore. The copy now
+    starts from the base model (catch_up brings a restarted server to the trainer's weights)
+    until its own first version; a run reopened under another spelling of its root keeps its own."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    start = RestorePoint(str(base), "0")
+    first = VersionDirs(tmp_path / "a" / "weights", keep=2, base=start)
+    first.start("1")
+    out = first.finish("1", [{"weight_map": {"w": "x.safetensors"}, "bytes": 4}], base)
+    first.set_restore(RestorePoint(str(out), "1"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copy = VersionDirs(tmp_path / "b" / "weights", keep=2, base=start)
+    assert copy.restore == start
+    copy.start("2")
+    own = copy.finish("2", [{"weight_map": {"w": "x.safetensors"}, "bytes": 4}], base)
+    copy.set_restore(RestorePoint(str(own), "2"))
+    monkeypatch.chdir(tmp_path)
+    assert VersionDirs("b/weights", keep=2, base=start).restore == RestorePoint(str(own), "2")
+    assert VersionDirs("a/weights", keep=2, base=start).restore == RestorePoint(str(out), "1")
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
