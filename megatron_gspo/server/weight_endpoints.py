@@ -309,12 +309,14 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 
 def _tags(body: dict) -> list[str]:
+    """The memory a request names, each tag once (a repeated one is the same memory). No tags,
+    absent, null or [], means all of them, as in SGLang (an empty list released nothing)."""
     tags = body.get("tags")
-    if tags is None:
+    if tags is None or tags == []:
         return list(MEMORY_TAGS)
     if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
         raise BadRequest(f"tags must be a list of {', '.join(MEMORY_TAGS)}: {tags!r}")
-    return tags
+    return list(dict.fromkeys(tags))
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:

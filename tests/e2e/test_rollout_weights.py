@@ -427,6 +427,24 @@ def test_release_and_resume_memory(server, reference):
     assert status == 400 and out["success"] is False
 
 
+def test_memory_tags_empty_mean_all_and_repeated_mean_once(server, reference):
+    """`tags: []` released and resumed nothing ("Released memory: ."), and a repeated tag was
+    named twice. As in SGLang, no tags (absent, null or []) is all of them; a repeat is one."""
+    on_a, _ = reference
+    everything = "weights, kv_cache, cuda_graph"
+    for path, done in (("/release_memory_occupation", "Released"),
+                       ("/resume_memory_occupation", "Resumed")):  # fmt: skip
+        status, out = call(server, path, {"tags": []})
+        assert (status, out["message"]) == (200, f"{done} memory: {everything}."), out
+    for path, done in (("/release_memory_occupation", "Released"),
+                       ("/resume_memory_occupation", "Resumed")):  # fmt: skip
+        status, out = call(server, path, {"tags": ["kv_cache", "weights", "kv_cache"]})
+        assert (status, out["message"]) == (200, f"{done} memory: kv_cache, weights."), out
+    status, out = call(server, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert (status, out["message"]) == (400, "cannot resume kv_cache: not released"), out
+    assert greedy_tokens(server)[0] == on_a
+
+
 def test_the_sync_flushes_a_server_busy_at_its_end_once_it_is_idle(server):
     """The sync's last request, /flush_cache (the prefix cache holds KV of the old weights), is
     refused while a request runs (on SGLang also its /health probe's generation): it is asked
