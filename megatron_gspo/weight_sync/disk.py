@@ -137,7 +137,10 @@ class VersionDirs:
     """Version directories under `root` and the restore record."""
 
     def __init__(self, root: str | os.PathLike, keep: int, base: RestorePoint):
-        self.root, self.keep = Path(root), keep
+        # absolute: a version's path goes to the servers as their model_path, and servers
+        # someone else started (rollout.urls) run in another working directory than the
+        # trainer, whose run directory may be relative (`train` defaults to runs/NAME)
+        self.root, self.keep = Path(root).absolute(), keep
         self.record = self.root / "restore.json"
         self.restore, self.created = base, []
         if self.record.is_file():  # a restarted trainer continues from what the last one wrote

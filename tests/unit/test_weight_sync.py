@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -418,6 +419,19 @@ def test_a_copied_run_restores_servers_from_its_own_versions_only(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     assert VersionDirs("b/weights", keep=2, base=start).restore == RestorePoint(str(own), "2")
     assert VersionDirs("a/weights", keep=2, base=start).restore == RestorePoint(str(out), "1")
+
+
+def test_a_version_is_named_to_the_servers_by_an_absolute_path(tmp_path, monkeypatch):
+    """`train` defaults its run directory to the relative runs/NAME; a version's path is the
+    servers' model_path, and a server someone else started runs in another directory."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    dirs = VersionDirs(Path("runs") / "r" / "weights", keep=2, base=RestorePoint(str(base), "0"))
+    dirs.start("1")
+    out = dirs.finish("1", [{"weight_map": {"w": "x.safetensors"}, "bytes": 4}], base)
+    assert out == tmp_path / "runs" / "r" / "weights" / "v1" and out.is_dir()
 
 
 @pytest.mark.parametrize(
