@@ -14,6 +14,8 @@ class RewardSection:
     # worker processes that score (rewards/scoring.py; null: 16, or one per core if more)
     workers: int | None = None
     timeout_s: float = 60.0  # one call's limit; past it the sample fails, its worker is replaced
+    # a worker's start: importing the plugin (and a judge model it loads then), at most this
+    start_timeout_s: float = 120.0
     # DAPO's soft over-long penalty: ramps from 0 to -overlong_penalty over the last
     # overlong_buffer tokens before the length limit (0: off)
     overlong_buffer: int = 0
@@ -25,6 +27,7 @@ class RewardSection:
         if self.workers is not None:
             in_range(self.workers, "reward.workers", 1, 1024)
         seconds(self.timeout_s, "reward.timeout_s")
+        seconds(self.start_timeout_s, "reward.start_timeout_s")
         in_range(self.overlong_buffer, "reward.overlong_buffer", 0)
         in_range(self.overlong_penalty, "reward.overlong_penalty", 0)
 

@@ -84,7 +84,7 @@ class RewardScorer:
     """`reward.fn` on one sample at a time, in the trainer (`exact`) or in worker processes."""
 
     def __init__(self, spec: str, workers: int | None = None, timeout_s: float = 60.0,
-                 log_path: Path | None = None):  # fmt: skip
+                 log_path: Path | None = None, start_timeout_s: float = 120.0):  # fmt: skip
         self.spec, self.log_path = spec, log_path
         self._lock = threading.Lock()
         self.pool: Pool | None = None
@@ -92,7 +92,9 @@ class RewardScorer:
             self.fn = load_reward(spec)
             return
         self.pool = Pool(_LOADER, spec, workers=workers or default_workers(),
-                         timeout_s=timeout_s, limit="reward.timeout_s", name="reward")  # fmt: skip
+                         timeout_s=timeout_s, limit="reward.timeout_s", name="reward",
+                         start_timeout_s=start_timeout_s,
+                         start_limit="reward.start_timeout_s")  # fmt: skip
         why = self.pool.start_error()  # (a plugin that does not load fails now, not per sample)
         if why is not None:
             self.pool.close()

@@ -143,6 +143,8 @@ class EnvSection:
     max_turn_tokens: int | None = None  # a model turn's limit (null: rollout.max_new_tokens)
     max_tokens: int = 512  # model and environment tokens of an episode, after the prompt
     timeout_s: float = 30.0  # a call into the environment's code; past it, the episode ends
+    # a worker's start: importing the environment and its tools (a model they load), at most this
+    start_timeout_s: float = 120.0
     # worker processes the episodes live in (rollout/env.py; null: 16, or one per core if more)
     workers: int | None = None
 
@@ -158,5 +160,6 @@ class EnvSection:
         if self.max_turn_tokens is not None:
             positive(self.max_turn_tokens, "env.max_turn_tokens")
         seconds(self.timeout_s, "env.timeout_s")
+        seconds(self.start_timeout_s, "env.start_timeout_s")
         if self.workers is not None:
             in_range(self.workers, "env.workers", 1, 1024)

@@ -110,13 +110,15 @@ class EnvCalls:
     worker process within `timeout_s`, results checked again here."""
 
     def __init__(self, fn: str, tools: Sequence[str] = (), *, timeout_s: float, vocab_size: int,
-                 workers: int | None = None):  # fmt: skip
+                 workers: int | None = None, start_timeout_s: float = 120.0):  # fmt: skip
         """`fn`: env.fn (`tools`, or module:name / file.py:name); `tools`: env.tools. Waits
-        for the first worker to load them: code that does not load is a UserError here."""
+        for the first worker to load them (within `start_timeout_s`): code that does not load
+        is a UserError here."""
         self.timeout_s, self.vocab_size = timeout_s, vocab_size
         spec = {"fn": fn, "tools": list(tools), "vocab_size": vocab_size}
         self.pool = Pool(_HOST, spec, workers=workers or default_workers(), timeout_s=timeout_s,
-                         limit="env.timeout_s", name="env")  # fmt: skip
+                         limit="env.timeout_s", name="env", start_timeout_s=start_timeout_s,
+                         start_limit="env.start_timeout_s")  # fmt: skip
         why = self.pool.start_error()  # (code that does not load fails now, not per episode)
         if why is not None:
             self.pool.close()

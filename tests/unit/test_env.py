@@ -147,6 +147,7 @@ def test_environment_code_that_does_not_load_fails_at_start_and_the_trainer_goes
         (["env.tools=[calc]"], "env.tools is used by env.fn=tools only"),
         (["env.fn=a:b", "env.max_turns=0"], "env.max_turns"),
         (["env.fn=a:b", "env.timeout_s=.nan"], "env.timeout_s"),
+        (["env.fn=a:b", "env.start_timeout_s=0"], "env.start_timeout_s must be a finite number"),
     ],
 )
 def test_env_config_errors(keys, message):
@@ -246,6 +247,27 @@ class _Tok:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(96 + i) for i in ids if i or not skip_special_tokens)
+
+
+class _SizedTok(_Tok):
+    def __len__(self):
+        return 128
+
+
+def test_an_environment_slower_to_load_than_env_start_timeout_s_names_the_key_to_raise(tmp_path):
+    path = tmp_path / "slow_env.py"
+    path.write_text("import time\ntime.sleep(60)\nclass Env:\n    pass\n")
+    cfg = load_config(None, ["model.path=m", f"env.fn={path}:Env", "env.workers=1",
+                             "env.start_timeout_s=1"])  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        Generation(cfg, _SizedTok(), run_dir=None)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 30
+    assert str(e.value) == (
+        f"environment '{path}:Env' could not be loaded: a worker did not start within "
+        "env.start_timeout_s (1 s); raise it if the code takes longer to load; its module must "
+        "import without exiting, hanging or ending its process"
+    )
 
 
 def _sample(tokens, mask=None, **kw) -> Sample:

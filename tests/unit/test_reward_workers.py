@@ -163,6 +163,24 @@ def test_a_plugin_file_that_imports_a_module_beside_it_is_told_to_put_its_folder
     )
 
 
+def test_a_plugin_slower_to_load_than_reward_start_timeout_s_names_the_key_to_raise(tmp_path):
+    """A plugin that loads a judge model when imported may take minutes: the limit on a worker's
+    start is the config's, and the line says which key to raise."""
+    path = tmp_path / "judge.py"
+    path.write_text("import time\ntime.sleep(60)\ndef judge(p, r, a):\n    return 1.0\n")
+    cfg = load_config(None, ["model.path=m", f"reward.fn={path}:judge", "reward.workers=1",
+                             "reward.start_timeout_s=1"])  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        Generation(cfg, _Tok(), tmp_path)
+    assert time.monotonic() - t0 < 30
+    assert str(e.value) == (
+        f"reward plugin '{path}:judge' could not be loaded: a worker did not start within "
+        "reward.start_timeout_s (1 s); raise it if the code takes longer to load; its module "
+        "must import without exiting, hanging or ending its process"
+    )
+
+
 @pytest.mark.parametrize("fn", ["123", ":", "exact ", "judge.py:", ":judge"])
 def test_a_reward_fn_that_names_nothing_is_refused_with_the_config(fn):
     """Found when the config is checked, not once the model is built (where the plugin loads)."""
