@@ -148,6 +148,10 @@ def test_environment_code_that_does_not_load_fails_at_start_and_the_trainer_goes
         (["env.fn=a:b", "env.max_turns=0"], "env.max_turns"),
         (["env.fn=a:b", "env.timeout_s=.nan"], "env.timeout_s"),
         (["env.fn=a:b", "env.start_timeout_s=0"], "env.start_timeout_s must be a finite number"),
+        (
+            ["env.fn=a:b", "env.timeout_s=1e-9"],  # (every call would time out)
+            r"^env.timeout_s must be a finite number in \[0.01, 1e\+09\], not 1e-09$",
+        ),
     ],
 )
 def test_env_config_errors(keys, message):

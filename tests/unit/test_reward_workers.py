@@ -181,6 +181,17 @@ def test_a_plugin_slower_to_load_than_reward_start_timeout_s_names_the_key_to_ra
     )
 
 
+@pytest.mark.parametrize("value", ["1e-9", "0.001", "0"])
+def test_a_reward_timeout_too_short_for_any_call_is_refused_with_the_config(value):
+    """Below 0.01 s every call would time out (and its worker be replaced): a config error."""
+    with pytest.raises(UserError) as e:
+        load_config(None, ["model.path=m", f"reward.timeout_s={value}"]).check()
+    assert str(e.value) == (
+        f"reward.timeout_s must be a finite number in [0.01, 1e+09], not {float(value)!r}"
+    )
+    load_config(None, ["model.path=m", "reward.timeout_s=0.01"]).check()
+
+
 @pytest.mark.parametrize("fn", ["123", ":", "exact ", "judge.py:", ":judge"])
 def test_a_reward_fn_that_names_nothing_is_refused_with_the_config(fn):
     """Found when the config is checked, not once the model is built (where the plugin loads)."""
