@@ -231,6 +231,32 @@ def test_a_first_prompt_the_servers_would_refuse_ends_its_episode_not_the_run(pr
     assert (sample.env_error, sample.tokens) == (message, [])
 
 
+def test_env_log_stops_growing_at_its_budget_and_says_so_once(tmp_path):
+    """An environment that fails every episode wrote a traceback per episode without end."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=ROLES, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls(ENV + "Returns", timeout_s=5.0, vocab_size=len(tok), workers=1)
+    log = tmp_path / "env.log"
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(2, 8, 32), log, log_bytes=3000)
+    row = PromptRow("p", "a", extra={"prompt": ""})
+    try:
+        samples = [asyncio.run(runner.run(None, row, [1, 2], {}, False, (0, i), 1))  # type: ignore[arg-type]
+                   for i in range(8)]  # fmt: skip
+    finally:
+        calls.close()
+    assert all(s.env_error is not None for s in samples)
+    text = log.read_text()
+    *written, last = text.splitlines()
+    assert last.endswith(" env.log reached 3000 bytes: further failures are not written here, "
+                         "only counted (env/errors in metrics.jsonl)")  # fmt: skip
+    assert text.startswith("episode episode-(0, 0) (prompt 'p'): prompt() returned an empty")
+    assert "reached" not in "".join(written) and len(text.encode()) - len(last) - 1 <= 3000
+    entries = [line for line in written if line.startswith("episode episode-(0, ")]
+    assert len(entries) >= 1 and runner.log.unwritten == 8 - len(entries)
+
+
 def test_an_async_tool_s_result_is_what_the_model_is_shown():
     """Not "<coroutine object ...>": the call is awaited in the episode's worker."""
     calls = EnvCalls("tools", [ENV + "async_echo"], timeout_s=5.0, vocab_size=100, workers=1)

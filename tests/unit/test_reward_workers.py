@@ -58,6 +58,28 @@ def test_a_reward_that_hangs_exits_or_kills_its_process_fails_its_sample_alone(
     assert f"step 3: {bad.message}" in log.read_text()
 
 
+def test_reward_log_stops_growing_at_its_budget_and_says_so_once(tmp_path):
+    """A plugin that fails on every sample wrote a traceback per sample without end: past the
+    budget the log gets one line saying so, and the failures go on being outcomes (counted)."""
+    log = tmp_path / "logs" / "reward.log"
+    scorer = RewardScorer(REWARD, workers=1, timeout_s=5.0, log_path=log, log_bytes=1000)
+    try:
+        got = [scorer.submit("exit", "", "", where=f"step {i}").result(timeout=60)
+               for i in range(12)]  # fmt: skip
+    finally:
+        scorer.close()
+    assert all(o.kind is Kind.RAISED for o in got)
+    text = log.read_text()
+    *written, last = text.splitlines()
+    assert last.endswith(
+        " reward.log reached 1000 bytes: further failures are not written here, only counted "
+        "(reward/failed_samples in metrics.jsonl)"
+    )
+    assert "step 0: " in text and "step 11: " not in text and "reached" not in "".join(written)
+    assert len(text.encode()) - len(last) - 1 <= 1000
+    assert scorer.log.unwritten == 12 - text.count("raised SystemExit")
+
+
 @pytest.mark.parametrize(
     "prompt, shown",
     [
