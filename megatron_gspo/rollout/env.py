@@ -192,7 +192,8 @@ def checked_prompt(value):
     """`value` if it is a first prompt (text, chat messages or None), else EnvError."""
     if value is None or isinstance(value, str) or _messages(value):
         return value
-    raise EnvError(f"prompt() returned {_short(value)}; return text, chat messages or None")
+    raise EnvError(f"prompt() returned {_short(value)}; return text, chat messages (a list of "
+                   f"dicts) or None{_as_list(value)}")  # fmt: skip
 
 
 def checked_step(value, vocab_size: int) -> Step:
@@ -209,9 +210,21 @@ def checked_step(value, vocab_size: int) -> Step:
     if obs is None or isinstance(obs, str) or _messages(obs) or _ids(obs, vocab_size):
         return value
     raise EnvError(
-        f"Step.observation is {_short(obs)}; give text, chat messages or token ids in "
-        f"[0, {vocab_size})"
+        f"Step.observation is {_short(obs)}; give text (a str), chat messages (a list of dicts) "
+        f"or token ids (a list of ints in [0, {vocab_size})){_as_list(obs)}"
     )
+
+
+def _as_list(value) -> str:
+    """How to turn `value` into a list, where it is a sequence of another type (the answer
+    crosses to the trainer as JSON, where a tuple or an array is none of the above)."""
+    if hasattr(value, "tolist"):  # a numpy array or a torch tensor
+        return f"; convert the {type(value).__name__} with .tolist()"
+    if isinstance(value, tuple):
+        return "; convert the tuple with list(...)"
+    if isinstance(value, list) and any(hasattr(v, "tolist") for v in value):
+        return "; give Python ints, not numpy or torch scalars (.tolist() of the array gives them)"
+    return ""
 
 
 def _finite(x: numbers.Real) -> bool:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,11 @@ def _returns(value) -> PromptRow:
     return PromptRow("p", "a", extra={"value": value})
 
 
+GIVE = (
+    "give text (a str), chat messages (a list of dicts) or token ids (a list of ints in [0, 100))"
+)
+
+
 @pytest.mark.parametrize(
     "name, row, message",
     [
@@ -75,9 +81,15 @@ def _returns(value) -> PromptRow:
         ("Returns", _returns(Step([1, 100])), "Step.observation is list [1, 100]"),
         ("Returns", _returns(Step([{"role": "tool"}])), "Step.observation is list"),
         ("Returns", _returns(Step(b"bytes")), "Step.observation is bytes"),  # type: ignore[arg-type]
+        ("Returns", _returns(Step(np.array([1, 2]))),  # type: ignore[arg-type]
+         f"Step.observation is ndarray array([1, 2]); {GIVE}; convert the ndarray with .tolist()"),
+        ("Returns", _returns(Step((1, 2))),  # type: ignore[arg-type]
+         f"Step.observation is tuple (1, 2); {GIVE}; convert the tuple with list(...)"),
+        ("Returns", _returns(Step(list(np.array([1, 2])))),  # type: ignore[arg-type]
+         f"{GIVE}; give Python ints, not numpy or torch scalars"),
         ("NoStep", ROW, "has no step(turn) method"),
     ],
-)
+)  # fmt: skip
 def test_what_the_environment_gets_wrong_fails_its_episode(name, row, message):
     t0 = time.perf_counter()
     with pytest.raises(EnvError) as e:
