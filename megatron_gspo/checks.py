@@ -16,6 +16,10 @@ INT_MAX = 2**63 - 1  # torch and numpy integers are 64-bit
 # The longest wait a duration key may ask for (about 31 years): below what thread waits
 # (threading.TIMEOUT_MAX, about 292 years) and timedelta accept, so "no limit" is a big number.
 MAX_SECONDS = 1e9
+# The shortest limit on one call into the user's code (reward.timeout_s, env.timeout_s): sending
+# a call to its worker and reading the answer alone take about a millisecond, so 1e-9 would time
+# out every call (and replace its worker each time) rather than bound anything.
+MIN_CALL_SECONDS = 0.01
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 magnitude
 
@@ -81,9 +85,12 @@ def in_range(
     raise UserError(f"{key} must be {what}, not {show(value)}")
 
 
-def seconds(value, key: str) -> None:
-    """A duration: a finite number of seconds > 0, at most MAX_SECONDS."""
-    in_range(value, key, 0, MAX_SECONDS, lo_open=True)
+def seconds(value, key: str, at_least: float | None = None) -> None:
+    """A duration: a finite number of seconds > 0 (or >= `at_least`), at most MAX_SECONDS."""
+    if at_least is None:
+        in_range(value, key, 0, MAX_SECONDS, lo_open=True)
+    else:
+        in_range(value, key, at_least, MAX_SECONDS)
 
 
 def show(value) -> str:

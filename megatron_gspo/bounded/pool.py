@@ -79,14 +79,16 @@ class Pool:
     """Worker processes that run `loader(spec)`'s handler, one call at a time each."""
 
     def __init__(self, loader: str, spec: Any, *, workers: int, timeout_s: float, limit: str,
-                 start_timeout_s: float = 120.0, name: str = "bounded",
-                 max_answer: int = MAX_FRAME):  # fmt: skip
+                 start_timeout_s: float = 120.0, start_limit: str = "start_timeout_s",
+                 name: str = "bounded", max_answer: int = MAX_FRAME):  # fmt: skip
         """`loader`: "module:function" returning the handler (worker.py); `limit`: the config
         key of `timeout_s`, named in the outcome of a call that passes it; `start_timeout_s`:
-        how long a worker may take to start (its imports), not counted in any call's limit;
-        `max_answer`: the most bytes of one answer (a longer one is refused by its worker)."""
+        how long a worker may take to start (its imports: a judge model loaded there may take
+        minutes), not counted in any call's limit, its config key `start_limit`; `max_answer`:
+        the most bytes of one answer (a longer one is refused by its worker)."""
         self.loader, self.spec, self.limit, self.max_answer = loader, spec, limit, max_answer
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.start_limit = start_limit
         self.broken: str | None = None  # the user's code failed to load: every call fails so
         self._cv = threading.Condition()
         self._shared: deque[_Job] = deque()
@@ -257,7 +259,8 @@ class Pool:
             frame = read_frame(r_resp, time.monotonic() + self.start_timeout_s)
         except TimeoutError:
             self._stop(slot)
-            return f"a worker did not start within {self.start_timeout_s:g} s"
+            return (f"a worker did not start within {self.start_limit} ({self.start_timeout_s:g} "
+                    "s); raise it if the code takes longer to load")  # fmt: skip
         except (OSError, FrameError):
             frame = None
         return self._ready(slot, frame)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_gspo.checks import in_range, need, plugin_spec, seconds
+from megatron_gspo.checks import MIN_CALL_SECONDS, in_range, need, plugin_spec, seconds
 
 
 @dataclass
@@ -13,7 +13,10 @@ class RewardSection:
     fn: str = "exact"  # exact | math | module:function
     # worker processes that score (rewards/scoring.py; null: 16, or one per core if more)
     workers: int | None = None
-    timeout_s: float = 60.0  # one call's limit; past it the sample fails, its worker is replaced
+    # one call's limit (at least 0.01 s); past it the sample fails, its worker is replaced
+    timeout_s: float = 60.0
+    # a worker's start: importing the plugin (and a judge model it loads then), at most this
+    start_timeout_s: float = 120.0
     # DAPO's soft over-long penalty: ramps from 0 to -overlong_penalty over the last
     # overlong_buffer tokens before the length limit (0: off)
     overlong_buffer: int = 0
@@ -24,7 +27,8 @@ class RewardSection:
         plugin_spec(self.fn, "reward.fn", ("exact", "math"), "function")
         if self.workers is not None:
             in_range(self.workers, "reward.workers", 1, 1024)
-        seconds(self.timeout_s, "reward.timeout_s")
+        seconds(self.timeout_s, "reward.timeout_s", at_least=MIN_CALL_SECONDS)
+        seconds(self.start_timeout_s, "reward.start_timeout_s")
         in_range(self.overlong_buffer, "reward.overlong_buffer", 0)
         in_range(self.overlong_penalty, "reward.overlong_penalty", 0)
 

@@ -8,7 +8,8 @@ A call is submitted as soon as its sample's generation ends (train/generate.py),
 overlaps generation and the calls run side by side. A call that raises (anything: SystemExit and
 KeyboardInterrupt raised by the reward included), returns no finite number, passes the time
 limit or whose process dies fails that sample alone: its outcome says why in one line, and
-`log_path` (RUN_DIR/logs/reward.log) gets that line with the traceback.
+`log_path` (RUN_DIR/logs/reward.log) gets that line with the traceback, up to `log_bytes`
+(64 MiB; past it failures are only counted: bounded/failure_log.py).
 
 The plugin is never imported in the trainer: when the scorer is made, it waits for its first
 worker to import it, so a plugin that does not load (it raises, has the wrong signature, exits,
@@ -26,14 +27,21 @@ import asyncio
 import inspect
 import math
 import numbers
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from megatron_gspo.bounded import Kind, Outcome, Pool, Refused, default_workers
+from megatron_gspo.bounded import (
+    LOG_BYTES,
+    FailureLog,
+    Kind,
+    Outcome,
+    Pool,
+    Refused,
+    default_workers,
+)
 from megatron_gspo.errors import UserError
 from megatron_gspo.rewards import load_reward
 from megatron_gspo.rewards.plugin import loading_failed
@@ -84,15 +92,18 @@ class RewardScorer:
     """`reward.fn` on one sample at a time, in the trainer (`exact`) or in worker processes."""
 
     def __init__(self, spec: str, workers: int | None = None, timeout_s: float = 60.0,
-                 log_path: Path | None = None):  # fmt: skip
-        self.spec, self.log_path = spec, log_path
-        self._lock = threading.Lock()
+                 log_path: Path | None = None, start_timeout_s: float = 120.0,
+                 log_bytes: int = LOG_BYTES):  # fmt: skip
+        self.spec = spec
+        self.log = FailureLog(log_path, "reward/failed_samples", log_bytes)
         self.pool: Pool | None = None
         if spec in IN_PROCESS:
             self.fn = load_reward(spec)
             return
         self.pool = Pool(_LOADER, spec, workers=workers or default_workers(),
-                         timeout_s=timeout_s, limit="reward.timeout_s", name="reward")  # fmt: skip
+                         timeout_s=timeout_s, limit="reward.timeout_s", name="reward",
+                         start_timeout_s=start_timeout_s,
+                         start_limit="reward.start_timeout_s")  # fmt: skip
         why = self.pool.start_error()  # (a plugin that does not load fails now, not per sample)
         if why is not None:
             self.pool.close()
@@ -152,10 +163,5 @@ class RewardScorer:
         return Outcome(o.kind, message=line, detail=o.detail)
 
     def _log(self, where: str, line: str, detail: str) -> None:
-        if self.log_path is None:
-            return
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        with self._lock:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path, "a") as f:
-                f.write(f"{stamp} {where}: {line}\n" + (detail.rstrip() + "\n" if detail else ""))
+        self.log.write(f"{stamp} {where}: {line}\n" + (detail.rstrip() + "\n" if detail else ""))

@@ -6,7 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from megatron_gspo.checks import choice, in_range, plugin_spec, positive, seconds, show
+from megatron_gspo.checks import (
+    MIN_CALL_SECONDS,
+    choice,
+    in_range,
+    plugin_spec,
+    positive,
+    seconds,
+    show,
+)
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
 
@@ -142,7 +150,10 @@ class EnvSection:
     max_turns: int = 4
     max_turn_tokens: int | None = None  # a model turn's limit (null: rollout.max_new_tokens)
     max_tokens: int = 512  # model and environment tokens of an episode, after the prompt
-    timeout_s: float = 30.0  # a call into the environment's code; past it, the episode ends
+    # a call into the environment's code (at least 0.01 s); past it, the episode ends
+    timeout_s: float = 30.0
+    # a worker's start: importing the environment and its tools (a model they load), at most this
+    start_timeout_s: float = 120.0
     # worker processes the episodes live in (rollout/env.py; null: 16, or one per core if more)
     workers: int | None = None
 
@@ -157,6 +168,7 @@ class EnvSection:
             positive(getattr(self, name), f"env.{name}")
         if self.max_turn_tokens is not None:
             positive(self.max_turn_tokens, "env.max_turn_tokens")
-        seconds(self.timeout_s, "env.timeout_s")
+        seconds(self.timeout_s, "env.timeout_s", at_least=MIN_CALL_SECONDS)
+        seconds(self.start_timeout_s, "env.start_timeout_s")
         if self.workers is not None:
             in_range(self.workers, "env.workers", 1, 1024)

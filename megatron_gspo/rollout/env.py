@@ -110,13 +110,15 @@ class EnvCalls:
     worker process within `timeout_s`, results checked again here."""
 
     def __init__(self, fn: str, tools: Sequence[str] = (), *, timeout_s: float, vocab_size: int,
-                 workers: int | None = None):  # fmt: skip
+                 workers: int | None = None, start_timeout_s: float = 120.0):  # fmt: skip
         """`fn`: env.fn (`tools`, or module:name / file.py:name); `tools`: env.tools. Waits
-        for the first worker to load them: code that does not load is a UserError here."""
+        for the first worker to load them (within `start_timeout_s`): code that does not load
+        is a UserError here."""
         self.timeout_s, self.vocab_size = timeout_s, vocab_size
         spec = {"fn": fn, "tools": list(tools), "vocab_size": vocab_size}
         self.pool = Pool(_HOST, spec, workers=workers or default_workers(), timeout_s=timeout_s,
-                         limit="env.timeout_s", name="env")  # fmt: skip
+                         limit="env.timeout_s", name="env", start_timeout_s=start_timeout_s,
+                         start_limit="env.start_timeout_s")  # fmt: skip
         why = self.pool.start_error()  # (code that does not load fails now, not per episode)
         if why is not None:
             self.pool.close()
@@ -190,7 +192,8 @@ def checked_prompt(value):
     """`value` if it is a first prompt (text, chat messages or None), else EnvError."""
     if value is None or isinstance(value, str) or _messages(value):
         return value
-    raise EnvError(f"prompt() returned {_short(value)}; return text, chat messages or None")
+    raise EnvError(f"prompt() returned {_short(value)}; return text, chat messages (a list of "
+                   f"dicts) or None{_as_list(value)}")  # fmt: skip
 
 
 def checked_step(value, vocab_size: int) -> Step:
@@ -207,9 +210,21 @@ def checked_step(value, vocab_size: int) -> Step:
     if obs is None or isinstance(obs, str) or _messages(obs) or _ids(obs, vocab_size):
         return value
     raise EnvError(
-        f"Step.observation is {_short(obs)}; give text, chat messages or token ids in "
-        f"[0, {vocab_size})"
+        f"Step.observation is {_short(obs)}; give text (a str), chat messages (a list of dicts) "
+        f"or token ids (a list of ints in [0, {vocab_size})){_as_list(obs)}"
     )
+
+
+def _as_list(value) -> str:
+    """How to turn `value` into a list, where it is a sequence of another type (the answer
+    crosses to the trainer as JSON, where a tuple or an array is none of the above)."""
+    if hasattr(value, "tolist"):  # a numpy array or a torch tensor
+        return f"; convert the {type(value).__name__} with .tolist()"
+    if isinstance(value, tuple):
+        return "; convert the tuple with list(...)"
+    if isinstance(value, list) and any(hasattr(v, "tolist") for v in value):
+        return "; give Python ints, not numpy or torch scalars (.tolist() of the array gives them)"
+    return ""
 
 
 def _finite(x: numbers.Real) -> bool:

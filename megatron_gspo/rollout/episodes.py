@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_gspo.bounded import one_line
+from megatron_gspo.bounded import LOG_BYTES, FailureLog, one_line
 from megatron_gspo.rollout.client import RolloutClient
 from megatron_gspo.rollout.env import EnvCalls, EnvError, Episode, Step, Turn
 from megatron_gspo.rollout.partial import finish
@@ -141,8 +141,11 @@ class EpisodeRunner:
     """Runs episodes against the rollout servers and the environment (`calls`)."""
 
     def __init__(self, calls: EnvCalls, render: ChatRender, limits: Limits,
-                 log_path: Path | None = None):  # fmt: skip
-        self.calls, self.render, self.limits, self.log_path = calls, render, limits, log_path
+                 log_path: Path | None = None, log_bytes: int = LOG_BYTES):  # fmt: skip
+        """`log_path`: each failed episode's line and traceback (RUN_DIR/logs/env.log), up to
+        `log_bytes` (past it failed episodes are only counted, as env/errors)."""
+        self.calls, self.render, self.limits = calls, render, limits
+        self.log = FailureLog(log_path, "env/errors", log_bytes)
 
     async def run(self, client: RolloutClient, row, prompt_ids: list[int], sampling: dict,
                   routed: bool, where: tuple[int, int], seed_stride: int) -> Sample:  # fmt: skip
@@ -232,8 +235,7 @@ class EpisodeRunner:
         """The episode's line (and traceback) in the log; the console gets one line a step
         (train/generate.py)."""
         sample.env_error = str(error)
-        if self.log_path is not None:
+        if self.log.path is not None:
             detail = error.detail or "".join(traceback.format_exception(error))
-            with open(self.log_path, "a") as f:
-                f.write(f"episode {sample.rid} (prompt {row.prompt[:80]!r}): {error}\n")
-                f.write(detail.rstrip() + "\n\n")
+            self.log.write(f"episode {sample.rid} (prompt {row.prompt[:80]!r}): {error}\n"
+                           f"{detail.rstrip()}\n\n")  # fmt: skip

@@ -22,7 +22,8 @@ The model calls tools the way Qwen3 writes them, one JSON object per block:
 short error per malformed block; `call_tool` runs one call and returns the text fed back to the
 model. A failing call (unknown tool, wrong arguments, an exception in the tool) becomes the text
 "error: ..." shown to the model, as Qwen-Agent and verl do; it is never raised. A tool may be
-`async def`: its result is awaited, not shown to the model as a coroutine.
+`async def`: its result is awaited, not shown to the model as a coroutine. A generator function
+is refused when the tools are resolved (`yield` the model would see as a generator object).
 """
 
 from __future__ import annotations
@@ -115,7 +116,15 @@ def function_schema(
 def make_tool(
     fn: Callable[..., object], name: str | None = None, description: str | None = None
 ) -> Tool:
-    """`fn` as a Tool, its schema derived from its signature and docstring (not registered)."""
+    """`fn` as a Tool, its schema derived from its signature and docstring (not registered).
+    A generator function is refused: the model would be shown "<generator object ...>"."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        kind = "an async generator" if inspect.isasyncgenfunction(fn) else "a generator"
+        raise UserError(
+            f"tool {name or getattr(fn, '__name__', repr(fn))!r} ({_where(fn)}) is {kind} "
+            "function (it yields); a tool must return its result: return the text (e.g. "
+            "''.join of what it yields) instead"
+        )
     schema = function_schema(fn, name, description)
     return Tool(name=schema["function"]["name"], fn=fn, schema=schema)
 

@@ -52,7 +52,8 @@ class Generation:
         logs = None if run_dir is None else run_dir / "logs"
         r = cfg.reward
         self.rewards = RewardScorer(r.fn, r.workers, r.timeout_s,
-                                    None if logs is None else logs / "reward.log")  # fmt: skip
+                                    None if logs is None else logs / "reward.log",
+                                    start_timeout_s=r.start_timeout_s)  # fmt: skip
         self.runner = None
         if cfg.env.fn is not None:
             try:
@@ -178,7 +179,7 @@ def _runner(cfg: Config, tokenizer, log_path: Path | None):
     e = cfg.env
     fn = cast(str, e.fn)
     calls = EnvCalls(fn, e.tools, timeout_s=e.timeout_s, vocab_size=len(tokenizer),
-                     workers=e.workers)  # fmt: skip
+                     workers=e.workers, start_timeout_s=e.start_timeout_s)  # fmt: skip
     limits = Limits(e.max_turns, e.max_turn_tokens or cfg.rollout.max_new_tokens, e.max_tokens,
                     cfg.data.max_prompt_tokens)  # fmt: skip
     if log_path is not None:

@@ -225,7 +225,7 @@ def test_numbers_too_large_to_use_are_one_line_naming_the_key(tmp_path, key, kin
         ("optim.lr=" + HUGE, "optim.lr must be a finite number, not a 400-digit integer"),
         ("train.steps=" + HUGE, "train.steps must be a 64-bit integer"),
         ("rollout.health_timeout_s=1.0e+300", "rollout.health_timeout_s must be a finite number"),
-        ("env.timeout_s=1.0e+300", "env.timeout_s must be a finite number in (0, 1e+09]"),
+        ("env.timeout_s=1.0e+300", "env.timeout_s must be a finite number in [0.01, 1e+09]"),
         ("sync.bucket_mb=1.0e+300", "sync.bucket_mb must be a finite number in (0, 1.04858e+06]"),
     ],
 )

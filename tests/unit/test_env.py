@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,11 @@ def _returns(value) -> PromptRow:
     return PromptRow("p", "a", extra={"value": value})
 
 
+GIVE = (
+    "give text (a str), chat messages (a list of dicts) or token ids (a list of ints in [0, 100))"
+)
+
+
 @pytest.mark.parametrize(
     "name, row, message",
     [
@@ -75,9 +81,15 @@ def _returns(value) -> PromptRow:
         ("Returns", _returns(Step([1, 100])), "Step.observation is list [1, 100]"),
         ("Returns", _returns(Step([{"role": "tool"}])), "Step.observation is list"),
         ("Returns", _returns(Step(b"bytes")), "Step.observation is bytes"),  # type: ignore[arg-type]
+        ("Returns", _returns(Step(np.array([1, 2]))),  # type: ignore[arg-type]
+         f"Step.observation is ndarray array([1, 2]); {GIVE}; convert the ndarray with .tolist()"),
+        ("Returns", _returns(Step((1, 2))),  # type: ignore[arg-type]
+         f"Step.observation is tuple (1, 2); {GIVE}; convert the tuple with list(...)"),
+        ("Returns", _returns(Step(list(np.array([1, 2])))),  # type: ignore[arg-type]
+         f"{GIVE}; give Python ints, not numpy or torch scalars"),
         ("NoStep", ROW, "has no step(turn) method"),
     ],
-)
+)  # fmt: skip
 def test_what_the_environment_gets_wrong_fails_its_episode(name, row, message):
     t0 = time.perf_counter()
     with pytest.raises(EnvError) as e:
@@ -147,6 +159,11 @@ def test_environment_code_that_does_not_load_fails_at_start_and_the_trainer_goes
         (["env.tools=[calc]"], "env.tools is used by env.fn=tools only"),
         (["env.fn=a:b", "env.max_turns=0"], "env.max_turns"),
         (["env.fn=a:b", "env.timeout_s=.nan"], "env.timeout_s"),
+        (["env.fn=a:b", "env.start_timeout_s=0"], "env.start_timeout_s must be a finite number"),
+        (
+            ["env.fn=a:b", "env.timeout_s=1e-9"],  # (every call would time out)
+            r"^env.timeout_s must be a finite number in \[0.01, 1e\+09\], not 1e-09$",
+        ),
     ],
 )
 def test_env_config_errors(keys, message):
@@ -226,6 +243,32 @@ def test_a_first_prompt_the_servers_would_refuse_ends_its_episode_not_the_run(pr
     assert (sample.env_error, sample.tokens) == (message, [])
 
 
+def test_env_log_stops_growing_at_its_budget_and_says_so_once(tmp_path):
+    """An environment that fails every episode wrote a traceback per episode without end."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=ROLES, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls(ENV + "Returns", timeout_s=5.0, vocab_size=len(tok), workers=1)
+    log = tmp_path / "env.log"
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(2, 8, 32), log, log_bytes=3000)
+    row = PromptRow("p", "a", extra={"prompt": ""})
+    try:
+        samples = [asyncio.run(runner.run(None, row, [1, 2], {}, False, (0, i), 1))  # type: ignore[arg-type]
+                   for i in range(8)]  # fmt: skip
+    finally:
+        calls.close()
+    assert all(s.env_error is not None for s in samples)
+    text = log.read_text()
+    *written, last = text.splitlines()
+    assert last.endswith(" env.log reached 3000 bytes: further failures are not written here, "
+                         "only counted (env/errors in metrics.jsonl)")  # fmt: skip
+    assert text.startswith("episode episode-(0, 0) (prompt 'p'): prompt() returned an empty")
+    assert "reached" not in "".join(written) and len(text.encode()) - len(last) - 1 <= 3000
+    entries = [line for line in written if line.startswith("episode episode-(0, ")]
+    assert len(entries) >= 1 and runner.log.unwritten == 8 - len(entries)
+
+
 def test_an_async_tool_s_result_is_what_the_model_is_shown():
     """Not "<coroutine object ...>": the call is awaited in the episode's worker."""
     calls = EnvCalls("tools", [ENV + "async_echo"], timeout_s=5.0, vocab_size=100, workers=1)
@@ -246,6 +289,27 @@ class _Tok:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(96 + i) for i in ids if i or not skip_special_tokens)
+
+
+class _SizedTok(_Tok):
+    def __len__(self):
+        return 128
+
+
+def test_an_environment_slower_to_load_than_env_start_timeout_s_names_the_key_to_raise(tmp_path):
+    path = tmp_path / "slow_env.py"
+    path.write_text("import time\ntime.sleep(60)\nclass Env:\n    pass\n")
+    cfg = load_config(None, ["model.path=m", f"env.fn={path}:Env", "env.workers=1",
+                             "env.start_timeout_s=1"])  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        Generation(cfg, _SizedTok(), run_dir=None)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 30
+    assert str(e.value) == (
+        f"environment '{path}:Env' could not be loaded: a worker did not start within "
+        "env.start_timeout_s (1 s); raise it if the code takes longer to load; its module must "
+        "import without exiting, hanging or ending its process"
+    )
 
 
 def _sample(tokens, mask=None, **kw) -> Sample:

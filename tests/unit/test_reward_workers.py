@@ -58,6 +58,28 @@ def test_a_reward_that_hangs_exits_or_kills_its_process_fails_its_sample_alone(
     assert f"step 3: {bad.message}" in log.read_text()
 
 
+def test_reward_log_stops_growing_at_its_budget_and_says_so_once(tmp_path):
+    """A plugin that fails on every sample wrote a traceback per sample without end: past the
+    budget the log gets one line saying so, and the failures go on being outcomes (counted)."""
+    log = tmp_path / "logs" / "reward.log"
+    scorer = RewardScorer(REWARD, workers=1, timeout_s=5.0, log_path=log, log_bytes=1000)
+    try:
+        got = [scorer.submit("exit", "", "", where=f"step {i}").result(timeout=60)
+               for i in range(12)]  # fmt: skip
+    finally:
+        scorer.close()
+    assert all(o.kind is Kind.RAISED for o in got)
+    text = log.read_text()
+    *written, last = text.splitlines()
+    assert last.endswith(
+        " reward.log reached 1000 bytes: further failures are not written here, only counted "
+        "(reward/failed_samples in metrics.jsonl)"
+    )
+    assert "step 0: " in text and "step 11: " not in text and "reached" not in "".join(written)
+    assert len(text.encode()) - len(last) - 1 <= 1000
+    assert scorer.log.unwritten == 12 - text.count("raised SystemExit")
+
+
 @pytest.mark.parametrize(
     "prompt, shown",
     [
@@ -161,6 +183,35 @@ def test_a_plugin_file_that_imports_a_module_beside_it_is_told_to_put_its_folder
         f"reward plugin '{path}:judge': cannot import '{path}' (No module named 'helpers'); it "
         f"imports 'helpers' from its own folder: put '{tmp_path}' on PYTHONPATH"
     )
+
+
+def test_a_plugin_slower_to_load_than_reward_start_timeout_s_names_the_key_to_raise(tmp_path):
+    """A plugin that loads a judge model when imported may take minutes: the limit on a worker's
+    start is the config's, and the line says which key to raise."""
+    path = tmp_path / "judge.py"
+    path.write_text("import time\ntime.sleep(60)\ndef judge(p, r, a):\n    return 1.0\n")
+    cfg = load_config(None, ["model.path=m", f"reward.fn={path}:judge", "reward.workers=1",
+                             "reward.start_timeout_s=1"])  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as e:
+        Generation(cfg, _Tok(), tmp_path)
+    assert time.monotonic() - t0 < 30
+    assert str(e.value) == (
+        f"reward plugin '{path}:judge' could not be loaded: a worker did not start within "
+        "reward.start_timeout_s (1 s); raise it if the code takes longer to load; its module "
+        "must import without exiting, hanging or ending its process"
+    )
+
+
+@pytest.mark.parametrize("value", ["1e-9", "0.001", "0"])
+def test_a_reward_timeout_too_short_for_any_call_is_refused_with_the_config(value):
+    """Below 0.01 s every call would time out (and its worker be replaced): a config error."""
+    with pytest.raises(UserError) as e:
+        load_config(None, ["model.path=m", f"reward.timeout_s={value}"]).check()
+    assert str(e.value) == (
+        f"reward.timeout_s must be a finite number in [0.01, 1e+09], not {float(value)!r}"
+    )
+    load_config(None, ["model.path=m", "reward.timeout_s=0.01"]).check()
 
 
 @pytest.mark.parametrize("fn", ["123", ":", "exact ", "judge.py:", ":judge"])

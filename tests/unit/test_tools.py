@@ -58,6 +58,17 @@ ECHO = Tool(
 NOT_A_FUNCTION = 3
 
 
+def countdown(n: int):
+    """Count down (yields: not a tool)."""
+    yield from range(n, 0, -1)
+
+
+async def lines(text: str):
+    """Each line (an async generator: not a tool)."""
+    for line in text.splitlines():
+        yield line
+
+
 @pytest.fixture(autouse=True)
 def registry():
     """The global registry as it was before each test (tests register tools of their own)."""
@@ -345,6 +356,21 @@ def test_resolve_errors_name_the_spec_and_the_fix(spec, words):
     assert "\n" not in message
     for word in words:
         assert word in message
+
+
+@pytest.mark.parametrize("name, kind", [("countdown", "a generator"),
+                                        ("lines", "an async generator")])  # fmt: skip
+def test_a_generator_function_is_refused_as_a_tool(name, kind):
+    """Its result was shown to the model as "<generator object ...>"."""
+    with pytest.raises(UserError) as e:
+        resolve_tools([f"tests.unit.test_tools:{name}"])
+    assert str(e.value) == (
+        f"tool {name!r} (tests.unit.test_tools.{name}) is {kind} function (it yields); a tool "
+        "must return its result: return the text (e.g. ''.join of what it yields) instead"
+    )
+    with pytest.raises(UserError, match=f"is {kind} function"):
+        tool(name="gen")(globals()[name])
+    assert "gen" not in REGISTRY
 
 
 def test_resolve_refuses_two_tools_of_one_name():
