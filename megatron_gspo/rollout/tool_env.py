@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 
 from megatron_gspo.rollout.env import Step, Turn
-from megatron_gspo.rollout.tools import Tool, call_tool, parse_tool_calls, resolve_tools
+from megatron_gspo.rollout.tool_calls import parse_tool_calls
+from megatron_gspo.rollout.tools import Tool, call_tool, resolve_tools
 
 
 class ToolEpisode:

@@ -18,8 +18,8 @@ The model calls tools the way Qwen3 writes them, one JSON object per block:
     {"name": "calc", "arguments": {"expr": "37*48"}}
     </tool_call>
 
-`parse_tool_calls` reads every block of a turn (text outside blocks is ignored) and lists one
-short error per malformed block; `call_tool` runs one call and returns the text fed back to the
+`parse_tool_calls` (rollout/tool_calls.py) reads every block of a turn and lists one short error
+per malformed block; `call_tool` runs one call and returns the text fed back to the
 model. A failing call (unknown tool, wrong arguments, an exception in the tool) becomes the text
 "error: ..." shown to the model, as Qwen-Agent and verl do; it is never raised. A tool may be
 `async def`: its result is awaited, not shown to the model as a coroutine. A generator function
@@ -32,7 +32,6 @@ import ast
 import asyncio
 import importlib
 import inspect
-import json
 import operator
 import typing
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.tool_calls import ToolCall
 
 MAX_RESULT_CHARS = 2000  # the most text one call feeds back to the model
 _TRUNCATED = " ... (truncated)"
@@ -52,14 +52,6 @@ class Tool:
     name: str
     fn: Callable[..., object]
     schema: dict
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call as the model wrote it: the tool's name and its keyword arguments."""
-
-    name: str
-    arguments: dict
 
 
 REGISTRY: dict[str, Tool] = {}  # the tools known by name ("calc"), filled by @tool
@@ -301,57 +293,7 @@ def calc(expr: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# reading the model's calls and answering them
-
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-
-def _parse_block(body: str) -> ToolCall | str:
-    """The call in one block's text, or why it is not one."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-    except RecursionError:  # (the parser recurses per level: 10,000 nested brackets)
-        return "invalid JSON (nested too deeply)"
-    if not isinstance(obj, dict):
-        return f"not a JSON object but a {type(obj).__name__}"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return 'missing "name" (a string)'
-    arguments = obj.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
-            return '"arguments" is a string but not JSON'
-    if not isinstance(arguments, dict):
-        return f'"arguments" is not a JSON object but a {type(arguments).__name__}'
-    return ToolCall(name=name, arguments=arguments)
-
-
-def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
-    """The calls in every <tool_call>...</tool_call> block of `text`, in order, and one short
-    error per malformed block (numbered from 1 among all blocks). An opening tag followed by
-    another opening tag, or by none and no closing tag, is an unclosed block."""
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    start, index = text.find(_OPEN), 0
-    while start != -1:
-        index += 1
-        body_start = start + len(_OPEN)
-        end, following = text.find(_CLOSE, body_start), text.find(_OPEN, body_start)
-        if end == -1 or (following != -1 and following < end):
-            errors.append(f"<tool_call> {index}: no closing </tool_call>")
-            start = following
-            continue
-        parsed = _parse_block(text[body_start:end])
-        if isinstance(parsed, ToolCall):
-            calls.append(parsed)
-        else:
-            errors.append(f"<tool_call> {index}: {parsed}")
-        start = text.find(_OPEN, end + len(_CLOSE))
-    return calls, errors
+# answering the model's calls (rollout/tool_calls.py reads them)
 
 
 def _cap(text: str) -> str:

@@ -8,15 +8,14 @@ import json
 import pytest
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.rollout.tool_calls import ToolCall, parse_tool_calls
 from megatron_gspo.rollout.tools import (
     MAX_RESULT_CHARS,
     REGISTRY,
     Tool,
-    ToolCall,
     calc,
     call_tool,
     function_schema,
-    parse_tool_calls,
     resolve_tools,
     tool,
 )

@@ -16,7 +16,8 @@ from megatron_gspo.data.transcripts import (
 )
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 from megatron_gspo.rollout.episodes import ChatRender
-from megatron_gspo.rollout.tools import REGISTRY, calc, call_tool, parse_tool_calls
+from megatron_gspo.rollout.tool_calls import parse_tool_calls
+from megatron_gspo.rollout.tools import REGISTRY, calc, call_tool
 
 pytestmark = pytest.mark.unit
 
