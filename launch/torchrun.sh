@@ -114,6 +114,21 @@ if [[ -z "${MEGATRON_GSPO_API_KEY:-}" ]]; then
 fi
 export MEGATRON_GSPO_API_KEY
 
+# ---- the layout ------------------------------------------------------------------------------
+# Planned before anything is made: a refused launch leaves no run directory behind.
+PLAN_ARGS=(--config "$CONFIG" --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE")
+[[ -n "${NPROC_PER_NODE:-}" ]] && PLAN_ARGS+=(--nproc-per-node "$NPROC_PER_NODE")
+[[ -n "${ROLLOUT_NODES:-}" ]] && PLAN_ARGS+=(--rollout-nodes "$ROLLOUT_NODES")
+[[ -n "${SERVERS_PER_NODE:-}" ]] && PLAN_ARGS+=(--servers-per-node "$SERVERS_PER_NODE")
+PLAN_ARGS+=("${OVERRIDES[@]}")
+PLAN="$("$PYTHON" "$HERE/plan.py" "${PLAN_ARGS[@]}")" || exit 2
+# Shell assignments, each value quoted by plan.py (shlex.quote).
+eval "$PLAN"
+: "${PLACEMENT:?} ${BACKEND:?} ${TRAIN_NODES:?} ${NPROC_PER_NODE:?} ${SERVING_NODES:?}"
+: "${TOTAL_SERVERS:?} ${START_ROUTER:?} ${HEALTH_TIMEOUT_S:?}"
+[[ -n "${SGLANG_PYTHON:-}" ]] && export SGLANG_PYTHON
+
+# ---- this launch's directories -------------------------------------------------------------
 LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)-$$}}"
 RUN_DIR="${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)}"
 mkdir -p "$RUN_DIR"
@@ -127,18 +142,6 @@ mkdir -p "$STATE/urls" "$RANK_LOGS" "$SERVER_LOGS" "$(dirname "$LAUNCH_LOG")"
 log() { echo "[node $NODE_RANK $(date +%H:%M:%S)] $*" | tee -a "$LAUNCH_LOG"; }
 fail() { echo "error: $*" | tee -a "$LAUNCH_LOG" >&2; }
 
-# ---- the layout ------------------------------------------------------------------------------
-PLAN_ARGS=(--config "$CONFIG" --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE")
-[[ -n "${NPROC_PER_NODE:-}" ]] && PLAN_ARGS+=(--nproc-per-node "$NPROC_PER_NODE")
-[[ -n "${ROLLOUT_NODES:-}" ]] && PLAN_ARGS+=(--rollout-nodes "$ROLLOUT_NODES")
-[[ -n "${SERVERS_PER_NODE:-}" ]] && PLAN_ARGS+=(--servers-per-node "$SERVERS_PER_NODE")
-PLAN_ARGS+=("${OVERRIDES[@]}")
-PLAN="$("$PYTHON" "$HERE/plan.py" "${PLAN_ARGS[@]}")" || exit 2
-# Shell assignments, each value quoted by plan.py (shlex.quote).
-eval "$PLAN"
-: "${PLACEMENT:?} ${BACKEND:?} ${TRAIN_NODES:?} ${NPROC_PER_NODE:?} ${SERVING_NODES:?}"
-: "${TOTAL_SERVERS:?} ${START_ROUTER:?} ${HEALTH_TIMEOUT_S:?}"
-[[ -n "${SGLANG_PYTHON:-}" ]] && export SGLANG_PYTHON
 TRAINS=0 SERVES=0
 [[ "$NODE_RANK" -lt "$TRAIN_NODES" ]] && TRAINS=1
 for n in $SERVING_NODES; do [[ "$n" == "$NODE_RANK" ]] && SERVES=1; done
