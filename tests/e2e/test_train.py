@@ -302,6 +302,36 @@ def test_broken_rows_and_a_dead_rollout_url_fail_fast(task_model, tmp_path):
     print(f"dead rollout.urls: error after {took:.1f} s")
 
 
+def test_a_server_sending_nan_logprobs_stops_the_run_before_it_trains(task_model, tmp_path):
+    """rollout.urls at a server whose /generate answers NaN log-probs (the fault of
+    tests/e2e/faulty_server.py): the run used to train a step on them (the NaNs read as "no
+    log-prob" in the batch); now its first answer stops it with one line naming the server."""
+    cmd = [sys.executable, "-m", "tests.e2e.faulty_server", "nan", "--model", str(task_model),
+           "--port", "0", "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert " on http://127.0.0.1:" in line, f"server did not start: {line!r}"
+        url = line.split()[-1]
+        rc, out = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, f"rollout.urls=[{url}]")
+    finally:
+        server.kill()
+        server.wait(timeout=60)
+    [error] = error_lines(out)
+    assert rc == 2 and error.startswith(f"error: {url}/generate answered output_token_logprobs["), (
+        out
+    )
+    assert (
+        "] = [NaN, " in error and "; a log-prob is a number <= 0; check that rollout.urls" in error
+    )
+    assert "Traceback" not in out
+    logged = tmp_path / "run" / "metrics.jsonl"
+    assert not logged.exists() or all(
+        r["step"] == 0 for r in metrics(tmp_path / "run")
+    )  # untrained
+
+
 def _flip_each_tensor_file(directory: Path) -> list[str]:
     """4 bytes flipped in the middle of every model/optimizer shard: the damage that used to load
     silently and train NaN."""
