@@ -136,8 +136,11 @@ async def read_json(resp: aiohttp.ClientResponse) -> dict:
 
 
 def message(data: dict) -> str:
-    """The error message of an answer, wherever the server put it."""
+    """The error message of an answer, wherever the server put it, on one line (an HTML error
+    page's included)."""
     err = data.get("error")
     if isinstance(err, dict) and err.get("message"):
-        return str(err["message"])
-    return str(data.get("message") or err or data)
+        text = str(err["message"])
+    else:
+        text = str(data.get("message") or err or data)
+    return " ".join(text.split())[:300]

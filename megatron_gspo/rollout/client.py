@@ -38,6 +38,8 @@ __all__ = ["RolloutClient", "RolloutError", "Sample", "decode_routed_experts"]
 
 log = logging.getLogger(__name__)
 
+MAX_BACKOFF_S = 2.0  # the longest wait between two tries of a request
+
 
 @dataclass
 class _Server:
@@ -169,6 +171,9 @@ class RolloutClient:
                 elif attempt:  # every quick retry failed: wait for a server to come back
                     if outage_until is None:
                         outage_until = time.monotonic() + self.outage_s
+                    # (still backing off: a server whose /health is fine while /generate answers
+                    # 5xx, an overloaded one or a proxy's, is not sent a request per millisecond)
+                    await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
                     # (a request that keeps failing on healthy servers gives up at the same
                     # deadline: a healthy /health does not make it retry for ever)
                     healthy = None

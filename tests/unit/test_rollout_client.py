@@ -279,3 +279,31 @@ def test_a_batch_answer_of_another_size_names_what_came():
         f'{url}/generate answered {{"message": "<html>\\n<h1>502</h1>\\n</html>"}}, not a list of '
         "2 results; check that rollout.urls"
     ), error
+
+
+def test_a_server_that_answers_503_is_backed_off_and_its_page_kept_to_one_line():
+    """A server whose /health is fine while /generate answers 503 with an HTML page (overloaded,
+    or a proxy in front of a dead one) used to be sent ~200 requests a second for the whole
+    outage wait, and its page broke the error (and each warning) over several lines."""
+    from aiohttp import web
+
+    posts = []
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def generate(request):
+        posts.append(time.monotonic())
+        page = "<html>\n<h1>503 Service Unavailable</h1>\n</html>"
+        return web.Response(status=503, text=page, content_type="text/html")
+
+    async def go():
+        async with fake_server({"/health": health, "POST /generate": generate}) as url:
+            async with RolloutClient(url, retries=2, backoff_s=0.05, outage_s=2.0) as client:
+                await client.generate([[5]])
+
+    with pytest.raises(RolloutError) as e:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    assert "(last: HTTP 503: <html> <h1>503 Service Unavailable</h1> </html>)" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert 5 <= len(posts) <= 12, len(posts)  # backing off (0.05 s doubling, at most 2 s apart)
