@@ -16,6 +16,7 @@ import torch
 
 from megatron_gspo.comm import bcast
 from megatron_gspo.config import Config
+from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.routing.replay import ReplayMode
@@ -130,8 +131,10 @@ def collect_current(
     """The step's rollouts, from the trainer's weights: when a server restarted during them
     (onto older weights) gave some samples, it is caught up and the batch generated again (the
     same seeds: the same samples from the other servers), up to `tries` times in all; groups
-    still stale after that are dropped (producer.py). Every rank sees the same metrics, so
-    every rank takes the same turns (catch_up is collective)."""
+    still stale after that are dropped (producer.py); when that is every sample, the servers
+    do not take the trainer's weights (or do not say so), and the run stops with an error
+    rather than train nothing step after step. Every rank sees the same facts, so every rank
+    takes the same turns (catch_up is collective)."""
     regenerated = 0
     for attempt in range(tries):
         collected = rl.collect(prompts, step, current)
@@ -141,6 +144,15 @@ def collect_current(
         log.warning("step %d: %d samples came from older weights; generating again", step, stale)
         catch_up(sync, fleet, current)
         regenerated += stale
+    if collected.stale_samples and collected.stale_samples == collected.samples:
+        raise UserError(
+            f"step {step}: every rollout sample came from weights older than the trainer's "
+            f"(version {current}; the servers answered weight_version "
+            f"{collected.stale_version!r}), {tries} times with the servers caught up in between: "
+            "they do not load the weights the trainer sends, or do not report them; check that "
+            "rollout.urls points at SGLang-compatible servers of this run (not a cache or a "
+            "server another run updates)"
+        )
     collected.regenerated_samples = regenerated
     collected.metrics["rollout/regenerated_samples"] = float(regenerated)
     return collected
