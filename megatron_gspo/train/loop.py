@@ -70,6 +70,14 @@ def run(parts: Parts, *, max_steps: int | None = None) -> None:
         ahead.close()
 
 
+def refused_sync(e: WeightSyncError) -> str:
+    """The error line for a sync the servers refused (each says why, often with its fix): the
+    report's lines on one."""
+    report = "; ".join(line.strip() for line in str(e).splitlines()).replace(":;", ":")
+    return (f"{report}; fix what the servers say (their logs say more), then run again "
+            "(--resume goes on from the last checkpoint)")  # fmt: skip
+
+
 def servers_idle(fleet: Servers, busy0: float | None, wall: float, generating: float) -> float:
     """A server's mean idle seconds in the `wall` seconds of this step before its sync: from the
     servers' own working time where they report it (the built-in server; `busy0` at the step's
@@ -186,7 +194,9 @@ def sync_weights(sync: WeightSync, fleet: Servers, step: int) -> dict:
             lost = list(report.failures) if report is not None else []
         # (rank 0's answer: only its fleet has the supervisor)
         if not bcast(died and fleet.being_restarted(lost, since=before)):
-            raise
+            if isinstance(e, UserError) or report is None or report.trainer_error:
+                raise
+            raise UserError(refused_sync(e)) from None
         log.warning("%s\ntheir supervisor restarts them; the next step catches them up", e)
     fleet.weights_at(sync.restore_point)  # what a restarted server loads
     # a failure the run goes on after carries its sync's report (sync() attaches it)

@@ -361,6 +361,26 @@ def test_a_server_that_keeps_the_old_weights_stops_the_run(task_model, tmp_path,
     assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]  # step 2 trained nothing
 
 
+def test_a_server_that_refuses_the_weights_stops_the_run_in_one_line(task_model, tmp_path):
+    """rollout.urls at a server started here without --api-key refuses the tensor transport's
+    shared memory with a 400 that names the fix: the run used to end on a WeightSyncError
+    traceback (exit 1) with the report over four lines."""
+    from tests.e2e.server_process import running_server
+
+    with running_server(task_model) as url:
+        rc, out = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, f"rollout.urls=[{url}]")
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    [error] = error_lines(out)
+    assert error.startswith(
+        f"error: weight sync to version '1' (tensor) failed: server {url}: {url}: "
+        "/update_weights_from_tensor answered HTTP 400: weight payload refers to shared memory"
+    ), error
+    assert "start it with --api-key KEY" in error
+    assert error.endswith(f"; servers now: {url} = default (restored); fix what the servers say "
+                          "(their logs say more), then run again (--resume goes on from the last "
+                          "checkpoint)")  # fmt: skip
+
+
 def _flip_each_tensor_file(directory: Path) -> list[str]:
     """4 bytes flipped in the middle of every model/optimizer shard: the damage that used to load
     silently and train NaN."""
