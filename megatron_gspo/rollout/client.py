@@ -119,10 +119,12 @@ class RolloutClient:
         one batch request per prompt (its n samples), else one request per sample."""
         _, servers = self._state()
         if return_routed_experts and self.topk is None:
-            info = await self.get(servers[0].url, "/model_info")
-            self.topk = int(info.get("num_experts_per_tok") or 0) or None
+            said = (await self.get(servers[0].url, "/model_info")).get("num_experts_per_tok")
+            self.topk = said if type(said) is int and said > 0 else None
             if self.topk is None:
-                raise RolloutError("the server did not say its top-k; pass RolloutClient(topk=K)")
+                raise RolloutError(f"{servers[0].url}/model_info did not say its top-k (its "
+                                   f"num_experts_per_tok: {snippet(said)}); pass "
+                                   "RolloutClient(topk=K)")  # fmt: skip
         epoch = self._epoch
         tasks = []
         for i, prompt in enumerate(prompts):

@@ -307,3 +307,23 @@ def test_a_server_that_answers_503_is_backed_off_and_its_page_kept_to_one_line()
     assert "(last: HTTP 503: <html> <h1>503 Service Unavailable</h1> </html>)" in str(e.value)
     assert "\n" not in str(e.value)
     assert 5 <= len(posts) <= 12, len(posts)  # backing off (0.05 s doubling, at most 2 s apart)
+
+
+@pytest.mark.parametrize("said", ["eight", None, -2])
+def test_a_top_k_the_server_does_not_say_is_an_error_naming_it(said):
+    """SGLang's /model_info has no num_experts_per_tok, and a proxy may send anything there:
+    "eight" used to raise ValueError from int()."""
+    from aiohttp import web
+
+    async def model_info(request):
+        return web.json_response({"model_path": "m", "num_experts_per_tok": said})
+
+    async def go():
+        async with fake_server({"/model_info": model_info}) as url, RolloutClient(url) as c:
+            with pytest.raises(RolloutError) as e:
+                await c.generate([[1]], return_routed_experts=True)
+            return url, str(e.value)
+
+    url, error = asyncio.run(asyncio.wait_for(go(), 30))
+    assert error == (f"{url}/model_info did not say its top-k (its num_experts_per_tok: "
+                     f"{json.dumps(said)}); pass RolloutClient(topk=K)")  # fmt: skip
