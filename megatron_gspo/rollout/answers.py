@@ -1,21 +1,121 @@
 """What a rollout server answers, as the client reads it: failures (`RolloutError`), JSON bodies
-(SGLang's error shape included) and the routed experts of R3."""
+(SGLang's error shape included), one /generate result (`read_answer`) and the routed experts of
+R3.
+
+rollout.urls may name a proxy, a server of another SGLang version or one serving another model,
+so a result is checked before a sample is made of it: a body that is not SGLang's shape, token
+ids outside the model's vocabulary, log-probs that are not one number <= 0 per token (NaN, text,
+above 0; -inf is left to the non-finite guard, train/guard.py), or a finish reason the trainer
+does not know stop the run with one line naming the server, rather than a traceback or a step
+trained on them."""
 
 from __future__ import annotations
 
 import base64
+import binascii
+import json
+import math
+from dataclasses import dataclass
+from typing import NoReturn
 
 import aiohttp
 import numpy as np
 
+from megatron_gspo.errors import UserError
 
-class RolloutError(RuntimeError):
-    """A request that failed for good: refused (4xx) or out of retries."""
+FINISH_REASONS = ("stop", "length", "abort")
+# a log-prob is <= 0; a server's float32 log-softmax may round a sure token a little above
+LOGPROB_SLACK = 1e-3
+
+
+class RolloutError(UserError):
+    """A request that failed for good: refused (4xx), out of retries, or answered with what no
+    SGLang-compatible server sends. One line that names the server (the CLI prints it, exit 2)."""
+
+
+@dataclass
+class Answer:
+    """One /generate result, checked."""
+
+    tokens: list[int]
+    logprobs: list[float] | None  # None: not asked for
+    finish_reason: str  # one of FINISH_REASONS
+    weight_version: str
+    routed_experts: str | None  # base64, as sent
+
+
+def read_answer(data: object, url: str, vocab_size: int | None) -> Answer:
+    """`data` (one result of `url`'s /generate) as an Answer; RolloutError on anything else."""
+    if not (isinstance(data, dict) and isinstance(data.get("meta_info"), dict)
+            and isinstance(data.get("output_ids"), list)):  # fmt: skip
+        _bad(url, f"{snippet(data)}, not SGLang's {{output_ids, meta_info}}")
+    meta = data["meta_info"]
+    tokens = data["output_ids"]
+    top = vocab_size or 2**63
+    wrong = [i for i, t in enumerate(tokens) if type(t) is not int or not 0 <= t < top]
+    if wrong:
+        span = f" [0, {vocab_size})" if vocab_size else ""
+        _bad(url, f"token id {snippet(tokens[wrong[0]])}, not one of the model's vocabulary{span}")
+    reason = meta.get("finish_reason") or {"type": "abort"}
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in FINISH_REASONS:
+        _bad(url, f"finish_reason {snippet(reason)}, not one of {', '.join(FINISH_REASONS)}")
+    routed = meta.get("routed_experts")
+    if routed is not None and not isinstance(routed, str):
+        _bad(url, f"routed_experts {snippet(routed)}, not a base64 string")
+    lps = meta.get("output_token_logprobs")
+    return Answer(list(tokens), None if lps is None else _logprobs(lps, tokens, url), str(kind),
+                  str(meta.get("weight_version", "")), routed)  # fmt: skip
+
+
+def _logprobs(entries: object, tokens: list[int], url: str) -> list[float]:
+    """SGLang's [[logprob, token_id, text], ...]: one per output token, each a log-prob <= 0."""
+    if not isinstance(entries, list) or len(entries) != len(tokens):
+        n = len(entries) if isinstance(entries, list) else snippet(entries)
+        _bad(url, f"{n} output_token_logprobs for {len(tokens)} output_ids")
+    out = []
+    for i, (e, token) in enumerate(zip(entries, tokens)):
+        ok = isinstance(e, list | tuple) and len(e) >= 1 and type(e[0]) in (int, float)
+        if not ok or math.isnan(e[0]) or e[0] > LOGPROB_SLACK:
+            _bad(url, f"output_token_logprobs[{i}] = {snippet(e)}; a log-prob is a number <= 0")
+        if len(e) >= 2 and type(e[1]) is int and e[1] != token:
+            _bad(
+                url, f"output_token_logprobs[{i}] for token {e[1]}, but output_ids[{i}] is {token}"
+            )
+        out.append(float(e[0]))
+    return out
+
+
+def _bad(url: str, what: str) -> NoReturn:
+    raise bad_answer(url, what)
+
+
+def bad_answer(url: str, what: str) -> RolloutError:
+    """The error for a /generate answer that is not what `what` says it should be."""
+    return RolloutError(
+        f"{url}/generate answered {what}; check that rollout.urls points at an SGLang-compatible "
+        "server (not a proxy's page) serving the model being trained"
+    )
+
+
+def snippet(value: object, limit: int = 120) -> str:
+    """`value` as short one-line text."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def decode_routed_experts(b64: str, num_tokens: int, topk: int | None) -> np.ndarray:
     """SGLang's base64 int32 payload as [num_tokens, layers, topk]."""
-    flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
+    try:
+        flat = np.frombuffer(base64.b64decode(b64, validate=True), dtype=np.int32)
+    except (binascii.Error, ValueError):
+        raise RolloutError(
+            f"routed_experts is not base64 of int32 ids ({snippet(b64, 40)})"
+        ) from None
     if not topk or num_tokens <= 0 or flat.size % (num_tokens * topk):
         raise RolloutError(
             f"routed_experts holds {flat.size} ids, not a multiple of {num_tokens} tokens x top-{topk}"
@@ -36,8 +136,11 @@ async def read_json(resp: aiohttp.ClientResponse) -> dict:
 
 
 def message(data: dict) -> str:
-    """The error message of an answer, wherever the server put it."""
+    """The error message of an answer, wherever the server put it, on one line (an HTML error
+    page's included)."""
     err = data.get("error")
     if isinstance(err, dict) and err.get("message"):
-        return str(err["message"])
-    return str(data.get("message") or err or data)
+        text = str(err["message"])
+    else:
+        text = str(data.get("message") or err or data)
+    return " ".join(text.split())[:300]

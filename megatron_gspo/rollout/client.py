@@ -22,13 +22,23 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from megatron_gspo.rollout.answers import RolloutError, decode_routed_experts, message, read_json
+from megatron_gspo.rollout.answers import (
+    RolloutError,
+    bad_answer,
+    decode_routed_experts,
+    message,
+    read_answer,
+    read_json,
+    snippet,
+)
 from megatron_gspo.rollout.partial import Hold
 from megatron_gspo.rollout.sample import Sample
 
 __all__ = ["RolloutClient", "RolloutError", "Sample", "decode_routed_experts"]
 
 log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 2.0  # the longest wait between two tries of a request
 
 
 @dataclass
@@ -40,7 +50,7 @@ class _Server:
 
 
 class RolloutClient:
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the URLs, then keyword-only options
         self,
         urls: list[str] | str,
         *,
@@ -52,10 +62,12 @@ class RolloutClient:
         backoff_s: float = 0.5,
         topk: int | None = None,
         outage_s: float = 0.0,
+        vocab_size: int | None = None,
     ):
         """`retries` quick retries on other servers (backoff_s, doubling); after those, a
         request waits up to `outage_s` for any server to answer /health again (its supervisor
-        restarting it) and is sent there: a sample is retried, never lost or doubled."""
+        restarting it) and is sent there: a sample is retried, never lost or doubled.
+        `vocab_size`: the model's; a token id outside it is an error (another model's server)."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -64,7 +76,7 @@ class RolloutClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.retries, self.backoff_s, self.outage_s = retries, backoff_s, outage_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.topk = topk
+        self.topk, self.vocab_size = topk, vocab_size
         self._servers: list[_Server] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._outstanding: dict[str, str] = {}  # rid -> server url
@@ -107,10 +119,12 @@ class RolloutClient:
         one batch request per prompt (its n samples), else one request per sample."""
         _, servers = self._state()
         if return_routed_experts and self.topk is None:
-            info = await self.get(servers[0].url, "/model_info")
-            self.topk = int(info.get("num_experts_per_tok") or 0) or None
+            said = (await self.get(servers[0].url, "/model_info")).get("num_experts_per_tok")
+            self.topk = said if type(said) is int and said > 0 else None
             if self.topk is None:
-                raise RolloutError("the server did not say its top-k; pass RolloutClient(topk=K)")
+                raise RolloutError(f"{servers[0].url}/model_info did not say its top-k (its "
+                                   f"num_experts_per_tok: {snippet(said)}); pass "
+                                   "RolloutClient(topk=K)")  # fmt: skip
         epoch = self._epoch
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -159,6 +173,9 @@ class RolloutClient:
                 elif attempt:  # every quick retry failed: wait for a server to come back
                     if outage_until is None:
                         outage_until = time.monotonic() + self.outage_s
+                    # (still backing off: a server whose /health is fine while /generate answers
+                    # 5xx, an overloaded one or a proxy's, is not sent a request per millisecond)
+                    await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
                     # (a request that keeps failing on healthy servers gives up at the same
                     # deadline: a healthy /health does not make it retry for ever)
                     healthy = None
@@ -186,9 +203,6 @@ class RolloutClient:
                 if result is None:
                     return samples
                 items, latency = result
-                if len(items) != len(samples):
-                    raise RolloutError(f"{server.url} answered {len(items)} results for a batch "
-                                       f"of {len(samples)}")  # fmt: skip
                 want = body["return_routed_experts"]
                 return [self._fill(s, d, server.url, latency, want)
                         for s, d in zip(samples, items)]  # fmt: skip
@@ -236,22 +250,28 @@ class RolloutClient:
             finally:
                 for rid in rids:
                     self._outstanding.pop(rid, None)
-            batch = data.get("data") if isinstance(body["rid"], list) else None
-            items = batch if isinstance(batch, list) else [data]
-            return items, time.perf_counter() - t0
+            if not isinstance(body["rid"], list):
+                return [data], time.perf_counter() - t0
+            batch = data.get("data")
+            if not isinstance(batch, list) or len(batch) != len(rids):
+                raise bad_answer(server.url, f"{snippet(data)}, not a list of {len(rids)} results")
+            return batch, time.perf_counter() - t0
 
-    def _fill(self, sample: Sample, data: dict, url: str, latency: float, want_routed: bool):
-        meta = data["meta_info"]
-        sample.tokens = list(data["output_ids"])
-        sample.finish_reason = (meta.get("finish_reason") or {}).get("type", "abort")
-        sample.weight_version = str(meta.get("weight_version", ""))
+    def _fill(self, sample: Sample, data: object, url: str, latency: float, want_routed: bool):
+        answer = read_answer(data, url, self.vocab_size)
+        sample.tokens, sample.finish_reason = answer.tokens, answer.finish_reason
+        sample.weight_version = answer.weight_version
         sample.server, sample.latency_s = url, latency
-        if "output_token_logprobs" in meta:
-            sample.logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
-        if meta.get("routed_experts") is not None:
-            sample.routed_experts = decode_routed_experts(
-                meta["routed_experts"], len(sample.prompt_ids) + len(sample.tokens) - 1, self.topk
-            )
+        if answer.logprobs is not None:
+            sample.logprobs = list(answer.logprobs)
+        if answer.routed_experts is not None:
+            rows = len(sample.prompt_ids) + len(sample.tokens) - 1
+            try:
+                sample.routed_experts = decode_routed_experts(
+                    answer.routed_experts, rows, self.topk
+                )
+            except RolloutError as e:
+                raise bad_answer(url, str(e)) from None
         elif want_routed and not sample.aborted:
             raise RolloutError(
                 f"{url} returned no routed_experts for {sample.rid}; start the server with "

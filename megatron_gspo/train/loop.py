@@ -16,6 +16,7 @@ import torch
 
 from megatron_gspo.comm import bcast
 from megatron_gspo.config import Config
+from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
 from megatron_gspo.routing.replay import ReplayMode
@@ -67,6 +68,14 @@ def run(parts: Parts, *, max_steps: int | None = None) -> None:
         hooks.finish(state)
     finally:  # also after a failure: the generations in flight end before the servers stop
         ahead.close()
+
+
+def refused_sync(e: WeightSyncError) -> str:
+    """The error line for a sync the servers refused (each says why, often with its fix): the
+    report's lines on one."""
+    report = "; ".join(line.strip() for line in str(e).splitlines()).replace(":;", ":")
+    return (f"{report}; fix what the servers say (their logs say more), then run again "
+            "(--resume goes on from the last checkpoint)")  # fmt: skip
 
 
 def servers_idle(fleet: Servers, busy0: float | None, wall: float, generating: float) -> float:
@@ -130,8 +139,10 @@ def collect_current(
     """The step's rollouts, from the trainer's weights: when a server restarted during them
     (onto older weights) gave some samples, it is caught up and the batch generated again (the
     same seeds: the same samples from the other servers), up to `tries` times in all; groups
-    still stale after that are dropped (producer.py). Every rank sees the same metrics, so
-    every rank takes the same turns (catch_up is collective)."""
+    still stale after that are dropped (producer.py); when that is every sample, the servers
+    do not take the trainer's weights (or do not say so), and the run stops with an error
+    rather than train nothing step after step. Every rank sees the same facts, so every rank
+    takes the same turns (catch_up is collective)."""
     regenerated = 0
     for attempt in range(tries):
         collected = rl.collect(prompts, step, current)
@@ -141,6 +152,15 @@ def collect_current(
         log.warning("step %d: %d samples came from older weights; generating again", step, stale)
         catch_up(sync, fleet, current)
         regenerated += stale
+    if collected.stale_samples and collected.stale_samples == collected.samples:
+        raise UserError(
+            f"step {step}: every rollout sample came from weights older than the trainer's "
+            f"(version {current}; the servers answered weight_version "
+            f"{collected.stale_version!r}), {tries} times with the servers caught up in between: "
+            "they do not load the weights the trainer sends, or do not report them; check that "
+            "rollout.urls points at SGLang-compatible servers of this run (not a cache or a "
+            "server another run updates)"
+        )
     collected.regenerated_samples = regenerated
     collected.metrics["rollout/regenerated_samples"] = float(regenerated)
     return collected
@@ -174,7 +194,9 @@ def sync_weights(sync: WeightSync, fleet: Servers, step: int) -> dict:
             lost = list(report.failures) if report is not None else []
         # (rank 0's answer: only its fleet has the supervisor)
         if not bcast(died and fleet.being_restarted(lost, since=before)):
-            raise
+            if isinstance(e, UserError) or report is None or report.trainer_error:
+                raise
+            raise UserError(refused_sync(e)) from None
         log.warning("%s\ntheir supervisor restarts them; the next step catches them up", e)
     fleet.weights_at(sync.restore_point)  # what a restarted server loads
     # a failure the run goes on after carries its sync's report (sync() attaches it)

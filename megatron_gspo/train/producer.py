@@ -132,7 +132,7 @@ class BatchProducer:
         failed = reward_failures(out.scored, step)
         rewards = overlong_shaped(cfg, samples, [0.0 if v is None else v for v in scored])
         metrics = rollout_metrics(samples, scored, t_gen)
-        facts = Collected(None, metrics, generation_s=t_gen)
+        facts = Collected(None, metrics, samples=len(samples), generation_s=t_gen)
         metrics["reward/failed_samples"] = float(len(failed))
         metrics["time/reward_wait_s"] = out.reward_wait_s  # (scoring after generation ended)
         stale = self._stale_groups(samples, step, version, facts)
@@ -166,6 +166,7 @@ class BatchProducer:
         stale = {k // G for k in old}
         facts.metrics["rollout/stale_samples"] = float(len(old))
         facts.stale_samples = len(old)
+        facts.stale_version = str(samples[old[0]].weight_version) if old else ""
         facts.metrics["rollout/stale_groups_dropped"] = float(len(stale))
         if old:
             log.warning("step %d: %d samples came from weights older than %s; their %d groups "

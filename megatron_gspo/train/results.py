@@ -27,7 +27,9 @@ class Collected:
     # over the model's tokens (None: no sample was kept)
     version_oldest: float | None = None
     version_mean: float | None = None
+    samples: int = 0  # the samples generated
     stale_samples: int = 0  # samples from weights older than the generation's (a restart)
+    stale_version: str = ""  # the weight_version one of those named (for an error)
     regenerated_samples: int = 0  # stale samples generated again (loop.collect_current)
     generation_s: float = 0.0  # seconds until the generation ended (not the reward wait)
     # the samples' inputs that were not finite, by what the guard's error calls them

@@ -7,6 +7,7 @@ must be in flight while the same thread's caller broadcasts.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -65,6 +66,11 @@ class Servers:
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ServerError(ref.url, f"{path} failed: unreachable ({reason})") from None
+        except http.client.HTTPException as e:  # (a proxy's or another program's bytes)
+            what = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise ServerError(
+                ref.url, f"{path} answered something other than HTTP ({what})"
+            ) from None
         if isinstance(data, dict) and data.get("success") is False:
             raise ServerError(ref.url, f"{path} refused: {data.get('message')}")
         return data if isinstance(data, dict) else {"data": data}

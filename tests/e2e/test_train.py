@@ -3,6 +3,7 @@ errors a user meets first (typos, a broken reward plugin, a server that will not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -300,6 +301,84 @@ def test_broken_rows_and_a_dead_rollout_url_fail_fast(task_model, tmp_path):
     assert f"data.train {data}: skipped 1 broken row of 19" in out
     assert took < 60  # rollout.connect_grace_s (15 s) after start-up, not the 300 s health timeout
     print(f"dead rollout.urls: error after {took:.1f} s")
+
+
+@contextlib.contextmanager
+def faulty_server(model: Path, fault: str, key: str):
+    """The built-in server with one injected fault (tests/e2e/faulty_server.py); its URL."""
+    cmd = [sys.executable, "-m", "tests.e2e.faulty_server", fault, "--model", str(model),
+           "--port", "0", "--threads", "1", "--api-key", key]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert " on http://127.0.0.1:" in line, f"server did not start: {line!r}"
+        yield line.split()[-1]
+    finally:
+        server.kill()
+        server.wait(timeout=60)
+
+
+def test_a_server_sending_nan_logprobs_stops_the_run_before_it_trains(
+    task_model, tmp_path, monkeypatch
+):
+    """rollout.urls at a server whose /generate answers NaN log-probs: the run used to train
+    its steps on them (the NaNs read as "no log-prob" in the batch); now its first answer stops
+    it with one line naming the server."""
+    monkeypatch.setenv("MEGATRON_GSPO_API_KEY", "k" * 32)
+    with faulty_server(task_model, "nan", "k" * 32) as url:
+        rc, out = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, f"rollout.urls=[{url}]")
+    [error] = error_lines(out)
+    assert rc == 2 and error.startswith(f"error: {url}/generate answered output_token_logprobs["), (
+        out
+    )
+    assert (
+        "] = [NaN, " in error and "; a log-prob is a number <= 0; check that rollout.urls" in error
+    )
+    assert "Traceback" not in out
+    logged = tmp_path / "run" / "metrics.jsonl"
+    assert not logged.exists() or all(
+        r["step"] == 0 for r in metrics(tmp_path / "run")
+    )  # untrained
+
+
+def test_a_server_that_keeps_the_old_weights_stops_the_run(task_model, tmp_path, monkeypatch):
+    """rollout.urls at a server whose answers always name the base weights (one that does not
+    take updates, or a cache in front of one): every step after the first used to drop all its
+    groups as stale, generate twice more, train nothing, and the run ended with exit 0. (The
+    sync's verification, off by default, catches it apart.)"""
+    monkeypatch.setenv("MEGATRON_GSPO_API_KEY", "k" * 32)
+    with faulty_server(task_model, "old_version", "k" * 32) as url:
+        rc, out = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, f"rollout.urls=[{url}]",
+                        "sync.verify_every=0")  # fmt: skip
+    assert rc == 2 and error_lines(out) == [
+        "error: step 2: every rollout sample came from weights older than the trainer's "
+        "(version 1; the servers answered weight_version 'default'), 3 times with the servers "
+        "caught up in between: they do not load the weights the trainer sends, or do not report "
+        "them; check that rollout.urls points at SGLang-compatible servers of this run (not a "
+        "cache or a server another run updates)"
+    ], out[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]  # step 2 trained nothing
+
+
+def test_a_server_that_refuses_the_weights_stops_the_run_in_one_line(task_model, tmp_path):
+    """rollout.urls at a server started here without --api-key refuses the tensor transport's
+    shared memory with a 400 that names the fix: the run used to end on a WeightSyncError
+    traceback (exit 1) with the report over four lines."""
+    from tests.e2e.server_process import running_server
+
+    with running_server(task_model) as url:
+        rc, out = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, f"rollout.urls=[{url}]")
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    [error] = error_lines(out)
+    assert error.startswith(
+        f"error: weight sync to version '1' (tensor) failed: server {url}: {url}: "
+        "/update_weights_from_tensor answered HTTP 400: weight payload refers to shared memory"
+    ), error
+    assert "start it with --api-key KEY" in error
+    assert error.endswith(f"; servers now: {url} = default (restored); fix what the servers say "
+                          "(their logs say more), then run again (--resume goes on from the last "
+                          "checkpoint)")  # fmt: skip
 
 
 def _flip_each_tensor_file(directory: Path) -> list[str]:

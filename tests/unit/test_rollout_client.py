@@ -4,11 +4,14 @@ to come up, against a port nothing listens on and a server that is not healthy a
 import asyncio
 import base64
 import contextlib
+import json
+import re
 import time
 
 import numpy as np
 import pytest
 
+from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.client import RolloutClient, RolloutError, Sample, decode_routed_experts
 
 pytestmark = pytest.mark.unit
@@ -185,3 +188,142 @@ def test_busy_seconds_stops_asking_a_server_that_does_not_report_them():
 
     asyncio.run(go())
     assert calls == {"sglang": 1, "builtin": 6}
+
+
+def _result(tokens=(4, 5), lps=None, reason="length", **meta):
+    lps = [-0.5] * len(tokens) if lps is None else lps
+    entries = [[lp, t, None] for lp, t in zip(lps, tokens)]
+    meta = {"finish_reason": {"type": reason}, "output_token_logprobs": entries, **meta}
+    return {"output_ids": list(tokens), "meta_info": meta}
+
+
+WRONG_ANSWERS = {  # what a proxy, another SGLang version or another model's server may send
+    "an HTML page with 200": ("<html>\n<body>Bad gateway</body>\n</html>", "not SGLang's"),
+    "JSON that is cut off": ('{"output_ids": [4,', "not SGLang's"),
+    "a list for an object": ([_result()], "not SGLang's"),
+    "no meta_info": ({"output_ids": [4, 5], "text": "hi"}, "not SGLang's"),
+    "fewer log-probs than tokens": (
+        _result((4, 5, 6), lps=[-0.5]),
+        "1 output_token_logprobs for 3",
+    ),
+    "a token outside the vocabulary": (_result((4, 1000)), "token id 1000, not one of the model's"),
+    "a negative token id": (_result((4, -3)), "token id -3"),
+    "NaN log-probs": (_result(lps=[float("nan"), -0.1]), r"\[0\] = \[NaN, 4, null\]"),
+    "positive log-probs": (_result(lps=[2.5, -0.1]), r"\[0\] = \[2.5, 4, null\]; a log-prob is"),
+    "log-probs as strings": (_result(lps=["-0.5", "-0.1"]), r'\[0\] = \["-0.5", 4, null\]'),
+    "log-probs of other tokens": (
+        {
+            "output_ids": [4, 5],
+            "meta_info": {
+                "finish_reason": {"type": "stop"},
+                "output_token_logprobs": [[-0.1, 4], [-0.1, 9]],
+            },
+        },
+        r"\[1\] for token 9, but output_ids\[1\] is 5",
+    ),  # fmt: skip
+    "an unknown finish reason": (_result(reason="eos"), 'finish_reason {"type": "eos"}, not one'),
+    "routed experts that are not base64": (
+        _result(routed_experts="not base64!"),
+        "routed_experts is not base64",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_ANSWERS))
+def test_a_wrong_generate_answer_is_a_one_line_error_naming_the_server(case):
+    """Each used to raise KeyError/TypeError/ValueError (a traceback), or to pass into a sample
+    silently (wrong-length log-probs, token ids the embedding cannot hold, NaN or positive
+    log-probs, a finish reason nothing counts): now one RolloutError (a UserError: one line,
+    exit 2) naming the server and rollout.urls."""
+    from aiohttp import web
+
+    body, expected = WRONG_ANSWERS[case]
+
+    async def generate(request):
+        if isinstance(body, str):
+            return web.Response(text=body, content_type="text/html")
+        return web.Response(text=json.dumps(body), content_type="application/json")
+
+    async def go():
+        async with fake_server({"POST /generate": generate}) as url:
+            async with RolloutClient(url, vocab_size=100, topk=2) as client:
+                with pytest.raises(RolloutError) as e:
+                    await client.generate([[1, 2]], sampling_params={"max_new_tokens": 3})
+                return url, str(e.value)
+
+    url, error = asyncio.run(asyncio.wait_for(go(), 30))
+    assert isinstance(RolloutError(), UserError)
+    assert error.startswith(f"{url}/generate answered ") and "\n" not in error, error
+    assert re.search(expected, error), error
+    assert error.endswith("check that rollout.urls points at an SGLang-compatible server (not a "
+                          "proxy's page) serving the model being trained")  # fmt: skip
+
+
+def test_a_batch_answer_of_another_size_names_what_came():
+    """A grouped request answered with one object (a server that takes no batches, a proxy's
+    page) used to say only "answered 1 results for a batch of 2"."""
+    from aiohttp import web
+
+    async def generate(request):
+        return web.Response(text="<html>\n<h1>502</h1>\n</html>", content_type="text/html")
+
+    async def go():
+        async with fake_server({"POST /generate": generate}) as url:
+            async with RolloutClient(url) as client:
+                with pytest.raises(RolloutError) as e:
+                    await client.generate([[1]], n=2, grouped=True)
+                return url, str(e.value)
+
+    url, error = asyncio.run(asyncio.wait_for(go(), 30))
+    assert error.startswith(
+        f'{url}/generate answered {{"message": "<html>\\n<h1>502</h1>\\n</html>"}}, not a list of '
+        "2 results; check that rollout.urls"
+    ), error
+
+
+def test_a_server_that_answers_503_is_backed_off_and_its_page_kept_to_one_line():
+    """A server whose /health is fine while /generate answers 503 with an HTML page (overloaded,
+    or a proxy in front of a dead one) used to be sent ~200 requests a second for the whole
+    outage wait, and its page broke the error (and each warning) over several lines."""
+    from aiohttp import web
+
+    posts = []
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def generate(request):
+        posts.append(time.monotonic())
+        page = "<html>\n<h1>503 Service Unavailable</h1>\n</html>"
+        return web.Response(status=503, text=page, content_type="text/html")
+
+    async def go():
+        async with fake_server({"/health": health, "POST /generate": generate}) as url:
+            async with RolloutClient(url, retries=2, backoff_s=0.05, outage_s=2.0) as client:
+                await client.generate([[5]])
+
+    with pytest.raises(RolloutError) as e:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    assert "(last: HTTP 503: <html> <h1>503 Service Unavailable</h1> </html>)" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert 5 <= len(posts) <= 12, len(posts)  # backing off (0.05 s doubling, at most 2 s apart)
+
+
+@pytest.mark.parametrize("said", ["eight", None, -2])
+def test_a_top_k_the_server_does_not_say_is_an_error_naming_it(said):
+    """SGLang's /model_info has no num_experts_per_tok, and a proxy may send anything there:
+    "eight" used to raise ValueError from int()."""
+    from aiohttp import web
+
+    async def model_info(request):
+        return web.json_response({"model_path": "m", "num_experts_per_tok": said})
+
+    async def go():
+        async with fake_server({"/model_info": model_info}) as url, RolloutClient(url) as c:
+            with pytest.raises(RolloutError) as e:
+                await c.generate([[1]], return_routed_experts=True)
+            return url, str(e.value)
+
+    url, error = asyncio.run(asyncio.wait_for(go(), 30))
+    assert error == (f"{url}/model_info did not say its top-k (its num_experts_per_tok: "
+                     f"{json.dumps(said)}); pass RolloutClient(topk=K)")  # fmt: skip

@@ -551,6 +551,36 @@ def test_unreachable_server_is_named():
     servers.close()
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [b"garbage\r\n\r\n", b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"a":'],
+    ids=["not HTTP", "cut short"],
+)
+def test_a_server_answering_something_other_than_http_is_named(reply):
+    """A rollout.urls entry at a program that does not speak HTTP (or a proxy that cuts the
+    answer short) raised http.client's BadStatusLine / IncompleteRead, not a ServerError: the
+    placement's /get_server_info (which skips a ServerError) ended the start on a traceback."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(reply)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    servers = Servers([url], timeout_s=5)
+    with pytest.raises(ServerError) as e:
+        servers.get(0, "/get_server_info")
+    assert str(e.value).startswith(f"{url}: /get_server_info answered something other than HTTP (")
+    servers.close()
+    listener.close()
+
+
 def test_unflatten_matches_rollout_helper():
     named = [tensors()[0], tensors()[5], tensors()[4]]  # 128 + 64 + 48 B, aligned
     bucket = wp.flatten_bucket(named)
