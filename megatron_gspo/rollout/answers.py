@@ -24,8 +24,10 @@ import numpy as np
 from megatron_gspo.errors import UserError
 
 FINISH_REASONS = ("stop", "length", "abort")
-# a log-prob is <= 0; a server's float32 log-softmax may round a sure token a little above
-LOGPROB_SLACK = 1e-3
+# A log-prob is <= 0, but a server's low-precision log-softmax may put a sure token above 0 (bf16
+# logits of magnitude 64-128 are 0.5 apart): only a value past this is no log-prob. A harmless
+# rounding must not stop a run; NaN, text and +inf do.
+LOGPROB_SLACK = 1.0
 
 
 class RolloutError(UserError):
