@@ -110,6 +110,22 @@ def snippet(value: object, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def topk_unsaid(url: str, said: object) -> RolloutError:
+    """The error for a server whose /model_info gives no top-k (`said`) where R3 needs one."""
+    return RolloutError(f"{url}/model_info did not say its top-k (its num_experts_per_tok: "
+                        f"{snippet(said)}); pass RolloutClient(topk=K)")  # fmt: skip
+
+
+def engine_busy_s(info: object) -> float:
+    """The built-in server's working seconds in its /get_server_info; LookupError, TypeError or
+    ValueError where it does not say them (SGLang), or says no count (NaN, which would read as
+    an idle time of 0, or a negative one)."""
+    busy = float(info["internal_states"][0]["engine_busy_s"])  # type: ignore[index]
+    if not (math.isfinite(busy) and busy >= 0):
+        raise ValueError(f"engine_busy_s {busy} is no count of seconds")
+    return busy
+
+
 def decode_routed_experts(b64: str, num_tokens: int, topk: int | None) -> np.ndarray:
     """SGLang's base64 int32 payload as [num_tokens, layers, topk]."""
     try:

@@ -26,10 +26,12 @@ from megatron_gspo.rollout.answers import (
     RolloutError,
     bad_answer,
     decode_routed_experts,
+    engine_busy_s,
     message,
     read_answer,
     read_json,
     snippet,
+    topk_unsaid,
 )
 from megatron_gspo.rollout.partial import Hold
 from megatron_gspo.rollout.sample import Sample
@@ -39,6 +41,7 @@ __all__ = ["RolloutClient", "RolloutError", "Sample", "decode_routed_experts"]
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 2.0  # the longest wait between two tries of a request
+_QUICK = aiohttp.ClientTimeout(total=5)  # a question about the servers' state
 
 
 @dataclass
@@ -122,9 +125,7 @@ class RolloutClient:
             said = (await self.get(servers[0].url, "/model_info")).get("num_experts_per_tok")
             self.topk = said if type(said) is int and said > 0 else None
             if self.topk is None:
-                raise RolloutError(f"{servers[0].url}/model_info did not say its top-k (its "
-                                   f"num_experts_per_tok: {snippet(said)}); pass "
-                                   "RolloutClient(topk=K)")  # fmt: skip
+                raise topk_unsaid(servers[0].url, said)
         epoch = self._epoch
         tasks = []
         for i, prompt in enumerate(prompts):
@@ -322,9 +323,8 @@ class RolloutClient:
             return None
 
         async def one(url: str) -> float:
-            quick = aiohttp.ClientTimeout(total=5)
-            async with session.get(url + "/get_server_info", timeout=quick) as resp:
-                return float((await resp.json())["internal_states"][0]["engine_busy_s"])
+            async with session.get(url + "/get_server_info", timeout=_QUICK) as resp:
+                return engine_busy_s(await resp.json())
 
         try:
             return sum(await asyncio.gather(*(one(u) for u in self.urls)))

@@ -163,10 +163,11 @@ def test_a_request_that_fails_on_a_healthy_server_gives_up(outage_s):
 def test_busy_seconds_stops_asking_a_server_that_does_not_report_them():
     """SGLang's /get_server_info has no engine_busy_s and takes ~20 ms: asked once, then the
     step's idle time comes from the trainer's view without another call. A server that reports
-    them is asked every time, and one that does not answer is asked again next time."""
+    them is asked every time, and one that does not answer is asked again next time. A NaN or
+    negative count says nothing (a NaN used to read as an idle time of 0)."""
     from aiohttp import web
 
-    calls = {"sglang": 0, "builtin": 0}
+    calls = {"sglang": 0, "builtin": 0, "nan": 0, "negative": 0}
 
     def info(kind, body):
         async def handler(request):
@@ -185,9 +186,13 @@ def test_busy_seconds_stops_asking_a_server_that_does_not_report_them():
                 assert [await c.busy_seconds() for _ in range(3)] == [4.0] * 3
         async with RolloutClient(b) as c:  # nothing listens there now
             assert await c.busy_seconds() is None and not c._busy_unsaid
+        for kind, busy in (("nan", float("nan")), ("negative", -1.0)):
+            said = {"/get_server_info": info(kind, {"internal_states": [{"engine_busy_s": busy}]})}
+            async with fake_server(said) as n, RolloutClient(n) as c:
+                assert [await c.busy_seconds() for _ in range(2)] == [None] * 2
 
     asyncio.run(go())
-    assert calls == {"sglang": 1, "builtin": 6}
+    assert calls == {"sglang": 1, "builtin": 6, "nan": 1, "negative": 1}
 
 
 def _result(tokens=(4, 5), lps=None, reason="length", **meta):
