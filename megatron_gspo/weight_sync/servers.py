@@ -17,6 +17,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from megatron_gspo.weight_sync.config import ServerRef
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+# The largest answer read from a server: the sync's endpoints answer a few lines of JSON (the
+# verification probe's /generate, a few hundred tokens with their log-probs, is the longest).
+MAX_ANSWER_BYTES = 16 << 20
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is refused, not followed: urllib would send the API key to wherever a server
+    (or a proxy in front of it) points, another host included."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # urllib then raises the 3xx as an HTTPError
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 class ServerError(RuntimeError):
@@ -57,12 +71,10 @@ class Servers:
             headers["Authorization"] = f"Bearer {ref.api_key}"
         req = urllib.request.Request(ref.url + path, data, headers)
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as r:
-                data = _json(r.read())
+            with _OPENER.open(req, timeout=timeout_s or self.timeout_s) as r:
+                data = _json(_read_capped(r, ref.url, path))
         except urllib.error.HTTPError as e:
-            raise ServerError(
-                ref.url, f"{path} answered HTTP {e.code}: {_message(e.read())}"
-            ) from None
+            raise ServerError(ref.url, _refusal(path, e)) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ServerError(ref.url, f"{path} failed: unreachable ({reason})") from None
@@ -99,6 +111,27 @@ def collect(futures: dict[int, Future]) -> tuple[dict[int, dict], dict[int, str]
         except Exception as e:  # noqa: BLE001 - any failure of one server is reported for it
             errors[i] = f"{type(e).__name__}: {e}"
     return answers, errors
+
+
+def _read_capped(r, url: str, path: str) -> bytes:
+    raw = r.read(MAX_ANSWER_BYTES + 1)
+    if len(raw) > MAX_ANSWER_BYTES:
+        raise ServerError(
+            url, f"{path} answered more than {MAX_ANSWER_BYTES >> 20} MiB, not an answer of "
+            "this endpoint: is rollout.urls the rollout server's address?"
+        )  # fmt: skip
+    if r.length:  # (a read of n bytes returns what came before the peer hung up, unsaid)
+        raise http.client.IncompleteRead(raw, r.length)
+    return raw
+
+
+def _refusal(path: str, e: urllib.error.HTTPError) -> str:
+    if 300 <= e.code < 400:
+        where = e.headers.get("Location", "?")
+        return (f"{path} answered HTTP {e.code}, a redirect to {where[:200]}, which is not "
+                "followed (the API key would go with it): give the server's own address in "
+                "rollout.urls")  # fmt: skip
+    return f"{path} answered HTTP {e.code}: {_message(e.read(MAX_ANSWER_BYTES))}"
 
 
 def _json(raw: bytes):

@@ -25,7 +25,7 @@ from megatron_gspo.weight_sync.bucket import (
     release,
     unflatten,
 )
-from megatron_gspo.weight_sync.config import SyncConfig
+from megatron_gspo.weight_sync.config import ServerRef, SyncConfig
 from megatron_gspo.weight_sync.disk import (
     RestorePoint,
     ShardWriter,
@@ -579,6 +579,89 @@ def test_a_server_answering_something_other_than_http_is_named(reply):
     assert str(e.value).startswith(f"{url}: /get_server_info answered something other than HTTP (")
     servers.close()
     listener.close()
+
+
+def _serving(handler_do) -> tuple[str, object]:
+    """A local HTTP server whose GET and POST run `handler_do(handler)`, in a thread."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            handler_do(self)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_a_redirect_is_refused_and_the_api_key_goes_nowhere_else():
+    """urllib followed a server's (or a proxy's) redirect with every header, the API key
+    included, to whatever host it named: the sync's requests refuse redirects, naming where
+    the server pointed."""
+    seen = []
+
+    def elsewhere(h):
+        seen.append(h.headers.get("Authorization"))
+        h.send_response(200)
+        h.end_headers()
+        h.wfile.write(b"{}")
+
+    other, other_server = _serving(elsewhere)
+
+    def redirect(h):
+        h.send_response(int(h.path.rsplit("/", 1)[1]))
+        h.send_header("Location", other + "/steal")
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    url, server = _serving(redirect)
+    servers = Servers([ServerRef(url, api_key="secret")], timeout_s=5)
+    for code in (301, 302, 307, 308):
+        with pytest.raises(ServerError) as e:
+            servers.get(0, f"/get_server_info/{code}")
+        assert str(e.value) == (
+            f"{url}: /get_server_info/{code} answered HTTP {code}, a redirect to {other}/steal, "
+            "which is not followed (the API key would go with it): give the server's own "
+            "address in rollout.urls"
+        )
+    with pytest.raises(ServerError, match="answered HTTP 302, a redirect"):
+        servers.post(0, "/update_weight_version/302", {"new_version": "1"})
+    assert seen == []
+    servers.close()
+    server.shutdown()
+    other_server.shutdown()
+
+
+def test_an_answer_larger_than_any_sync_answer_is_refused_unread():
+    from megatron_gspo.weight_sync import servers as servers_module
+
+    size = servers_module.MAX_ANSWER_BYTES + 1000
+
+    def huge(h):
+        h.send_response(200)
+        h.send_header("Content-Length", str(size))
+        h.end_headers()
+        try:
+            h.wfile.write(b" " * size)
+        except OSError:  # the client stops reading
+            pass
+
+    url, server = _serving(huge)
+    servers = Servers([url], timeout_s=5)
+    with pytest.raises(ServerError) as e:
+        servers.get(0, "/get_server_info")
+    assert str(e.value) == (
+        f"{url}: /get_server_info answered more than 16 MiB, not an answer of this endpoint: "
+        "is rollout.urls the rollout server's address?"
+    )
+    servers.close()
+    server.shutdown()
 
 
 def test_unflatten_matches_rollout_helper():
