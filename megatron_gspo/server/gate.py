@@ -60,12 +60,20 @@ def _norm(host: str) -> str:
 
 
 def _without_port(host: str) -> str:
+    """The name of `name[:port]` or `[v6][:port]`; "" (no name) where what follows it is not a
+    port (`127.0.0.1:80@evil.example` names nothing)."""
     host = host.strip()
     if host.startswith("["):  # [v6]:port
-        return host[1:].partition("]")[0]
-    if host.count(":") == 1:
-        return host.partition(":")[0]
-    return host  # a name, or an unbracketed v6 address
+        name, _, rest = host[1:].partition("]")
+    elif host.count(":") == 1:
+        name, _, port = host.partition(":")
+        rest = ":" + port
+    else:
+        return host  # a name, or an unbracketed v6 address
+    port = rest.removeprefix(":")
+    if rest and not (rest.startswith(":") and port.isascii() and port.isdigit()):
+        return ""
+    return name
 
 
 def _is_ip(name: str) -> bool:

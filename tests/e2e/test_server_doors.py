@@ -155,7 +155,9 @@ def test_only_host_names_of_the_server_are_served(server):
     port = server.rsplit(":", 1)[1]
     body = json.dumps({"new_version": "rebound"}).encode()
     for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}",
-                 f"0.0.0.0:{port}", f"10.1.2.3:{port}", ""):  # fmt: skip
+                 f"0.0.0.0:{port}", f"10.1.2.3:{port}", "", f"127.0.0.1:{port}@evil.example",
+                 f"[::1]:{port}@evil.example", "[::1]evil", "127.0.0.1:", "127.0.0.1:x1",
+                 "127.0.0.1:\u0661"):  # fmt: skip
         hs = [("Host", host), ("Origin", f"http://{host}"), ("Content-Type", "application/json")]
         status, out = request(server, "POST", "/update_weight_version", hs, body, host=False)
         assert status in (400, 403), (host, status, out)
