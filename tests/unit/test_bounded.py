@@ -156,6 +156,25 @@ def test_code_slower_to_load_than_the_start_limit_fails_every_call_at_once():
         p.close()
 
 
+def test_a_slow_restart_fails_its_own_call_only(tmp_path):
+    """Once the code has loaded, a restart slowed past start_timeout_s (a machine loaded for a
+    moment) fails the call that waited for it: the pool is not broken for the rest of the run."""
+    flag = tmp_path / "slow"
+    p = Pool(HANDLER, f"slow:{flag}", workers=1, timeout_s=5.0, limit="test.timeout_s",
+             start_timeout_s=1.0, start_limit="test.start_timeout_s")  # fmt: skip
+    try:
+        assert p.start_error() is None and p.submit("ok").result(timeout=30).ok
+        flag.touch()
+        assert p.submit("die").result(timeout=30).kind == Kind.DIED
+        o = p.submit("ok").result(timeout=30)  # waits for the restart, which takes too long
+        assert (o.kind, p.broken) == (Kind.START, None), o
+        assert "did not start within test.start_timeout_s (1 s)" in o.message
+        flag.unlink()
+        assert p.submit("ok").result(timeout=30).ok  # the next start loads it again
+    finally:
+        p.close()
+
+
 def test_close_kills_the_workers_and_fails_what_is_queued():
     p = Pool(HANDLER, "s", workers=1, timeout_s=60.0, limit="test.timeout_s")
     assert p.submit("ok").result(timeout=30).ok
