@@ -89,7 +89,12 @@ class Pool:
         self.loader, self.spec, self.limit, self.max_answer = loader, spec, limit, max_answer
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.start_limit = start_limit
-        self.broken: str | None = None  # the user's code failed to load: every call fails so
+        # the user's code failed to load (it raised, or took longer than start_timeout_s
+        # before any worker had loaded it): every call fails so, at once, rather than wait for
+        # a start of its own
+        self.broken: str | None = None
+        self.raised_at_load = False  # ... because it raised (`broken` is load_plugin's line)
+        self.loaded_once = False  # a worker has loaded the user's code
         self._cv = threading.Condition()
         self._shared: deque[_Job] = deque()
         self._closed = False
@@ -235,7 +240,9 @@ class Pool:
 
     def _start(self, slot: _Slot) -> str | None:
         """Start the slot's worker and wait until it has loaded the user's code; why not, else
-        None. A load that fails (the user's code) breaks the pool: every call fails so."""
+        None. A load that fails (the user's code) breaks the pool: every call fails so; one that
+        passes start_timeout_s too, unless a worker has loaded the code before (then a restart
+        slowed by a loaded machine fails its own call only, not the rest of the run)."""
         r_req, w_req = os.pipe()
         r_resp, w_resp = os.pipe()
         try:
@@ -259,8 +266,11 @@ class Pool:
             frame = read_frame(r_resp, time.monotonic() + self.start_timeout_s)
         except TimeoutError:
             self._stop(slot)
-            return (f"a worker did not start within {self.start_limit} ({self.start_timeout_s:g} "
-                    "s); raise it if the code takes longer to load")  # fmt: skip
+            why = (f"a worker did not start within {self.start_limit} ({self.start_timeout_s:g} "
+                   "s); raise it if the code takes longer to load")  # fmt: skip
+            if not self.loaded_once:
+                self.broken = why
+            return why
         except (OSError, FrameError):
             frame = None
         return self._ready(slot, frame)
@@ -273,12 +283,13 @@ class Pool:
         except (ValueError, RecursionError):
             answer = None
         if isinstance(answer, dict) and answer.get("ready") is True:
+            self.loaded_once = True
             return None
         self._stop(slot)
         why = answer.get("failed") if isinstance(answer, dict) else None
         if not isinstance(why, str):
             return "a worker answered something unreadable while starting"
-        self.broken = why
+        self.broken, self.raised_at_load = why, True
         return why
 
     def _stop(self, slot: _Slot, grace_s: float = 0.0) -> int | None:

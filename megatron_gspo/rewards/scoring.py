@@ -107,7 +107,9 @@ class RewardScorer:
         why = self.pool.start_error()  # (a plugin that does not load fails now, not per sample)
         if why is not None:
             self.pool.close()
-            raise UserError(loading_failed(f"reward plugin {spec!r}", why, bool(self.pool.broken)))
+            raise UserError(
+                loading_failed(f"reward plugin {spec!r}", why, self.pool.raised_at_load)
+            )
 
     def close(self) -> None:
         if self.pool is not None:

@@ -7,7 +7,9 @@ so a result is checked before a sample is made of it: a body that is not SGLang'
 ids outside the model's vocabulary, log-probs that are not one number <= 0 per token (NaN, text,
 above 0; -inf is left to the non-finite guard, train/guard.py), or a finish reason the trainer
 does not know stop the run with one line naming the server, rather than a traceback or a step
-trained on them."""
+trained on them. An answer is read only up to a size its request bounds (`answer_limit`): a
+server sending more (400 MB once made the trainer take 1.6 GB) stops the run the same way before
+the rest is read."""
 
 from __future__ import annotations
 
@@ -24,6 +26,15 @@ import numpy as np
 from megatron_gspo.errors import UserError
 
 FINISH_REASONS = ("stop", "length", "abort")
+# The most bytes a /generate answer may take, from its request (`answer_limit`): per new token
+# its id and its share of the text (a token's text, JSON-escaped, rarely passes 16 bytes); per
+# token with a log-prob, input or output, SGLang's [logprob, id, text] entry; per result the rest
+# of meta_info; R3's ids are int32 in base64. A real answer stays well under all of it times
+# ANSWER_MARGIN; one past it is not an answer to this request, and is not read further.
+_ID_BYTES, _TEXT_BYTES, _LOGPROB_BYTES, _RESULT_BYTES = 12, 64, 128, 64 << 10
+ANSWER_MARGIN, ANSWER_SLACK = 4, 1 << 20
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, for a request that gives none
+MAX_LAYERS = 128  # R3 where the client is not told the model's layers (more than any MoE has)
 # A log-prob is <= 0, but a server's low-precision log-softmax may put a sure token above 0 (bf16
 # logits of magnitude 64-128 are 0.5 apart): only a value past this is no log-prob. A harmless
 # rounding must not stop a run; NaN, text and +inf do.
@@ -141,16 +152,81 @@ def decode_routed_experts(b64: str, num_tokens: int, topk: int | None) -> np.nda
     return flat.reshape(num_tokens, -1, topk).copy()
 
 
+def routed_experts(b64: str, num_tokens: int, topk: int | None, url: str) -> np.ndarray:
+    """decode_routed_experts of `url`'s answer; what is wrong with them, as its bad_answer."""
+    try:
+        return decode_routed_experts(b64, num_tokens, topk)
+    except RolloutError as e:
+        raise bad_answer(url, str(e)) from None
+
+
 async def read_json(resp: aiohttp.ClientResponse) -> dict:
     """The JSON object of an answer; a body that is not one, as {"message": text} or
     {"data": value}."""
+    return json_object(await resp.read())
+
+
+def json_object(raw: bytes) -> dict:
+    """`raw` as read_json reads an answer's body."""
     try:
-        data = await resp.json(content_type=None)
-    except ValueError:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
         data = None
     if isinstance(data, dict):
         return data
-    return {"message": (await resp.text())[:500]} if data is None else {"data": data}
+    if data is None:
+        return {"message": raw[:2000].decode("utf-8", "replace")[:500]}
+    return {"data": data}
+
+
+def answer_limit(body: dict, layers: int | None, topk: int | None) -> int:
+    """The most bytes a /generate answer to `body` (one request, or a batch of them) may take:
+    ANSWER_MARGIN times what its results can hold, plus ANSWER_SLACK. `layers`, `topk`: the
+    model's (R3's routed experts are tokens x layers x top-k ids)."""
+    batch = isinstance(body.get("rid"), list)
+    prompts = body["input_ids"] if batch else [body["input_ids"]]
+    params = body.get("sampling_params") or {}
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    total = ANSWER_SLACK
+    for prompt, sp in zip(prompts, params):
+        new = int(sp.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+        tokens = len(prompt) + new
+        size = _RESULT_BYTES + new * (_ID_BYTES + _TEXT_BYTES)
+        if body.get("return_logprob"):
+            size += tokens * _LOGPROB_BYTES
+        if body.get("return_routed_experts"):
+            size += (tokens * (layers or MAX_LAYERS) * (topk or 1) * 4 + 2) // 3 * 4
+        total += ANSWER_MARGIN * size
+    return total
+
+
+async def read_generate(resp: aiohttp.ClientResponse, url: str, body: dict, layers: int | None,
+                        topk: int | None) -> dict:  # fmt: skip
+    """`url`'s answer to /generate `body` read as read_json does, if it is at most its
+    `answer_limit`; a longer one is a RolloutError once that many bytes came (or at once, where
+    its Content-Length says so), the rest never read and its connection closed."""
+    limit = answer_limit(body, layers, topk)
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        resp.close()
+        what = f"a body of {_mb(declared)} (its Content-Length), more than"
+        raise _too_big(url, what, limit, "not read")
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            resp.close()
+            raise _too_big(url, "a body of more than", limit, "not read past that")
+        chunks.append(chunk)
+    return json_object(b"".join(chunks))
+
+
+def _too_big(url: str, body: str, limit: int, read: str) -> RolloutError:
+    return bad_answer(url, f"{body} the {_mb(limit)} its request can need ({read})")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 def message(data: dict) -> str:

@@ -29,7 +29,9 @@ from megatron_gspo.rollout.answers import (
     engine_busy_s,
     message,
     read_answer,
+    read_generate,
     read_json,
+    routed_experts,
     snippet,
     topk_unsaid,
 )
@@ -66,11 +68,13 @@ class RolloutClient:
         topk: int | None = None,
         outage_s: float = 0.0,
         vocab_size: int | None = None,
+        layers: int | None = None,
     ):
         """`retries` quick retries on other servers (backoff_s, doubling); after those, a
         request waits up to `outage_s` for any server to answer /health again (its supervisor
         restarting it) and is sent there: a sample is retried, never lost or doubled.
-        `vocab_size`: the model's; a token id outside it is an error (another model's server)."""
+        `vocab_size`: the model's; a token id outside it is an error (another model's server).
+        `layers`, `topk`: the model's, which bound an answer's size (answers.py)."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -79,7 +83,7 @@ class RolloutClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.retries, self.backoff_s, self.outage_s = retries, backoff_s, outage_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.topk, self.vocab_size = topk, vocab_size
+        self.topk, self.vocab_size, self.layers = topk, vocab_size, layers
         self._servers: list[_Server] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._outstanding: dict[str, str] = {}  # rid -> server url
@@ -238,7 +242,7 @@ class RolloutClient:
                 async with session.post(
                     server.url + "/generate", json=body, timeout=self.timeout
                 ) as resp:
-                    data = await read_json(resp)
+                    data = await read_generate(resp, server.url, body, self.layers, self.topk)
                     if resp.status >= 500:
                         raise _Retryable(f"HTTP {resp.status}: {message(data)}")
                     if resp.status != 200:
@@ -267,12 +271,7 @@ class RolloutClient:
             sample.logprobs = list(answer.logprobs)
         if answer.routed_experts is not None:
             rows = len(sample.prompt_ids) + len(sample.tokens) - 1
-            try:
-                sample.routed_experts = decode_routed_experts(
-                    answer.routed_experts, rows, self.topk
-                )
-            except RolloutError as e:
-                raise bad_answer(url, str(e)) from None
+            sample.routed_experts = routed_experts(answer.routed_experts, rows, self.topk, url)
         elif want_routed and not sample.aborted:
             raise RolloutError(
                 f"{url} returned no routed_experts for {sample.rid}; start the server with "

@@ -123,7 +123,7 @@ class EnvCalls:
         if why is not None:
             self.pool.close()
             what = f"environment {fn!r}" if fn != TOOLS else f"env.tools {list(tools)}"
-            raise UserError(loading_failed(what, why, bool(self.pool.broken)))
+            raise UserError(loading_failed(what, why, self.pool.raised_at_load))
         self._keys = itertools.count()
         self._live = [0] * self.pool.workers  # episodes living in each worker
 

@@ -19,7 +19,10 @@ per-token versions are on the sample) and the batch is fresher than N behind.
 
 Samples a restarted server made from older weights than their generation's are dropped with
 their groups and counted (`rollout/stale_groups_dropped`), not generated again as the
-synchronous loop does: that would make the trainer wait. The rollout log-probs of a token are
+synchronous loop does: that would make the trainer wait. A batch whose every sample is stale
+(older than N versions behind) is generated again now, as the synchronous loop's is
+(loop.take_batch): a server that never takes the trainer's weights stops the run there rather
+than leave every later step with nothing to train on. The rollout log-probs of a token are
 those of the weights that drew it, the behavior policy (pi_behav). The step's old log-probs are
 the trainer's at the start of the step: the proximal policy pi_prox, which the clipped ratio is
 taken against. The decoupled objective ("Batch size-invariance for policy optimization", Hilton
@@ -45,7 +48,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -55,9 +58,19 @@ class Pending:
     step: int
     version: str  # the weights the servers hold when it starts
     sampler_state: dict[str, Any]  # the prompt sampler's position before its prompts were drawn
+    prompts: list[int]  # (every rank draws them)
     future: Future | None = field(default=None, repr=False)
     started: threading.Event = field(default_factory=threading.Event, repr=False)
     t_start: float = 0.0
+
+
+class Taken(NamedTuple):
+    """A step's batch generated ahead: what every rank learns of it, the weights its
+    generation started on, and its prompts (to generate it again: loop.take_batch)."""
+
+    collected: Any  # train/results.Collected
+    version: str
+    prompts: list[int]
 
 
 class Ahead:
@@ -103,7 +116,7 @@ class Ahead:
     def _start(self, step: int, version: str) -> None:
         state = self.sampler.state_dict()
         prompts = self.sampler.next_batch()
-        p = Pending(step, version, state)
+        p = Pending(step, version, state, prompts)
         if self._pool is not None:
             p.future = self._pool.submit(self._generate, p, prompts)
         self.pending.append(p)
@@ -113,14 +126,14 @@ class Ahead:
         p.started.set()
         return self.rl.gather(prompts, p.step, p.version)
 
-    def take(self, step: int) -> tuple[Any, str] | None:
+    def take(self, step: int) -> Taken | None:
         """Step `step`'s batch if it was generated ahead, once its generation ended (every rank:
-        rank 0 shares it): (Collected, the version it started on); None when none was."""
+        rank 0 shares it); None when none was."""
         if not self.pending or self.pending[0].step != step:
             return None
         p = self.pending.pop(0)
         result = p.future.result() if p.future is not None else None  # (its error, if any)
-        return self.rl.share(result), p.version
+        return Taken(self.rl.share(result), p.version, p.prompts)
 
     def before_sync(self) -> float:
         """Before a weight sync (rank 0), so that the weights change under no request: wait for

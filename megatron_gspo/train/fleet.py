@@ -88,11 +88,11 @@ class ServerFleet:
     def _connect(self, cfg: Config, hf_dir: Path) -> None:
         from megatron_gspo.rollout.client import RolloutClient
 
-        r, (topk, vocab) = cfg.rollout, model_sizes(hf_dir)
+        r, (topk, vocab, layers) = cfg.rollout, model_sizes(hf_dir)
         outage = r.health_timeout_s  # servers down: wait this long for a restart
         self.client = RolloutClient(
             self.urls, api_key=self.api_key, topk=topk, timeout_s=r.health_timeout_s,
-            outage_s=outage, vocab_size=vocab,
+            outage_s=outage, vocab_size=vocab, layers=layers,
         )  # fmt: skip
         self._wait_healthy(cfg, self.client, "rollout.urls")
         self.generator = self.client
@@ -100,7 +100,7 @@ class ServerFleet:
             self.generator = RolloutClient(
                 [r.router_url], api_key=self.api_key, topk=topk, timeout_s=r.health_timeout_s,
                 max_concurrency=self.client.max_concurrency * len(self.urls), outage_s=outage,
-                vocab_size=vocab,
+                vocab_size=vocab, layers=layers,
             )  # fmt: skip
             self._wait_healthy(cfg, self.generator, "rollout.router_url")
 

@@ -105,17 +105,25 @@ def train_phase(actor, fleet: Servers, collected: Collected, cfg: Config, step: 
 
 
 def take_batch(ahead: Ahead, sync: WeightSync, parts: Parts, step: int, current: str):
-    """The step's batch: the one generated ahead during the last step (staleness 1), else one
+    """The step's batch: the one generated ahead during the last steps (ahead.py), else one
     generated now (`collect_current`); with its staleness (the versions between the weights
-    that generated it and `current`, the trainer's) and the trainer's wait for it."""
+    that generated it and `current`, the trainer's) and the trainer's wait for it. A batch
+    generated ahead whose every sample came from weights older than its generation started on
+    (beyond rollout.max_staleness) is generated again now: a restarted server is caught up, and
+    one that never takes the trainer's weights stops the run, where it used to train nothing
+    on every step and end with exit 0."""
     t0 = time.perf_counter()
     taken = ahead.take(step)
-    if taken is None:
-        prompts = ahead.next_prompts()
+    if taken is not None and not all_stale(taken.collected):
+        collected, version = taken.collected, taken.version
+    else:
+        if taken is not None:  # (a server on older weights: generated again, or the run stops)
+            log.warning("step %d: every sample generated ahead came from weights older than %s "
+                        "(%r); generating the batch again", step, taken.version,
+                        taken.collected.stale_version)  # fmt: skip
+        prompts = ahead.next_prompts() if taken is None else taken.prompts
         collected = collect_current(sync, parts.rollouts, parts.fleet, prompts, step, current)
         version = current
-    else:
-        collected, version = taken
     # every trained sample started on `version` or later (groups from older weights were
     # dropped); the samples' own versions say which (producer.py)
     now = version_index(current)
@@ -152,7 +160,7 @@ def collect_current(
         log.warning("step %d: %d samples came from older weights; generating again", step, stale)
         catch_up(sync, fleet, current)
         regenerated += stale
-    if collected.stale_samples and collected.stale_samples == collected.samples:
+    if all_stale(collected):
         raise UserError(
             f"step {step}: every rollout sample came from weights older than the trainer's "
             f"(version {current}; the servers answered weight_version "
@@ -164,6 +172,11 @@ def collect_current(
     collected.regenerated_samples = regenerated
     collected.metrics["rollout/regenerated_samples"] = float(regenerated)
     return collected
+
+
+def all_stale(collected: Collected) -> bool:
+    """Whether every sample of a batch came from weights older than its generation's."""
+    return bool(collected.stale_samples) and collected.stale_samples == collected.samples
 
 
 def catch_up(sync: WeightSync, fleet: Servers, current: str) -> dict:

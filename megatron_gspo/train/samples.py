@@ -24,12 +24,13 @@ def report_broken_rows(ps, key: str) -> None:
         print(line, flush=True)
 
 
-def model_sizes(hf_dir: Path) -> tuple[int | None, int]:
-    """The model's top-k (None: dense) and vocabulary size, which a rollout answer must fit."""
+def model_sizes(hf_dir: Path) -> tuple[int | None, int, int]:
+    """The model's top-k (None: dense), vocabulary size and layers, which a rollout answer must
+    fit."""
     from megatron_gspo.hf.config import load_hf_config, model_spec
 
     spec = model_spec(load_hf_config(hf_dir))
-    return (spec.topk if spec.is_moe else None), spec.vocab_size
+    return (spec.topk if spec.is_moe else None), spec.vocab_size, spec.num_layers
 
 
 def check_samples(samples) -> None:

@@ -342,23 +342,33 @@ def test_a_server_sending_nan_logprobs_stops_the_run_before_it_trains(
     )  # untrained
 
 
-def test_a_server_that_keeps_the_old_weights_stops_the_run(task_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_server_that_keeps_the_old_weights_stops_the_run(
+    task_model, tmp_path, monkeypatch, ahead
+):
     """rollout.urls at a server whose answers always name the base weights (one that does not
     take updates, or a cache in front of one): every step after the first used to drop all its
     groups as stale, generate twice more, train nothing, and the run ended with exit 0. (The
-    sync's verification, off by default, catches it apart.)"""
+    sync's verification, off by default, catches it apart.) The same with the batches generated
+    a step ahead (rollout.max_staleness=1), where every step from the third trained nothing
+    (its batch, queued on version 1, came back all from the base weights) and nothing was
+    generated again: that batch is now generated again from the trainer's weights, with the
+    same catch-ups, and the run stops on the same line a step later."""
     monkeypatch.setenv("MEGATRON_GSPO_API_KEY", "k" * 32)
     with faulty_server(task_model, "old_version", "k" * 32) as url:
         rc, out = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, f"rollout.urls=[{url}]",
-                        "sync.verify_every=0")  # fmt: skip
+                        "sync.verify_every=0", f"rollout.max_staleness={ahead}",
+                        steps=2 + ahead)  # fmt: skip
     assert rc == 2 and error_lines(out) == [
-        "error: step 2: every rollout sample came from weights older than the trainer's "
-        "(version 1; the servers answered weight_version 'default'), 3 times with the servers "
-        "caught up in between: they do not load the weights the trainer sends, or do not report "
-        "them; check that rollout.urls points at SGLang-compatible servers of this run (not a "
-        "cache or a server another run updates)"
+        f"error: step {2 + ahead}: every rollout sample came from weights older than the "
+        f"trainer's (version {1 + ahead}; the servers answered weight_version 'default'), 3 "
+        "times with the servers caught up in between: they do not load the weights the trainer "
+        "sends, or do not report them; check that rollout.urls points at SGLang-compatible "
+        "servers of this run (not a cache or a server another run updates)"
     ], out[-3000:]
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [0, 1]  # step 2 trained nothing
+    rows = metrics(tmp_path / "run")  # the step that stopped trained nothing
+    assert [r["step"] for r in rows] == list(range(2 + ahead))
+    assert all(r["rollout/stale_samples"] == 0 for r in rows[1:])  # (trained: none stale)
 
 
 def test_a_server_that_refuses_the_weights_stops_the_run_in_one_line(task_model, tmp_path):

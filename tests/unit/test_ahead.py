@@ -81,8 +81,8 @@ def test_staleness_2_queues_two_steps_each_on_the_weights_it_was_queued_on():
         rl.go.set()
         assert ahead.before_sync() == 1.0  # waited for both: 0.5 s of generation each
         assert [c[:2] for c in rl.calls] == [(tuple(want[0]), 2), (tuple(want[1]), 3)]
-        collected, version = ahead.take(2)
-        assert (collected.step, version) == (2, "default")
+        collected, version, prompts = ahead.take(2)
+        assert (collected.step, version, prompts) == (2, "default", want[0])
         ahead.fill(2, 5, "1")  # step 4, on version 1
         assert [(p.step, p.version) for p in ahead.pending] == [(3, "default"), (4, "1")]
         ahead.fill(3, 5, "2")  # up to step 5 = last

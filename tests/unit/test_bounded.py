@@ -131,7 +131,46 @@ def test_code_that_fails_to_load_fails_every_call_with_its_reason():
     try:
         o = p.submit("ok").result(timeout=60)
         assert (o.kind, o.message) == (Kind.START, "no module named 'nothing_here'")
+        assert p.raised_at_load
         assert p.submit("ok").result(timeout=5).message == o.message
+    finally:
+        p.close()
+
+
+def test_code_slower_to_load_than_the_start_limit_fails_every_call_at_once():
+    """A worker whose start passed start_timeout_s used to leave the pool whole: each later
+    call started a worker again and waited the whole limit for it. Now it breaks the pool with
+    the reason, as code that raises does, and later calls fail at once with that reason."""
+    p = Pool(HANDLER, "slow", workers=2, timeout_s=5.0, limit="test.timeout_s",
+             start_timeout_s=1.0, start_limit="test.start_timeout_s")  # fmt: skip
+    try:
+        why = ("a worker did not start within test.start_timeout_s (1 s); raise it if the code "
+               "takes longer to load")  # fmt: skip
+        assert p.start_error() == why and p.broken == why and not p.raised_at_load
+        assert p.wait_ready(timeout_s=30) and p.pids() == []  # (the slow workers were killed)
+        t0 = time.monotonic()
+        outcomes = [f.result(timeout=30) for f in [p.submit("ok") for _ in range(3)]]
+        assert [(o.kind, o.message) for o in outcomes] == [(Kind.START, why)] * 3
+        assert time.monotonic() - t0 < 0.5  # (not a 1 s start each)
+    finally:
+        p.close()
+
+
+def test_a_slow_restart_fails_its_own_call_only(tmp_path):
+    """Once the code has loaded, a restart slowed past start_timeout_s (a machine loaded for a
+    moment) fails the call that waited for it: the pool is not broken for the rest of the run."""
+    flag = tmp_path / "slow"
+    p = Pool(HANDLER, f"slow:{flag}", workers=1, timeout_s=5.0, limit="test.timeout_s",
+             start_timeout_s=1.0, start_limit="test.start_timeout_s")  # fmt: skip
+    try:
+        assert p.start_error() is None and p.submit("ok").result(timeout=30).ok
+        flag.touch()
+        assert p.submit("die").result(timeout=30).kind == Kind.DIED
+        o = p.submit("ok").result(timeout=30)  # waits for the restart, which takes too long
+        assert (o.kind, p.broken) == (Kind.START, None), o
+        assert "did not start within test.start_timeout_s (1 s)" in o.message
+        flag.unlink()
+        assert p.submit("ok").result(timeout=30).ok  # the next start loads it again
     finally:
         p.close()
 

@@ -264,6 +264,54 @@ def test_a_wrong_generate_answer_is_a_one_line_error_naming_the_server(case):
                           "proxy's page) serving the model being trained")  # fmt: skip
 
 
+@pytest.mark.parametrize("declared", [False, True])
+def test_an_answer_larger_than_its_request_can_need_is_not_read(declared):
+    """A server answering a request of 3 new tokens with 64 MB (an answer padded with text,
+    sent in chunks or with its Content-Length) used to be read whole, at several times its size
+    in the trainer's memory, and trained on: now its reading stops at the 1.3 MB that request
+    can need (or before it starts, where the Content-Length says more) with one line naming
+    the server and the sizes; the rest is never read (the server could not send it)."""
+    from aiohttp import web
+
+    pad, chunk = 64 << 20, b"x" * (1 << 20)
+    head = json.dumps(_result())[:-1].encode() + b', "pad": "'
+    sent = []
+
+    async def generate(request):
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if declared:
+            resp.content_length = len(head) + pad + 2
+        await resp.prepare(request)
+        try:
+            await resp.write(head)
+            for _ in range(pad // len(chunk)):
+                await resp.write(chunk)
+                sent.append(len(chunk))
+            await resp.write(b'"}')
+        except (ConnectionError, RuntimeError):  # (the client hung up)
+            pass
+        return resp
+
+    async def go():
+        async with fake_server({"POST /generate": generate}) as url:
+            async with RolloutClient(url, vocab_size=100) as client:
+                with pytest.raises(RolloutError) as e:
+                    await client.generate([[1, 2]], sampling_params={"max_new_tokens": 3})
+                await asyncio.sleep(0.2)  # (the server sees the connection closed)
+                return url, str(e.value)
+
+    url, error = asyncio.run(asyncio.wait_for(go(), 60))
+    size = (
+        "a body of 67.1 MB (its Content-Length), more than" if declared else "a body of more than"
+    )
+    assert error == (
+        f"{url}/generate answered {size} the 1.3 MB its request can need "
+        f"({'not read' if declared else 'not read past that'}); check that rollout.urls points "
+        "at an SGLang-compatible server (not a proxy's page) serving the model being trained"
+    )
+    assert sum(sent) < 16 << 20, sum(sent)  # (what the sockets' buffers hold, at most)
+
+
 def test_a_batch_answer_of_another_size_names_what_came():
     """A grouped request answered with one object (a server that takes no batches, a proxy's
     page) used to say only "answered 1 results for a batch of 2"."""

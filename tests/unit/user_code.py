@@ -161,9 +161,15 @@ def handler(spec):
     "object" returns something that is not plain data, "unprintable" raises an exception whose
     message cannot be read, "long" returns 2000 characters, "oom_score_adj" its process's,
     "orphan" leaves a shell's background process behind and exits, "child" starts a `sleep` in the
-    background first (its pid in the file named by USER_CODE_CALLS) and then hangs."""
+    background first (its pid in the file named by USER_CODE_CALLS) and then hangs. Spec
+    "broken" fails to load, "slow" takes a minute to, "slow:PATH" takes a minute where the file
+    PATH exists."""
     if spec == "broken":
         raise ImportError("no module named 'nothing_here'")
+    if spec == "slow":  # (code that takes a minute to load: a judge model, say)
+        time.sleep(60)
+    if spec.startswith("slow:") and os.path.exists(spec[5:]):
+        time.sleep(60)
 
     def call(kind: str, seconds: float = 0.0):
         if kind == "object":
