@@ -14,6 +14,10 @@ ONE_WORKER_MODULES = frozenset(
         "tests/distributed/test_shard.py",  # three layouts' steps: 57 s
         "tests/distributed/test_actor.py",  # the layouts' runs: 39 s
         "tests/distributed/test_grouped_experts.py",  # the layouts' runs: 26 s
+        "tests/distributed/test_lora.py",
+        "tests/distributed/test_lm_head.py",
+        "tests/distributed/test_expert_loop.py",
+        "tests/distributed/test_score_layouts.py",
         "tests/contract/test_sglang_routing.py",  # a server's rollouts and a trained run: 24-49 s
         "tests/contract/test_server_contract.py",  # the SGLang server: 40 s
         "tests/contract/test_sglang_weight_sync.py",  # the SGLang server: 30 s
