@@ -35,3 +35,12 @@ TINY = {
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {name: make_tiny_model(spec, root / name) for name, spec in TINY.items()}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: tests/xdist_groups.py (xdist is imported only when it runs tests)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.xdist_groups import ModuleGroups
+
+    return ModuleGroups(config, log)
