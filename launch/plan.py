@@ -22,6 +22,7 @@ On a CPU-only machine a node runs `servers_per_node` servers (default 1) and npr
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -228,7 +229,9 @@ def shell_assignments(cfg: Config, lay: Layout) -> str:
         "START_ROUTER": int(lay.router),
         "TRAINER_GPUS": ",".join(map(str, lay.trainer_gpus())),
         "SYNC_METHOD": cfg.sync.method,
-        "SGLANG_PYTHON": cfg.rollout.sglang_python or "",
+        # (the config's, else the environment's: torchrun.sh evaluates these lines, and an
+        # empty value would erase the SGLANG_PYTHON that the image or the user set)
+        "SGLANG_PYTHON": cfg.rollout.sglang_python or os.environ.get("SGLANG_PYTHON", ""),
         "HEALTH_TIMEOUT_S": int(cfg.rollout.health_timeout_s),
     }
     return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items())

@@ -41,7 +41,11 @@ from plan import add_layout_args, check_model, layout_from_args  # noqa: E402
 from megatron_gspo.comm import free_port  # noqa: E402
 from megatron_gspo.errors import UserError  # noqa: E402
 from megatron_gspo.rollout.modes import Backend, Placement  # noqa: E402
-from megatron_gspo.rollout.server_config import API_KEY_ENV  # noqa: E402
+from megatron_gspo.rollout.server_config import (  # noqa: E402
+    API_KEY_ENV,
+    check_sglang_python,
+    sglang_python,
+)
 from megatron_gspo.routing.replay import ReplayMode  # noqa: E402
 
 
@@ -82,7 +86,7 @@ def server_configs(cfg, layout, node_rank: int, host: str, port_base: int):
                 kind=r.backend,
                 host=host,
                 port=port_base + i if port_base else 0,
-                python=(r.sglang_python or os.environ.get("SGLANG_PYTHON") or sys.executable)
+                python=sglang_python(r.sglang_python)
                 if r.backend == Backend.SGLANG
                 else sys.executable,
                 api_key=os.environ.get(API_KEY_ENV) or None,
@@ -125,6 +129,8 @@ def cmd_servers(args) -> int:
     _check_port("--port-base", args.port_base, last=args.port_base + layout.servers_per_node - 1)
     check_model(cfg)
     configs = server_configs(cfg, layout, args.node_rank, args.host, args.port_base)
+    if cfg.rollout.backend == Backend.SGLANG:
+        check_sglang_python(configs[0].python)
     group = ServerGroup(
         configs, args.log_dir, health_timeout_s=cfg.rollout.health_timeout_s, monitor=False
     )
@@ -163,7 +169,7 @@ def _check_port(flag: str, port: int, last: int | None = None) -> None:
 
 def cmd_router(args) -> int:
     _check_port("--port", args.port)
-    python = os.environ.get("SGLANG_PYTHON") or sys.executable
+    python = sglang_python()
     cmd = [python, "-m", "sglang_router.launch_router", "--worker-urls", *args.worker_urls]
     cmd += ["--host", args.host, "--port", str(args.port), "--policy", args.policy]
     # The router's metrics exporter: on the router's own address (its default is 0.0.0.0:29000,

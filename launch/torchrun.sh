@@ -38,12 +38,12 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
 
-USAGE="usage: launch/torchrun.sh --config FILE.yaml [--run-dir DIR] [--steps N] [--resume] [key.sub=value ...]"
+USAGE="usage: launch/torchrun.sh --config FILE.yaml [--run-dir DIR] [--steps N] [--resume] [--allow-config-change] [key.sub=value ...]"
 die() { echo "error: $*" >&2; exit 2; }
 usage() { echo "$USAGE" >&2; exit 2; }
 
 # ---- arguments -------------------------------------------------------------------------------
-CONFIG="" RUN_DIR="" STEPS="" RESUME=0
+CONFIG="" RUN_DIR="" STEPS="" RESUME=0 ALLOW_CHANGE=0
 OVERRIDES=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -54,6 +54,7 @@ while [[ $# -gt 0 ]]; do
         --steps) STEPS="${2:?--steps needs a number}"; shift 2 ;;
         --steps=*) STEPS="${1#*=}"; shift ;;
         --resume) RESUME=1; shift ;;
+        --allow-config-change) ALLOW_CHANGE=1; shift ;;
         -h|--help) usage ;;
         *=*) OVERRIDES+=("$1"); shift ;;
         *) die "unknown argument '$1'; $USAGE" ;;
@@ -309,6 +310,7 @@ node_list="$(printf '%s,' "${URL_NODES[@]}")"
 TRAIN_ARGS=(--config "$CONFIG" --run-dir "$RUN_DIR")
 [[ -n "$STEPS" ]] && TRAIN_ARGS+=(--steps "$STEPS")
 ((RESUME)) && TRAIN_ARGS+=(--resume)
+((ALLOW_CHANGE)) && TRAIN_ARGS+=(--allow-config-change)
 TRAIN_ARGS+=("${OVERRIDES[@]}" "rollout.urls=[${url_list%,}]" "rollout.url_nodes=[${node_list%,}]")
 [[ -n "$ROUTER_URL" ]] && TRAIN_ARGS+=("rollout.router_url=$ROUTER_URL")  # generation goes through it
 if [[ -n "${TRAINER_GPUS:-}" && "$PLACEMENT" == disaggregated && "$NNODES" == 1 ]]; then

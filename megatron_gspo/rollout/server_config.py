@@ -4,6 +4,7 @@ flags."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,3 +170,43 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
         server.max_total_tokens = max(4096, -(-tokens // 1024) * 1024)
         if "--max-running-requests" not in given:
             server.max_running_requests = sequences
+
+
+# Where scripts/sglang_env.sh builds SGLang's own environment, unless $SGLANG_VENV names another.
+DEFAULT_SGLANG_VENV = Path.home() / ".cache" / "megatron-gspo" / "sglang-venv"
+
+
+def sglang_venv() -> Path:
+    """The SGLang environment scripts/sglang_env.sh builds: $SGLANG_VENV, else its default."""
+    return Path(os.environ.get("SGLANG_VENV") or DEFAULT_SGLANG_VENV)
+
+
+def sglang_python(configured: str | None = None) -> str:
+    """The python that runs SGLang (and its router): rollout.sglang_python, else $SGLANG_PYTHON
+    (the image sets it), else that of the environment scripts/sglang_env.sh built, where it is,
+    else this one. A user who ran sglang_env.sh and set rollout.backend=sglang needs no more."""
+    if configured:
+        return configured
+    if os.environ.get("SGLANG_PYTHON"):
+        return os.environ["SGLANG_PYTHON"]
+    built = sglang_venv() / "bin" / "python"
+    return str(built) if built.exists() else sys.executable
+
+
+def check_sglang_python(python: str) -> None:
+    """A one-line refusal, naming the fix, where `python` cannot import SGLang: the servers
+    would each fail to start on it, their logs saying why."""
+    from megatron_gspo.errors import UserError
+
+    probe = "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"
+    try:
+        rc = subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode
+        why = "has no SGLang" if rc else ""
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"cannot be run ({type(e).__name__}: {e})"
+    if why:
+        raise UserError(
+            f"rollout.backend=sglang: {python} {why}; build SGLang's environment with "
+            f"`bash scripts/sglang_env.sh` (it goes to {sglang_venv()}, where it is found), or "
+            "name its python in rollout.sglang_python or SGLANG_PYTHON"
+        )

@@ -225,12 +225,11 @@ def _launch(
 def _size_sglang(server: ServerConfig, cfg: Config, hf_dir: Path, python: str | None,
                  longest_prompt: Callable[[], int]) -> None:  # fmt: skip
     """What SGLang needs from the machine and the run (rollout/server_config.py)."""
-    from megatron_gspo.rollout.server_config import size_sglang
+    from megatron_gspo.rollout.server_config import check_sglang_python, sglang_python, size_sglang
 
-    python = python or os.environ.get("SGLANG_PYTHON")
-    if python:
-        server.python = python  # SGLang in its own environment (the image sets this)
+    server.python = sglang_python(python)  # SGLang in its own environment
     size_sglang(server, cfg, hf_dir, longest_prompt(), torch.cuda.is_available())
+    check_sglang_python(server.python)
 
 
 def api_key() -> str | None:

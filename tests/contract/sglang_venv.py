@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from megatron_gspo.rollout.launcher import ServerConfig
-
-
-def sglang_venv() -> Path:
-    default = Path.home() / ".cache" / "megatron-gspo" / "sglang-venv"
-    return Path(os.environ.get("SGLANG_VENV") or default)
+from megatron_gspo.rollout.server_config import sglang_venv
 
 
 def sglang_python() -> Path:

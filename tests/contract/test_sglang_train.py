@@ -1,6 +1,7 @@
 """The RL loop with real SGLang as its rollout backend, started by the trainer from the
-documented keys alone (README, docs/deployment.md): `rollout.backend=sglang` and
-`rollout.sglang_python=...`. The launcher gives SGLang the cpu device, the checkpoint's dtype
+documented keys alone (README, docs/deployment.md): `rollout.backend=sglang`, with
+`rollout.sglang_python=...` or without it, after `bash scripts/sglang_env.sh` (its environment is
+where the trainer looks). The launcher gives SGLang the cpu device, the checkpoint's dtype
 and a KV cache sized to the run; a 16-bit server passes weight verification at its dtype's
 tolerance."""
 
@@ -40,10 +41,13 @@ def train(
     steps: int = 5,
     backend="sglang",
     entry: list[str] | None = None,
+    name_python: bool = True,
 ):
     servers = []  # the built-in server, the configs' default
     if backend == "sglang":  # (asks for the venv only here: the built-in runs need none)
-        servers = ["rollout.backend=sglang", f"rollout.sglang_python={sglang_python()}"]
+        python = sglang_python()  # (a test failure naming the fix where it is not built)
+        servers = ["rollout.backend=sglang"]
+        servers += [f"rollout.sglang_python={python}"] if name_python else []
     cmd = [sys.executable, *(entry or ["-m", "megatron_gspo"]), "train", "--config",
            str(ROOT / "configs" / config), "--run-dir", str(run_dir), "--steps", str(steps),
            f"model.path={model}", *servers, *extra]  # fmt: skip
@@ -60,8 +64,10 @@ def train(
 
 @pytest.mark.real_sglang
 def test_sglang_trains_gspo_from_the_documented_keys(task_model, tmp_path):
-    rows, header = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model)
-    assert "-m sglang.launch_server" in header
+    """README's two steps, `bash scripts/sglang_env.sh` then `rollout.backend=sglang` and no
+    python named: the servers used to start on the trainer's python (no SGLang) and fail."""
+    rows, header = train("tiny_moe_gspo.yaml", tmp_path / "run", task_model, name_python=False)
+    assert f"{sglang_python()} -m sglang.launch_server" in header
     flags = ("--device cpu", "--dtype float32", "--cuda-graph-backend-decode disabled",
              "--sleep-on-idle", "--disable-overlap-schedule")  # fmt: skip
     for flag in flags:

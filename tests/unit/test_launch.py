@@ -115,6 +115,47 @@ def test_layouts_that_cannot_work_name_the_fix(overrides, kwargs, message):
         make_layout(cfg(*overrides), **kwargs)
 
 
+def test_the_plan_keeps_the_sglang_python_the_environment_names(monkeypatch):
+    """torchrun.sh evaluates the plan's lines: `SGLANG_PYTHON=''` there erased the python the
+    image (or the user) had set, and the servers started on one without SGLang. The config's
+    rollout.sglang_python still wins."""
+    monkeypatch.setenv("SGLANG_PYTHON", "/opt/sglang venv/bin/python")
+    c = cfg("rollout.backend=sglang")
+    for config, want in ((c, "/opt/sglang venv/bin/python"),
+                         (cfg("rollout.backend=sglang", "rollout.sglang_python=/x/python"),
+                          "/x/python")):  # fmt: skip
+        text = shell_assignments(config, make_layout(config, nnodes=1, gpus_per_node=0))
+        env = subprocess.run(["bash", "-c", f'{text}\necho "$SGLANG_PYTHON"'],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert env.stdout == want + "\n"
+
+
+def test_sglang_python_is_found_where_sglang_env_sh_built_it(tmp_path, monkeypatch):
+    """README's `bash scripts/sglang_env.sh`, then rollout.backend=sglang, started the servers
+    on the trainer's own python (no SGLang): each failed on its import. The python is the
+    config's, else SGLANG_PYTHON's, else that of the environment sglang_env.sh builds where it
+    is, else the trainer's; one that cannot import SGLang is refused in one line naming the fix."""
+    from megatron_gspo.rollout.server_config import check_sglang_python, sglang_python
+
+    venv = tmp_path / "sglang-venv"
+    monkeypatch.delenv("SGLANG_PYTHON", raising=False)
+    monkeypatch.setenv("SGLANG_VENV", str(venv))
+    assert sglang_python() == sys.executable  # (not built)
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    assert sglang_python() == str(venv / "bin" / "python")
+    monkeypatch.setenv("SGLANG_PYTHON", "/opt/sglang-venv/bin/python")
+    assert sglang_python() == "/opt/sglang-venv/bin/python"
+    assert sglang_python("/x/python") == "/x/python"
+    with pytest.raises(UserError) as e:
+        check_sglang_python(sys.executable)  # (this environment has no SGLang)
+    assert str(e.value) == (
+        f"rollout.backend=sglang: {sys.executable} has no SGLang; build SGLang's environment "
+        f"with `bash scripts/sglang_env.sh` (it goes to {venv}, where it is found), or name its "
+        "python in rollout.sglang_python or SGLANG_PYTHON"
+    )
+
+
 def test_shell_assignments_are_quoted_for_eval():
     text = shell_assignments(*_cfg_layout(nnodes=2))
     env = subprocess.run(
@@ -231,9 +272,11 @@ def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_pa
 @pytest.mark.parametrize(
     "args, code, message",
     [
-        (["rollout.backend=sglang", "rollout.sglang_python=/no/python"], 1,
-         "node 0: cannot start a rollout server: [Errno 2] No such file or directory: "
-         "'/no/python'"),
+        (["rollout.backend=sglang", "rollout.sglang_python=/no/python"], 2,
+         "rollout.backend=sglang: /no/python cannot be run (FileNotFoundError: [Errno 2] No "
+         "such file or directory: '/no/python'); build SGLang's environment with `bash "
+         "scripts/sglang_env.sh` (it goes to /nonexistent/sglang-venv, where it is found), or "
+         "name its python in rollout.sglang_python or SGLANG_PYTHON"),
         (["--port-base", "65535", "--servers-per-node", "2"], 2,
          "--port-base 65535 leaves the port numbers (0..65535); pick a lower one"),
         (["--node-rank", "3"], 2, "--node-rank 3 is not a node of this 1-node job"),
@@ -249,6 +292,7 @@ def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, arg
          str(ROOT / "configs/tiny_moe_gspo.yaml"), "--log-dir", str(tmp_path / "logs"),
          "--urls-file", str(tmp_path / "urls.txt"), *args, f"model.path={tmp_path}"],
         capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SGLANG_VENV": "/nonexistent/sglang-venv"},
     )  # fmt: skip
     assert (r.returncode, r.stderr) == (code, f"error: {message}\n")
     assert not (tmp_path / "urls.txt").exists()
@@ -280,6 +324,10 @@ def test_a_launch_without_its_model_refuses_before_any_server_starts(tmp_path):
     r = _torchrun_sh("--config", config, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
     assert not (tmp_path / "run").exists()  # planned before the run directory is made
+    # train's --allow-config-change (a resume with another config) goes through the script too:
+    # it was an unknown argument there
+    r = _torchrun_sh("--config", config, "--resume", "--allow-config-change", cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
 
 
 def test_slurm_local_stops_nothing_from_a_directory_another_could_write(tmp_path):
