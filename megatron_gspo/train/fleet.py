@@ -225,11 +225,11 @@ def _launch(
 def _size_sglang(server: ServerConfig, cfg: Config, hf_dir: Path, python: str | None,
                  longest_prompt: Callable[[], int]) -> None:  # fmt: skip
     """What SGLang needs from the machine and the run (rollout/server_config.py)."""
-    from megatron_gspo.rollout.server_config import check_sglang_python, sglang_python, size_sglang
+    from megatron_gspo.rollout.server_config import sglang_python, size_sglang
 
-    server.python = sglang_python(python)  # SGLang in its own environment
+    # SGLang in its own environment (train.setup.check_server_python checked that it imports)
+    server.python = sglang_python(python)
     size_sglang(server, cfg, hf_dir, longest_prompt(), torch.cuda.is_available())
-    check_sglang_python(server.python)
 
 
 def api_key() -> str | None:

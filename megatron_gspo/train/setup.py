@@ -38,6 +38,7 @@ class TrainerSetup:
 
         cfg = self.cfg
         check_model_path(cfg.model.path, cfg.data.train)
+        check_server_python(cfg)
         spec, _ = checkpoint_spec(cfg.model.path)
         cfg.check_context(
             spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")
@@ -185,6 +186,18 @@ def _launcher_node() -> int | None:
     if not value.isdigit():
         raise UserError(f"{NODE_ENV}={value!r} must be this node's index (0, 1, ...)")
     return int(value)
+
+
+def check_server_python(cfg: Config) -> None:
+    """Where the trainer will start SGLang itself (rank 0, no rollout.urls), that its python can
+    import it: refused in one line before the run directory is made, not by each server's
+    failed start after it."""
+    from megatron_gspo.rollout.modes import Backend
+    from megatron_gspo.rollout.server_config import check_sglang_python, sglang_python
+
+    r = cfg.rollout
+    if r.backend == Backend.SGLANG and not r.urls and os.environ.get("RANK", "0") == "0":
+        check_sglang_python(sglang_python(r.sglang_python))
 
 
 def check_model_path(path: str, train_source: str) -> None:

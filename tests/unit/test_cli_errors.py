@@ -130,6 +130,22 @@ def test_generation_beyond_the_models_context_is_refused_before_the_run(tmp_path
     assert not run.exists()
 
 
+def test_sglang_without_its_environment_is_refused_before_the_run(
+    tmp_path, tiny_models, monkeypatch
+):
+    """rollout.backend=sglang with no SGLang environment built (or named): the run directory was
+    made, then each server failed on its import; now one line names the fix, nothing made."""
+    monkeypatch.setenv("SGLANG_VENV", str(tmp_path / "no-venv"))
+    monkeypatch.delenv("SGLANG_PYTHON", raising=False)
+    run = tmp_path / "run"
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_gspo.yaml"
+    proc = run_cli(["train", "--config", str(config), "--run-dir", str(run),
+                    f"model.path={tiny_models['moe']}", "rollout.backend=sglang"])  # fmt: skip
+    assert_clean_failure(proc, "has no SGLang; build SGLang's environment with `bash "
+                         f"scripts/sglang_env.sh` (it goes to {tmp_path / 'no-venv'}", tmp_path)  # fmt: skip
+    assert not run.exists()
+
+
 def test_a_model_that_does_not_load_leaves_no_run_directory(tmp_path, tiny_models):
     """The weights are read after the run directory is claimed: a start that fails there leaves
     no directory of its own, and in one that was there (a launch script's logs/) nothing more."""
