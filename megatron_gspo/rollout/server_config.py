@@ -135,23 +135,11 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
     or an eval keeps in flight, with headroom (its default takes a fraction of the machine's
     memory: 14 GB for a tiny model on a 24 GB host, and steps ~8x slower). fp8 quantization and
     deterministic inference are refused on a CPU: SGLang has no CPU kernels for them."""
-    from megatron_gspo.errors import UserError
     from megatron_gspo.hf.config import load_hf_config
 
     r = cfg.rollout
     given = {a.split("=", 1)[0] for a in r.extra_server_args if a.startswith("--")}
-    if r.quantization and not gpu:  # (0.5.23 on a CPU: "sgl_per_tensor_quant_fp8 not defined")
-        raise UserError(
-            f"rollout.quantization={r.quantization} with SGLang needs a GPU: its CPU build has "
-            "no fp8 kernels; on a CPU use rollout.backend=builtin, whose fp8 is weight-only"
-        )
-    if r.deterministic and not gpu:  # (0.5.23 on a CPU: "only ['ascend', 'fa3', 'fa4',
-        # 'flashinfer', 'intel_xpu', 'triton'] attention backends are supported for ...")
-        raise UserError(
-            "rollout.deterministic with SGLang needs a GPU: its batch-invariant attention "
-            "backends (fa3, flashinfer, triton) do not run on a CPU; on a CPU use "
-            "rollout.backend=builtin, whose deterministic mode does"
-        )
+    check_sglang_modes(cfg, gpu)
     if not gpu and "--device" not in given:
         server.device = "cpu"
     graphs = {"--disable-cuda-graph", "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill"}
@@ -170,6 +158,26 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
         server.max_total_tokens = max(4096, -(-tokens // 1024) * 1024)
         if "--max-running-requests" not in given:
             server.max_running_requests = sequences
+
+
+def check_sglang_modes(cfg, gpu: bool) -> None:
+    """The rollout modes SGLang cannot serve on this machine, refused in one line naming the
+    fix (train checks them before the run directory is made)."""
+    from megatron_gspo.errors import UserError
+
+    r = cfg.rollout
+    if r.quantization and not gpu:  # (0.5.23 on a CPU: "sgl_per_tensor_quant_fp8 not defined")
+        raise UserError(
+            f"rollout.quantization={r.quantization} with SGLang needs a GPU: its CPU build has "
+            "no fp8 kernels; on a CPU use rollout.backend=builtin, whose fp8 is weight-only"
+        )
+    if r.deterministic and not gpu:  # (0.5.23 on a CPU: "only ['ascend', 'fa3', 'fa4',
+        # 'flashinfer', 'intel_xpu', 'triton'] attention backends are supported for ...")
+        raise UserError(
+            "rollout.deterministic with SGLang needs a GPU: its batch-invariant attention "
+            "backends (fa3, flashinfer, triton) do not run on a CPU; on a CPU use "
+            "rollout.backend=builtin, whose deterministic mode does"
+        )
 
 
 # Where scripts/sglang_env.sh builds SGLang's own environment, unless $SGLANG_VENV names another.

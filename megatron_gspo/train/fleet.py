@@ -227,7 +227,7 @@ def _size_sglang(server: ServerConfig, cfg: Config, hf_dir: Path, python: str | 
     """What SGLang needs from the machine and the run (rollout/server_config.py)."""
     from megatron_gspo.rollout.server_config import sglang_python, size_sglang
 
-    # SGLang in its own environment (train.setup.check_server_python checked that it imports)
+    # SGLang in its own environment (train.setup.check_sglang_start checked that it imports)
     server.python = sglang_python(python)
     size_sglang(server, cfg, hf_dir, longest_prompt(), torch.cuda.is_available())
 

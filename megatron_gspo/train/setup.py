@@ -38,7 +38,7 @@ class TrainerSetup:
 
         cfg = self.cfg
         check_model_path(cfg.model.path, cfg.data.train)
-        check_server_python(cfg)
+        check_sglang_start(cfg)
         spec, _ = checkpoint_spec(cfg.model.path)
         cfg.check_context(
             spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")
@@ -188,15 +188,22 @@ def _launcher_node() -> int | None:
     return int(value)
 
 
-def check_server_python(cfg: Config) -> None:
-    """Where the trainer will start SGLang itself (rank 0, no rollout.urls), that its python can
-    import it: refused in one line before the run directory is made, not by each server's
-    failed start after it."""
+def check_sglang_start(cfg: Config) -> None:
+    """Where the trainer will start SGLang itself (rank 0, no rollout.urls), that it can serve
+    the rollout modes asked for on this machine and that its python imports it: refused in one
+    line before the run directory is made, not by each server's failed start after it."""
+    import torch
+
     from megatron_gspo.rollout.modes import Backend
-    from megatron_gspo.rollout.server_config import check_sglang_python, sglang_python
+    from megatron_gspo.rollout.server_config import (
+        check_sglang_modes,
+        check_sglang_python,
+        sglang_python,
+    )
 
     r = cfg.rollout
     if r.backend == Backend.SGLANG and not r.urls and os.environ.get("RANK", "0") == "0":
+        check_sglang_modes(cfg, torch.cuda.is_available())
         check_sglang_python(sglang_python(r.sglang_python))
 
 

@@ -144,6 +144,12 @@ def test_sglang_without_its_environment_is_refused_before_the_run(
     assert_clean_failure(proc, "has no SGLang; build SGLang's environment with `bash "
                          f"scripts/sglang_env.sh` (it goes to {tmp_path / 'no-venv'}", tmp_path)  # fmt: skip
     assert not run.exists()
+    # so are the modes SGLang cannot serve on a CPU (they were refused after the directory)
+    proc = run_cli(["train", "--config", str(config), "--run-dir", str(run),
+                    f"model.path={tiny_models['moe']}", "rollout.backend=sglang",
+                    "rollout.quantization=fp8"])  # fmt: skip
+    assert_clean_failure(proc, "rollout.quantization=fp8 with SGLang needs a GPU", tmp_path)
+    assert not run.exists()
 
 
 def test_a_model_that_does_not_load_leaves_no_run_directory(tmp_path, tiny_models):
