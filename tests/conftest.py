@@ -38,8 +38,10 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup`: tests/xdist_groups.py (xdist is imported only when it runs tests)."""
-    if config.getvalue("dist") != "loadgroup":
+    """`-n N` (xdist's default `--dist load`) and `--dist loadgroup`: tests/xdist_groups.py, so
+    README's test command builds each costly module fixture once (xdist is imported only when
+    it runs tests). Other `--dist` modes are xdist's own."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     from tests.xdist_groups import ModuleGroups
 

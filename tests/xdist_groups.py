@@ -1,7 +1,7 @@
-"""How `-n 2 --dist loadgroup` (CI) hands out tests: a module whose module fixtures are costly
-runs whole on one worker, so such a fixture (a distributed run of every layout, a server) is
-built once rather than once on each worker; every other test is handed out on its own, as
-`--dist load` does. (xdist 3.8's own loadgroup, which reads `xdist_group` marks, groups nothing
+"""How `-n 2` (README's test command, CI; `--dist load` or `loadgroup`) hands out tests: a
+module whose module fixtures are costly runs whole on one worker, so such a fixture (a
+distributed run of every layout, a server) is built once rather than once on each worker; every
+other test is handed out on its own, as xdist's `--dist load` does. (xdist 3.8's own loadgroup, which reads `xdist_group` marks, groups nothing
 under pytest 9: it renames the items through an attribute pytest 9 no longer reads.)"""
 
 from __future__ import annotations
