@@ -114,7 +114,7 @@ def take_batch(ahead: Ahead, sync: WeightSync, parts: Parts, step: int, current:
     on every step and end with exit 0."""
     t0 = time.perf_counter()
     taken = ahead.take(step)
-    if taken is not None and not all_stale(taken.collected):
+    if taken is not None and not taken.collected.all_stale:
         collected, version = taken.collected, taken.version
     else:
         if taken is not None:  # (a server on older weights: generated again, or the run stops)
@@ -160,7 +160,7 @@ def collect_current(
         log.warning("step %d: %d samples came from older weights; generating again", step, stale)
         catch_up(sync, fleet, current)
         regenerated += stale
-    if all_stale(collected):
+    if collected.all_stale:
         raise UserError(
             f"step {step}: every rollout sample came from weights older than the trainer's "
             f"(version {current}; the servers answered weight_version "
@@ -172,11 +172,6 @@ def collect_current(
     collected.regenerated_samples = regenerated
     collected.metrics["rollout/regenerated_samples"] = float(regenerated)
     return collected
-
-
-def all_stale(collected: Collected) -> bool:
-    """Whether every sample of a batch came from weights older than its generation's."""
-    return bool(collected.stale_samples) and collected.stale_samples == collected.samples
 
 
 def catch_up(sync: WeightSync, fleet: Servers, current: str) -> dict:

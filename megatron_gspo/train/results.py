@@ -35,6 +35,11 @@ class Collected:
     # the samples' inputs that were not finite, by what the guard's error calls them
     nonfinite_inputs: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def all_stale(self) -> bool:
+        """Every sample came from weights older than its generation's (none to train on)."""
+        return bool(self.stale_samples) and self.stale_samples == self.samples
+
     def set_versions(self, oldest: float, mean: float, partial: float) -> None:
         """The trained samples' weight versions (train/samples.sample_versions), logged too."""
         self.version_oldest, self.version_mean = oldest, mean
