@@ -9,7 +9,8 @@ above 0; -inf is left to the non-finite guard, train/guard.py), or a finish reas
 does not know stop the run with one line naming the server, rather than a traceback or a step
 trained on them. An answer is read only up to a size its request bounds (`answer_limit`): a
 server sending more (400 MB once made the trainer take 1.6 GB) stops the run the same way before
-the rest is read."""
+the rest is read. A failed answer (not 200) is read only for its message, up to FAILURE_LIMIT
+bytes: a 5xx is `Retryable` on another server whatever its size, a 4xx refuses the request."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ _ID_BYTES, _TEXT_BYTES, _LOGPROB_BYTES, _RESULT_BYTES = 12, 64, 128, 64 << 10
 ANSWER_MARGIN, ANSWER_SLACK = 4, 1 << 20
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, for a request that gives none
 MAX_LAYERS = 128  # R3 where the client is not told the model's layers (more than any MoE has)
+# The most bytes of a failed (non-200) answer read: only its message is wanted, and a proxy's
+# error page or a traceback dump may be of any size (a 5xx longer than its request's answer_limit
+# used to stop the run, where a server that failed is to be retried on another).
+FAILURE_LIMIT = 64 << 10
 # A log-prob is <= 0, but a server's low-precision log-softmax may put a sure token above 0 (bf16
 # logits of magnitude 64-128 are 0.5 apart): only a value past this is no log-prob. A harmless
 # rounding must not stop a run; NaN, text and +inf do.
@@ -44,6 +49,11 @@ LOGPROB_SLACK = 1.0
 class RolloutError(UserError):
     """A request that failed for good: refused (4xx), out of retries, or answered with what no
     SGLang-compatible server sends. One line that names the server (the CLI prints it, exit 2)."""
+
+
+class Retryable(Exception):
+    """A failure another try (on another server) may get past: a 5xx, a time-out, a connection
+    lost."""
 
 
 @dataclass
@@ -202,7 +212,7 @@ def answer_limit(body: dict, layers: int | None, topk: int | None) -> int:
 
 async def read_generate(resp: aiohttp.ClientResponse, url: str, body: dict, layers: int | None,
                         topk: int | None) -> dict:  # fmt: skip
-    """`url`'s answer to /generate `body` read as read_json does, if it is at most its
+    """`url`'s 200 answer to /generate `body` read as read_json does, if it is at most its
     `answer_limit`; a longer one is a RolloutError once that many bytes came (or at once, where
     its Content-Length says so), the rest never read and its connection closed."""
     limit = answer_limit(body, layers, topk)
@@ -211,14 +221,36 @@ async def read_generate(resp: aiohttp.ClientResponse, url: str, body: dict, laye
         resp.close()
         what = f"a body of {_mb(declared)} (its Content-Length), more than"
         raise _too_big(url, what, limit, "not read")
+    raw, more = await _read_upto(resp, limit)
+    if more:
+        raise _too_big(url, "a body of more than", limit, "not read past that")
+    return json_object(raw)
+
+
+async def read_failure(resp: aiohttp.ClientResponse, url: str) -> Retryable | RolloutError:
+    """`url`'s failed (non-200) answer to /generate as its error: a 5xx (a server that failed)
+    Retryable, any other a RolloutError (the request refused). Its message comes from the first
+    FAILURE_LIMIT bytes of its body at most (said so where there was more), the rest not read."""
+    raw, more = await _read_upto(resp, FAILURE_LIMIT)
+    what = message(json_object(raw))
+    if more:
+        what += f" (its body cut at {FAILURE_LIMIT >> 10} KiB, the rest not read)"
+    if resp.status >= 500:
+        return Retryable(f"HTTP {resp.status}: {what}")
+    return RolloutError(f"{url} refused the request: {what}")
+
+
+async def _read_upto(resp: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """The first `limit` bytes of `resp`'s body and whether it had more; then the rest is not
+    read and its connection is closed."""
     chunks, size = [], 0
     async for chunk in resp.content.iter_chunked(1 << 16):
+        chunks.append(chunk)
         size += len(chunk)
         if size > limit:
             resp.close()
-            raise _too_big(url, "a body of more than", limit, "not read past that")
-        chunks.append(chunk)
-    return json_object(b"".join(chunks))
+            return b"".join(chunks)[:limit], True
+    return b"".join(chunks), False
 
 
 def _too_big(url: str, body: str, limit: int, read: str) -> RolloutError:

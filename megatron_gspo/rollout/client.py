@@ -6,10 +6,11 @@ request per prompt (its G samples, each with its own rid and seed), which saves 
 per-request overhead when answers are short. A prompt's samples go to one server (the least
 loaded when the prompt is scheduled), so SGLang's radix cache shares the prompt. Each server
 takes at most `max_concurrency` requests at a time. Connection errors, time-outs and 5xx answers
-are retried on another server with exponential back-off; a 4xx is the caller's error, raised at
-once (`RolloutError`). `abort()` aborts every outstanding request of this client: those come
-back with their partial output and finish_reason "abort". With `sampling_seed`, sample j of
-prompt i gets seed + i * n + j: the G samples of a prompt differ and a rerun reproduces them.
+(of any size: a failed answer's body is read only for its message, answers.py) are retried on
+another server with exponential back-off; a 4xx is the caller's error, raised at once
+(`RolloutError`). `abort()` aborts every outstanding request of this client: those come back
+with their partial output and finish_reason "abort". With `sampling_seed`, sample j of prompt i
+gets seed + i * n + j: the G samples of a prompt differ and a rerun reproduces them.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from dataclasses import dataclass
 import aiohttp
 
 from megatron_gspo.rollout.answers import (
+    Retryable,
     RolloutError,
     bad_answer,
     decode_routed_experts,
     engine_busy_s,
     message,
     read_answer,
+    read_failure,
     read_generate,
     read_json,
     routed_experts,
@@ -199,7 +202,7 @@ class RolloutClient:
                 attempt += 1
                 try:
                     result = await self._post_generate(session, server, rids, body, epoch)
-                except _Retryable as e:
+                except Retryable as e:
                     server.failures += 1
                     last_error = str(e)
                     log.warning("rollout request %s failed on %s: %s", rids[0], server.url, e)
@@ -242,16 +245,14 @@ class RolloutClient:
                 async with session.post(
                     server.url + "/generate", json=body, timeout=self.timeout
                 ) as resp:
+                    if resp.status != 200:  # (a 5xx Retryable, a 4xx RolloutError)
+                        raise await read_failure(resp, server.url)
                     data = await read_generate(resp, server.url, body, self.layers, self.topk)
-                    if resp.status >= 500:
-                        raise _Retryable(f"HTTP {resp.status}: {message(data)}")
-                    if resp.status != 200:
-                        raise RolloutError(f"{server.url} refused the request: {message(data)}")
             except TimeoutError:
                 await asyncio.gather(*(self._abort_rid(server.url, rid) for rid in rids))
-                raise _Retryable("timed out") from None
+                raise Retryable("timed out") from None
             except aiohttp.ClientError as e:
-                raise _Retryable(f"{type(e).__name__}: {e}") from None
+                raise Retryable(f"{type(e).__name__}: {e}") from None
             finally:
                 for rid in rids:
                     self._outstanding.pop(rid, None)
@@ -393,7 +394,3 @@ class RolloutClient:
 
     async def resume(self) -> None:
         await self.broadcast("/continue_generation", {})
-
-
-class _Retryable(Exception):
-    """A failure another try (on another server) may get past."""

@@ -362,6 +362,87 @@ def test_a_server_that_answers_503_is_backed_off_and_its_page_kept_to_one_line()
     assert 5 <= len(posts) <= 12, len(posts)  # backing off (0.05 s doubling, at most 2 s apart)
 
 
+def _long_failure(status: int, head: bytes, sent: list, declared: bool):
+    """A /generate handler answering `status` with `head` and 64 MB after it (a proxy's error
+    page, a traceback dump), in 1 MB writes counted in `sent`, with or without its
+    Content-Length; it stops writing when the client hangs up."""
+    from aiohttp import web
+
+    pad, chunk = 64 << 20, b"x" * (1 << 20)
+
+    async def generate(request):
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/html"})
+        if declared:
+            resp.content_length = len(head) + pad
+        await resp.prepare(request)
+        try:
+            await resp.write(head)
+            for _ in range(pad // len(chunk)):
+                await resp.write(chunk)
+                sent.append(len(chunk))
+        except (ConnectionError, RuntimeError):  # (the client hung up)
+            pass
+        return resp
+
+    return generate
+
+
+CUT = "(its body cut at 64 KiB, the rest not read)"
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_5xx_longer_than_its_request_can_need_is_retried_on_another_server(declared, caplog):
+    """A server that failed answered 503 with 64 MB (more than the 1.3 MB a request of 3 new
+    tokens can need): its body was read as an answer and the run stopped, where a 5xx is to be
+    retried on another server. Now only its first 64 KiB are read, for the message (said cut),
+    the rest not (the server could not send it), and the second server generates the sample."""
+    from aiohttp import web
+
+    sent: list[int] = []
+    failing = _long_failure(503, b"<html>\n<h1>503 Service Unavailable</h1>\n", sent, declared)
+
+    async def generate(request):
+        return web.json_response(_result((7, 8, 9)))
+
+    async def go():
+        async with (
+            fake_server({"POST /generate": failing}) as bad,
+            fake_server({"POST /generate": generate}) as good,
+            RolloutClient([bad, good], retries=1, backoff_s=0.01, vocab_size=100) as client,
+        ):
+            [[sample]] = await client.generate([[1, 2]], sampling_params={"max_new_tokens": 3})
+            await asyncio.sleep(0.2)  # (the failing server sees the connection closed)
+            return bad, good, sample
+
+    with caplog.at_level("WARNING", logger="megatron_gspo.rollout.client"):
+        bad, good, sample = asyncio.run(asyncio.wait_for(go(), 60))
+    assert sample.server == good and sample.tokens == [7, 8, 9], sample
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"rollout request {sample.rid} failed on {bad}: HTTP 503: <html> "
+                              "<h1>503 Service Unavailable</h1> xxx")  # fmt: skip
+    assert warning.endswith(f"xxx {CUT}") and "\n" not in warning, warning
+    assert sum(sent) < 16 << 20, sum(sent)  # (what the sockets' buffers hold, at most)
+
+
+def test_a_4xx_of_any_length_is_refused_in_one_line_without_reading_it_all():
+    """A 413 with a 64 MB page used to be read as an answer (its error a body too long for the
+    request, not the server's refusal): it is the refusal, its message from the first 64 KiB."""
+    sent: list[int] = []
+    failing = _long_failure(413, b"<html>\n<h1>413 Request Entity Too Large</h1>\n", sent, False)
+
+    async def go():
+        async with fake_server({"POST /generate": failing}) as url, RolloutClient(url) as client:
+            with pytest.raises(RolloutError) as e:
+                await client.generate([[1, 2]], sampling_params={"max_new_tokens": 3})
+            await asyncio.sleep(0.2)
+            return url, str(e.value)
+
+    url, error = asyncio.run(asyncio.wait_for(go(), 60))
+    page = "<html> <h1>413 Request Entity Too Large</h1> "
+    assert error == f"{url} refused the request: {page}{'x' * (300 - len(page))} {CUT}", error
+    assert sum(sent) < 16 << 20, sum(sent)
+
+
 @pytest.mark.parametrize("said", ["eight", None, -2])
 def test_a_top_k_the_server_does_not_say_is_an_error_naming_it(said):
     """SGLang's /model_info has no num_experts_per_tok, and a proxy may send anything there:
