@@ -40,6 +40,8 @@ MAX_LAYERS = 128  # R3 where the client is not told the model's layers (more tha
 # error page or a traceback dump may be of any size (a 5xx longer than its request's answer_limit
 # used to stop the run, where a server that failed is to be retried on another).
 FAILURE_LIMIT = 64 << 10
+# The most bytes of an answer to a control request (read_json): they are a few lines of JSON.
+CONTROL_LIMIT = 16 << 20
 # A log-prob is <= 0, but a server's low-precision log-softmax may put a sure token above 0 (bf16
 # logits of magnitude 64-128 are 0.5 apart): only a value past this is no log-prob. A harmless
 # rounding must not stop a run; NaN, text and +inf do.
@@ -170,10 +172,18 @@ def routed_experts(b64: str, num_tokens: int, topk: int | None, url: str) -> np.
         raise bad_answer(url, str(e)) from None
 
 
-async def read_json(resp: aiohttp.ClientResponse) -> dict:
-    """The JSON object of an answer; a body that is not one, as {"message": text} or
-    {"data": value}."""
-    return json_object(await resp.read())
+async def read_json(resp: aiohttp.ClientResponse, url: str) -> dict:
+    """The JSON object of `url`'s answer to a control request (/model_info, /abort_request, a
+    weight update; a few lines of JSON) read up to CONTROL_LIMIT bytes (a RolloutError past it,
+    the rest not read); a body that is not one, as {"message": text} or {"data": value}."""
+    raw, more = await _read_upto(resp, CONTROL_LIMIT)
+    if more:
+        raise RolloutError(
+            f"{url}{resp.url.path} answered a body of more than {_mb(CONTROL_LIMIT)}, where its "
+            "answer is a few lines of JSON (not read past that); check that rollout.urls points "
+            "at an SGLang-compatible server (not a proxy's page)"
+        )
+    return json_object(raw)
 
 
 def json_object(raw: bytes) -> dict:

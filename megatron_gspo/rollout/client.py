@@ -302,7 +302,7 @@ class RolloutClient:
     async def get(self, url: str, path: str) -> dict:
         session, _ = self._state()
         async with session.get(url + path, timeout=self.timeout) as resp:
-            data = await read_json(resp)
+            data = await read_json(resp, url)
             if resp.status != 200:
                 raise RolloutError(f"GET {url}{path}: HTTP {resp.status}: {message(data)}")
             return data
@@ -310,7 +310,7 @@ class RolloutClient:
     async def post(self, url: str, path: str, body: dict | None = None) -> dict:
         session, _ = self._state()
         async with session.post(url + path, json=body or {}, timeout=self.timeout) as resp:
-            data = await read_json(resp)
+            data = await read_json(resp, url)
             if resp.status != 200:
                 raise RolloutError(f"POST {url}{path}: HTTP {resp.status}: {message(data)}")
             return data
@@ -324,11 +324,11 @@ class RolloutClient:
 
         async def one(url: str) -> float:
             async with session.get(url + "/get_server_info", timeout=_QUICK) as resp:
-                return engine_busy_s(await resp.json())
+                return engine_busy_s(await read_json(resp, url))
 
         try:
             return sum(await asyncio.gather(*(one(u) for u in self.urls)))
-        except (LookupError, TypeError, ValueError):
+        except (LookupError, TypeError, ValueError, RolloutError):
             self._busy_unsaid = True
         except (TimeoutError, aiohttp.ClientError):
             pass

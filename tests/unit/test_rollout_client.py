@@ -461,3 +461,26 @@ def test_a_top_k_the_server_does_not_say_is_an_error_naming_it(said):
     url, error = asyncio.run(asyncio.wait_for(go(), 30))
     assert error == (f"{url}/model_info did not say its top-k (its num_experts_per_tok: "
                      f"{json.dumps(said)}); pass RolloutClient(topk=K)")  # fmt: skip
+
+
+def test_a_control_answer_of_any_length_is_refused_without_reading_it_all():
+    """The answers to control requests (/model_info, /abort_request, weight updates: a few lines
+    of JSON) were read whole: a server or proxy answering 64 MB made the trainer hold it all.
+    They are read up to 16 MiB; past it one line names the server and the path, the rest unread.
+    A /get_server_info past it only leaves the engine's busy time unsaid (a metric)."""
+    sent: list[int] = []
+    long_page = _long_failure(200, b'{"model_path": "', sent, False)
+
+    async def go():
+        async with fake_server({"/model_info": long_page, "/get_server_info": long_page}) as url:
+            async with RolloutClient(url) as client:
+                with pytest.raises(RolloutError) as e:
+                    await client.get(url, "/model_info")
+                busy = await client.busy_seconds()
+                await asyncio.sleep(0.2)  # (the server sees the connection closed)
+                return url, str(e.value), busy
+
+    url, err, busy = asyncio.run(asyncio.wait_for(go(), 60))
+    assert err.startswith(f"{url}/model_info answered a body of more than 16.8 MB"), err
+    assert "\n" not in err and busy is None
+    assert sum(sent) < 48 << 20, sum(sent)  # 16 MiB of each and the sockets' buffers, not 128 MB
