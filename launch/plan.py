@@ -1,8 +1,8 @@
 """Where the processes of one run go: trainer ranks, rollout servers and the router.
 
 Both launch scripts (launch/torchrun.sh on one node, launch/slurm/train.sbatch on many) read the
-same YAML config through this file, so a layout that cannot work, or a model.path that is not
-there, fails before anything starts:
+same YAML config through this file, so a layout that cannot work, a model.path that is not
+there, or an SGLang mode its nodes cannot serve, fails before anything starts:
 
     python launch/plan.py --config CFG --nnodes 2 --gpus-per-node 8 [key.sub=value ...]
 
@@ -28,8 +28,10 @@ import sys
 from dataclasses import dataclass
 
 from megatron_gspo.config import Config, load_config
+from megatron_gspo.data.task_model import check_model_path
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
+from megatron_gspo.rollout.server_config import check_sglang_modes
 from megatron_gspo.weight_sync.config import SyncMethod
 
 
@@ -271,16 +273,24 @@ def layout_from_args(args: argparse.Namespace) -> tuple[Config, Layout]:
 def check_model(cfg: Config) -> None:
     """model.path must be there before any server or rank starts: the servers would otherwise
     start first and each fail on its own (no config.json), far from the fix. The same one-line
-    error as `train`'s, naming the command that makes a built-in task's starting model."""
-    from megatron_gspo.train.setup import check_model_path
-
+    error as `train`'s, naming the command that makes a built-in task's starting model (from a
+    module without torch or Megatron: this runs before every launch)."""
     check_model_path(cfg.model.path, cfg.data.train)
+
+
+def check_server_modes(cfg: Config, lay: Layout) -> None:
+    """The rollout modes SGLang cannot serve on this layout's nodes (fp8, deterministic
+    inference on a node without GPUs), refused in `train`'s one line before any server starts,
+    not by each server's failed start."""
+    if cfg.rollout.backend == Backend.SGLANG:
+        check_sglang_modes(cfg, gpu=lay.gpus_per_node > 0)
 
 
 def main(argv=None) -> None:
     try:
         cfg, layout = layout_from_args(parse_args(argv))
         check_model(cfg)
+        check_server_modes(cfg, layout)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

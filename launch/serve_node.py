@@ -31,15 +31,15 @@ import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan import add_layout_args, check_model, layout_from_args  # noqa: E402
+from plan import add_layout_args, check_model, check_server_modes, layout_from_args  # noqa: E402
 
 from megatron_gspo.comm import free_port  # noqa: E402
 from megatron_gspo.errors import UserError  # noqa: E402
+from megatron_gspo.no_redirect import OPENER, is_redirect, redirect_refusal  # noqa: E402
 from megatron_gspo.rollout.modes import Backend, Placement  # noqa: E402
 from megatron_gspo.rollout.server_config import (  # noqa: E402
     API_KEY_ENV,
@@ -128,6 +128,7 @@ def cmd_servers(args) -> int:
         raise UserError(f"node {args.node_rank} serves nothing in this layout ({layout.placement})")
     _check_port("--port-base", args.port_base, last=args.port_base + layout.servers_per_node - 1)
     check_model(cfg)
+    check_server_modes(cfg, layout)
     configs = server_configs(cfg, layout, args.node_rank, args.host, args.port_base)
     if cfg.rollout.backend == Backend.SGLANG:
         check_sglang_python(configs[0].python)
@@ -209,9 +210,13 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: 
         if proc.poll() is not None:
             raise UserError(f"sglang-router exited with code {proc.returncode}; see {log_path}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            with OPENER.open(url + "/health", timeout=5) as r:
                 if r.status == 200:
                     return
+        except urllib.error.HTTPError as e:
+            if is_redirect(e):  # (refused, not followed: see megatron_gspo/no_redirect.py)
+                what = redirect_refusal("/health", e, with_key=False)
+                raise UserError(f"sglang-router at {url}: {what}; see {log_path}") from None
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.data.prompts import PromptRow, encode_prompt, load_prompts
+from megatron_gspo.data.task_model import PRESETS
 from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.data.transcripts import TOOL_TASKS, segments_batch, tool_task_batch
 from megatron_gspo.errors import UserError
@@ -95,14 +96,6 @@ TASK_DEFAULTS: dict[str, dict] = {
         "cooldown_steps": 250,
         "keep_right": 0.3,
     },
-}
-# Named model shapes (each with its task); flags and knobs override them. drift: many MoE layers
-# of many small experts and a long answer, where routing drifts and token-level ratios are noisy;
-# drift_long: the same shape on sortlong20's 40-token answers (the answer-length lever).
-_DRIFT_SHAPE = {"layers": 6, "hidden": 64, "experts": 32, "topk": 4, "moe_ffn": 32}
-PRESETS: dict[str, dict] = {
-    "drift": {"task": "sortlong", **_DRIFT_SHAPE},
-    "drift_long": {"task": "sortlong20", **_DRIFT_SHAPE},
 }
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_gspo.comm import free_port
+from megatron_gspo.no_redirect import OPENER, is_redirect, redirect_refusal
 from megatron_gspo.rollout.failures import ServerFailed, failure_cause
 from megatron_gspo.rollout.server_config import ServerConfig, copy_redacted, redacted
 
@@ -233,7 +234,7 @@ class ServerGroup:
                 )  # fmt: skip
             if self._stopping.is_set():
                 return
-            if _health(s) == 200:
+            if _health(s, refuse_redirect=True) == 200:
                 return
             time.sleep(0.2)
         raise ServerFailed(
@@ -368,14 +369,18 @@ def _engine_dead(s: ManagedServer) -> bool:
     return _health(s) == 503
 
 
-def _health(s: ManagedServer) -> int | None:
-    """The HTTP status of the server's /health, or None when it does not answer in 5 s."""
+def _health(s: ManagedServer, refuse_redirect: bool = False) -> int | None:
+    """The HTTP status of the server's /health, or None when it does not answer in 5 s. A
+    redirect is not followed (it would take the API key elsewhere): with `refuse_redirect` it
+    raises ServerFailed naming where it pointed, else its status is one more that is not 200."""
     headers = {"Authorization": f"Bearer {s.config.api_key}"} if s.config.api_key else {}
     try:
         req = urllib.request.Request(s.url + "/health", headers=headers)
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with OPENER.open(req, timeout=5) as r:
             return r.status
     except urllib.error.HTTPError as e:
+        if refuse_redirect and is_redirect(e):
+            raise _redirected(s, "/health", e) from None
         return e.code
     except (urllib.error.URLError, OSError):
         return None
@@ -386,8 +391,19 @@ def _post(s: ManagedServer, path: str, body: dict) -> dict:
     if s.config.api_key:
         headers["Authorization"] = f"Bearer {s.config.api_key}"
     req = urllib.request.Request(s.url + path, json.dumps(body).encode(), headers)
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read() or b"{}")
+    try:
+        with OPENER.open(req, timeout=600) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        if is_redirect(e):
+            raise _redirected(s, path, e) from None
+        raise
+
+
+def _redirected(s: ManagedServer, path: str, e: urllib.error.HTTPError) -> ServerFailed:
+    return ServerFailed(
+        f"server {s.index} ({s.config.kind}, pid {s.pid}) at {s.url}: {redirect_refusal(path, e)}"
+    )
 
 
 def _die_with_parent() -> None:

@@ -271,7 +271,7 @@ def _starting_model(cfg: Config, given: bool, out: Path) -> Path | None:
     say to make), DIR/model, made by `make-task-model` before the runs. A model.path given on
     the command line (or a sweep value) is not stood in for: a typo would train a tiny task
     model under the name of the real one; nor is a model for a data set of one's own."""
-    from megatron_gspo.train.setup import check_model_path
+    from megatron_gspo.data.task_model import check_model_path
 
     path = cfg.model.path
     if Path(path).exists():

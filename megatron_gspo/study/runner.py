@@ -70,7 +70,7 @@ def ensure_model(study: Study) -> None:
 
 def preset_for(task: str) -> list[str]:
     """`--preset NAME` of the model preset made for `task` (sortlong: drift), else nothing."""
-    from megatron_gspo.data.warmstart import PRESETS
+    from megatron_gspo.data.task_model import PRESETS
 
     names = [name for name, p in PRESETS.items() if p.get("task") == task]
     return ["--preset", names[0]] if names else []

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from megatron_gspo.config import Config, dump_config
+from megatron_gspo.data.task_model import check_model_path
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
 from megatron_gspo.train.run_dir import RunDirLock, StartPlan, prepare
@@ -205,20 +206,3 @@ def check_sglang_start(cfg: Config) -> None:
     if r.backend == Backend.SGLANG and not r.urls and os.environ.get("RANK", "0") == "0":
         check_sglang_modes(cfg, torch.cuda.is_available())
         check_sglang_python(sglang_python(r.sglang_python))
-
-
-def check_model_path(path: str, train_source: str) -> None:
-    """model.path is a directory, or a one-line error naming how to get one there: for a
-    built-in task, the command that makes its starting model (as scripts/quickstart.sh does)."""
-    if Path(path).is_dir():
-        return
-    fix = "point model.path at an HF or Megatron checkpoint"
-    if train_source.startswith("builtin:"):
-        from megatron_gspo.data.warmstart import PRESETS
-
-        task = train_source.removeprefix("builtin:")
-        preset = next((name for name, p in PRESETS.items() if p["task"] == task), None)
-        flags = f"--task {task}" if preset is None else f"--preset {preset}"
-        command = f"megatron-gspo make-task-model {flags} --out {path}"
-        fix += f", or make {task}'s starting model there: {command}"
-    raise UserError(f"model.path {path} does not exist: {fix}")

@@ -14,23 +14,13 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from megatron_gspo.no_redirect import OPENER, is_redirect, redirect_refusal
 from megatron_gspo.weight_sync.config import ServerRef
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 # The largest answer read from a server: the sync's endpoints answer a few lines of JSON (the
 # verification probe's /generate, a few hundred tokens with their log-probs, is the longest).
 MAX_ANSWER_BYTES = 16 << 20
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is refused, not followed: urllib would send the API key to wherever a server
-    (or a proxy in front of it) points, another host included."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None  # urllib then raises the 3xx as an HTTPError
-
-
-_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 class ServerError(RuntimeError):
@@ -71,7 +61,7 @@ class Servers:
             headers["Authorization"] = f"Bearer {ref.api_key}"
         req = urllib.request.Request(ref.url + path, data, headers)
         try:
-            with _OPENER.open(req, timeout=timeout_s or self.timeout_s) as r:
+            with OPENER.open(req, timeout=timeout_s or self.timeout_s) as r:
                 data = _json(_read_capped(r, ref.url, path))
         except urllib.error.HTTPError as e:
             raise ServerError(ref.url, _refusal(path, e)) from None
@@ -126,11 +116,8 @@ def _read_capped(r, url: str, path: str) -> bytes:
 
 
 def _refusal(path: str, e: urllib.error.HTTPError) -> str:
-    if 300 <= e.code < 400:
-        where = e.headers.get("Location", "?")
-        return (f"{path} answered HTTP {e.code}, a redirect to {where[:200]}, which is not "
-                "followed (the API key would go with it): give the server's own address in "
-                "rollout.urls")  # fmt: skip
+    if is_redirect(e):  # (refused by OPENER: the API key would go wherever it points)
+        return f"{redirect_refusal(path, e)}: give the server's own address in rollout.urls"
     return f"{path} answered HTTP {e.code}: {_message(e.read(MAX_ANSWER_BYTES))}"
 
 

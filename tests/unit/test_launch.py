@@ -269,6 +269,17 @@ def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_pa
     ), r.stderr
 
 
+SGLANG_FP8_ON_A_CPU = (
+    "rollout.quantization=fp8 with SGLang needs a GPU: its CPU build has no fp8 kernels; on a "
+    "CPU use rollout.backend=builtin, whose fp8 is weight-only"
+)
+SGLANG_DETERMINISTIC_ON_A_CPU = (
+    "rollout.deterministic with SGLang needs a GPU: its batch-invariant attention backends (fa3, "
+    "flashinfer, triton) do not run on a CPU; on a CPU use rollout.backend=builtin, whose "
+    "deterministic mode does"
+)
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [
@@ -282,11 +293,16 @@ def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_pa
         (["--node-rank", "3"], 2, "--node-rank 3 is not a node of this 1-node job"),
         (["--nnodes", "2", "rollout.placement=disaggregated", "sync.method=distributed"], 2,
          "node 0 serves nothing in this layout (disaggregated)"),
+        (["rollout.backend=sglang", "rollout.quantization=fp8"], 2, SGLANG_FP8_ON_A_CPU),
+        (["rollout.backend=sglang", "rollout.deterministic=true"], 2,
+         SGLANG_DETERMINISTIC_ON_A_CPU),
     ],
 )  # fmt: skip
 def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, args, code, message):
     """A server python that is not there was a traceback; a port range past 65535, a node
-    outside the job or one that serves nothing started servers (that failed, or should not be)."""
+    outside the job or one that serves nothing started servers (that failed, or should not be);
+    so did an SGLang mode a node without GPUs cannot serve (fp8, deterministic), which `train`
+    refuses before it starts SGLang itself."""
     r = subprocess.run(
         [sys.executable, str(ROOT / "launch/serve_node.py"), "servers", "--config",
          str(ROOT / "configs/tiny_moe_gspo.yaml"), "--log-dir", str(tmp_path / "logs"),
@@ -298,6 +314,50 @@ def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, arg
     assert not (tmp_path / "urls.txt").exists()
     if code == 2:
         assert not (tmp_path / "logs").exists()  # refused before any server was started
+
+
+def test_plan_refuses_the_sglang_modes_its_nodes_cannot_serve(tmp_path):
+    """plan.py (the first step of every launch) refuses fp8 or deterministic SGLang on nodes
+    without GPUs as `train` does, and plans them on GPU nodes."""
+    plan = lambda gpus, mode: subprocess.run(  # noqa: E731
+        [sys.executable, str(ROOT / "launch/plan.py"), "--config",
+         str(ROOT / "configs/tiny_moe_gspo.yaml"), "--gpus-per-node", gpus,
+         f"model.path={tmp_path}", "rollout.backend=sglang", mode],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    for mode, message in (("rollout.quantization=fp8", SGLANG_FP8_ON_A_CPU),
+                          ("rollout.deterministic=true", SGLANG_DETERMINISTIC_ON_A_CPU)):  # fmt: skip
+        r = plan("0", mode)
+        assert (r.returncode, r.stderr, r.stdout) == (2, f"error: {message}\n", "")
+        r = plan("8", mode)
+        assert r.returncode == 0 and "BACKEND=sglang" in r.stdout.splitlines(), r.stderr
+
+
+def test_the_launch_checks_of_a_config_import_neither_train_nor_megatron(tmp_path):
+    """plan.py's model.path check imported train/setup.py (the trainer's checkpointing, torch's
+    distributed checkpoint and sympy: ~0.8 s more on every launch, and launch -> train is the
+    wrong way round). The check, passing or refusing, now adds no module of torch, Megatron,
+    train/ or model/."""
+    probe = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "launch")!r})
+import plan
+from megatron_gspo.config import load_config
+from megatron_gspo.errors import UserError
+before = set(sys.modules)
+for path in ({str(tmp_path)!r}, {str(tmp_path / "missing")!r}):
+    try:
+        plan.check_model(load_config({str(ROOT / "configs/tiny_moe_gspo.yaml")!r}, ["model.path=" + path]))
+    except UserError:
+        pass
+print(" ".join(sorted(set(sys.modules) - before)))
+print("megatron" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    added, megatron = r.stdout.splitlines()
+    heavy = ("torch", "megatron", "sympy", "megatron_gspo.train", "megatron_gspo.model")
+    assert [m for m in added.split() if m.startswith(heavy)] == [] and megatron == "False"
 
 
 MISSING_TASK_MODEL = (
@@ -514,3 +574,127 @@ def test_a_server_that_fails_to_start_is_summed_up_by_its_cause(tmp_path):
         f"NVIDIA driver on your system. Please check that you have an NVIDIA GPU (whole log: {log})"
     )
     assert "Received sigquit" in str(e)  # the exception itself keeps the tail
+
+
+# ---- requests to the servers refuse redirects ------------------------------------------------
+
+
+def _recorder():
+    """A local HTTP server that answers 200 `{}` and records each request's Authorization."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", seen, server
+
+
+def _redirecting_python(tmp_path: Path) -> Path:
+    """An executable that runs tests/unit/redirecting_server.py with the arguments of whatever
+    command line it is started in place of (a server's, the router's)."""
+    python = tmp_path / "redirecting-python"
+    python.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {ROOT / "tests/unit/redirecting_server.py"} "$@"\n'
+    )
+    python.chmod(0o755)
+    return python
+
+
+def _redirecting_group(tmp_path: Path, other: str, path: str, code: int):
+    from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
+
+    env = {"REDIRECT_TO": other, "REDIRECT_PATHS": path, "REDIRECT_CODE": str(code)}
+    config = ServerConfig(
+        model_path=str(tmp_path), python=str(_redirecting_python(tmp_path)), api_key="secret",
+        env=env,
+    )  # fmt: skip
+    return ServerGroup([config], tmp_path / "logs", health_timeout_s=30, monitor=False)
+
+
+def test_the_launcher_refuses_a_redirect_of_health_and_the_api_key_goes_nowhere_else(tmp_path):
+    """The launcher's /health used urllib's default opener, which follows a redirect with every
+    header, the API key included, to whatever host it names (here a second server, which
+    answered 200: the group started). Now the start fails in one line naming where it pointed."""
+    from megatron_gspo.rollout.launcher import ServerFailed
+
+    other, seen, other_server = _recorder()
+    group = _redirecting_group(tmp_path, other, "/health", 307)
+    try:
+        with pytest.raises(ServerFailed) as e:
+            group.start()
+        s = group.servers[0]
+        assert str(e.value) == (
+            f"server 0 (builtin, pid {s.pid}) at {s.url}: /health answered HTTP 307, a redirect "
+            f"to {other}/health, which is not followed (the API key would go with it)"
+        )
+        assert seen == [] and not s.alive()
+    finally:
+        group.stop()
+        other_server.shutdown()
+
+
+def test_a_restarted_servers_weights_request_refuses_a_redirect(tmp_path):
+    """The request that brings a restarted server to the current weights followed a 302 (as a
+    GET, with the API key) to the host it named. Now the restart fails naming where it pointed."""
+    from megatron_gspo.rollout.launcher import ServerFailed
+
+    other, seen, other_server = _recorder()
+    group = _redirecting_group(tmp_path, other, "/update_weight_version", 302)
+    try:
+        group.start()
+        group.set_current_weights(weight_version="3")
+        s = group.servers[0]
+        assert s.proc is not None
+        s.proc.kill()
+        s.proc.wait()
+        with pytest.raises(ServerFailed) as e:
+            group.restart(s)
+        assert str(e.value) == (
+            f"server 0 (builtin, pid {s.pid}) at {s.url}: /update_weight_version answered HTTP "
+            f"302, a redirect to {other}/update_weight_version, which is not followed (the API "
+            "key would go with it)"
+        )
+        assert seen == []
+    finally:
+        group.stop()
+        other_server.shutdown()
+
+
+def test_serve_node_router_refuses_a_redirect_of_its_health(tmp_path):
+    """serve_node.py's wait for the router followed a redirect of /health (to a host that
+    answered 200) and took the router as ready. Now it stops it with one line, exit 1."""
+    from megatron_gspo.comm import free_port
+
+    other, seen, other_server = _recorder()
+    port = free_port()
+    env = {**os.environ, "SGLANG_PYTHON": str(_redirecting_python(tmp_path)),
+           "REDIRECT_TO": other, "REDIRECT_PATHS": "/health"}  # fmt: skip
+    try:
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "launch/serve_node.py"), "router", "--worker-urls",
+             "http://127.0.0.1:1", "--port", str(port), "--timeout-s", "30",
+             "--log-dir", str(tmp_path / "logs"), "--urls-file", str(tmp_path / "urls.txt")],
+            capture_output=True, text=True, timeout=90, env=env,
+        )  # fmt: skip
+    finally:
+        other_server.shutdown()
+    assert (r.returncode, r.stderr) == (1, (
+        f"error: sglang-router at http://127.0.0.1:{port}: /health answered HTTP 307, a redirect "
+        f"to {other}/health, which is not followed; see {tmp_path / 'logs' / 'router.log'}\n"
+    ))  # fmt: skip
+    assert seen == [] and not (tmp_path / "urls.txt").exists()

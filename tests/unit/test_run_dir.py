@@ -254,7 +254,7 @@ def test_the_manifest_names_every_file_with_its_sha256(tmp_path):
 def test_a_missing_model_path_names_the_command_that_makes_the_tasks_model(tmp_path, train, flags):
     """For a built-in task, the make-task-model command the shipped configs and the study use
     (a preset where one is made for the task: what results.md's studies ran on)."""
-    from megatron_gspo.train.setup import check_model_path
+    from megatron_gspo.data.task_model import check_model_path
 
     with pytest.raises(UserError) as e:
         check_model_path(str(tmp_path / "m"), train)

@@ -1,0 +1,36 @@
+"""The built-in tasks' starting models, named without making one: the presets' shapes and the
+check that model.path is there, naming the command that makes it where it is not.
+
+Light on purpose (no torch, no Megatron): the launch scripts (launch/plan.py, serve_node.py)
+check a config with it before anything starts; making the model is data/warmstart.py's work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_gspo.errors import UserError
+
+# Named model shapes (each with its task); flags and knobs override them. drift: many MoE layers
+# of many small experts and a long answer, where routing drifts and token-level ratios are noisy;
+# drift_long: the same shape on sortlong20's 40-token answers (the answer-length lever).
+_DRIFT_SHAPE = {"layers": 6, "hidden": 64, "experts": 32, "topk": 4, "moe_ffn": 32}
+PRESETS: dict[str, dict] = {
+    "drift": {"task": "sortlong", **_DRIFT_SHAPE},
+    "drift_long": {"task": "sortlong20", **_DRIFT_SHAPE},
+}
+
+
+def check_model_path(path: str, train_source: str) -> None:
+    """model.path is a directory, or a one-line error naming how to get one there: for a
+    built-in task, the command that makes its starting model (as scripts/quickstart.sh does)."""
+    if Path(path).is_dir():
+        return
+    fix = "point model.path at an HF or Megatron checkpoint"
+    if train_source.startswith("builtin:"):
+        task = train_source.removeprefix("builtin:")
+        preset = next((name for name, p in PRESETS.items() if p["task"] == task), None)
+        flags = f"--task {task}" if preset is None else f"--preset {preset}"
+        command = f"megatron-gspo make-task-model {flags} --out {path}"
+        fix += f", or make {task}'s starting model there: {command}"
+    raise UserError(f"model.path {path} does not exist: {fix}")
