@@ -175,7 +175,7 @@ class AlgoConfig:
         low, high = self.clip
         return dict(kind=self.loss, clip_low=low, clip_high=high, agg=self.agg,
                     sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
-                    norm_length=self.norm_length)  # fmt: skip
+                    norm_length=self.norm_length, correction=self.correction[0])  # fmt: skip
 
     @property
     def correction(self) -> tuple[Mismatch, Level]:

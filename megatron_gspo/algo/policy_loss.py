@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_gspo.algo.config import Agg, LossKind
+from megatron_gspo.algo.config import Agg, LossKind, Mismatch
 from megatron_gspo.algo.kl import kl_estimate
 from megatron_gspo.algo.loss_stats import ratio_stats, token_stats
 from megatron_gspo.algo.mismatch import logprob_abs_diff
@@ -113,6 +113,7 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     agg: Agg | None = None,
     rollout_logprobs: Tensor | None = None,
     tis_weights: Tensor | None = None,
+    correction: Mismatch | str | None = None,
     loss_scale_denominator: float | Tensor | None = None,
     log_ratio_clamp: float = 20.0,
     sapo_tau_pos: float = 1.0,
@@ -128,6 +129,8 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
         (for GSPO that is the paper's sequence mean of one clipped term per sequence; for GRPO
         the original token-mean-then-sequence-mean), token-mean for cispo.
     tis_weights: [B, T] or [B], detached, the mismatch weights (algo.mismatch; 0 drops a token).
+    correction: which correction `tis_weights` are (algo.mismatch): its stats are the mean
+        weight for tis (never 0), the masked shares for mis and icepop; None: both.
     sapo_tau_pos, sapo_tau_neg: SAPO's temperatures; norm_length: the -norm aggregation's L;
     kl: a KL penalty to a reference policy in the objective (`KLPenalty`).
     loss_scale_denominator: the step's global count from `loss_denominator` (sequences for
@@ -159,7 +162,7 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     low_BT, high_BT = _clipped_BT(kind, ratio_BT.detach(), adv_BT, mask_BT, clip_low, clip_high)
     stats = token_stats(mask_BT, low_BT, high_BT, log_rho_BT) | report | kl_stats
     stats |= _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus)
-    return loss, stats | _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT)
+    return loss, stats | _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT, correction)
 
 
 def _with_kl(kl: KLPenalty | None, objective_BT: Tensor, logp_BT: Tensor, mask_BT: Tensor):
@@ -220,13 +223,16 @@ def _ratio_BT(kind, log_ratio_BT, logp_BT, old_BT, mask_BT, clamp) -> tuple[Tens
     return ratio_BT, ratio_stats(seq_log_ratio_B.detach(), mask_BT.any(-1))
 
 
-def _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT) -> dict[str, Tensor]:
-    """Sums for the train-vs-rollout mismatch and the TIS weights, where they apply."""
+def _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT, correction) -> dict[str, Tensor]:
+    """Sums for the train-vs-rollout mismatch and the correction's weights, where they apply:
+    the weights' sum for TIS, the tokens and sequences masked for MIS and IcePop (a TIS weight
+    is > 0: it masks nothing)."""
     stats = {}
     if rollout_logprobs is not None:
         stats["mismatch_abs_sum"] = logprob_abs_diff(old_BT, rollout_logprobs, mask_BT).sum()
-    if tis_BT is not None:
+    if tis_BT is not None and correction in (Mismatch.TIS, None):
         stats["tis_weight_sum"] = torch.where(mask_BT, tis_BT, 0.0).sum()
+    if tis_BT is not None and correction != Mismatch.TIS:
         dropped_BT = mask_BT & (tis_BT == 0)  # masked by mis / icepop (a TIS weight is > 0)
         stats["mismatch_masked_tokens"] = dropped_BT.sum().to(tis_BT.dtype)
         stats["mismatch_masked_seqs"] = dropped_BT.any(-1).sum().to(tis_BT.dtype)

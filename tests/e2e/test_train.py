@@ -678,6 +678,7 @@ def test_tis_and_lr_warmup_reach_the_step(task_model, tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx([5e-5, 1e-4])
     for r in rows:  # min(pi_old / pi_rollout, 1.5) averaged over tokens: ~1 (tiny mismatch)
         assert 0.9 < r["tis/weight_mean"] <= 1.5, r["tis/weight_mean"]
+        assert "mismatch/masked_fraction_tokens" not in r  # (TIS masks nothing: no such key)
 
 
 @pytest.mark.parametrize("ahead", [(), ("rollout.max_staleness=1", "rollout.partial=true")])

@@ -56,6 +56,7 @@ def test_objective_and_correction_train_and_report(case, task_model, tmp_path):
     # a bf16 server against the fp32 trainer (|logp gap| ~1e-3): some tokens (sequences) fall
     # outside the narrow band, most not
     masked = [r["mismatch/masked_fraction_tokens"] for r in rows]
+    assert not any("tis/weight_mean" in r for r in rows)  # (that is TIS's key)
     assert all(0 <= m < 1 for m in masked) and max(masked) > 0, masked
     assert all(r["mismatch/logprob_abs_diff"] > 0 for r in rows)
     assert all(0 < r["mismatch/masked_fraction_seqs"] <= 1 for r in rows if r[

@@ -187,3 +187,24 @@ def test_loss_kwargs_carry_the_kind_options():
     assert kw["norm_length"] == 5 and (kw["clip_low"], kw["clip_high"]) == (0.2, 0.28)
     given = AlgoConfig(loss=LossKind.GRPO, clip_high=0.4).loss_kwargs()
     assert (given["clip_low"], given["clip_high"]) == (0.2, 0.4)  # a null bound: the loss's own
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis", "icepop"])
+def test_a_corrections_stats_are_the_ones_that_mean_something_for_it(correction):
+    """TIS weights are > 0 (they mask nothing): its stat is the weights' sum; MIS and IcePop
+    mask: theirs are the masked tokens and sequences. A run logs only its correction's keys."""
+
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, -3.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    weights = torch.tensor([[0.0, 1.2, 0.0], [0.8, 1.0, 0.0]])
+    _, stats = policy_loss(lp, lp, torch.tensor([1.0, -1.0]), mask, kind="grpo", clip_low=0.2,
+                           clip_high=0.2, tis_weights=weights, correction=correction)  # fmt: skip
+    masks = {"mismatch_masked_tokens", "mismatch_masked_seqs"}
+    if correction == Mismatch.TIS:
+        assert "tis_weight_sum" in stats and not masks & set(stats)
+        assert float(stats["tis_weight_sum"]) == pytest.approx(0.0 + 1.2 + 0.8 + 1.0 + 0.0)
+    else:
+        assert masks <= set(stats) and "tis_weight_sum" not in stats
+        assert float(stats["mismatch_masked_tokens"]) == 2.0  # (0, 0) and (1, 2)
+        assert float(stats["mismatch_masked_seqs"]) == 2.0
+    assert AlgoConfig(mismatch=correction).loss_kwargs()["correction"] == correction
