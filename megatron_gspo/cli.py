@@ -251,6 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     # megatron-core announces at import that optional CUDA extensions are missing; on a CPU run
     # that is expected (model/cpu_compat.py), so keep the console for our own messages.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+    # megatron's distributed optimizer zeroes its fp32 shards' grads through `.grad` of views
+    # (its own comment: "throws grad-access warning"); only that call site is silenced.
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf",
+                            module=r"megatron\.core\.optimizer\.optimizer")  # fmt: skip
     try:
         args.func(args)
     except UserError as e:

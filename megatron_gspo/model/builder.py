@@ -129,6 +129,9 @@ def transformer_config(spec: ModelSpec, dims: ParallelDims, opts: BuildOptions):
         # posting order, so an activation would land in a gradient buffer. The unbatched path
         # orders operations by rank parity, which gloo matches correctly.
         batch_p2p_comm=on_gpu,
+        # megatron-core 0.16's default ("full") is its own deprecated spelling of the whole
+        # layer, which warns on every build; [] is the same, without the warning.
+        cuda_graph_scope=[],
     )
     kwargs.update(_recompute_fields(Recompute(opts.recompute or Recompute.NONE), spec, opts))
     if spec.is_moe:
