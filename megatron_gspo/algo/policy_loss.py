@@ -128,9 +128,8 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     agg: an Agg; None = the kind's published default: seq-mean-token-mean for all but cispo
         (for GSPO that is the paper's sequence mean of one clipped term per sequence; for GRPO
         the original token-mean-then-sequence-mean), token-mean for cispo.
-    tis_weights: [B, T] or [B], detached, the mismatch weights (algo.mismatch; 0 drops a token).
-    correction: which correction `tis_weights` are (algo.mismatch): its stats are the mean
-        weight for tis (never 0), the masked shares for mis and icepop; None: both.
+    tis_weights: [B, T] or [B], detached, the mismatch weights of `correction` (algo.mismatch;
+        0 drops a token): stats of their mean for tis, of the masked for mis, icepop; None both.
     sapo_tau_pos, sapo_tau_neg: SAPO's temperatures; norm_length: the -norm aggregation's L;
     kl: a KL penalty to a reference policy in the objective (`KLPenalty`).
     loss_scale_denominator: the step's global count from `loss_denominator` (sequences for
