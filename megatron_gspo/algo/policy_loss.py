@@ -133,8 +133,8 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     sapo_tau_pos, sapo_tau_neg: SAPO's temperatures; norm_length: the -norm aggregation's L;
     kl: a KL penalty to a reference policy in the objective (`KLPenalty`).
     loss_scale_denominator: the step's global count from `loss_denominator` (sequences for
-        seq-mean-*, tokens for token-mean); None = this microbatch's count.
-    log_ratio_clamp: log-ratios are clamped to [-c, c] before exp (zero gradient beyond).
+        seq-mean-*, tokens for token-mean); None = this microbatch's count. log_ratio_clamp:
+        log-ratios are clamped to [-c, c] before exp (zero gradient beyond).
     Ratios come from log differences in fp32 (fp64 stays fp64); the loss has that dtype. Masked
     tokens and empty rows contribute nothing; the result is finite for finite inputs. stats:
     detached 0-d sums, counts, min and max (loss_stats: combine_stats, summarize_stats).
@@ -146,9 +146,7 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     logp_BT = logprobs.to(dtype)
     old_BT = old_logprobs.detach().to(dtype)
     adv_BT = _token_advantages(advantages, mask_BT, kind).to(dtype)
-    # log pi - log pi_old per token, clamped, zero at masked-out tokens.
     log_ratio_BT = _masked_log_ratio_BT(logp_BT, old_BT, mask_BT, log_ratio_clamp)
-    log_rho_BT = log_ratio_BT.detach()  # for the metrics
     ratio_BT, report = _ratio_BT(kind, log_ratio_BT, logp_BT, old_BT, mask_BT, log_ratio_clamp)
     taus = (sapo_tau_pos, sapo_tau_neg)
     objective_BT = _objective(kind, ratio_BT, adv_BT, logp_BT, clip_low, clip_high, taus)
@@ -159,7 +157,7 @@ def policy_loss(  # noqa: PLR0913 - the formula's inputs; its options are keywor
     denominator = denominator * _norm_length(agg, norm_length)
     loss = -_objective_sum(objective_BT, mask_BT, agg) / denominator
     low_BT, high_BT = _clipped_BT(kind, ratio_BT.detach(), adv_BT, mask_BT, clip_low, clip_high)
-    stats = token_stats(mask_BT, low_BT, high_BT, log_rho_BT) | report | kl_stats
+    stats = token_stats(mask_BT, low_BT, high_BT, log_ratio_BT.detach()) | report | kl_stats
     stats |= _gate_stats(kind, ratio_BT, adv_BT, mask_BT, taus)
     return loss, stats | _mismatch_stats(old_BT, rollout_logprobs, tis_BT, mask_BT, correction)
 
