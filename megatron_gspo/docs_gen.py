@@ -1,13 +1,14 @@
 """The reference pages generated from the code: docs/config.md from the config dataclasses,
-docs/metrics.md from the metric definitions (train/metric_defs.py).
+docs/metrics.md from the metric definitions (train/metric_defs.py), and the flag tables of
+docs/commands.md from the command line's parser (docs_commands.py; its prose is hand-written).
 
 Each key's line in docs/config.md comes from its field in the code: the type as annotated, the
 default, and the comment written beside the field (a trailing `# ...`, or the comment lines just
 above it). A section's own docstring opens its table. So the page cannot drift from the code:
 `tests/unit/test_generated_docs.py` fails when a file differs from what this writes.
 
-    python -m megatron_gspo.docs_gen            # rewrite docs/config.md and docs/metrics.md
-    python -m megatron_gspo.docs_gen --check    # exit 1 when it is stale
+    python -m megatron_gspo.docs_gen            # rewrite the pages
+    python -m megatron_gspo.docs_gen --check    # exit 1 when one is stale
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import sys
 import textwrap
 import tokenize
 from pathlib import Path
+
+from megatron_gspo.docs_commands import COMMANDS_MD, commands_md
+from megatron_gspo.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_MD = ROOT / "docs" / "config.md"
@@ -154,16 +158,20 @@ def metrics_md() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-PAGES = {CONFIG_MD: config_md, METRICS_MD: metrics_md}
+PAGES = {CONFIG_MD: config_md, METRICS_MD: metrics_md, COMMANDS_MD: commands_md}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 when a page is stale")
     a = ap.parse_args(argv)
+    try:
+        pages = {path: make() for path, make in PAGES.items()}
+    except UserError as e:  # a page's hand-written part is wrong: nothing is written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stale = 0
-    for path, make in PAGES.items():
-        text = make()
+    for path, text in pages.items():
         if a.check:
             if not (path.is_file() and path.read_text() == text):
                 print(f"{path} is stale: run python -m megatron_gspo.docs_gen", file=sys.stderr)
