@@ -41,8 +41,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' (default ${API_KEY_ENV})",
     )
-    parser.add_argument("--enable-return-routed-experts", action="store_true")
-    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="answer each token's MoE expert ids (meta_info.routed_experts: R3)",
+    )
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=64,
+        help="sequences decoded at once; more wait for a slot",
+    )
     parser.add_argument(
         "--max-n", type=int, default=256, help="most samples of one prompt (sampling_params.n)"
     )
@@ -72,17 +81,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="seconds SIGTERM waits for a clean stop before the process exits anyway",
     )
     add_numerics_args(parser)
-    parser.add_argument("--random-seed", type=int, default=0)
-    parser.add_argument("--weight-version", default="default")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--random-seed",
+        type=int,
+        default=0,
+        help="seed of the sampling of requests without a sampling_seed",
+    )
+    parser.add_argument(
+        "--weight-version",
+        default="default",
+        help="the weight version answered until a weight update sets one",
+    )
+    parser.add_argument("--log-level", default="warning", help="python logging level")
 
 
 def add_numerics_args(parser: argparse.ArgumentParser) -> None:
     """How the model computes: dtype, fp8 weights, threads, the decode kernel, batch
     invariance."""
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="the model's compute dtype (auto: the checkpoint's torch_dtype)",
+    )  # fmt: skip
     parser.add_argument(
         "--quantization",
         default=None,
