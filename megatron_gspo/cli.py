@@ -30,23 +30,36 @@ def _dims(args):
     return ParallelDims(**axes, world_size=world_size_from_env())
 
 
+def _wrote(line: str) -> None:
+    """A command's last line, saying what it wrote (rank 0's, under torchrun)."""
+    from megatron_gspo.comm import rank
+
+    if rank() == 0:
+        print(line, flush=True)
+
+
 def _cmd_convert(args) -> None:
     from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
 
     if args.direction == "hf-to-megatron":
         hf_to_megatron(args.hf, args.out, _dims(args))
+        _wrote(f"wrote {args.out} (Megatron checkpoint of {args.hf})")
     elif args.direction == "lora-to-hf":
-        from megatron_gspo.model.lora_export import lora_to_hf
+        from megatron_gspo.model.lora_export import PEFT_DIR, lora_to_hf
 
         lora_to_hf(args.checkpoint, args.out, _dims(args))
+        adapter = os.path.join(args.out, PEFT_DIR)
+        _wrote(f"wrote {args.out} (HF model, adapters merged) and {adapter} (PEFT adapter)")
     else:
         megatron_to_hf(args.megatron, args.out, _dims(args))
+        _wrote(f"wrote {args.out} (HF checkpoint of {args.megatron})")
 
 
 def _cmd_score(args) -> None:
     from megatron_gspo.model.score_cmd import run_score
 
-    run_score(args.checkpoint, args.input, args.output, _dims(args), args.micro_batch_size)
+    n = run_score(args.checkpoint, args.input, args.output, _dims(args), args.micro_batch_size)
+    _wrote(f"wrote {args.output} ({n} sequences with their per-token log-probs)")
 
 
 def _cmd_make_tiny(args) -> None:

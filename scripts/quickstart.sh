@@ -5,7 +5,8 @@
 #   2. train it with GSPO (configs/tiny_moe_gspo.yaml): built-in rollout server, Megatron actor,
 #      weight sync after every step, greedy eval on held-out prompts every 5 steps;
 #   3. plot the run. Pass another config as $1 (e.g. configs/tiny_moe_grpo.yaml).
-# Running it again continues the run from its newest checkpoint.
+# Running it again continues the run from its newest checkpoint (a finished run: nothing to
+# train; raise train.steps in the config to train on) and writes its report again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${1:-configs/tiny_moe_gspo.yaml}
@@ -29,7 +30,13 @@ PY
 RESUME=()
 [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
 $M train --config "$CONFIG" --run-dir "$RUN" "${RESUME[@]}"
-$M report "$RUN" --out "$RUN/report.png"
+# the report, written again each time: to a new file first, then over the old one (which stays
+# as it was if the new one fails)
+NEW="$RUN/report.new.png"
+rm -f "$NEW"
+$M report "$RUN" --out "$NEW" >/dev/null
+mv -f "$NEW" "$RUN/report.png"
+echo "wrote $RUN/report.png"
 .venv/bin/python - "$RUN" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]

@@ -73,7 +73,9 @@ def run_score(
     output_path: str,
     dims: ParallelDims,
     micro_batch_size: int = 8,
-) -> None:
+) -> int:
+    """Score every line of `input_path` into `output_path` (collective); returns the number of
+    sequences scored."""
     from megatron.core import parallel_state as mpu
 
     from megatron_gspo.model.forward import score
@@ -110,3 +112,4 @@ def run_score(
                 f.write(json.dumps(row) + "\n")
         os.replace(tmp, out)
     dist.barrier()
+    return len(rows)

@@ -3,9 +3,10 @@
 An arm is any name with a config of the family: for a base config PREFIX_<arm>.yaml with
 PREFIX_<name>.yaml beside it for every arm asked for (configs/drift_moe_*.yaml), those files;
 else configs/tiny_moe_<name>.yaml (the files are read, not copied), so the study compares exactly
-what those configs run. An arm's row is its config's `algo` keys that make an algorithm (the loss,
-its clip range and options, advantages, routing replay, the mismatch correction) and its
-`reward.overlong_*` keys. A run's config is layered, later wins:
+what those configs run (which files of a family are arms: arms.py). An arm's row is its config's
+`algo` keys that make an algorithm (the loss, its clip range and options, advantages, routing
+replay, the mismatch correction) and its `reward.overlong_*` keys. A run's config is layered,
+later wins:
 
     BASE.yaml < the arm's row < overrides for every run < `ARM:key=value` overrides
               < the sweep's KEY=value < seed=<k> (and model.path when the study made the model)
@@ -41,6 +42,14 @@ from megatron_gspo.algo.policy_loss import resolve_agg
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
+from megatron_gspo.study.arms import (
+    ALGO_KEYS,
+    ALGOS,
+    CONFIGS_DIR,
+    REWARD_KEYS,
+    available_arms,
+    family,
+)
 from megatron_gspo.study.overrides import (
     Sweep,
     arm_keys,
@@ -49,15 +58,6 @@ from megatron_gspo.study.overrides import (
     split_overrides,
 )
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")  # the default arms
-# The keys of a config's `algo` section that make an algorithm; the schedule (minibatches) and
-# everything else stay the base config's, shared by every arm.
-ALGO_KEYS = ("loss", "clip_low", "clip_high", "agg", "norm_length", "sapo_tau_pos",
-             "sapo_tau_neg", "adv_norm", "routing_replay", "mismatch", "mismatch_level",
-             "tis_cap", "tis_reduce", "mis_low", "mis_high", "icepop_k",
-             "dynamic_sampling")  # fmt: skip
-REWARD_KEYS = ("overlong_buffer", "overlong_penalty")  # (a row's `reward.<key>`)
 LEVEL = {"gspo": "sequence", "gspo_token": "sequence"}  # the rest: token
 MANIFEST = "study.json"
 SNAPSHOT = "base_config.yaml"
@@ -100,31 +100,6 @@ class Study:
     common: list[str] = field(default_factory=list)
     made_model: Path | None = None
     sweep: Sweep | None = None
-
-
-def family(base: Path, arms: tuple[str, ...] | list[str] = ALGOS) -> list[Path] | None:
-    """PREFIX_<arm>.yaml for every arm when `base` is PREFIX_<something>.yaml and all of them
-    exist beside it (the longest such PREFIX); else None."""
-    stem, parent = Path(base).stem, Path(base).parent
-    cuts = [i for i, c in enumerate(stem) if c == "_"]
-    for i in reversed(cuts):
-        paths = [parent / f"{stem[:i]}_{name}.yaml" for name in arms]
-        if all(p.is_file() for p in paths):
-            return paths
-    return None
-
-
-def available_arms(base: Path | None, configs_dir: Path = CONFIGS_DIR) -> list[str]:
-    """The arms with a config: configs/tiny_moe_<name>.yaml's, and those of the base config's
-    family (PREFIX_<name>.yaml beside it)."""
-    names = {p.stem.removeprefix("tiny_moe_") for p in configs_dir.glob("tiny_moe_*.yaml")}
-    if base is not None:
-        stem, parent = Path(base).stem, Path(base).parent
-        cuts = [i for i, c in enumerate(stem) if c == "_"]
-        families = [{p.stem[i + 1 :] for p in parent.glob(f"{stem[:i]}_*.yaml")} for i in cuts]
-        # the most siblings; of equals, the longest prefix (drift_moe_, not drift_)
-        names |= max(reversed(families), key=len, default=set())
-    return sorted(names)
 
 
 def algo_table(

@@ -28,7 +28,8 @@ class StepHooks:
 
     def begin(self, state: TrainState, last: int) -> None:
         """Open the sinks (a resumed run's logger drops metrics of steps after its checkpoint). A
-        fresh run logs step 0: the starting checkpoint's eval reward."""
+        fresh run logs step 0: the starting checkpoint's eval reward; a resumed run with no step
+        left to train says so (`nothing_to_train`)."""
         from megatron_gspo.train.metrics import MetricsLogger
 
         t = self.cfg.train
@@ -44,6 +45,9 @@ class StepHooks:
                 config=self.cfg.to_dict(),
             )
         self.saved_step = state.step
+        said = nothing_to_train(self.run_dir, state.step, last, t.steps)
+        if self.rank0 and said is not None:
+            print(said, flush=True)
         if state.step == 0 and t.eval_every:
             self._log(0, {"eval/reward": self.rollouts.evaluate(), "weight_version": 0})
 
@@ -84,3 +88,18 @@ class StepHooks:
     def _log(self, step: int, metrics: dict) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
+
+
+def nothing_to_train(run_dir: Path, step: int, last: int, total: int) -> str | None:
+    """The line for a resumed run already at (or past) the step it stops at, `last` (None when
+    steps are left, or for a fresh run): `train.steps` (`total`), or a smaller --steps."""
+    if step == 0 or step < last:
+        return None
+    at = f"step {step} of {last}" if step == last else f"step {step}, past step {last}"
+    limit = "--steps" if last < total else "train.steps"
+    head = f"{run_dir} is at {at} ({limit}): nothing to train; "
+    if last < total and step < total:  # only --steps stops it
+        return (head + f"pass --steps N with N > {step} (up to train.steps={total}), or leave "
+                "--steps out, to train on")  # fmt: skip
+    also = " and leave --steps out" if last < total else ""
+    return head + f"pass train.steps=N with N > {step}{also} to train on"

@@ -1,7 +1,8 @@
 """The run directory a trainer owns: one trainer at a time, and what a start does with what it
 finds there.
 
-    nothing of a run                         start (with or without --resume)
+    nothing of a run                         start (with or without --resume: it says so, in
+                                             one line, so a mistyped --run-dir shows)
     an earlier attempt, no checkpoint        start again, either command: the attempt's record
                                              (metrics, config) is moved to aborted/<k>/, its
                                              incomplete checkpoint deleted; logs/ goes on
@@ -137,10 +138,13 @@ class StartPlan:
             )
 
 
-def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool) -> StartPlan:
+def prepare(
+    run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool, new: bool = False
+) -> StartPlan:
     """Rank 0, holding the lock: what this start does with what it finds in `run_dir` (the
     checkpoint to resume from, an earlier attempt without one to clear), or the error that
-    refuses it. Changes nothing: `StartPlan.carry_out` does."""
+    refuses it. Changes nothing: `StartPlan.carry_out` does. `new`: this start made `run_dir`
+    (a --resume there says so: a mistyped --run-dir)."""
     ckpt = checkpointing.latest(run_dir)
     if ckpt is not None:
         if not resume:
@@ -153,8 +157,16 @@ def prepare(run_dir: Path, resume: bool, cfg: Config, allow_config_change: bool)
         return StartPlan(ckpt, skipped, changes=changes)
     left = [name for name in ATTEMPT_FILES + SCRATCH if (run_dir / name).exists()]
     if not left and resume:
-        print(f"--resume: {run_dir} holds no checkpoint yet; starting the run", flush=True)
+        print(resume_without_checkpoint(run_dir, new), flush=True)
     return StartPlan(clear=left)
+
+
+def resume_without_checkpoint(run_dir: Path, new: bool) -> str:
+    """The line for --resume on a run directory with no checkpoint (and no earlier attempt)."""
+    if new:
+        return (f"--resume: {run_dir} did not exist, so there is no checkpoint in it: starting a "
+                "new run there (to continue an earlier run, pass its --run-dir)")  # fmt: skip
+    return f"--resume: no checkpoint in {run_dir}: starting a new run"
 
 
 def _verified(run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:

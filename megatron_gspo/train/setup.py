@@ -96,7 +96,8 @@ class TrainerSetup:
         if self.rank0:
             try:
                 self.lock = RunDirLock(self.run_dir).acquire()
-                plan = prepare(self.run_dir, self.resume, self.cfg, self.allow_config_change)
+                change = self.allow_config_change
+                plan = prepare(self.run_dir, self.resume, self.cfg, change, new=self.made)
                 box = [("ok", plan)]
             except UserError as e:
                 box = [("error", str(e))]

@@ -19,9 +19,13 @@ from tests.helpers import (
 pytestmark = pytest.mark.distributed
 
 
-def convert(args, nproc):
+def convert(args, nproc) -> str:
+    """Run `convert ARGS` on `nproc` ranks; the one line it prints (rank 0's: what it wrote)."""
     proc = run_cli(["convert", *args], nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "wrote" in line]
+    assert len(said) == 1, proc.stdout[-3000:]
+    return said[0]
 
 
 def assert_bit_exact(a_dir, b_dir):
@@ -45,10 +49,14 @@ def assert_bit_exact(a_dir, b_dir):
 def test_round_trip_is_bit_exact(tmp_path, tiny_models, model, to_megatron, to_hf):
     src = tiny_models[model]
     meg, back = tmp_path / "megatron", tmp_path / "hf"
-    convert(
+    said = convert(
         ["hf-to-megatron", "--hf", str(src), "--out", str(meg), *to_megatron[1]], to_megatron[0]
     )
-    convert(["megatron-to-hf", "--megatron", str(meg), "--out", str(back), *to_hf[1]], to_hf[0])
+    assert said == f"wrote {meg} (Megatron checkpoint of {src})"
+    said = convert(
+        ["megatron-to-hf", "--megatron", str(meg), "--out", str(back), *to_hf[1]], to_hf[0]
+    )
+    assert said == f"wrote {back} (HF checkpoint of {meg})"
     assert_bit_exact(src, back)
     assert not list(tmp_path.glob(".*tmp*")), "temporary directories left behind"
 

@@ -171,6 +171,8 @@ def test_convert_exports_the_merged_model_and_a_peft_adapter(experts, tiny_model
     hf = tmp_path / "hf"
     proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(hf)])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    said = f"wrote {hf} (HF model, adapters merged) and {hf / 'adapter'} (PEFT adapter)"
+    assert proc.stdout.splitlines()[-1] == said
     seqs = fixed_batch().row_values("tokens")
     for mine, ref in zip(hf_token_logprobs(hf, seqs), want):
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)

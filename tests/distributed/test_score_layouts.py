@@ -39,6 +39,9 @@ def score(tmp_path, checkpoint, seqs, nproc, flags, tag):
     ]
     proc = run_cli(args, nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # one line says what was written (rank 0's: the others print nothing)
+    said = f"wrote {out} ({len(seqs)} sequences with their per-token log-probs)"
+    assert [line for line in proc.stdout.splitlines() if "wrote" in line] == [said]
     result = read_logprobs(out)
     assert all(r[0] is None and len(r) == len(s) for r, s in zip(result, seqs))
     return [torch.tensor(r[1:]) for r in result]

@@ -1,7 +1,7 @@
 """README's quick examples, run as written (in a scratch directory, `.venv/bin/megatron-gspo` being
 this interpreter's `megatron-gspo`): the checkpoint conversion round trip. The other commands of
 the documents are parsed and their configs loaded in tests/unit/test_documented_commands.py; the
-main command (scripts/quickstart.sh) runs in tests/e2e/test_train.py.
+main command (scripts/quickstart.sh) runs, three times, in tests/e2e/test_quickstart.py.
 """
 
 from __future__ import annotations

@@ -216,6 +216,27 @@ def test_unknown_algorithm_is_a_user_error():
         parse_algos("gspo,dapo", algo_table())
 
 
+def test_an_arm_without_a_config_is_told_the_arms_not_the_other_configs(tmp_path):
+    """The arms a study offers are the configs that differ from their family only in an arm's
+    row: configs/tiny_moe_gspo_lora.yaml (LoRA) and tiny_moe_calc_tool_*.yaml (another task) are
+    configs of their own. (The error used to offer calc_tool_gspo, gspo_lora, ... as arms.)"""
+    for base in ("tiny_moe_gspo", "tiny_moe_calc_tool_gspo", "drift_moe_gspo"):
+        with pytest.raises(UserError) as e:
+            algo_table(base=ROOT / "configs" / f"{base}.yaml", arms=["bogus"])
+        assert str(e.value).endswith("choose arms among cispo, grpo, grpo_r2, grpo_r3, gspo, sapo")
+    # a family of its own beside the base: its arms join; a sibling that sets LoRA does not
+    arms = {"gspo": {"algo": {"loss": "gspo"}},
+            "dapo": {"algo": {"loss": "grpo", "agg": "token-mean"},
+                     "reward": {"fn": "exact", "overlong_buffer": 4}},
+            "gspo_lora": {"algo": {"loss": "gspo"}, "lora": {"rank": 4}}}  # fmt: skip
+    for name, raw in arms.items():
+        (tmp_path / f"lab_{name}.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError) as e:
+        algo_table(base=tmp_path / "lab_gspo.yaml", arms=["bogus"])
+    assert str(e.value).endswith("among cispo, dapo, grpo, grpo_r2, grpo_r3, gspo, sapo")
+    assert algo_table(base=tmp_path / "lab_gspo.yaml", arms=["dapo"])["dapo"]["agg"] == "token-mean"
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -191,10 +191,12 @@ def test_run_dir_without_a_checkpoint_starts_again_with_either_command(task_mode
     """An attempt that ended before its first checkpoint (here --steps 0; a kill, a failing
     reward plugin alike) used to leave a directory neither a plain rerun nor --resume would
     take. Now either starts it again, its files moved to aborted/<k>/; a run with a checkpoint
-    still needs --resume, and --resume refuses a config that computes something else."""
+    still needs --resume, and --resume refuses a config that computes something else. --resume
+    on a directory that does not exist starts a new run and says so (a mistyped --run-dir)."""
     run_dir = tmp_path / "run"
-    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=0)
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume", steps=0)
     assert rc == 0, out[-3000:]
+    assert f"--resume: {run_dir} did not exist, so there is no checkpoint in it" in out
     assert [r["step"] for r in metrics(run_dir)] == [0] and not (run_dir / "checkpoints").exists()
     rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=0)  # plain: starts again
     assert rc == 0 and "the run starts again: moved metrics.jsonl" in out, out[-3000:]

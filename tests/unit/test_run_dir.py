@@ -91,7 +91,15 @@ def test_an_attempt_without_checkpoint_starts_again(tmp_path, capsys, resume):
 
 def test_resume_in_an_empty_dir_starts_the_run(tmp_path, capsys):
     assert rd.prepare(tmp_path, True, cfg(), False) == rd.StartPlan()
-    assert "holds no checkpoint yet; starting the run" in capsys.readouterr().out
+    assert capsys.readouterr().out == f"--resume: no checkpoint in {tmp_path}: starting a new run\n"
+    # a directory this start made (a mistyped --run-dir, say): the line says it did not exist
+    assert rd.prepare(tmp_path, True, cfg(), False, new=True) == rd.StartPlan()
+    assert capsys.readouterr().out == (
+        f"--resume: {tmp_path} did not exist, so there is no checkpoint in it: starting a new "
+        "run there (to continue an earlier run, pass its --run-dir)\n"
+    )
+    rd.prepare(tmp_path, False, cfg(), False, new=True)  # (without --resume: nothing to say)
+    assert capsys.readouterr().out == ""
 
 
 def test_a_checkpoint_needs_resume_and_the_same_config(tmp_path, capsys):

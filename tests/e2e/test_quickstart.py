@@ -1,0 +1,99 @@
+"""README's main command, `bash scripts/quickstart.sh CONFIG`, run as a user runs it, three times.
+
+The script works in the directory it lives in (it makes the config's model at runs/task_model
+there), so it runs from a scratch copy: scripts/ and configs/ copied, .venv linked to this
+checkout's, PYTHONPATH set to this checkout (so it runs this code). The config is the shipped
+GSPO config made quick (2 steps, the tests' small batches), as a user passes another config as
+$1. Run again, the script continues the run (README); a second run used to fail on its own
+report ("--out ... exists").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import QUICK_TRAIN, cli_env
+
+pytestmark = [pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+# A fault for one run: its `megatron-gspo report` fails before writing anything.
+FAIL_REPORT = """import sys
+if sys.argv[1:2] == ["report"]:
+    sys.exit("error: the report fails (injected)")
+"""
+
+
+def scratch_copy(root: Path, steps: int) -> Path:
+    """A copy of the repository the script can run in; the config it gets: configs/quick.yaml."""
+    for part in ("scripts", "configs"):
+        shutil.copytree(ROOT / part, root / part)
+    (root / ".venv").symlink_to((ROOT / ".venv").resolve())
+    set_steps(root, steps)
+    return root
+
+
+def set_steps(root: Path, steps: int) -> None:
+    """configs/quick.yaml: configs/tiny_moe_gspo.yaml with QUICK_TRAIN and `steps` steps."""
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny_moe_gspo.yaml").read_text())
+    for item in [*QUICK_TRAIN, f"train.steps={steps}"]:
+        key, value = item.split("=", 1)
+        section, name = key.split(".")
+        cfg[section][name] = yaml.safe_load(value)
+    (root / "configs" / "quick.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def quickstart(root: Path, fault: Path | None = None) -> tuple[int, str]:
+    env = cli_env()
+    path = [str(p) for p in (fault, ROOT) if p is not None]
+    env["PYTHONPATH"] = os.pathsep.join(path + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(["bash", "scripts/quickstart.sh", "configs/quick.yaml"], cwd=root,
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def steps_logged(run: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows]
+
+
+def test_quickstart_run_again_continues_the_run_and_writes_its_report_again(tmp_path):
+    root = scratch_copy(tmp_path / "repo", steps=2)
+    run, report = root / "runs" / "quick", root / "runs" / "quick" / "report.png"
+    rc, out = quickstart(root)
+    assert rc == 0, out[-3000:]
+    assert (root / "runs" / "task_model").is_dir()  # made by the script, where it said
+    assert steps_logged(run) == [0, 1, 2] and "wrote runs/quick/report.png" in out
+    first = report.read_bytes()
+
+    # The user raises train.steps and runs it again: step 3 is trained; its report fails here
+    # (an injected fault), and the old report stays as it was, nothing half-written beside it.
+    set_steps(root, 3)
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(FAIL_REPORT)
+    rc, out = quickstart(root, fault)
+    assert rc != 0 and "the report fails (injected)" in out, out[-3000:]
+    assert steps_logged(run) == [0, 1, 2, 3]
+    assert report.read_bytes() == first and sorted(p.name for p in run.glob("report*")) == [
+        "report.png"
+    ]
+
+    # Once more: the run is finished (it says so), and the report is written again, with step 3.
+    before = report.stat()
+    rc, out = quickstart(root)
+    assert rc == 0, out[-3000:]
+    assert "runs/quick is at step 3 of 3 (train.steps): nothing to train" in out
+    assert steps_logged(run) == [0, 1, 2, 3]
+    after = report.stat()
+    assert (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns)
+    assert report.read_bytes() != first and report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "greedy eval reward: step 0 " in out and " -> step 3 " in out
+    assert sorted(p.name for p in run.glob("report*")) == ["report.png"]
