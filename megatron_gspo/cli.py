@@ -82,33 +82,42 @@ def _layer_ids(text: str) -> list[int]:
         ) from None
 
 
+# make-tiny-model's integer flags: (name, default, help); make-task-model's shape flags too
+_TINY_SHAPE = (
+    ("vocab_size", 128, "vocabulary size"),
+    ("hidden", 64, "hidden size"),
+    ("layers", 2, "decoder layers"),
+    ("heads", 4, "attention heads"),
+    ("kv_heads", 2, "key-value heads (grouped-query attention)"),
+    ("head_dim", 16, "size of one attention head"),
+    ("ffn", 128, "dense MLP size (dense layers, dense architectures)"),
+    ("moe_ffn", 32, "size of one expert's MLP"),
+    ("experts", 8, "experts per MoE layer"),
+    ("topk", 2, "experts per token"),
+    ("seed", 0, "seed of the random weights"),
+)
+
+
 def _add_make_tiny(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint with a tokenizer")
-    p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2"])
-    for name, default in [
-        ("vocab_size", 128),
-        ("hidden", 64),
-        ("layers", 2),
-        ("heads", 4),
-        ("kv_heads", 2),
-        ("head_dim", 16),
-        ("ffn", 128),
-        ("moe_ffn", 32),
-        ("experts", 8),
-        ("topk", 2),
-        ("seed", 0),
-    ]:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    p.add_argument("--out", required=True, help="new directory for the HF checkpoint")
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2"],
+                   help="HF architecture (qwen3_moe: MoE; qwen3, qwen2: dense)")  # fmt: skip
+    for name, default, what in _TINY_SHAPE:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default,
+                       help=what)  # fmt: skip
     p.add_argument(
         "--dense-layers",
         type=_layer_ids,
         default=[],
         help="comma-separated dense layer ids, e.g. 0",
     )
-    p.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false")
-    p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false",
+                   help="the top-k routing weights not renormalized to sum to 1")  # fmt: skip
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="the LM head shares the input embedding's weight")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the checkpoint's weights' dtype")  # fmt: skip
     p.set_defaults(func=_cmd_make_tiny)
 
 
@@ -135,7 +144,8 @@ def _add_score(sub) -> None:
     p.add_argument("--checkpoint", required=True, help="HF or Megatron checkpoint directory")
     p.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
     p.add_argument("--output", required=True, help='JSONL with "logprobs" added')
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=8,
+                   help="sequences per forward (memory against speed)")  # fmt: skip
     _layout_args(p)
     p.set_defaults(func=_cmd_score)
 
@@ -192,9 +202,10 @@ def _add_make_task_model(sub) -> None:
     p = sub.add_parser(
         "make-task-model", help="a tiny MoE fine-tuned to be partly competent on a built-in task"
     )
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="new directory for the HF checkpoint")
     p.add_argument("--task", default=None, help="built-in task (default: the preset's, or arith)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the weights and the fine-tuning batches")  # fmt: skip
     p.add_argument(
         "--preset",
         default=None,
@@ -203,7 +214,8 @@ def _add_make_task_model(sub) -> None:
     )
     g = p.add_argument_group("model shape (default: the preset's, else the task's)")
     for name in TASK_MODEL_SHAPE:
-        g.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None)
+        what = next(w for n, _, w in _TINY_SHAPE if n == name)
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None, help=what)
     p.set_defaults(func=_cmd_make_task_model)
 
 
