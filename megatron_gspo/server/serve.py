@@ -46,6 +46,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="answer each token's MoE expert ids (meta_info.routed_experts: R3)",
     )
+    add_limit_args(parser)
+    add_numerics_args(parser)
+    parser.add_argument(
+        "--random-seed",
+        type=int,
+        default=0,
+        help="seed of the sampling of requests without a sampling_seed",
+    )
+    parser.add_argument(
+        "--weight-version",
+        default="default",
+        help="the weight version answered until a weight update sets one",
+    )
+    parser.add_argument("--log-level", default="warning", help="python logging level")
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """What one server takes on: requests at once, samples and sequences per request, and how
+    long a connection, a weight group and a shutdown may take."""
     parser.add_argument(
         "--max-running-requests",
         type=int,
@@ -80,19 +99,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=15.0,
         help="seconds SIGTERM waits for a clean stop before the process exits anyway",
     )
-    add_numerics_args(parser)
-    parser.add_argument(
-        "--random-seed",
-        type=int,
-        default=0,
-        help="seed of the sampling of requests without a sampling_seed",
-    )
-    parser.add_argument(
-        "--weight-version",
-        default="default",
-        help="the weight version answered until a weight update sets one",
-    )
-    parser.add_argument("--log-level", default="warning", help="python logging level")
 
 
 def add_numerics_args(parser: argparse.ArgumentParser) -> None:
