@@ -271,26 +271,9 @@ def test_an_answer_larger_than_its_request_can_need_is_not_read(declared):
     in the trainer's memory, and trained on: now its reading stops at the 1.3 MB that request
     can need (or before it starts, where the Content-Length says more) with one line naming
     the server and the sizes; the rest is never read (the server could not send it)."""
-    from aiohttp import web
-
-    pad, chunk = 64 << 20, b"x" * (1 << 20)
     head = json.dumps(_result())[:-1].encode() + b', "pad": "'
-    sent = []
-
-    async def generate(request):
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        if declared:
-            resp.content_length = len(head) + pad + 2
-        await resp.prepare(request)
-        try:
-            await resp.write(head)
-            for _ in range(pad // len(chunk)):
-                await resp.write(chunk)
-                sent.append(len(chunk))
-            await resp.write(b'"}')
-        except (ConnectionError, RuntimeError):  # (the client hung up)
-            pass
-        return resp
+    sent: list[int] = []
+    generate = _long_failure(200, head, sent, declared, tail=b'"}', kind="application/json")
 
     async def go():
         async with fake_server({"POST /generate": generate}) as url:
@@ -362,24 +345,26 @@ def test_a_server_that_answers_503_is_backed_off_and_its_page_kept_to_one_line()
     assert 5 <= len(posts) <= 12, len(posts)  # backing off (0.05 s doubling, at most 2 s apart)
 
 
-def _long_failure(status: int, head: bytes, sent: list, declared: bool):
-    """A /generate handler answering `status` with `head` and 64 MB after it (a proxy's error
-    page, a traceback dump), in 1 MB writes counted in `sent`, with or without its
-    Content-Length; it stops writing when the client hangs up."""
+def _long_failure(status: int, head: bytes, sent: list, declared: bool, tail: bytes = b"",
+                  kind: str = "text/html"):  # fmt: skip
+    """A handler answering `status` with `head`, 64 MB of padding and `tail` (a proxy's error
+    page, a traceback dump, a padded answer), in 1 MB writes counted in `sent`, with or without
+    its Content-Length; it stops writing when the client hangs up."""
     from aiohttp import web
 
     pad, chunk = 64 << 20, b"x" * (1 << 20)
 
     async def generate(request):
-        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/html"})
+        resp = web.StreamResponse(status=status, headers={"Content-Type": kind})
         if declared:
-            resp.content_length = len(head) + pad
+            resp.content_length = len(head) + pad + len(tail)
         await resp.prepare(request)
         try:
             await resp.write(head)
             for _ in range(pad // len(chunk)):
                 await resp.write(chunk)
                 sent.append(len(chunk))
+            await resp.write(tail)
         except (ConnectionError, RuntimeError):  # (the client hung up)
             pass
         return resp
