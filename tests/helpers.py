@@ -67,6 +67,42 @@ def read_logprobs(path: Path) -> list[list[float | None]]:
     return [json.loads(line)["logprobs"] for line in path.read_text().splitlines()]
 
 
+def serving(handler_do: Callable) -> tuple[str, object]:
+    """A local HTTP server whose GET and POST run `handler_do(handler)`, in a thread; (its URL,
+    the server: `.shutdown()` it)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            handler_do(self)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def authorization_recorder() -> tuple[str, list, object]:
+    """A local HTTP server that answers 200 `{}` and records each request's Authorization
+    header: (its URL, what it saw, the server)."""
+    seen: list[str | None] = []
+
+    def record(h) -> None:
+        seen.append(h.headers.get("Authorization"))
+        h.send_response(200)
+        h.send_header("Content-Length", "2")
+        h.end_headers()
+        h.wfile.write(b"{}")
+
+    url, server = serving(record)
+    return url, seen, server
+
+
 def torchrun(nproc: int, *target: str) -> list[str]:
     """The command running `target` (a script and its arguments, or "-m", module, ...) under
     torchrun with `nproc` ranks on this machine."""

@@ -17,6 +17,7 @@ from packaging.requirements import Requirement
 
 from megatron_gspo.config import load_config
 from megatron_gspo.errors import UserError
+from tests.helpers import authorization_recorder
 
 pytestmark = pytest.mark.unit
 
@@ -579,31 +580,6 @@ def test_a_server_that_fails_to_start_is_summed_up_by_its_cause(tmp_path):
 # ---- requests to the servers refuse redirects ------------------------------------------------
 
 
-def _recorder():
-    """A local HTTP server that answers 200 `{}` and records each request's Authorization."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    seen: list[str | None] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            seen.append(self.headers.get("Authorization"))
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        do_POST = do_GET
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}", seen, server
-
-
 def _redirecting_python(tmp_path: Path) -> Path:
     """An executable that runs tests/unit/redirecting_server.py with the arguments of whatever
     command line it is started in place of (a server's, the router's)."""
@@ -632,7 +608,7 @@ def test_the_launcher_refuses_a_redirect_of_health_and_the_api_key_goes_nowhere_
     answered 200: the group started). Now the start fails in one line naming where it pointed."""
     from megatron_gspo.rollout.launcher import ServerFailed
 
-    other, seen, other_server = _recorder()
+    other, seen, other_server = authorization_recorder()
     group = _redirecting_group(tmp_path, other, "/health", 307)
     try:
         with pytest.raises(ServerFailed) as e:
@@ -653,7 +629,7 @@ def test_a_restarted_servers_weights_request_refuses_a_redirect(tmp_path):
     GET, with the API key) to the host it named. Now the restart fails naming where it pointed."""
     from megatron_gspo.rollout.launcher import ServerFailed
 
-    other, seen, other_server = _recorder()
+    other, seen, other_server = authorization_recorder()
     group = _redirecting_group(tmp_path, other, "/update_weight_version", 302)
     try:
         group.start()
@@ -680,7 +656,7 @@ def test_serve_node_router_refuses_a_redirect_of_its_health(tmp_path):
     answered 200) and took the router as ready. Now it stops it with one line, exit 1."""
     from megatron_gspo.comm import free_port
 
-    other, seen, other_server = _recorder()
+    other, seen, other_server = authorization_recorder()
     port = free_port()
     env = {**os.environ, "SGLANG_PYTHON": str(_redirecting_python(tmp_path)),
            "REDIRECT_TO": other, "REDIRECT_PATHS": "/health"}  # fmt: skip

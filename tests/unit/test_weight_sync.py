@@ -35,6 +35,7 @@ from megatron_gspo.weight_sync.disk import (
 )
 from megatron_gspo.weight_sync.servers import ServerError, Servers
 from megatron_gspo.weight_sync.transports import TensorTransport
+from tests.helpers import authorization_recorder, serving
 
 MINE = frozenset({os.getpid()})  # shared memory this process makes (begin_weight_update's senders)
 
@@ -581,38 +582,11 @@ def test_a_server_answering_something_other_than_http_is_named(reply):
     listener.close()
 
 
-def _serving(handler_do) -> tuple[str, object]:
-    """A local HTTP server whose GET and POST run `handler_do(handler)`, in a thread."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            handler_do(self)
-
-        do_POST = do_GET
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}", server
-
-
 def test_a_redirect_is_refused_and_the_api_key_goes_nowhere_else():
     """urllib followed a server's (or a proxy's) redirect with every header, the API key
     included, to whatever host it named: the sync's requests refuse redirects, naming where
     the server pointed."""
-    seen = []
-
-    def elsewhere(h):
-        seen.append(h.headers.get("Authorization"))
-        h.send_response(200)
-        h.end_headers()
-        h.wfile.write(b"{}")
-
-    other, other_server = _serving(elsewhere)
+    other, seen, other_server = authorization_recorder()
 
     def redirect(h):
         h.send_response(int(h.path.rsplit("/", 1)[1]))
@@ -620,7 +594,7 @@ def test_a_redirect_is_refused_and_the_api_key_goes_nowhere_else():
         h.send_header("Content-Length", "0")
         h.end_headers()
 
-    url, server = _serving(redirect)
+    url, server = serving(redirect)
     servers = Servers([ServerRef(url, api_key="secret")], timeout_s=5)
     for code in (301, 302, 307, 308):
         with pytest.raises(ServerError) as e:
@@ -652,7 +626,7 @@ def test_an_answer_larger_than_any_sync_answer_is_refused_unread():
         except OSError:  # the client stops reading
             pass
 
-    url, server = _serving(huge)
+    url, server = serving(huge)
     servers = Servers([url], timeout_s=5)
     with pytest.raises(ServerError) as e:
         servers.get(0, "/get_server_info")
