@@ -103,6 +103,23 @@ def authorization_recorder() -> tuple[str, list, object]:
     return url, seen, server
 
 
+def redirector(to: str, code: int = 307) -> tuple[str, list, object]:
+    """A local HTTP server that answers every request with `code`, pointing at `to` plus its
+    path: (its URL, the paths it was asked, the server)."""
+    asked: list[str] = []
+
+    def redirect(h) -> None:
+        h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        asked.append(h.path)
+        h.send_response(code)
+        h.send_header("Location", to + h.path)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    url, server = serving(redirect)
+    return url, asked, server
+
+
 def torchrun(nproc: int, *target: str) -> list[str]:
     """The command running `target` (a script and its arguments, or "-m", module, ...) under
     torchrun with `nproc` ranks on this machine."""

@@ -10,7 +10,9 @@ does not know stop the run with one line naming the server, rather than a traceb
 trained on them. An answer is read only up to a size its request bounds (`answer_limit`): a
 server sending more (400 MB once made the trainer take 1.6 GB) stops the run the same way before
 the rest is read. A failed answer (not 200) is read only for its message, up to FAILURE_LIMIT
-bytes: a 5xx is `Retryable` on another server whatever its size, a 4xx refuses the request."""
+bytes: a 5xx is `Retryable` on another server whatever its size, a 4xx refuses the request. A
+redirect (3xx) is not followed (the API key would go with it, and the answer would come from
+wherever it pointed): it refuses the request, as a 4xx does (`refuse_redirect`)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import aiohttp
 import numpy as np
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.no_redirect import is_redirect, refusal_line
 
 FINISH_REASONS = ("stop", "length", "abort")
 # The most bytes a /generate answer may take, from its request (`answer_limit`): per new token
@@ -179,11 +182,34 @@ async def read_json(resp: aiohttp.ClientResponse, url: str) -> dict:
     raw, more = await _read_upto(resp, CONTROL_LIMIT)
     if more:
         raise RolloutError(
-            f"{url}{resp.url.path} answered a body of more than {_mb(CONTROL_LIMIT)}, where its "
-            "answer is a few lines of JSON (not read past that); check that rollout.urls points "
-            "at an SGLang-compatible server (not a proxy's page)"
+            f"{control_too_long(url + resp.url.path)}; check that rollout.urls points at an "
+            "SGLang-compatible server (not a proxy's page)"
         )
     return json_object(raw)
+
+
+def control_too_long(where: str) -> str:
+    """One line for an answer to the control request `where` (a server's URL and the path) that
+    had more than CONTROL_LIMIT bytes."""
+    return (f"{where} answered a body of more than {_mb(CONTROL_LIMIT)}, where its answer is a "
+            "few lines of JSON (not read past that)")  # fmt: skip
+
+
+def redirect_line(resp: aiohttp.ClientResponse, path: str) -> str | None:
+    """One line for an answer to `path` that is a 3xx (asked with allow_redirects=False), naming
+    where it pointed; None for any other answer."""
+    if not is_redirect(resp.status):
+        return None
+    key = "Authorization" in resp.request_info.headers
+    return refusal_line(path, resp.status, resp.headers.get("Location"), key)
+
+
+def refuse_redirect(resp: aiohttp.ClientResponse, url: str, path: str) -> None:
+    """A RolloutError where `url`'s answer to `path` is a 3xx, its redirect_line: the request is
+    not followed there, nor sent to another server (a server or proxy that redirects is
+    misconfigured, as one that answers 4xx is)."""
+    if (line := redirect_line(resp, path)) is not None:
+        raise RolloutError(f"{url}: {line}; point rollout.urls at the server itself")
 
 
 def json_object(raw: bytes) -> dict:
@@ -239,8 +265,10 @@ async def read_generate(resp: aiohttp.ClientResponse, url: str, body: dict, laye
 
 async def read_failure(resp: aiohttp.ClientResponse, url: str) -> Retryable | RolloutError:
     """`url`'s failed (non-200) answer to /generate as its error: a 5xx (a server that failed)
-    Retryable, any other a RolloutError (the request refused). Its message comes from the first
-    FAILURE_LIMIT bytes of its body at most (said so where there was more), the rest not read."""
+    Retryable, any other a RolloutError (the request refused; a 3xx's is raised here, by
+    refuse_redirect, its body not read). Its message comes from the first FAILURE_LIMIT bytes of
+    its body at most (said so where there was more), the rest not read."""
+    refuse_redirect(resp, url, "/generate")
     raw, more = await _read_upto(resp, FAILURE_LIMIT)
     what = message(json_object(raw))
     if more:

@@ -8,9 +8,10 @@ loaded when the prompt is scheduled), so SGLang's radix cache shares the prompt.
 takes at most `max_concurrency` requests at a time. Connection errors, time-outs and 5xx answers
 (of any size: a failed answer's body is read only for its message, answers.py) are retried on
 another server with exponential back-off; a 4xx is the caller's error, raised at once
-(`RolloutError`). `abort()` aborts every outstanding request of this client: those come back
-with their partial output and finish_reason "abort". With `sampling_seed`, sample j of prompt i
-gets seed + i * n + j: the G samples of a prompt differ and a rerun reproduces them.
+(`RolloutError`), as is a 3xx: no request follows a redirect (`_ask`), nor sends its API key
+there. `abort()` aborts every outstanding request of this client: those come back with their
+partial output and finish_reason "abort". With `sampling_seed`, sample j of prompt i gets
+seed + i * n + j: the G samples of a prompt differ and a rerun reproduces them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from megatron_gspo.rollout.answers import (
     read_failure,
     read_generate,
     read_json,
+    redirect_line,
+    refuse_redirect,
     routed_experts,
     snippet,
     topk_unsaid,
@@ -114,6 +117,11 @@ class RolloutClient:
         assert self._servers is not None  # set with the first session
         return self._session, self._servers
 
+    def _ask(self, method: str, url: str, path: str, timeout: aiohttp.ClientTimeout, **kw):
+        """The request of `path` on `url`, a 3xx not followed (aiohttp says so per request)."""
+        session, _ = self._state()
+        return session.request(method, url + path, timeout=timeout, allow_redirects=False, **kw)
+
     # ---- generation ----------------------------------------------------------------------
 
     async def generate(
@@ -167,7 +175,7 @@ class RolloutClient:
         self, samples: list[Sample], body: dict, server: _Server, epoch: int
     ) -> list[Sample]:
         """One request for `samples` (one, or a prompt's group as a batch), retried whole."""
-        session, servers = self._state()
+        _, servers = self._state()
         rids = [s.rid for s in samples]
         tried: list[_Server] = []
         first, attempt, outage_until, last_error = server, 0, None, ""
@@ -201,7 +209,7 @@ class RolloutClient:
                 tried.append(server)
                 attempt += 1
                 try:
-                    result = await self._post_generate(session, server, rids, body, epoch)
+                    result = await self._post_generate(server, rids, body, epoch)
                 except Retryable as e:
                     server.failures += 1
                     last_error = str(e)
@@ -232,7 +240,7 @@ class RolloutClient:
         return min(fresh, key=lambda s: (s.failures, s.load))
 
     async def _post_generate(
-        self, session, server: _Server, rids: list[str], body: dict, epoch: int
+        self, server: _Server, rids: list[str], body: dict, epoch: int
     ) -> tuple[list[dict], float] | None:
         """(the results, one per rid; the latency), or None when aborted before it was sent."""
         async with server.sem:
@@ -242,10 +250,10 @@ class RolloutClient:
                 self._outstanding[rid] = server.url
             t0 = time.perf_counter()
             try:
-                async with session.post(
-                    server.url + "/generate", json=body, timeout=self.timeout
+                async with self._ask(
+                    "POST", server.url, "/generate", self.timeout, json=body
                 ) as resp:
-                    if resp.status != 200:  # (a 5xx Retryable, a 4xx RolloutError)
+                    if resp.status != 200:  # (a 5xx Retryable; a 3xx or a 4xx RolloutError)
                         raise await read_failure(resp, server.url)
                     data = await read_generate(resp, server.url, body, self.layers, self.topk)
             except TimeoutError:
@@ -299,17 +307,17 @@ class RolloutClient:
         except (RolloutError, aiohttp.ClientError, TimeoutError) as e:
             log.warning("could not abort %s on %s: %s", rid, url, e)
 
-    async def get(self, url: str, path: str) -> dict:
-        session, _ = self._state()
-        async with session.get(url + path, timeout=self.timeout) as resp:
+    async def get(self, url: str, path: str, timeout: aiohttp.ClientTimeout | None = None) -> dict:
+        async with self._ask("GET", url, path, timeout or self.timeout) as resp:
+            refuse_redirect(resp, url, path)
             data = await read_json(resp, url)
             if resp.status != 200:
                 raise RolloutError(f"GET {url}{path}: HTTP {resp.status}: {message(data)}")
             return data
 
     async def post(self, url: str, path: str, body: dict | None = None) -> dict:
-        session, _ = self._state()
-        async with session.post(url + path, json=body or {}, timeout=self.timeout) as resp:
+        async with self._ask("POST", url, path, self.timeout, json=body or {}) as resp:
+            refuse_redirect(resp, url, path)
             data = await read_json(resp, url)
             if resp.status != 200:
                 raise RolloutError(f"POST {url}{path}: HTTP {resp.status}: {message(data)}")
@@ -318,16 +326,12 @@ class RolloutClient:
     async def busy_seconds(self) -> float | None:
         """The seconds the servers' engines have worked, summed (the built-in's `engine_busy_s`);
         None when one does not answer in 5 s, or does not say (SGLang: then never asked again)."""
-        session, _ = self._state()
         if self._busy_unsaid:
             return None
-
-        async def one(url: str) -> float:
-            async with session.get(url + "/get_server_info", timeout=_QUICK) as resp:
-                return engine_busy_s(await read_json(resp, url))
-
         try:
-            return sum(await asyncio.gather(*(one(u) for u in self.urls)))
+            asks = (self.get(u, "/get_server_info", _QUICK) for u in self.urls)
+            infos = await asyncio.gather(*asks)
+            return sum(engine_busy_s(info) for info in infos)
         except (LookupError, TypeError, ValueError, RolloutError):
             self._busy_unsaid = True
         except (TimeoutError, aiohttp.ClientError):
@@ -340,11 +344,10 @@ class RolloutClient:
 
     async def _health(self, url: str, total_s: float) -> tuple[int | None, str]:
         """(HTTP status of `url`/health, or None when no answer came; what went wrong)."""
-        session, _ = self._state()
         probe = aiohttp.ClientTimeout(total=total_s, sock_connect=self.timeout.sock_connect)
         try:
-            async with session.get(url + "/health", timeout=probe) as resp:
-                return resp.status, f"HTTP {resp.status}"
+            async with self._ask("GET", url, "/health", probe) as resp:
+                return resp.status, redirect_line(resp, "/health") or f"HTTP {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as e:
             return None, f"{type(e).__name__}: {e}".rstrip(": ")
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from megatron_gspo.comm import free_port
 from megatron_gspo.no_redirect import OPENER, is_redirect, redirect_refusal
+from megatron_gspo.rollout.answers import CONTROL_LIMIT, control_too_long
 from megatron_gspo.rollout.failures import ServerFailed, failure_cause
 from megatron_gspo.rollout.server_config import ServerConfig, copy_redacted, redacted
 
@@ -380,30 +381,33 @@ def _health(s: ManagedServer, refuse_redirect: bool = False) -> int | None:
             return r.status
     except urllib.error.HTTPError as e:
         if refuse_redirect and is_redirect(e):
-            raise _redirected(s, "/health", e) from None
+            raise _failed(s, redirect_refusal("/health", e)) from None
         return e.code
     except (urllib.error.URLError, OSError):
         return None
 
 
 def _post(s: ManagedServer, path: str, body: dict) -> dict:
+    """`path`'s JSON answer, read up to CONTROL_LIMIT bytes (a ServerFailed past it)."""
     headers = {"Content-Type": "application/json"}
     if s.config.api_key:
         headers["Authorization"] = f"Bearer {s.config.api_key}"
     req = urllib.request.Request(s.url + path, json.dumps(body).encode(), headers)
     try:
         with OPENER.open(req, timeout=600) as r:
-            return json.loads(r.read() or b"{}")
+            raw = r.read(CONTROL_LIMIT + 1)
     except urllib.error.HTTPError as e:
         if is_redirect(e):
-            raise _redirected(s, path, e) from None
+            raise _failed(s, redirect_refusal(path, e)) from None
         raise
+    if len(raw) > CONTROL_LIMIT:
+        raise _failed(s, control_too_long(path))
+    return json.loads(raw or b"{}")
 
 
-def _redirected(s: ManagedServer, path: str, e: urllib.error.HTTPError) -> ServerFailed:
-    return ServerFailed(
-        f"server {s.index} ({s.config.kind}, pid {s.pid}) at {s.url}: {redirect_refusal(path, e)}"
-    )
+def _failed(s: ManagedServer, what: str) -> ServerFailed:
+    """A request to `s` that failed as `what` says (one line, naming it and the path)."""
+    return ServerFailed(f"server {s.index} ({s.config.kind}, pid {s.pid}) at {s.url}: {what}")
 
 
 def _die_with_parent() -> None:

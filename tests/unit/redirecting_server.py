@@ -1,7 +1,9 @@
 """A stand-in for a rollout server (or the router) behind a proxy that redirects: started in place
 of the server's command line, it listens on the `--host`/`--port` given there, answers
 $REDIRECT_CODE (default 307) to each path in $REDIRECT_PATHS (comma-separated), pointing at
-$REDIRECT_TO plus the path, and 200 with `{}` to anything else. It exits by itself after 60 s, so none outlives a failed test."""
+$REDIRECT_TO plus the path, 200 with a JSON object of 64 MiB to each path in $LONG_PATHS (a
+proxy's padded answer), and 200 with `{}` to anything else. It exits by itself after 60 s, so
+none outlives a failed test."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ def main(argv: list[str]) -> None:
     redirected = set(os.environ.get("REDIRECT_PATHS", "").split(","))
     target = os.environ["REDIRECT_TO"]
     code = int(os.environ.get("REDIRECT_CODE", "307"))
+    long = set(os.environ.get("LONG_PATHS", "").split(","))
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -27,12 +30,27 @@ def main(argv: list[str]) -> None:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+            if self.path in long:
+                return self.long_answer()
             self.send_response(200)
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"{}")
 
         do_POST = do_GET
+
+        def long_answer(self):
+            head, tail, chunk = b'{"pad": "', b'"}', b"x" * (1 << 20)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(head) + 64 * len(chunk) + len(tail)))
+            self.end_headers()
+            try:
+                self.wfile.write(head)
+                for _ in range(64):
+                    self.wfile.write(chunk)
+                self.wfile.write(tail)
+            except OSError:  # (the client hung up)
+                pass
 
         def log_message(self, *args):
             pass

@@ -591,10 +591,11 @@ def _redirecting_python(tmp_path: Path) -> Path:
     return python
 
 
-def _redirecting_group(tmp_path: Path, other: str, path: str, code: int):
+def _redirecting_group(tmp_path: Path, other: str, path: str, code: int, long: str = ""):
     from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
 
-    env = {"REDIRECT_TO": other, "REDIRECT_PATHS": path, "REDIRECT_CODE": str(code)}
+    env = {"REDIRECT_TO": other, "REDIRECT_PATHS": path, "REDIRECT_CODE": str(code),
+           "LONG_PATHS": long}  # fmt: skip
     config = ServerConfig(
         model_path=str(tmp_path), python=str(_redirecting_python(tmp_path)), api_key="secret",
         env=env,
@@ -649,6 +650,33 @@ def test_a_restarted_servers_weights_request_refuses_a_redirect(tmp_path):
     finally:
         group.stop()
         other_server.shutdown()
+
+
+def test_a_restarted_servers_weights_answer_of_any_length_is_refused_in_one_line(tmp_path):
+    """The answer to the request that brings a restarted server to the current weights was read
+    whole (a server or proxy answering 64 MB made the trainer hold it all, then take it as done).
+    It is read up to the 16 MiB of the rollout client's control answers; past it the restart
+    fails in one line naming the server and the path."""
+    from megatron_gspo.rollout.launcher import ServerFailed
+
+    group = _redirecting_group(
+        tmp_path, "http://127.0.0.1:1", "", 307, long="/update_weight_version"
+    )
+    try:
+        group.start()
+        group.set_current_weights(weight_version="3")
+        s = group.servers[0]
+        assert s.proc is not None
+        s.proc.kill()
+        s.proc.wait()
+        with pytest.raises(ServerFailed) as e:
+            group.restart(s)
+        assert str(e.value) == (
+            f"server 0 (builtin, pid {s.pid}) at {s.url}: /update_weight_version answered a body "
+            "of more than 16.8 MB, where its answer is a few lines of JSON (not read past that)"
+        )
+    finally:
+        group.stop()
 
 
 def test_serve_node_router_refuses_a_redirect_of_its_health(tmp_path):

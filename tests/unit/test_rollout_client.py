@@ -13,6 +13,7 @@ import pytest
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.client import RolloutClient, RolloutError, Sample, decode_routed_experts
+from tests.helpers import authorization_recorder, redirector, serving
 
 pytestmark = pytest.mark.unit
 
@@ -469,3 +470,84 @@ def test_a_control_answer_of_any_length_is_refused_without_reading_it_all():
     assert err.startswith(f"{url}/model_info answered a body of more than 16.8 MB"), err
     assert "\n" not in err and busy is None
     assert sum(sent) < 48 << 20, sum(sent)  # 16 MiB of each and the sockets' buffers, not 128 MB
+
+
+# ---- no request follows a redirect ----------------------------------------------------------
+
+NOT_FOLLOWED = "which is not followed (the API key would go with it)"
+
+
+def test_a_generate_redirect_is_refused_in_one_line_and_not_sent_elsewhere():
+    """aiohttp followed a 307 of /generate (the API key dropped, the body sent again) to the host
+    it named, and the sample was taken from there. Now it is refused in one line naming the
+    server and where it pointed: not followed, and not retried on the other server either (a
+    server that redirects is misconfigured, as one that answers 4xx)."""
+    seen: list[tuple[str, str | None]] = []
+
+    def generate(h) -> None:
+        h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        seen.append((h.path, h.headers.get("Authorization")))
+        body = json.dumps(_result((7, 8, 9))).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    good, good_server = serving(generate)
+    bad, asked, bad_server = redirector(good)
+
+    async def go():
+        async with RolloutClient([bad, good], api_key="secret", retries=2, backoff_s=0.01,
+                                 vocab_size=100) as client:  # fmt: skip
+            with pytest.raises(RolloutError) as e:
+                await client.generate([[1, 2]], sampling_params={"max_new_tokens": 3})
+            return str(e.value)
+
+    try:
+        error = asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        good_server.shutdown()
+        bad_server.shutdown()
+    assert error == (f"{bad}: /generate answered HTTP 307, a redirect to {good}/generate, "
+                     f"{NOT_FOLLOWED}; point rollout.urls at the server itself")  # fmt: skip
+    assert asked == ["/generate"] and seen == []
+
+
+def test_a_control_request_redirect_is_refused_and_a_health_redirect_is_not_healthy():
+    """The control requests (/model_info, a weight update, /get_server_info) and /health followed
+    a redirect to the host it named, and took its answer: a weight update "done" by another
+    server, a server "healthy" because another was. Now each is refused in one line naming where
+    it pointed; /get_server_info's only leaves the busy time unsaid (a metric), /health's counts
+    as not healthy (the wait ends naming it). The other server is asked nothing."""
+    other, seen, other_server = authorization_recorder()
+    url, asked, server = redirector(other, code=302)
+
+    async def go():
+        async with RolloutClient(url, api_key="secret") as client:
+            errors = []
+            for ask in (client.get(url, "/model_info"),
+                        client.post(url, "/update_weight_version", {"new_version": "3"})):  # fmt: skip
+                with pytest.raises(RolloutError) as e:
+                    await ask
+                errors.append(str(e.value))
+            busy = await client.busy_seconds()
+            with pytest.raises(RolloutError) as e:
+                await client.wait_healthy(timeout_s=1)
+            return errors, busy, str(e.value)
+
+    try:
+        errors, busy, unhealthy = asyncio.run(asyncio.wait_for(go(), 30))
+    finally:
+        other_server.shutdown()
+        server.shutdown()
+    assert errors == [
+        f"{url}: {path} answered HTTP 302, a redirect to {other}{path}, {NOT_FOLLOWED}; point "
+        "rollout.urls at the server itself"
+        for path in ("/model_info", "/update_weight_version")
+    ]
+    assert busy is None
+    assert unhealthy == (f"{url} did not become healthy in 1 s (last: /health answered HTTP 302, "
+                         f"a redirect to {other}/health, {NOT_FOLLOWED})")  # fmt: skip
+    assert asked[:4] == ["/model_info", "/update_weight_version", "/get_server_info", "/health"]
+    assert set(asked[4:]) == {"/health"} and seen == []
