@@ -13,39 +13,6 @@ The routers' RouterReplay objects are reached through the model chunks: those a 
 BuildOptions(routing_replay=True) has, or, for a model built without, one per router that the
 actor adds (kept out of megatron's class-level list, which nothing here uses).
 
-The names below are imported from their modules on first use (megatron_gspo/lazy.py): the run
-config imports routing/modes.py, which runs this file, without loading torch.
+Each part is imported from its module (align.py, modes.py, replay.py, storage.py, ...): this file
+imports nothing, so the run config, which imports routing/modes.py, loads no torch.
 """
-
-from typing import TYPE_CHECKING
-
-from megatron_gspo.lazy import lazy_exports
-
-if TYPE_CHECKING:
-    from megatron_gspo.routing.align import align_rollout_experts
-    from megatron_gspo.routing.modes import MODES, ReplayMode
-    from megatron_gspo.routing.replay import RoutingReplay
-    from megatron_gspo.routing.storage import SampleRouting, bytes_per_token, index_dtype
-
-__all__ = [
-    "MODES",
-    "ReplayMode",
-    "RoutingReplay",
-    "SampleRouting",
-    "align_rollout_experts",
-    "bytes_per_token",
-    "index_dtype",
-]
-
-lazy_exports(
-    __name__,
-    {
-        "MODES": "modes",
-        "ReplayMode": "modes",
-        "RoutingReplay": "replay",
-        "SampleRouting": "storage",
-        "align_rollout_experts": "align",
-        "bytes_per_token": "storage",
-        "index_dtype": "storage",
-    },
-)
