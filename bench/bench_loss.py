@@ -44,7 +44,7 @@ import sys
 import torch
 from harness import WALL_AND_CPU, Result, Variant, finish, markdown_table, measure, parser
 
-from megatron_gspo.algo import policy_loss
+from megatron_gspo.algo.policy_loss import policy_loss
 from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
 VARIANTS = ("logprobs", "gspo", "grpo")

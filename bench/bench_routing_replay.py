@@ -97,7 +97,7 @@ class Variants:
     def __init__(self, actor):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        from megatron_gspo.routing import RoutingReplay
+        from megatron_gspo.routing.replay import RoutingReplay
 
         self.actor = actor
         self.routers = [m for c in actor.chunks for m in c.modules() if isinstance(m, TopKRouter)]

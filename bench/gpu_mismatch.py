@@ -83,7 +83,7 @@ def trainer_side(model: Path, seqs: list[list[int]], dtype: torch.dtype, mbs: in
 
 def agreement(trainer_routing, rollout_routed, spec, layers) -> dict:
     """Share of (token, MoE layer) whose top-k sets agree, overall and per layer."""
-    from megatron_gspo.routing import align_rollout_experts
+    from megatron_gspo.routing.align import align_rollout_experts
 
     same, total = np.zeros(len(layers)), 0
     for i, (rec, routed) in enumerate(zip(trainer_routing, rollout_routed)):

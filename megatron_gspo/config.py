@@ -6,10 +6,11 @@ Every key is checked when the config is built: an unknown key is an error that s
 nearest valid one, a value of the wrong type or out of range is an error naming the key and what
 it accepts. Every number goes through one check, `checks.in_range`: finite (no NaN or inf) and within
 the bounds its section gives. A section is its component's own config dataclass, which the
-component takes as it is (`algo`: algo/config.py, `parallel`: model/parallel.py, `optim`:
+component takes as it is (`algo`: algo/config.py, `parallel`: model/parallel_config.py, `optim`:
 model/optim.py, `sync`: weight_sync/config.py): one name per key, one set of defaults, one
 `check()` per section (the checks across sections are `Config.check`'s). Modes are StrEnums. A key
 renamed keeps loading under its earlier name (config_renames.RENAMED), with a one-line notice.
+Nothing here imports torch: launch/plan.py loads a config before any node starts.
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ from megatron_gspo.algo.config import AlgoConfig
 from megatron_gspo.checks import INT_MAX, choice, in_range, need, positive, show
 from megatron_gspo.config_renames import rename_keys, rename_overrides, set_dotted
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.lm_head import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB
 from megatron_gspo.model.lora_config import LoraConfig
-from megatron_gspo.model.modes import GroupedGemm, Recompute
+from megatron_gspo.model.modes import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB, GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
-from megatron_gspo.model.parallel import ParallelConfig
+from megatron_gspo.model.parallel_config import ParallelConfig
 from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
 from megatron_gspo.weight_sync.config import SyncConfig

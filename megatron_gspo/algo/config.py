@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_gspo.checks import choice, in_range, positive
 from megatron_gspo.errors import UserError
-from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.routing.modes import ReplayMode
 
 
 class LossKind(StrEnum):

@@ -40,6 +40,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megatron_gspo.gemm_rows import MIN_GEMM_ROWS
+from megatron_gspo.model.modes import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB
 from megatron_gspo.model.vocab_softmax import (
     chunk_grad,
     chunk_stats,
@@ -48,13 +49,8 @@ from megatron_gspo.model.vocab_softmax import (
     target_columns,
 )
 
-# Tokens per chunk by default. At Qwen3's vocabulary (151,936) one chunk's logits and their
-# temporaries are 1.9 GB with the entropy (12 bytes a logit), against 2 x 10 GB for the whole
-# logits and gradient at 32k tokens; the chunk's three GEMMs (1024 x 2048 x 151,936) still run
-# at full speed, and 32 chunks of a dozen kernels each are no launch overhead.
-DEFAULT_CHUNK_TOKENS = 1024
-# A call's whole logits up to this size are kept for the backward (no recomputation).
-DEFAULT_KEEP_MB = 256
+# The defaults (tokens per chunk, and logits kept up to DEFAULT_KEEP_MB) live in model/modes.py,
+# where the run config reads them without importing torch.
 DEFAULT_KEEP_BYTES = DEFAULT_KEEP_MB << 20
 
 

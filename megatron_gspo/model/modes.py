@@ -1,9 +1,19 @@
-"""The model section's modes (`model.recompute`, `model.moe_grouped_gemm`), with no torch import,
-so the config can name them without loading the Megatron side."""
+"""The model section's modes (`model.recompute`, `model.moe_grouped_gemm`) and the LM head's
+defaults (`model.lm_head_chunk`, `model.lm_head_keep_mb`), with no torch import, so the config
+can name them without loading the Megatron side."""
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+# Tokens per chunk of the LM head (model/lm_head.py) by default. At Qwen3's vocabulary (151,936)
+# one chunk's logits and their temporaries are 1.9 GB with the entropy (12 bytes a logit), against
+# 2 x 10 GB for the whole logits and gradient at 32k tokens; the chunk's three GEMMs
+# (1024 x 2048 x 151,936) still run at full speed, and 32 chunks of a dozen kernels each are no
+# launch overhead.
+DEFAULT_CHUNK_TOKENS = 1024
+# A call's whole logits up to this size (MiB) are kept for the backward (no recomputation).
+DEFAULT_KEEP_MB = 256
 
 
 class Recompute(StrEnum):

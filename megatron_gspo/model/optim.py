@@ -1,15 +1,18 @@
 """The optimizer's settings: the run config's `optim` section, turned into megatron-core's
-OptimizerConfig by the actor. One definition of its keys, defaults, checks and lr schedule."""
+OptimizerConfig by the actor. One definition of its keys, defaults, checks and lr schedule.
+No torch import at the top, so a config loads and is checked without it."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_gspo.checks import in_range
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Decay(StrEnum):
@@ -55,6 +58,7 @@ class OptimConfig:
 
     def megatron(self, params_dtype: torch.dtype):
         """megatron-core's OptimizerConfig (Adam) for these settings and the model's dtype."""
+        import torch
         from megatron.core.optimizer import OptimizerConfig
 
         return OptimizerConfig(

@@ -12,18 +12,7 @@ The RL loop uses it through the actor:
 The routers' RouterReplay objects are reached through the model chunks: those a model built with
 BuildOptions(routing_replay=True) has, or, for a model built without, one per router that the
 actor adds (kept out of megatron's class-level list, which nothing here uses).
+
+Each part is imported from its module (align.py, modes.py, replay.py, storage.py, ...): this file
+imports nothing, so the run config, which imports routing/modes.py, loads no torch.
 """
-
-from megatron_gspo.routing.align import align_rollout_experts
-from megatron_gspo.routing.replay import MODES, ReplayMode, RoutingReplay
-from megatron_gspo.routing.storage import SampleRouting, bytes_per_token, index_dtype
-
-__all__ = [
-    "MODES",
-    "ReplayMode",
-    "RoutingReplay",
-    "SampleRouting",
-    "align_rollout_experts",
-    "bytes_per_token",
-    "index_dtype",
-]

@@ -18,8 +18,6 @@ positions (sequence / context parallel slice) only.
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import numpy as np
 import torch
 
@@ -27,18 +25,10 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.routing import metrics as M
 from megatron_gspo.routing.align import align_rollout_experts
 from megatron_gspo.routing.layout import current_layout
+from megatron_gspo.routing.modes import MODES, ReplayMode
 from megatron_gspo.routing.storage import SampleRouting, index_dtype
 from megatron_gspo.routing.sweep import Sweep
 from megatron_gspo.routing.taps import RouterTap
-
-
-class ReplayMode(StrEnum):
-    NONE = "none"
-    R2 = "r2"  # the trainer's own routing of the old log-probs, replayed in training
-    R3 = "r3"  # the rollout server's routing, replayed in the old log-probs and training
-
-
-MODES: tuple[ReplayMode, ...] = tuple(ReplayMode)
 
 
 class RoutingReplay:

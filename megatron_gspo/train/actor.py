@@ -37,16 +37,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo import loss_denominator, policy_loss
 from megatron_gspo.algo.config import AlgoConfig
+from megatron_gspo.algo.policy_loss import loss_denominator, policy_loss
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.builder import set_logits_from
 from megatron_gspo.model.lm_head import lm_head_of
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.model.reference import ReferenceWeights
-from megatron_gspo.routing import ReplayMode, RoutingReplay
 from megatron_gspo.routing.metrics import TOKENS_CHANGED
+from megatron_gspo.routing.modes import ReplayMode
+from megatron_gspo.routing.replay import RoutingReplay
 from megatron_gspo.train.batch import StepBatch, loss_mask_tensor
 from megatron_gspo.train.layout import MicrobatchLayout
 from megatron_gspo.train.packing import (

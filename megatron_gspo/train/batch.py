@@ -62,7 +62,7 @@ class StepBatch:
     cu_seqlens: torch.Tensor  # int64 [B + 1]
     # R3: per row, as Sample.routed_experts (int32 [len - 1, layers, k]) or None
     rollout_experts: list | None = None
-    # per-row recorded routing (megatron_gspo.routing.SampleRouting); set by Actor.logprobs
+    # per-row recorded routing (megatron_gspo.routing.storage.SampleRouting); set by Actor.logprobs
     routing: list | None = None
     # a shard: these rows' places in the whole batch, and its size (None: this is the whole)
     index: list[int] | None = None

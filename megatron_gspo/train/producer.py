@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_gspo.algo import group_advantages
+from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.config import Config
 from megatron_gspo.rollout.sample import Sample, version_index
 from megatron_gspo.routing.replay import ReplayMode

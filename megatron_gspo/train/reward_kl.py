@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo import group_advantages, kl_estimate
+from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.algo.config import AlgoConfig
+from megatron_gspo.algo.kl import kl_estimate
 from megatron_gspo.model.parallel import device_type
 from megatron_gspo.train.batch import StepBatch
 from megatron_gspo.train.shard import reports_rows

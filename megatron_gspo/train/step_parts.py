@@ -9,13 +9,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo import (
+from megatron_gspo.algo.config import AlgoConfig, Mismatch
+from megatron_gspo.algo.loss_stats import (
     combine_stats,
     log_ratio_split_stats,
     stat_reduce_op,
     summarize_stats,
 )
-from megatron_gspo.algo.config import AlgoConfig, Mismatch
 from megatron_gspo.algo.mismatch import correction_weights
 from megatron_gspo.algo.policy_loss import KLPenalty
 from megatron_gspo.routing.replay import ReplayMode

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.algo import loss_denominator, policy_loss
+from megatron_gspo.algo.policy_loss import loss_denominator, policy_loss
 from megatron_gspo.model.lora_peft import peft_config
 from tests.distributed.lora_worker import LORA, fixed_batch
 from tests.helpers import hf_token_logprobs, run_cli, run_distributed

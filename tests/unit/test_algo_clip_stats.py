@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import (
+from megatron_gspo.algo.loss_stats import (
     combine_stats,
     log_ratio_split_stats,
-    policy_loss,
     stat_reduce_op,
     summarize_stats,
 )
+from megatron_gspo.algo.policy_loss import policy_loss
 
 pytestmark = pytest.mark.unit
 

@@ -5,12 +5,9 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import (
-    group_advantages,
-    kl_estimate,
-    kl_k1,
-    kl_k2,
-    kl_k3,
+from megatron_gspo.algo.advantages import group_advantages
+from megatron_gspo.algo.kl import kl_estimate, kl_k1, kl_k2, kl_k3
+from megatron_gspo.algo.mismatch import (
     logprob_abs_diff,
     sequence_mismatch_mask,
     sequence_tis_weights,

@@ -7,9 +7,11 @@ Legend: B = sequences, T = padded tokens.
 import pytest
 import torch
 
-from megatron_gspo.algo import group_advantages, policy_loss, summarize_stats
+from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.algo.config import AlgoConfig, Level, LossKind, Mismatch, TisReduce
+from megatron_gspo.algo.loss_stats import summarize_stats
 from megatron_gspo.algo.mismatch import correction_weights
+from megatron_gspo.algo.policy_loss import policy_loss
 
 pytestmark = pytest.mark.unit
 

@@ -8,14 +8,8 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import (
-    AGGS,
-    KINDS,
-    combine_stats,
-    loss_denominator,
-    policy_loss,
-    summarize_stats,
-)
+from megatron_gspo.algo.loss_stats import combine_stats, summarize_stats
+from megatron_gspo.algo.policy_loss import AGGS, KINDS, loss_denominator, policy_loss
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from megatron_gspo.config import Config, load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import ParallelConfig
-from megatron_gspo.routing import ReplayMode
+from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.weight_sync.config import SyncConfig
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,8 @@ aggregation and denominator), values and gradients; NaN in the reference at mask
 import pytest
 import torch
 
-from megatron_gspo.algo import policy_loss, summarize_stats
-from megatron_gspo.algo.policy_loss import KLPenalty
+from megatron_gspo.algo.loss_stats import summarize_stats
+from megatron_gspo.algo.policy_loss import KLPenalty, policy_loss
 
 pytestmark = pytest.mark.unit
 

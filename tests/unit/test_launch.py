@@ -361,6 +361,25 @@ print("megatron" in sys.modules)
     assert [m for m in added.split() if m.startswith(heavy)] == [] and megatron == "False"
 
 
+@pytest.mark.parametrize("module", ["megatron_gspo.config", "plan"])
+def test_the_config_and_the_launch_plan_load_a_config_without_torch(module):
+    """Every launch ran plan.py before any node started, and it imported torch (~1.2 s): the
+    config named its sections through algo/__init__.py (the losses), routing/replay.py (for
+    ReplayMode), model/lm_head.py (its defaults), model/optim.py and model/parallel.py. Importing
+    config.py or plan.py and loading a config now imports neither torch nor Megatron."""
+    probe = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "launch")!r})
+import {module}
+from megatron_gspo.config import load_config
+load_config({str(ROOT / "configs/tiny_moe_gspo.yaml")!r}, ["algo.routing_replay=r3"])
+print(sorted({{m.split(".")[0] for m in sys.modules}} & {{"torch", "megatron"}}))
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
 MISSING_TASK_MODEL = (
     "error: model.path runs/task_model does not exist: point model.path at an HF or Megatron "
     "checkpoint, or make arith's starting model there: megatron-gspo make-task-model --task "

@@ -26,7 +26,7 @@ MODE_ENUMS = {  # every mode's enum, by the module that owns it
         "Level",
         "KLEstimator",
     ),
-    "megatron_gspo.routing.replay": ("ReplayMode",),
+    "megatron_gspo.routing.modes": ("ReplayMode",),
     "megatron_gspo.weight_sync.config": ("SyncMethod",),
     "megatron_gspo.rollout.modes": ("Backend", "Placement"),
     "megatron_gspo.model.optim": ("Decay",),

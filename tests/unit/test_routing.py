@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.routing import align_rollout_experts, bytes_per_token, index_dtype
+from megatron_gspo.routing.align import align_rollout_experts
 from megatron_gspo.routing.layout import TokenLayout, token_map
 from megatron_gspo.routing.metrics import fraction_metrics
-from megatron_gspo.routing.storage import microbatch_targets
+from megatron_gspo.routing.storage import bytes_per_token, index_dtype, microbatch_targets
 
 pytestmark = pytest.mark.unit
 
@@ -143,14 +143,14 @@ def test_fraction_metrics():
 
 
 def test_unknown_mode_is_a_user_error():
-    from megatron_gspo.routing import RoutingReplay
+    from megatron_gspo.routing.replay import RoutingReplay
 
     with pytest.raises(UserError, match="routing_replay 'r4' is not one of none, r2, r3"):
         RoutingReplay([], "r4")
 
 
 def test_recorded_routing_is_kept_as_a_patch_on_the_rollout_one():
-    from megatron_gspo.routing import SampleRouting
+    from megatron_gspo.routing.storage import SampleRouting
 
     roll = rollout(9, 3, seed=1).astype(np.uint8)  # server: tokens 0..8 of 10
     natural = np.concatenate([roll, rollout(1, 3, seed=2).astype(np.uint8)])  # + the last token
