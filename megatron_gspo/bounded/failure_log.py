@@ -3,7 +3,9 @@ traceback per failed call, up to a byte budget per file (and one line past it).
 
 User code that fails on every sample writes a traceback per sample, step after step: unbounded,
 that fills the run's disk over a long run. Past the budget the file gets one line saying so, and
-further failures are only counted (here, and in the step's metrics, which count every one).
+further failures are only counted (here, and in the step's metrics, which count every one). An
+entry longer than the whole budget, which would never fit, is cut to the room left instead, with
+a line saying how many bytes of it were left out.
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ class FailureLog:
         self._lock = threading.Lock()
 
     def write(self, entry: str) -> None:
-        """Append `entry` (its lines end with a newline), or count it once the budget is used."""
+        """Append `entry` (its lines end with a newline), cut if longer than the whole budget,
+        or count it once the budget is used (it, and every one after the first that did not
+        fit: the line saying so is the file's last)."""
         if self.path is None:
             return
-        data = entry.encode("utf-8", "replace")
+        whole = entry.encode("utf-8", "replace")
         with self._lock:
             if self._size is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._size = self.path.stat().st_size if self.path.exists() else 0
-            if self._size + len(data) > self.budget:
+            data: bytes | None = whole
+            if len(whole) > self.budget:
+                data = self._cut(whole, self.budget - self._size, self.path.name)
+            if self.unwritten or data is None or self._size + len(data) > self.budget:
                 self.unwritten += 1
                 if self.unwritten > 1:
                     return
@@ -43,9 +50,23 @@ class FailureLog:
                 f.write(data)
             self._size += len(data)
 
+    def _cut(self, data: bytes, room: int, name: str) -> bytes | None:
+        """`data`'s start and a line saying how many bytes of it were left out, in `room` bytes
+        at most; None where that leaves none of it."""
+        marker = (f"[... {{}} more bytes of this entry left out: it is longer than {name}'s "
+                  f"whole budget, {self._size_text()}]\n")  # fmt: skip
+        keep = room - len(marker.format(len(data)).encode()) - 1  # (- 1: a newline before it)
+        if keep <= 0:
+            return None
+        head = data[:keep].decode("utf-8", "ignore").encode()  # (no character cut in two)
+        newline = b"" if head.endswith(b"\n") else b"\n"
+        return head + newline + marker.format(len(data) - len(head)).encode()
+
+    def _size_text(self) -> str:
+        mib, rest = divmod(self.budget, 1 << 20)
+        return f"{mib} MiB" if mib and not rest else f"{self.budget} bytes"
+
     def _full_line(self, name: str) -> str:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        mib, rest = divmod(self.budget, 1 << 20)
-        size = f"{mib} MiB" if mib and not rest else f"{self.budget} bytes"
-        return (f"{stamp} {name} reached {size}: further failures are not written here, only "
-                f"counted ({self.metric} in metrics.jsonl)\n")  # fmt: skip
+        return (f"{stamp} {name} reached {self._size_text()}: further failures are not written "
+                f"here, only counted ({self.metric} in metrics.jsonl)\n")  # fmt: skip

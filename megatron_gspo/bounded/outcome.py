@@ -4,6 +4,7 @@ exception in the trainer."""
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,3 +44,20 @@ class Refused(Exception):
 def one_line(text: str, limit: int = MAX_LINE) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def from_answer(frame: bytes) -> Outcome | None:
+    """A worker's answer (worker.py) as an Outcome; None if it is not one."""
+    try:
+        answer = json.loads(frame)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(answer, dict):
+        return None
+    if "value" in answer:
+        return Outcome(Kind.VALUE, value=answer["value"])
+    if isinstance(answer.get("refused"), str):
+        return Outcome(Kind.REFUSED, message=answer["refused"])
+    if isinstance(answer.get("raised"), str):
+        return Outcome(Kind.RAISED, message=answer["raised"], detail=str(answer.get("traceback")))
+    return None

@@ -12,6 +12,12 @@ worker dies under it (exit, signal, out of memory), gets that as its Outcome; th
 process group is killed and a new worker started for the next call. Only that call fails (and,
 for calls pinned to a worker's state, the calls of that state: `Kind.LOST`).
 
+Code that does not load at the start (it raises, or passes the start limit) fails every call at
+once. Once a worker has loaded it, a start that fails (a file missing for a moment, a flaky
+import) fails the call that waited for it alone; a later call starts that worker again, after a
+backoff (RESTART_BACKOFF_S: 1 s, doubled after each failed start in a row, up to 60 s) in which
+it takes no call another worker can run and fails at once those only it can run.
+
 Calls go to whichever worker is free, or to one worker (`worker=`: state that lives there, an
 environment's episode), and then only to the worker as it was started (`incarnation=`). Each
 worker has a thread here that sends it one call at a time and waits for the answer with the
@@ -39,11 +45,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_gspo.bounded.outcome import Kind, Outcome
+from megatron_gspo.bounded.outcome import Kind, Outcome, from_answer
 from megatron_gspo.bounded.wire import MAX_FRAME, FrameError, read_frame, write_frame
 
 WORKER = "megatron_gspo.bounded.worker"
 _MIN_FRAME = 1 << 20  # bytes a worker may always answer with: a refusal, a traceback
+RESTART_BACKOFF_S = (1.0, 60.0)  # a failed start's wait before the next (first, doubled up to)
 
 
 def default_workers() -> int:
@@ -73,24 +80,32 @@ class _Slot:
     thread: threading.Thread | None = None
     started: threading.Event = field(default_factory=threading.Event)  # its first start is over
     start_error: str | None = None  # why its first start failed
+    failed_starts: int = 0  # its starts that failed in a row
+    retry_at: float = 0.0  # no start before this (time.monotonic()): the last one failed
+    last_failure: str = ""  # why the last start failed
 
 
 class Pool:
     """Worker processes that run `loader(spec)`'s handler, one call at a time each."""
 
-    def __init__(self, loader: str, spec: Any, *, workers: int, timeout_s: float, limit: str,
-                 start_timeout_s: float = 120.0, start_limit: str = "start_timeout_s",
-                 name: str = "bounded", max_answer: int = MAX_FRAME):  # fmt: skip
+    def __init__(  # noqa: PLR0913 - the loader and its spec, then keyword-only options
+        self, loader: str, spec: Any, *, workers: int, timeout_s: float, limit: str,
+        start_timeout_s: float = 120.0, start_limit: str = "start_timeout_s",
+        name: str = "bounded", max_answer: int = MAX_FRAME,
+        restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S,
+    ):  # fmt: skip
         """`loader`: "module:function" returning the handler (worker.py); `limit`: the config
         key of `timeout_s`, named in the outcome of a call that passes it; `start_timeout_s`:
         how long a worker may take to start (its imports: a judge model loaded there may take
         minutes), not counted in any call's limit, its config key `start_limit`; `max_answer`:
-        the most bytes of one answer (a longer one is refused by its worker)."""
+        the most bytes of one answer (a longer one is refused by its worker);
+        `restart_backoff_s`: (first, most) seconds a worker whose start failed waits before the
+        next (backoff_s)."""
         self.loader, self.spec, self.limit, self.max_answer = loader, spec, limit, max_answer
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        self.start_limit = start_limit
-        # the user's code failed to load (it raised, or took longer than start_timeout_s
-        # before any worker had loaded it): every call fails so, at once, rather than wait for
+        self.start_limit, self.restart_backoff_s = start_limit, restart_backoff_s
+        # the user's code failed to load (it raised, or took longer than start_timeout_s)
+        # before any worker had loaded it: every call fails so, at once, rather than wait for
         # a start of its own
         self.broken: str | None = None
         self.raised_at_load = False  # ... because it raised (`broken` is load_plugin's line)
@@ -121,6 +136,12 @@ class Pool:
             if not slot.started.wait(left):
                 return False
         return True
+
+    def usable(self) -> list[int]:
+        """The workers that may run a call now: all but those waiting out a failed start."""
+        now = time.monotonic()
+        with self._cv:
+            return [s.index for s in self._slots if s.retry_at <= now]
 
     def start_error(self) -> str | None:
         """Why the first worker could not start (the user's code did not load: it raised,
@@ -188,12 +209,19 @@ class Pool:
             return Outcome(Kind.START, message=f"no worker could run it ({type(e).__name__}: {e})")
 
     def _take(self, slot: _Slot) -> _Job | None:
+        """The slot's next call: one pinned to it, else a shared one, but not while it waits
+        out a failed start and another worker may run it (failing each at once, it would take
+        most of them)."""
         with self._cv:
-            while not self._closed and not slot.queue and not self._shared:
-                self._cv.wait()
-            if self._closed:
-                return None
-            return slot.queue.popleft() if slot.queue else self._shared.popleft()
+            while not self._closed:
+                if slot.queue:
+                    return slot.queue.popleft()
+                now = time.monotonic()
+                if self._shared and (slot.retry_at <= now or
+                                     all(s.retry_at > now for s in self._slots)):  # fmt: skip
+                    return self._shared.popleft()
+                self._cv.wait(slot.retry_at - now if slot.retry_at > now else None)
+            return None
 
     def _run(self, slot: _Slot, job: _Job) -> Outcome:
         alive = slot.proc is not None and slot.proc.poll() is None
@@ -203,7 +231,7 @@ class Pool:
             return self._mark(Outcome(Kind.LOST, message="its worker was replaced"), slot)
         if not alive:
             self._stop(slot)
-            why = self._start(slot)
+            why = self._restart(slot)
             if why is not None:
                 return Outcome(Kind.START, message=why)
         try:
@@ -228,7 +256,7 @@ class Pool:
             if self._closed:
                 return Outcome(Kind.CLOSED, message="the pool is closed")
             return Outcome(Kind.DIED, message=_how(code))
-        outcome = _decode(frame)
+        outcome = from_answer(frame)
         if outcome is None:  # not our worker's answer: the pipe cannot be trusted any more
             self._stop(slot)
             return Outcome(Kind.REFUSED, message="its worker answered something unreadable")
@@ -238,11 +266,29 @@ class Pool:
         outcome.worker, outcome.incarnation = slot.index, slot.incarnation
         return outcome
 
+    def _restart(self, slot: _Slot) -> str | None:
+        """A new worker for the slot (_start), unless its last start failed less than its
+        backoff ago: then why not, at once."""
+        left = slot.retry_at - time.monotonic()
+        if left > 0:
+            return f"{slot.last_failure} (its next start is in {left:.1f} s)"
+        return self._start(slot)
+
     def _start(self, slot: _Slot) -> str | None:
+        """Start the slot's worker (_launch); why not, else None. A failed start holds the next
+        one back (backoff_s; none after a start that succeeded)."""
+        why = self._launch(slot)
+        with self._cv:
+            slot.failed_starts = 0 if why is None else slot.failed_starts + 1
+            wait = backoff_s(slot.failed_starts, *self.restart_backoff_s)
+            slot.retry_at, slot.last_failure = time.monotonic() + wait, why or ""
+            self._cv.notify_all()  # (the other slots: is every worker waiting now?)
+        return why
+
+    def _launch(self, slot: _Slot) -> str | None:
         """Start the slot's worker and wait until it has loaded the user's code; why not, else
-        None. A load that fails (the user's code) breaks the pool: every call fails so; one that
-        passes start_timeout_s too, unless a worker has loaded the code before (then a restart
-        slowed by a loaded machine fails its own call only, not the rest of the run)."""
+        None. A load that fails (it raises, or passes start_timeout_s) before any worker has
+        loaded the code breaks the pool: every call fails so; after, it fails its call only."""
         r_req, w_req = os.pipe()
         r_resp, w_resp = os.pipe()
         try:
@@ -289,6 +335,8 @@ class Pool:
         why = answer.get("failed") if isinstance(answer, dict) else None
         if not isinstance(why, str):
             return "a worker answered something unreadable while starting"
+        if self.loaded_once:  # (a restart, or another worker's first start)
+            return f"a new worker could not load the code: {why}"
         self.broken, self.raised_at_load = why, True
         return why
 
@@ -309,6 +357,12 @@ class Pool:
         _kill_group(proc)
         proc.wait()
         return code
+
+
+def backoff_s(failures: int, first: float, most: float) -> float:
+    """Seconds before a worker is started again after `failures` failed starts in a row: none
+    after none, then `first`, doubled after each, at most `most`."""
+    return 0.0 if failures <= 0 else min(most, first * 2.0 ** min(failures - 1, 64))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -333,20 +387,3 @@ def _how(code: int | None) -> str:
         hint = " (out of memory?)" if -code == signal.SIGKILL else ""
         return f"killed by {name}{hint}"
     return f"exited with code {code}"
-
-
-def _decode(frame: bytes) -> Outcome | None:
-    """A worker's answer (worker.py) as an Outcome; None if it is not one."""
-    try:
-        answer = json.loads(frame)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(answer, dict):
-        return None
-    if "value" in answer:
-        return Outcome(Kind.VALUE, value=answer["value"])
-    if isinstance(answer.get("refused"), str):
-        return Outcome(Kind.REFUSED, message=answer["refused"])
-    if isinstance(answer.get("raised"), str):
-        return Outcome(Kind.RAISED, message=answer["raised"], detail=str(answer.get("traceback")))
-    return None

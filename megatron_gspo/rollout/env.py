@@ -131,7 +131,10 @@ class EnvCalls:
         self.pool.close()
 
     async def start(self, row) -> Episode:
-        worker = min(range(len(self._live)), key=self._live.__getitem__)
+        """A new episode, in the worker holding the fewest, of those not waiting out a failed
+        start (bounded/pool.py: where every call would fail) unless all are."""
+        usable = self.pool.usable() or range(len(self._live))
+        worker = min(usable, key=self._live.__getitem__)
         key = next(self._keys)
         self._live[worker] += 1
         env_row = EnvRow(row.prompt, row.answer, dict(getattr(row, "extra", None) or {}))

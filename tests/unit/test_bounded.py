@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_gspo.bounded import Kind, Pool
+from megatron_gspo.bounded import FailureLog, Kind, Pool
+from megatron_gspo.bounded.pool import backoff_s
 
 pytestmark = pytest.mark.unit
 
@@ -156,12 +157,23 @@ def test_code_slower_to_load_than_the_start_limit_fails_every_call_at_once():
         p.close()
 
 
+def _until_ok(p: Pool, within_s: float = 30.0) -> list:
+    """The outcomes of calls made one after the other until one is answered."""
+    outcomes = [p.submit("ok").result(timeout=30)]
+    deadline = time.monotonic() + within_s
+    while not outcomes[-1].ok and time.monotonic() < deadline:
+        time.sleep(0.05)
+        outcomes.append(p.submit("ok").result(timeout=30))
+    return outcomes
+
+
 def test_a_slow_restart_fails_its_own_call_only(tmp_path):
     """Once the code has loaded, a restart slowed past start_timeout_s (a machine loaded for a
     moment) fails the call that waited for it: the pool is not broken for the rest of the run."""
     flag = tmp_path / "slow"
     p = Pool(HANDLER, f"slow:{flag}", workers=1, timeout_s=5.0, limit="test.timeout_s",
-             start_timeout_s=1.0, start_limit="test.start_timeout_s")  # fmt: skip
+             start_timeout_s=1.0, start_limit="test.start_timeout_s",
+             restart_backoff_s=(0.2, 0.2))  # fmt: skip
     try:
         assert p.start_error() is None and p.submit("ok").result(timeout=30).ok
         flag.touch()
@@ -170,9 +182,108 @@ def test_a_slow_restart_fails_its_own_call_only(tmp_path):
         assert (o.kind, p.broken) == (Kind.START, None), o
         assert "did not start within test.start_timeout_s (1 s)" in o.message
         flag.unlink()
-        assert p.submit("ok").result(timeout=30).ok  # the next start loads it again
+        assert _until_ok(p)[-1].ok  # the next start (past its backoff) loads it again
     finally:
         p.close()
+
+
+def _loads(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_code_that_fails_to_load_on_a_restart_fails_that_call_and_loads_again_later(
+    tmp_path, monkeypatch
+):
+    """The code loads, its worker dies, and the new worker's load raises (a file missing for a
+    moment): that call fails with the load's error, and a later one starts a worker that loads
+    it. It used to break the pool: every later call failed at once, for the rest of the run."""
+    loads = tmp_path / "loads"
+    monkeypatch.setenv("USER_CODE_LOADS", f"{loads}:2")  # (user_code.py: the 2nd load raises)
+    p = Pool(HANDLER, "s", workers=1, timeout_s=5.0, limit="test.timeout_s",
+             restart_backoff_s=(0.2, 1.0))  # fmt: skip
+    try:
+        assert p.start_error() is None and p.submit("ok").result(timeout=30).ok
+        assert p.submit("die").result(timeout=30).kind is Kind.DIED
+        failed = p.submit("ok").result(timeout=30)
+        waited, *_, later = _until_ok(p)  # (calls within the 0.2 s backoff fail at once)
+        assert later.ok and p.broken is None, later
+        assert (failed.kind, failed.message) == (
+            Kind.START, "a new worker could not load the code: load 2: data.bin is missing"
+        )  # fmt: skip
+        assert waited is later or waited.message.startswith(f"{failed.message} (its next start")
+        assert _loads(loads) == 3  # the first start, the failed restart, the one that loaded
+    finally:
+        p.close()
+
+
+def test_code_that_never_loads_again_fails_the_calls_of_its_worker_alone_without_spinning(
+    tmp_path, monkeypatch
+):
+    """From the third load on, the code raises. Worker 0 dies and cannot start again: calls only
+    it can run fail at once, the other worker runs the rest; once both are gone, every call
+    fails at once. One load is tried per backoff (here 60 s), not one per call."""
+    loads = tmp_path / "loads"
+    monkeypatch.setenv("USER_CODE_LOADS", f"{loads}:3+")
+    p = Pool(HANDLER, "s", workers=2, timeout_s=5.0, limit="test.timeout_s",
+             restart_backoff_s=(60.0, 60.0))  # fmt: skip
+    try:
+        assert p.wait_ready(timeout_s=60) and p.start_error() is None and _loads(loads) == 2
+        assert p.submit("die", worker=0).result(timeout=30).kind is Kind.DIED
+        first = p.submit("ok", worker=0).result(timeout=30)  # the restart: load 3 raises
+        shared = [p.submit("ok") for _ in range(20)]
+        pinned = [p.submit("ok", worker=0) for _ in range(20)]
+        assert [f.result(timeout=30).kind for f in shared] == [Kind.VALUE] * 20  # (worker 1)
+        assert first.message == "a new worker could not load the code: load 3: data.bin is missing"
+        for o in (f.result(timeout=30) for f in pinned):
+            assert o.kind is Kind.START and o.message.startswith(f"{first.message} (its next"), o
+        assert p.usable() == [1]
+        assert p.submit("die", worker=1).result(timeout=30).kind is Kind.DIED
+        assert p.submit("ok", worker=1).result(timeout=30).kind is Kind.START  # load 4 raises
+        rest = [f.result(timeout=30) for f in [p.submit("ok") for _ in range(20)]]
+        assert [o.kind for o in rest] == [Kind.START] * 20 and p.broken is None
+        assert _loads(loads) == 4  # over 63 calls: the two starts, one failed restart each
+    finally:
+        p.close()
+
+
+def test_a_failed_start_s_backoff_doubles_up_to_its_cap():
+    assert [backoff_s(n, 1.0, 60.0) for n in range(9)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
+    assert backoff_s(100_000, 1.0, 60.0) == 60.0  # (a run that never loads again: no overflow)
+
+
+@pytest.mark.parametrize("budget", [1000, 1001])  # (one of them cuts in the middle of an é)
+def test_a_failure_entry_longer_than_the_whole_budget_is_cut_not_dropped(tmp_path, budget):
+    """It was dropped whole: the log then held only the line saying the budget was reached, and
+    the failure was nowhere. Now its start is kept, with a line saying how many bytes of it were
+    left out; the budget is used, so the next entry is only counted."""
+    path = tmp_path / "reward.log"
+    log = FailureLog(path, "reward/failed_samples", budget=budget)
+    entry = "step 3: reward 'x' raised ValueError: " + "é" * 2000 + "\n"  # (4038 bytes)
+    log.write(entry)
+    text = path.read_text()  # (strict UTF-8: no character cut in two)
+    kept, marker = text.splitlines()
+    left_out = len(entry.encode()) - len(kept.encode())
+    assert entry.startswith(kept) and kept.startswith("step 3: reward 'x' raised ValueError: é")
+    assert marker == (f"[... {left_out} more bytes of this entry left out: it is longer than "
+                      f"reward.log's whole budget, {budget} bytes]")  # fmt: skip
+    assert budget - 1 <= len(text.encode()) <= budget  # (all of it, but half an é)
+    log.write("step 4: small\n")
+    *before, last = path.read_text().splitlines()
+    assert before == [kept, marker] and log.unwritten == 1
+    assert last.endswith(f" reward.log reached {budget} bytes: further failures are not written "
+                         "here, only counted (reward/failed_samples in metrics.jsonl)")  # fmt: skip
+
+
+def test_nothing_is_written_after_the_line_saying_the_budget_was_reached(tmp_path):
+    """An entry that did not fit wrote that line; a shorter one after it still fit, and was
+    written after the line that said further failures are not."""
+    path = tmp_path / "env.log"
+    log = FailureLog(path, "env/errors", budget=1000)
+    for size in (500, 600, 100):
+        log.write("x" * (size - 1) + "\n")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and lines[-1].endswith("(env/errors in metrics.jsonl)")
+    assert log.unwritten == 2
 
 
 def test_close_kills_the_workers_and_fails_what_is_queued():

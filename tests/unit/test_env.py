@@ -472,6 +472,35 @@ def test_a_call_that_hangs_ends_the_episodes_of_its_worker_only_and_the_others_k
     assert [kept1, kept3] == [Step("dc", done=True, reward=0.5)] * 2  # 2nd turn: state kept
 
 
+def test_a_worker_that_cannot_start_again_gets_no_new_episode_while_another_can(
+    tmp_path, monkeypatch
+):
+    """New episodes go to the worker holding the fewest: after a worker died, that is the dead
+    one, and while it waits out its failed start's backoff every episode sent there would fail
+    at once. They go to the other worker instead."""
+    loads = tmp_path / "loads"
+    monkeypatch.setenv("USER_CODE_LOADS", f"{loads}:3+")  # (user_code.py: 3rd load on raises)
+    calls = EnvCalls(ENV + "Misbehaves", timeout_s=5.0, vocab_size=100, workers=2)
+    assert calls.pool.wait_ready(timeout_s=60) and len(loads.read_text().splitlines()) == 2
+
+    async def go():
+        dead = await calls.start(PromptRow("p", "die"))
+        with pytest.raises(EnvError, match="the worker process died during step"):
+            await calls.step(dead, _turn("ab"))
+        calls.end(dead)
+        with pytest.raises(EnvError, match="could not load the code: .*load 3: data.bin is"):
+            await calls.start(PromptRow("p", "ok"))  # (worker 0's restart)
+        episodes = [await calls.start(PromptRow("p", "ok")) for _ in range(3)]
+        return episodes, [await calls.step(e, _turn("ab")) for e in episodes]
+
+    try:
+        episodes, steps = asyncio.run(go())
+    finally:
+        calls.close()
+    assert [e.worker for e in episodes] == [1, 1, 1]
+    assert steps == [Step("ba", done=False, reward=None)] * 3
+
+
 HUNG_TOOL_RUN = """
 import asyncio
 from megatron_gspo.data.prompts import PromptRow

@@ -58,6 +58,34 @@ def test_a_reward_that_hangs_exits_or_kills_its_process_fails_its_sample_alone(
     assert f"step 3: {bad.message}" in log.read_text()
 
 
+def test_a_plugin_that_fails_to_load_in_a_new_worker_fails_those_samples_and_loads_later(
+    tmp_path, monkeypatch
+):
+    """Its worker died, and the new one's import raised (a file missing for a moment): that
+    sample fails, with the load's error in reward.log, and a later sample, once the backoff
+    (1 s) has passed, is scored by a worker that loaded it. It used to fail every later sample."""
+    log, loads = tmp_path / "logs" / "reward.log", tmp_path / "loads"
+    monkeypatch.setenv("USER_CODE_LOADS", f"{loads}:2")  # (user_code.py: the 2nd load raises)
+    scorer = RewardScorer(REWARD, workers=1, timeout_s=5.0, log_path=log)
+    try:
+        assert scorer.submit("die", "1", "1").result(timeout=60).kind is Kind.DIED
+        failed = scorer.submit("a", "1", "1", where="step 4").result(timeout=60)
+        later = [scorer.submit("b", "1", "1").result(timeout=60)]
+        deadline = time.monotonic() + 30
+        while later[-1].kind is not Kind.VALUE and time.monotonic() < deadline:
+            time.sleep(0.1)
+            later.append(scorer.submit("b", "1", "1").result(timeout=60))
+    finally:
+        scorer.close()
+    why = (f"reward {REWARD!r}: not scored, a new worker could not load the code: reward plugin "
+           f"{REWARD!r}: importing 'tests.unit.user_code' raised FileNotFoundError: load 2: "
+           "data.bin is missing")  # fmt: skip
+    assert (failed.kind, failed.message) == (Kind.START, why)
+    assert f"step 4: {why}\n" in log.read_text()
+    assert later[-1].value == 1.0 and all(o.message.startswith(why) for o in later[:-1])
+    assert len(loads.read_text().splitlines()) == 3
+
+
 def test_reward_log_stops_growing_at_its_budget_and_says_so_once(tmp_path):
     """A plugin that fails on every sample wrote a traceback per sample without end: past the
     budget the log gets one line saying so, and the failures go on being outcomes (counted)."""

@@ -17,6 +17,29 @@ from megatron_gspo.rollout.tools import tool
 CALLS = os.environ.get("USER_CODE_CALLS")  # a file each call appends a JSON line to, if set
 
 
+def _load() -> None:
+    """USER_CODE_LOADS="PATH:N" (or "PATH:N+"): each import of this module (one per worker) adds
+    a line to the file PATH, and the N-th (N-th and later) raises: code that fails to load in a
+    restarted worker, for a moment (a file briefly missing) or for good."""
+    how = os.environ.get("USER_CODE_LOADS")
+    if not how:
+        return
+    import fcntl
+
+    path, _, fails = how.rpartition(":")
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # (workers start side by side)
+        f.seek(0)
+        n = len(f.read().splitlines()) + 1
+        f.write(f"{os.getpid()}\n")
+    first = int(fails.rstrip("+"))
+    if n == first or (fails.endswith("+") and n > first):
+        raise FileNotFoundError(f"load {n}: data.bin is missing")
+
+
+_load()
+
+
 def _record(**what) -> None:
     if CALLS:
         with open(CALLS, "a") as f:
