@@ -46,7 +46,7 @@ from megatron_gspo.rollout.server_config import (  # noqa: E402
     check_sglang_python,
     sglang_python,
 )
-from megatron_gspo.routing.replay import ReplayMode  # noqa: E402
+from megatron_gspo.routing.modes import ReplayMode  # noqa: E402
 
 
 class Stop(Exception):

@@ -36,6 +36,28 @@ class Agg(StrEnum):
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
+KINDS: tuple[LossKind, ...] = tuple(LossKind)
+AGGS: tuple[Agg, ...] = tuple(Agg)
+
+# Published defaults. GRPO (DeepSeekMath): mean over each sequence's tokens, then over sequences.
+# GSPO: (1/G) sum_i of one clipped term per sequence, which is seq-mean-token-mean of that term
+# broadcast over the tokens. So both defaults carry the same name, as SAPO's (1/G) sum_i 1/|y_i|
+# sum_t. CISPO: 1 / sum_i |o_i| over all tokens, the token mean.
+DEFAULT_AGG: dict[LossKind, Agg] = {kind: Agg.SEQ_MEAN_TOKEN_MEAN for kind in KINDS}
+DEFAULT_AGG[LossKind.CISPO] = Agg.TOKEN_MEAN
+
+
+def resolve_agg(kind: str, agg: str | None) -> Agg:
+    """The aggregation to use: `agg`, or the kind's published default when None."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown loss kind {kind!r}; expected one of {KINDS}")
+    if agg is None:
+        return DEFAULT_AGG[LossKind(kind)]
+    if agg not in AGGS:
+        raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGS}")
+    return Agg(agg)
+
+
 class AdvNorm(StrEnum):
     """What a group's centered rewards are divided by."""
 

@@ -37,8 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_gspo.algo.config import Mismatch
-from megatron_gspo.algo.policy_loss import resolve_agg
+from megatron_gspo.algo.config import Mismatch, resolve_agg
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError

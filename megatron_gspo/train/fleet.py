@@ -25,7 +25,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend
 from megatron_gspo.rollout.server_config import API_KEY_ENV
-from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.train.io_thread import IoThread
 from megatron_gspo.train.samples import model_sizes
 

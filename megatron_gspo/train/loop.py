@@ -19,7 +19,7 @@ from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.sample import version_index
 from megatron_gspo.routing.metrics import CHANGED, TOKENS_CHANGED
-from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.train.ahead import Ahead
 from megatron_gspo.train.batch import StepBatch
 from megatron_gspo.train.guard import NonFiniteGuard

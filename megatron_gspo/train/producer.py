@@ -19,7 +19,7 @@ import torch
 from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.config import Config
 from megatron_gspo.rollout.sample import Sample, version_index
-from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.train.generate import Generation
 from megatron_gspo.train.io_thread import IoThread
 from megatron_gspo.train.results import Collected

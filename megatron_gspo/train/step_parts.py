@@ -18,7 +18,7 @@ from megatron_gspo.algo.loss_stats import (
 )
 from megatron_gspo.algo.mismatch import correction_weights
 from megatron_gspo.algo.policy_loss import KLPenalty
-from megatron_gspo.routing.replay import ReplayMode
+from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.train.batch import scatter_token_logprobs
 
 
