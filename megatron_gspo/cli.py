@@ -154,6 +154,7 @@ def _cmd_train(args) -> None:
     from pathlib import Path
 
     from megatron_gspo.config import load_config
+    from megatron_gspo.train.finished import nothing_left
     from megatron_gspo.train.loop import run
     from megatron_gspo.train.parts import build_parts
 
@@ -162,6 +163,8 @@ def _cmd_train(args) -> None:
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     resume, change = args.resume, args.allow_config_change
+    if resume and nothing_left(cfg, run_dir, args.steps, change):
+        return  # said, before any server or model starts; exit 0
     with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
         run(parts, max_steps=args.steps)
 

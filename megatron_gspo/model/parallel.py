@@ -43,15 +43,10 @@ def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int =
         from megatron_gspo.model import cpu_compat
 
         cpu_compat.apply()
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     from megatron_gspo.model import without_te
 
     without_te.apply()
-    if not dist.is_initialized():
-        _LAYOUT_STATES.clear()  # their groups went with the process group they belonged to
-        _init_process_group(timeout_min)
-        _shutdown_at_exit()
+    start_process_group(timeout_min)
     if dist.get_world_size() != dims.world_size:
         raise UserError(
             f"layout expects {dims.world_size} processes but {dist.get_world_size()} were started"
@@ -60,6 +55,17 @@ def init_distributed(dims: ParallelDims, *, seed: int = 1234, timeout_min: int =
 
     _enter_layout(dims)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def start_process_group(timeout_min: int = 10) -> None:
+    """torch.distributed's default group (gloo on a CPU, NCCL on this rank's GPU), without
+    megatron: what ranks need to agree before a model is built (idempotent)."""
+    if device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        _LAYOUT_STATES.clear()  # their groups went with the process group they belonged to
+        _init_process_group(timeout_min)
+        _shutdown_at_exit()
 
 
 # megatron's parallel state (its module's globals: groups, ranks, sizes, buffers) as it was right
@@ -152,9 +158,9 @@ def _shutdown_at_exit() -> None:
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state as mpu
-
-    if mpu.model_parallel_is_initialized():
+    # (megatron not imported: no parallel state to destroy, and none imported at exit for it)
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is not None and mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     _LAYOUT_STATES.clear()
     if dist.is_initialized():

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.model.checkpoint import LOAD_ERRORS, load_error
 from megatron_gspo.train.files import fsync_dir
+from megatron_gspo.train.state import TrainState
 
 _NAME = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -67,6 +67,15 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def latest(run_dir: Path) -> Path | None:
     done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+def saved_step(ckpt: Path) -> int | None:
+    """The step checkpoint `ckpt` was saved after, from its state file (None where that is not
+    readable: a resume's checks say why)."""
+    try:
+        return TrainState.from_state_dict(json.loads((ckpt / STATE_FILE).read_text())).step
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
@@ -101,6 +110,8 @@ def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
 def load(actor, path: Path) -> dict:
     """Collective: restore model and optimizer; returns the trainer state. This rank's RNG is
     `restore_rng`'s, set when the run goes on (nothing may draw from it in between)."""
+    from megatron_gspo.model.checkpoint import LOAD_ERRORS, load_error  # (torch's DCP: a second)
+
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise UserError(f"{path} is not a complete checkpoint (no {STATE_FILE})")

@@ -29,7 +29,9 @@ class StepHooks:
     def begin(self, state: TrainState, last: int) -> None:
         """Open the sinks (a resumed run's logger drops metrics of steps after its checkpoint). A
         fresh run logs step 0: the starting checkpoint's eval reward; a resumed run with no step
-        left to train says so (`nothing_to_train`)."""
+        left to train says so (`nothing_to_train`). `megatron-gspo train --resume` says it before
+        anything starts (finished.py); this is the cover for what that does not see (a newest
+        checkpoint that does not verify, resumed from an older one; a loop driven in-process)."""
         from megatron_gspo.train.metrics import MetricsLogger
 
         t = self.cfg.train
@@ -88,6 +90,11 @@ class StepHooks:
     def _log(self, step: int, metrics: dict) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
+
+
+def last_step(cfg: Config, max_steps: int | None) -> int:
+    """The step a run stops after: `train.steps`, or a smaller --steps (`max_steps`)."""
+    return cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
 
 
 def nothing_to_train(run_dir: Path, step: int, last: int, total: int) -> str | None:

@@ -23,7 +23,7 @@ from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.train.ahead import Ahead
 from megatron_gspo.train.batch import StepBatch
 from megatron_gspo.train.guard import NonFiniteGuard
-from megatron_gspo.train.hooks import StepHooks
+from megatron_gspo.train.hooks import StepHooks, last_step
 from megatron_gspo.train.parts import Parts
 from megatron_gspo.train.protocols import PolicyActor, RolloutSource, Servers
 from megatron_gspo.train.results import Collected, Update
@@ -43,7 +43,7 @@ def run(parts: Parts, *, max_steps: int | None = None) -> None:
     try:
         hooks = StepHooks(cfg, parts.run_dir, setup, rl)
         state = setup.restore(parts.sampler, sync, fleet)  # resume: weights, optimizer, data
-        last = cfg.train.steps if max_steps is None else min(cfg.train.steps, max_steps)
+        last = last_step(cfg, max_steps)
         hooks.begin(state, last)
         current = str(state.weight_version) if state.step else sync.base_version
         guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)

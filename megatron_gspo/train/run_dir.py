@@ -10,6 +10,9 @@ finds there.
                                              its manifest (newer ones that do not are moved to
                                              checkpoints/unverified/), if the config is the run's
     a complete checkpoint, no --resume       error: pass --resume, or another --run-dir
+    one at the last step, --resume           "nothing to train" before anything starts (the
+                                             newest verifies, the config is the run's:
+                                             `finished_step`, train/finished.py); exit 0
 
 Resuming with a config that differs from the run's in what it computes (the algorithm, the
 data, the optimizer...) is refused unless --allow-config-change; what may change freely is in
@@ -159,6 +162,22 @@ def prepare(
     if not left and resume:
         print(resume_without_checkpoint(run_dir, new), flush=True)
     return StartPlan(clear=left)
+
+
+def finished_step(run_dir: Path, cfg: Config, allow_config_change: bool, last: int) -> int | None:
+    """Rank 0, holding the lock, on --resume: the newest checkpoint's step when it is `last` or
+    past it and it is the one a resume continues from (it verifies against its manifest; the
+    config is one --resume accepts, else `prepare`'s error). None where steps may be left or
+    `prepare` must look closer (no checkpoint, a state file it cannot read, a newest one that
+    does not verify). Reads the files only: no model, nothing written, and no megatron (whether
+    its format is one this megatron-core reads, `checkpointing.loadable`, is left to the load:
+    the import alone takes seconds)."""
+    ckpt = checkpointing.latest(run_dir)
+    step = None if ckpt is None else checkpointing.saved_step(ckpt)
+    if ckpt is None or step is None or step < last or checkpointing.verify(ckpt) is not None:
+        return None
+    _check_config(run_dir, cfg, allow_config_change)
+    return step
 
 
 def resume_without_checkpoint(run_dir: Path, new: bool) -> str:

@@ -5,7 +5,7 @@ there), so it runs from a scratch copy: scripts/ and configs/ copied, .venv link
 checkout's, PYTHONPATH set to this checkout (so it runs this code). The config is the shipped
 GSPO config made quick (2 steps, the tests' small batches), as a user passes another config as
 $1. Run again, the script continues the run (README); a second run used to fail on its own
-report ("--out ... exists").
+report ("--out ... exists"), and a run already finished started its servers before it said so.
 """
 
 from __future__ import annotations
@@ -86,11 +86,13 @@ def test_quickstart_run_again_continues_the_run_and_writes_its_report_again(tmp_
         "report.png"
     ]
 
-    # Once more: the run is finished (it says so), and the report is written again, with step 3.
-    before = report.stat()
+    # Once more: the run is finished (it says so, before it starts a server: the server's log,
+    # which each start appends to, is as it was), and the report is written again, with step 3.
+    before, server_log = report.stat(), (run / "logs" / "server-0.log").read_bytes()
     rc, out = quickstart(root)
     assert rc == 0, out[-3000:]
     assert "runs/quick is at step 3 of 3 (train.steps): nothing to train" in out
+    assert (run / "logs" / "server-0.log").read_bytes() == server_log
     assert steps_logged(run) == [0, 1, 2, 3]
     after = report.stat()
     assert (after.st_ino, after.st_mtime_ns) != (before.st_ino, before.st_mtime_ns)

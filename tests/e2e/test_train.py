@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from megatron_gspo.train.metric_defs import undefined
-from tests.helpers import QUICK_TRAIN, StepGate, cli_env
+from tests.helpers import QUICK_TRAIN, StepGate, cli_env, torchrun
 
 pytestmark = [pytest.mark.e2e]
 
@@ -248,6 +248,42 @@ def files(root: Path) -> dict[str, bytes]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != ".lock" and "logs" not in p.relative_to(root).parts
     }
+
+
+def test_resume_of_a_finished_run_says_so_before_any_server_or_model_starts(task_model, tmp_path):
+    """--resume on a run at its last step used to start the rollout servers, build the model and
+    load the checkpoint before it said there was nothing to train. Now it says so first, on every
+    layout (under torchrun every rank ends, rank 0 says it once): the server's log has no new
+    start in it (each start of a server appends a header to it), and nothing in the run
+    directory changed. A config --resume refuses is still refused, before anything starts too."""
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=2)
+    assert rc == 0, out[-3000:]
+    server_log = run_dir / "logs" / "server-0.log"
+    started = server_log.read_bytes()
+    assert started.count(b"==== ") == 1  # the one start of the run's server
+    before = files(run_dir)
+
+    def resume(*extra: str, nproc: int = 1) -> tuple[int, str, str]:
+        config = str(ROOT / "configs" / "tiny_moe_gspo.yaml")
+        args = ["-m", "megatron_gspo", "train", "--config", config, "--run-dir", str(run_dir),
+                "--resume", f"model.path={task_model}", *QUICK, *extra]  # fmt: skip
+        cmd = [sys.executable, *args] if nproc == 1 else torchrun(nproc, *args)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=ROOT,
+                              timeout=600)  # fmt: skip
+        assert server_log.read_bytes() == started, done.stdout[-3000:]  # no server started
+        assert files(run_dir) == before and os.listdir(run_dir / "logs") == ["server-0.log"]
+        return done.returncode, done.stdout, done.stderr
+
+    rc, out, err = resume("--steps", "2", nproc=2)
+    said = f"{run_dir} is at step 2 of 2 (--steps): nothing to train; pass --steps N with N > 2"
+    assert rc == 0 and out.count(said) == 1 and not error_lines(err), (out + err)[-3000:]
+    rc, out, err = resume("--steps", "1")
+    said = f"{run_dir} is at step 2, past step 1 (--steps): nothing to train; pass --steps N"
+    assert rc == 0 and said in out, (out + err)[-3000:]
+    rc, out, err = resume("--steps", "2", "algo.loss=grpo", nproc=2)
+    assert rc != 0 and "error: --resume with a config that differs" in err, (out + err)[-3000:]
+    assert "nothing to train" not in out
 
 
 def test_second_trainer_on_a_run_dir_is_refused(task_model, tmp_path):
