@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from megatron_gspo.algo.config import AGGS, KINDS
 from megatron_gspo.algo.loss_stats import combine_stats, summarize_stats
-from megatron_gspo.algo.policy_loss import AGGS, KINDS, loss_denominator, policy_loss
+from megatron_gspo.algo.policy_loss import loss_denominator, policy_loss
 
 pytestmark = pytest.mark.unit
 
