@@ -28,10 +28,12 @@ trainer alive after its run and the thread pool used up.
 A call that raises (anything: SystemExit and KeyboardInterrupt raised by the code included),
 runs past `env.timeout_s`, kills its process or returns something else than the above fails its
 episode: EnvError, counted, one summary line per step on the console and each episode's line
-(with the traceback) in RUN_DIR/logs/env.log; the episode's reward is 0. A call past its time
-limit, or whose process dies, takes its worker down, and with it the episodes living there
-(they end as well, within env.timeout_s plus a worker's start); a new worker takes the next
-episodes. Nothing the environment does ends the run.
+(with the traceback) in RUN_DIR/logs/env.log. The episode's reward is 0, or, when it failed
+before the model's first turn (`fn(row)`, `prompt()`), it is a failed reward whose group is
+dropped, and a step on which every reward failed ends the run (train/generate.py). A call past
+its time limit, or whose process dies, takes its worker down, and with it the episodes living
+there (they end as well, within env.timeout_s plus a worker's start); a new worker takes the
+next episodes.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ class EnvRow:
 
 
 class EnvError(Exception):
-    """The environment's code failed on an episode (which then ends, with reward 0); `detail`:
-    the traceback, where its code raised."""
+    """The environment's code failed on an episode (which then ends; train/generate.py scores
+    it); `detail`: the traceback, where its code raised."""
 
     def __init__(self, message: str, detail: str = ""):
         super().__init__(message)

@@ -125,8 +125,9 @@ class _Episode:
         s = self.sample
         s.finish_reason = reason
         s.env_reward = self.reward
-        if s.versions:  # the oldest weights any turn came from (train/ahead.py)
-            s.weight_version = oldest_version(s.versions)
+        # the oldest weights any turn came from (train/ahead.py); none wrote an episode that
+        # failed before its first model turn (it is never stale: train/producer.py)
+        s.weight_version = oldest_version(s.versions) if s.versions else None
         if self.routing:
             s.routed_experts = np.concatenate(self.routing)
         return s

@@ -19,7 +19,10 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float | None] | None = None
     finish_reason: str = "abort"  # length | stop | abort
-    weight_version: str = ""
+    # the weights that wrote it (the server's word; a sample written by several: the oldest);
+    # None: no weights wrote any of it (an episode whose environment failed before the model's
+    # first turn), so it is never stale
+    weight_version: str | None = ""
     routed_experts: np.ndarray | None = None
     rid: str = ""
     server: str = ""
@@ -41,6 +44,13 @@ class Sample:
 def version_index(version: str) -> int:
     """Weight versions are step numbers; the base model's ("default": no step yet) is 0."""
     return int(version) if version.isdigit() else 0
+
+
+def older_than(sample: Sample, version: str) -> bool:
+    """Whether weights older than `version` wrote `sample` (it is stale); never for a sample no
+    weights wrote. A server that does not report its weight_version ("") counts as older."""
+    wrote = sample.weight_version
+    return wrote is not None and version_index(wrote) < version_index(version)
 
 
 def oldest_version(versions: list[str]) -> str:

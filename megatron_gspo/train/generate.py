@@ -92,7 +92,8 @@ class Generation:
             futures = [_done(None, "the run is ending") for _ in futures]
         outcomes = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         if self.runner is not None:
-            _env_summary([s for g in groups for s in g], where, self.cfg.env.fn)
+            _env_summary([s for g in groups for s in g], where, self.cfg.env.fn,
+                         self.runner.log.path)  # fmt: skip
         return Rollout(groups, _scored(outcomes), t1 - t0, time.perf_counter() - t1)
 
     async def _completions(self, client: RolloutClient, row, i: int, ids: list[int], n: int,
@@ -155,13 +156,14 @@ def _scored(outcomes: list[Outcome]) -> Scored:
                   [o.message for o in outcomes if not o.ok])  # fmt: skip
 
 
-def _env_summary(samples: list[Sample], where: str, fn: str | None) -> None:
-    """One console line for the episodes whose environment failed (each is in env.log)."""
+def _env_summary(samples: list[Sample], where: str, fn: str | None, path: Path | None) -> None:
+    """One console line for the episodes whose environment failed (each is in `path`, the
+    run's logs/env.log, when there is one)."""
     failed = [s.env_error for s in samples if s.env_error is not None]
     if failed:
-        log.warning("%s: the environment %r failed on %d of %d episodes (first: %s); "
-                    "RUN_DIR/logs/env.log has each", where or "rollout", fn, len(failed),
-                    len(samples), failed[0])  # fmt: skip
+        log.warning("%s: the environment %r failed on %d of %d episodes (first: %s)%s",
+                    where or "rollout", fn, len(failed), len(samples), failed[0],
+                    "" if path is None else f"; {path} has each")  # fmt: skip
 
 
 def _seeded(sampling: dict, k: int) -> dict:

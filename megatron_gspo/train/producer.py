@@ -18,7 +18,7 @@ import torch
 
 from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.config import Config
-from megatron_gspo.rollout.sample import Sample, version_index
+from megatron_gspo.rollout.sample import Sample, older_than
 from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.train.generate import Generation
 from megatron_gspo.train.io_thread import IoThread
@@ -157,15 +157,16 @@ class BatchProducer:
         self, samples: list[Sample], step: int, version: str | None, facts: Collected
     ) -> set[int]:
         """The groups with a sample from weights older than `version` (a server restarted onto
-        an older restore point), counted into `facts`."""
+        an older restore point), counted into `facts`; a sample no weights wrote (an episode
+        that failed before the model's first turn) is not stale."""
         if version is None:
             return set()
         G = self.cfg.rollout.group_size
-        old = [k for k, s in enumerate(samples)
-               if version_index(str(s.weight_version)) < version_index(version)]  # fmt: skip
+        old = [k for k, s in enumerate(samples) if older_than(s, version)]
         stale = {k // G for k in old}
         facts.metrics["rollout/stale_samples"] = float(len(old))
         facts.stale_samples = len(old)
+        facts.unwritten = sum(s.weight_version is None for s in samples)
         facts.stale_version = str(samples[old[0]].weight_version) if old else ""
         facts.metrics["rollout/stale_groups_dropped"] = float(len(stale))
         if old:

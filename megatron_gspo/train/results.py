@@ -30,6 +30,7 @@ class Collected:
     samples: int = 0  # the samples generated
     stale_samples: int = 0  # samples from weights older than the generation's (a restart)
     stale_version: str = ""  # the weight_version one of those named (for an error)
+    unwritten: int = 0  # samples no weights wrote (episodes failed before their first turn)
     regenerated_samples: int = 0  # stale samples generated again (loop.collect_current)
     generation_s: float = 0.0  # seconds until the generation ended (not the reward wait)
     # the samples' inputs that were not finite, by what the guard's error calls them
@@ -37,8 +38,9 @@ class Collected:
 
     @property
     def all_stale(self) -> bool:
-        """Every sample came from weights older than its generation's (none to train on)."""
-        return bool(self.stale_samples) and self.stale_samples == self.samples
+        """Every sample weights wrote came from weights older than its generation's (none to
+        train on: the others are failed episodes)."""
+        return bool(self.stale_samples) and self.stale_samples == self.samples - self.unwritten
 
     def set_versions(self, oldest: float, mean: float, partial: float) -> None:
         """The trained samples' weight versions (train/samples.sample_versions), logged too."""

@@ -107,8 +107,9 @@ def sample_versions(samples) -> tuple[float, float, float]:
     tokens = [v for s in samples
               for v in (s.token_versions or [str(s.weight_version)] * len(s.tokens))
               if v is not None]  # (the model's tokens: an environment's have None)  # fmt: skip
+    written = [s.weight_version for s in samples if s.weight_version is not None]
     return (
-        float(min(version_index(str(s.weight_version)) for s in samples)),
+        float(min(map(version_index, written), default=0)),
         sum(map(version_index, tokens)) / max(len(tokens), 1),
         sum(len(set(s.versions)) > 1 for s in samples) / len(samples),
     )

@@ -182,6 +182,51 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_is_counted_and_the_
         assert what in log, what
 
 
+CTOR_FLAKY_ENV = '''
+import itertools
+from megatron_gspo.rollout.env import Step
+
+STARTS = itertools.count()  # (one worker: every episode of the run starts in this process)
+
+class Env:
+    """Every third episode fails to start; the others end after the model's first turn."""
+
+    def __init__(self, row):
+        if next(STARTS) % 3 == 0:
+            raise RuntimeError("flaky start")
+
+    def step(self, turn):
+        return Step(done=True, reward=float(len(turn.ids) % 2 == 0))
+'''
+
+
+def test_episodes_that_failed_to_start_are_not_stale_and_nothing_is_generated_again(
+    chat_model, tmp_path
+):
+    """An episode whose environment raised in its constructor has no model turn, so no weights
+    wrote it: from step 2 on (the servers on version 1) it was counted as a sample from older
+    weights, and the step's batch was generated again up to 3 times. Its group is dropped as a
+    failed reward, and the console line names the run's own env.log."""
+    path = tmp_path / "ctor_flaky.py"
+    path.write_text(CTOR_FLAKY_ENV)
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
+                    "env.workers=1", "train.eval_every=0", "rollout.max_new_tokens=4",
+                    steps=3)  # fmt: skip
+    assert rc == 0, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # 16 starts a step (none again), every third fails: 6, 5, 5
+        assert r["rollout/stale_samples"] == r["rollout/stale_groups_dropped"] == 0.0, r
+        assert r["rollout/regenerated_samples"] == 0.0, r
+        assert r["env/errors"] == r["reward/failed_samples"] == [6.0, 5.0, 5.0][r["step"] - 1], r
+    assert "generating again" not in out and "older than" not in out, out[-3000:]
+    env_log = run_dir.resolve() / "logs" / "env.log"
+    assert f"step 2: the environment '{path}:Env' failed on 5 of 16 episodes" in out, out[-3000:]
+    assert f"; {env_log} has each" in out and "RUN_DIR" not in out, out[-3000:]
+    assert env_log.read_text().count("starting the episode raised RuntimeError: flaky start") == 16
+
+
 GOOD_ENV = '''
 from megatron_gspo.rollout.env import Step
 

@@ -214,6 +214,34 @@ def test_messages_the_chat_template_refuses_end_their_episode_not_the_run():
         ChatRender(tok).continuation([{"role": "observer", "content": "y"}])
 
 
+def test_an_episode_that_failed_to_start_was_written_by_no_weights_and_is_never_stale():
+    """Its constructor raised: no model turn, no weight version (it used to keep the default
+    "", read as version 0: stale from step 2 on, and the step generated again). A server that
+    does not report its weights ("") is still older than any step's."""
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_gspo.rollout.sample import older_than
+    from megatron_gspo.train.results import Collected
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=ROLES, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls(ENV + "raises", timeout_s=5.0, vocab_size=len(tok), workers=1)
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(2, 8, 32))
+    try:
+        sample = asyncio.run(runner.run(None, ROW, [1, 2], {}, False, (0, 0), 1))  # type: ignore[arg-type]
+    finally:
+        calls.close()
+    assert "broken env" in (sample.env_error or "")
+    assert (sample.tokens, sample.turns, sample.weight_version) == ([], 0, None)
+    assert not older_than(sample, "7")
+    assert older_than(Sample(0, 1, [1], [5], weight_version=""), "1")
+    assert older_than(Sample(0, 1, [1], [5], weight_version="1"), "2")
+    assert not older_than(Sample(0, 1, [1], [5], weight_version="2"), "2")
+    # every sample weights wrote is stale: the batch is all stale, the failed episode aside
+    assert Collected(None, {}, samples=3, stale_samples=2, unwritten=1).all_stale
+    assert not Collected(None, {}, samples=3, stale_samples=1, unwritten=1).all_stale
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [
