@@ -7,7 +7,10 @@ there, or an SGLang mode its nodes cannot serve, fails before anything starts:
     python launch/plan.py --config CFG --nnodes 2 --gpus-per-node 8 [key.sub=value ...]
 
 prints shell assignments (`eval "$(python launch/plan.py ...)"`). launch/serve_node.py imports
-`make_layout` to start this node's servers on the GPUs the layout gives them.
+`make_layout` to start this node's servers on the GPUs the layout gives them. torchrun.sh also
+passes train's own flags (--run-dir, --steps, --resume, --allow-config-change): --steps is
+checked here, and a --resume of a run with no step left is answered here, before any server
+starts (NOTHING_TO_TRAIN, the line `train` prints; the script prints it and exits 0).
 
 Placement (`rollout.placement`):
   colocated      every node trains and serves: its servers share the trainer's GPUs (SGLang
@@ -26,6 +29,7 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.data.task_model import check_model_path
@@ -218,7 +222,7 @@ def _check_gpus(cfg: Config, lay: Layout) -> None:
         )
 
 
-def shell_assignments(cfg: Config, lay: Layout) -> str:
+def shell_assignments(cfg: Config, lay: Layout, nothing_to_train: str | None = None) -> str:
     values = {
         "PLACEMENT": lay.placement,
         "BACKEND": lay.backend,
@@ -235,6 +239,7 @@ def shell_assignments(cfg: Config, lay: Layout) -> str:
         # empty value would erase the SGLANG_PYTHON that the image or the user set)
         "SGLANG_PYTHON": cfg.rollout.sglang_python or os.environ.get("SGLANG_PYTHON", ""),
         "HEALTH_TIMEOUT_S": int(cfg.rollout.health_timeout_s),
+        "NOTHING_TO_TRAIN": nothing_to_train or "",
     }
     return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items())
 
@@ -242,6 +247,11 @@ def shell_assignments(cfg: Config, lay: Layout) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layout_args(p)
+    # train's own flags, as torchrun.sh passes them on (not serve_node.py's)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--steps", default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--allow-config-change", action="store_true")
     return p.parse_args(argv)
 
 
@@ -286,15 +296,41 @@ def check_server_modes(cfg: Config, lay: Layout) -> None:
         check_sglang_modes(cfg, gpu=lay.gpus_per_node > 0)
 
 
+def steps_arg(text: str | None) -> int | None:
+    """--steps as torchrun.sh got it: a whole number (0: step 0's eval only), else the one-line
+    error (`abc` or `-3` used to start the servers and torchrun, whose ranks then failed)."""
+    if text is None:
+        return None
+    if not text.isascii() or not text.isdigit():
+        raise UserError(f"--steps {text} must be a whole number of steps (0 or more)")
+    return int(text)
+
+
+def nothing_to_train_line(cfg: Config, args: argparse.Namespace) -> str | None:
+    """On --resume, `train`'s nothing-to-train line for a run with no step left (None: train
+    on), asked before any server starts. Only then are the trainer's modules (torch) imported:
+    a plain launch plans without them."""
+    steps = steps_arg(args.steps)
+    if not args.resume:
+        return None
+    from megatron_gspo.train.finished import launch_line
+
+    run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
+    return launch_line(cfg, run_dir, steps, args.allow_config_change)
+
+
 def main(argv=None) -> None:
     try:
-        cfg, layout = layout_from_args(parse_args(argv))
-        check_model(cfg)
-        check_server_modes(cfg, layout)
+        args = parse_args(argv)
+        cfg, layout = layout_from_args(args)
+        said = nothing_to_train_line(cfg, args)
+        if said is None:
+            check_model(cfg)
+            check_server_modes(cfg, layout)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(shell_assignments(cfg, layout))
+    print(shell_assignments(cfg, layout, said))
 
 
 if __name__ == "__main__":

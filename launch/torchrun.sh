@@ -116,22 +116,29 @@ fi
 export MEGATRON_GSPO_API_KEY
 
 # ---- the layout ------------------------------------------------------------------------------
-# Planned before anything is made: a refused launch leaves no run directory behind.
+# Planned before anything is made: a refused launch leaves no run directory behind. plan.py
+# also checks --steps and answers a --resume of a run with no step left (`train`'s line, exit 0,
+# nothing started or written: every node of a launch asks, and reads the same files).
+RUN_DIR="${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)}"
 PLAN_ARGS=(--config "$CONFIG" --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE")
 [[ -n "${NPROC_PER_NODE:-}" ]] && PLAN_ARGS+=(--nproc-per-node "$NPROC_PER_NODE")
 [[ -n "${ROLLOUT_NODES:-}" ]] && PLAN_ARGS+=(--rollout-nodes "$ROLLOUT_NODES")
 [[ -n "${SERVERS_PER_NODE:-}" ]] && PLAN_ARGS+=(--servers-per-node "$SERVERS_PER_NODE")
 PLAN_ARGS+=("${OVERRIDES[@]}")
-PLAN="$("$PYTHON" "$HERE/plan.py" "${PLAN_ARGS[@]}")" || exit 2
+RUN_ARGS=(--run-dir "$RUN_DIR")
+[[ -n "$STEPS" ]] && RUN_ARGS+=(--steps "$STEPS")
+((RESUME)) && RUN_ARGS+=(--resume)
+((ALLOW_CHANGE)) && RUN_ARGS+=(--allow-config-change)
+PLAN="$("$PYTHON" "$HERE/plan.py" "${RUN_ARGS[@]}" "${PLAN_ARGS[@]}")" || exit 2
 # Shell assignments, each value quoted by plan.py (shlex.quote).
 eval "$PLAN"
 : "${PLACEMENT:?} ${BACKEND:?} ${TRAIN_NODES:?} ${NPROC_PER_NODE:?} ${SERVING_NODES:?}"
 : "${TOTAL_SERVERS:?} ${START_ROUTER:?} ${HEALTH_TIMEOUT_S:?}"
+if [[ -n "${NOTHING_TO_TRAIN:-}" ]]; then echo "$NOTHING_TO_TRAIN"; exit 0; fi
 [[ -n "${SGLANG_PYTHON:-}" ]] && export SGLANG_PYTHON
 
 # ---- this launch's directories -------------------------------------------------------------
 LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)-$$}}"
-RUN_DIR="${RUN_DIR:-runs/$(basename "$CONFIG" .yaml)}"
 mkdir -p "$RUN_DIR"
 RUN_DIR="$(cd "$RUN_DIR" && pwd)"
 STATE="$RUN_DIR/launch/$LAUNCH_ID"

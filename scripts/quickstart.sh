@@ -4,32 +4,66 @@
 #      single-step arithmetic (so RL has something to improve);
 #   2. train it with GSPO (configs/tiny_moe_gspo.yaml): built-in rollout server, Megatron actor,
 #      weight sync after every step, greedy eval on held-out prompts every 5 steps;
-#   3. plot the run. Pass another config as $1 (e.g. configs/tiny_moe_grpo.yaml).
-# Running it again continues the run from its newest checkpoint (a finished run: nothing to
-# train; raise train.steps in the config to train on) and writes its report again.
+#   3. plot the run.
+#
+#   bash scripts/quickstart.sh [CONFIG.yaml] [key.sub=value ...]
+#
+# CONFIG defaults to configs/tiny_moe_gspo.yaml (e.g. configs/tiny_moe_grpo.yaml); the overrides
+# go to `train` (every key: docs/config.md). Running it again continues the run from its newest
+# checkpoint and writes its report again; a finished run says so at once (nothing to train):
+# pass train.steps=N to train on. Bad input (no such config, no model.path, a model it cannot
+# make) is one line, exit 2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CONFIG=${1:-configs/tiny_moe_gspo.yaml}
+die() { echo "error: $*" >&2; exit 2; }
+CONFIG=configs/tiny_moe_gspo.yaml
+if [[ $# -gt 0 && "$1" != *=* ]]; then CONFIG=$1; shift; fi
+for o in "$@"; do
+    [[ "$o" == *=* ]] || die "'$o' is not an override; usage: bash scripts/quickstart.sh [CONFIG.yaml] [key.sub=value ...]"
+done
+if [[ ! -f "$CONFIG" ]]; then
+    near=""
+    [[ "$CONFIG" == *.yml && -f "${CONFIG%.yml}.yaml" ]] && near=" (did you mean ${CONFIG%.yml}.yaml?)"
+    die "config $CONFIG not found$near; pass one of configs/*.yaml (ls configs/), e.g. configs/tiny_moe_grpo.yaml"
+fi
 NAME=$(basename "$CONFIG" .yaml)
 RUN=${RUN_DIR:-runs/$NAME}
 M=".venv/bin/megatron-gspo"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # the config's starting model, made here when it is not there yet: the task model of its
-# built-in task (the drift preset for sortlong)
-read -r MODEL MAKE < <(.venv/bin/python - "$CONFIG" <<'PY'
-import sys, yaml
-cfg = yaml.safe_load(open(sys.argv[1]))
-path = cfg["model"]["path"]
-task = str(cfg.get("data", {}).get("train", "builtin:arith")).removeprefix("builtin:")
-print(path, "--preset drift" if task == "sortlong" else f"--task {task}")
+# built-in task (data/task_model.py `make_task_model_flags`); MODEL= and MAKE= (empty: there)
+PLAN=$(.venv/bin/python - "$CONFIG" "$@" <<'PY'
+import shlex, sys
+from pathlib import Path
+from megatron_gspo.config import load_config
+from megatron_gspo.data.task_model import make_task_model_flags
+from megatron_gspo.errors import UserError
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+try:
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+except UserError as e:
+    fail(e)
+path, source = cfg.model.path, cfg.data.train
+make = ""
+if not Path(path).is_dir():
+    if not source.startswith("builtin:"):
+        fail(f"model.path {path} does not exist, and the quickstart makes the starting model of "
+             f"a built-in task only (data.train is {source}): point model.path at an HF or "
+             "Megatron checkpoint (megatron-gspo make-task-model makes one for "
+             "data.train=builtin:TASK)")
+    make = make_task_model_flags(source.removeprefix("builtin:"))
+print(f"MODEL={shlex.quote(path)}\nMAKE={shlex.quote(make)}")
 PY
-)
+) || exit $?
+eval "$PLAN"
 # shellcheck disable=SC2086
-[ -d "$MODEL" ] || $M make-task-model $MAKE --out "$MODEL"
+[ -z "$MAKE" ] || $M make-task-model $MAKE --out "$MODEL"
 RESUME=()
 [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
-$M train --config "$CONFIG" --run-dir "$RUN" "${RESUME[@]}"
+$M train --config "$CONFIG" --run-dir "$RUN" "${RESUME[@]}" "$@"
 # the report, written again each time: to a new file first, then over the old one (which stays
 # as it was if the new one fails)
 NEW="$RUN/report.new.png"

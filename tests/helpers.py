@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_gspo.train import checkpointing
+
 # Overrides that make a tiny config's training run quick (a few seconds a step) in tests.
 QUICK_TRAIN = [
     "rollout.prompts_per_step=4",
@@ -24,6 +26,24 @@ QUICK_TRAIN = [
     "logging.tensorboard=false",
     "logging.console=false",
 ]
+
+
+# what megatron-core writes as a dist-checkpoint's model/metadata.json
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                     "common_backend": "torch", "common_backend_version": 1}  # fmt: skip
+
+
+def saved_checkpoint(run: Path, step: int) -> Path:
+    """A checkpoint of `run` after `step` as `checkpointing.save` leaves it, as far as the files
+    go (a resume's checks read them; no model is loaded)."""
+    d = run / "checkpoints" / f"step_{step}"
+    (d / "model").mkdir(parents=True)
+    state = {"step": step, "weight_version": step, "sampler": {"epoch": 0}}
+    (d / "trainer_state.json").write_text(json.dumps(state))
+    (d / "model" / "shard.distcp").write_bytes(bytes(range(256)) * 16)
+    (d / "model" / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+    checkpointing.write_manifest(d)
+    return d
 
 
 def cli_env() -> dict:

@@ -29,8 +29,13 @@ def check_model_path(path: str, train_source: str) -> None:
     fix = "point model.path at an HF or Megatron checkpoint"
     if train_source.startswith("builtin:"):
         task = train_source.removeprefix("builtin:")
-        preset = next((name for name, p in PRESETS.items() if p["task"] == task), None)
-        flags = f"--task {task}" if preset is None else f"--preset {preset}"
-        command = f"megatron-gspo make-task-model {flags} --out {path}"
+        command = f"megatron-gspo make-task-model {make_task_model_flags(task)} --out {path}"
         fix += f", or make {task}'s starting model there: {command}"
     raise UserError(f"model.path {path} does not exist: {fix}")
+
+
+def make_task_model_flags(task: str) -> str:
+    """make-task-model's flags for a built-in task's starting model: its preset's (sortlong:
+    the drift preset), else --task."""
+    preset = next((name for name, p in PRESETS.items() if p["task"] == task), None)
+    return f"--task {task}" if preset is None else f"--preset {preset}"

@@ -8,6 +8,10 @@ checkpoint (run_dir.py `finished_step`); when that is the last step or past it, 
 so over a bare process group (no megatron imported), rank 0 prints the line (hooks.py
 `nothing_to_train`), and the command ends with exit 0, having started and written nothing.
 Anything else goes on to the start as before.
+
+The launch scripts ask the same question before they start a server (`launch_line`, from
+launch/plan.py on --resume): every node of a launch asks at once, so it reads the files without
+the lock (a trainer holding it is refused by the start, as before).
 """
 
 from __future__ import annotations
@@ -45,6 +49,18 @@ def nothing_left(
     return line is not None
 
 
+def launch_line(
+    cfg: Config, run_dir: Path, max_steps: int | None, allow_config_change: bool
+) -> str | None:
+    """A launch script's --resume, before any server starts: the nothing-to-train line, or None
+    (the launch goes on and its trainer decides). Reads the files only, without the lock: nothing
+    in `run_dir` is made or written. A config --resume does not accept is the UserError."""
+    last = last_step(cfg, max_steps)
+    if not checkpointing.checkpoint_root(run_dir).is_dir():
+        return None
+    return _said(cfg, run_dir, finished_step(run_dir, cfg, allow_config_change, last), last)
+
+
 def _line(cfg: Config, run_dir: Path, last: int, allow_config_change: bool) -> str | None:
     """Rank 0: the nothing-to-train line, or None (the start goes on and decides)."""
     if not checkpointing.checkpoint_root(run_dir).is_dir():  # (no lock file made for nothing)
@@ -54,4 +70,8 @@ def _line(cfg: Config, run_dir: Path, last: int, allow_config_change: bool) -> s
         step = finished_step(run_dir, cfg, allow_config_change, last)
     finally:
         lock.release()
+    return _said(cfg, run_dir, step, last)
+
+
+def _said(cfg: Config, run_dir: Path, step: int | None, last: int) -> str | None:
     return None if step is None else nothing_to_train(run_dir, step, last, cfg.train.steps)

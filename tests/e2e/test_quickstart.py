@@ -50,13 +50,21 @@ def set_steps(root: Path, steps: int) -> None:
     (root / "configs" / "quick.yaml").write_text(yaml.safe_dump(cfg))
 
 
-def quickstart(root: Path, fault: Path | None = None) -> tuple[int, str]:
+def quickstart(
+    root: Path, fault: Path | None = None, args: tuple[str, ...] = ("configs/quick.yaml",)
+) -> tuple[int, str]:
+    proc = run_quickstart(root, args, fault)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def run_quickstart(
+    root: Path, args: tuple[str, ...], fault: Path | None = None
+) -> subprocess.CompletedProcess:
     env = cli_env()
     path = [str(p) for p in (fault, ROOT) if p is not None]
     env["PYTHONPATH"] = os.pathsep.join(path + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run(["bash", "scripts/quickstart.sh", "configs/quick.yaml"], cwd=root,
+    return subprocess.run(["bash", "scripts/quickstart.sh", *args], cwd=root,
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 def steps_logged(run: Path) -> list[int]:
@@ -73,13 +81,14 @@ def test_quickstart_run_again_continues_the_run_and_writes_its_report_again(tmp_
     assert steps_logged(run) == [0, 1, 2] and "wrote runs/quick/report.png" in out
     first = report.read_bytes()
 
-    # The user raises train.steps and runs it again: step 3 is trained; its report fails here
-    # (an injected fault), and the old report stays as it was, nothing half-written beside it.
-    set_steps(root, 3)
+    # The user raises train.steps (an override after the config, as the line of a finished run
+    # says) and runs it again: step 3 is trained; its report fails here (an injected fault), and
+    # the old report stays as it was, nothing half-written beside it.
+    more = ("configs/quick.yaml", "train.steps=3")
     fault = tmp_path / "fault"
     fault.mkdir()
     (fault / "sitecustomize.py").write_text(FAIL_REPORT)
-    rc, out = quickstart(root, fault)
+    rc, out = quickstart(root, fault, more)
     assert rc != 0 and "the report fails (injected)" in out, out[-3000:]
     assert steps_logged(run) == [0, 1, 2, 3]
     assert report.read_bytes() == first and sorted(p.name for p in run.glob("report*")) == [
@@ -89,7 +98,7 @@ def test_quickstart_run_again_continues_the_run_and_writes_its_report_again(tmp_
     # Once more: the run is finished (it says so, before it starts a server: the server's log,
     # which each start appends to, is as it was), and the report is written again, with step 3.
     before, server_log = report.stat(), (run / "logs" / "server-0.log").read_bytes()
-    rc, out = quickstart(root)
+    rc, out = quickstart(root, args=more)
     assert rc == 0, out[-3000:]
     assert "runs/quick is at step 3 of 3 (train.steps): nothing to train" in out
     assert (run / "logs" / "server-0.log").read_bytes() == server_log
@@ -99,3 +108,42 @@ def test_quickstart_run_again_continues_the_run_and_writes_its_report_again(tmp_
     assert report.read_bytes() != first and report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy eval reward: step 0 " in out and " -> step 3 " in out
     assert sorted(p.name for p in run.glob("report*")) == ["report.png"]
+
+
+NO_MODEL = "train:\n  steps: 3\n"
+JSONL_DATA = "model:\n  path: runs/mine\ndata:\n  train: myplug/guess.jsonl\n  eval: e.jsonl\n"
+TEMPLATE = "configs/tiny_moe_gspo.yaml"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["configs/nope.yaml"], "config configs/nope.yaml not found; pass one of configs/*.yaml "
+                                "(ls configs/), e.g. configs/tiny_moe_grpo.yaml"),
+        (["configs/tiny_moe_gspo.yml"], "config configs/tiny_moe_gspo.yml not found (did you mean "
+                                        "configs/tiny_moe_gspo.yaml?); pass one of configs/*.yaml "
+                                        "(ls configs/), e.g. configs/tiny_moe_grpo.yaml"),
+        (["configs/no_model.yaml"], "model.path is required: the HF checkpoint directory to "
+                                    "start from"),
+        (["configs/jsonl.yaml"], "model.path runs/mine does not exist, and the quickstart makes "
+                                 "the starting model of a built-in task only (data.train is "
+                                 "myplug/guess.jsonl): point model.path at an HF or Megatron "
+                                 "checkpoint (megatron-gspo make-task-model makes one for "
+                                 "data.train=builtin:TASK)"),
+        ([TEMPLATE, "train.steps"], "'train.steps' is not an override; usage: bash "
+                                    "scripts/quickstart.sh [CONFIG.yaml] [key.sub=value ...]"),
+        ([TEMPLATE, "train.stepz=3"], "unknown config key 'train.stepz'; did you mean "
+                                      "'train.steps'?"),
+    ],
+)  # fmt: skip
+def test_quickstart_refuses_bad_input_in_one_line_making_nothing(tmp_path, args, message):
+    """A missing config (or a .yml typo) or one without a model: section was a Python traceback,
+    exit 1; a config of JSONL data whose model is missing ran make-task-model with the file as
+    its task ("unknown task 'myplug/guess.jsonl'"). Now each is one line, exit 2, nothing
+    made."""
+    root = scratch_copy(tmp_path / "repo", steps=2)
+    (root / "configs" / "no_model.yaml").write_text(NO_MODEL)
+    (root / "configs" / "jsonl.yaml").write_text(JSONL_DATA)
+    proc = run_quickstart(root, tuple(args))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"error: {message}\n", "")
+    assert not (root / "runs").exists()

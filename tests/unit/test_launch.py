@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from megatron_gspo.config import load_config
+from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
-from tests.helpers import authorization_recorder
+from tests.helpers import authorization_recorder, saved_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -408,6 +408,73 @@ def test_a_launch_without_its_model_refuses_before_any_server_starts(tmp_path):
     # it was an unknown argument there
     r = _torchrun_sh("--config", config, "--resume", "--allow-config-change", cwd=tmp_path)
     assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
+
+
+def _finished_run(tmp_path: Path, step: int) -> tuple[Path, str]:
+    """A run of the tiny config (its model a directory here) with a checkpoint after `step`,
+    as its files go; the model.path override both the run and its launch give."""
+    model, run = tmp_path / "model", tmp_path / "run"
+    model.mkdir()
+    override = f"model.path={model}"
+    run.mkdir()
+    dump_config(load_config(ROOT / "configs/tiny_moe_gspo.yaml", [override]), run / "config.yaml")
+    saved_checkpoint(run, step)
+    return run, override
+
+
+def _tree(root: Path) -> dict:
+    return {p.relative_to(root): p.read_bytes() if p.is_file() else None for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "step, args, line",
+    [
+        (40, [], "is at step 40 of 40 (train.steps): nothing to train; pass train.steps=N with "
+                 "N > 40 to train on"),
+        (2, ["--steps", "2"], "is at step 2 of 2 (--steps): nothing to train; pass --steps N with "
+                              "N > 2 (up to train.steps=40), or leave --steps out, to train on"),
+    ],
+)  # fmt: skip
+def test_torchrun_sh_resume_of_a_finished_run_says_so_before_anything_starts(
+    tmp_path, step, args, line
+):
+    """--resume of a run at its last step started the rollout servers, then torchrun, whose
+    trainer said "nothing to train" (11 s), and left launch/<id>/ and logs/ in the run
+    directory. Now the plan answers first, with `train`'s line: exit 0, nothing started or
+    written there."""
+    run, override = _finished_run(tmp_path, step)
+    before = _tree(run)
+    r = _torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(run),
+                     "--resume", *args, override, GPUS_PER_NODE="0", cwd=tmp_path)  # fmt: skip
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"{run} {line}\n", "")
+    assert _tree(run) == before
+
+
+def test_the_plan_of_a_resume_with_steps_left_goes_on(tmp_path):
+    run, override = _finished_run(tmp_path, 2)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "launch/plan.py"), "--config",
+         str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(run), "--resume", override],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "NOTHING_TO_TRAIN=''" in r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("steps", ["--steps abc", "--steps -3", "--steps=1.5", "--steps=٣"])
+def test_torchrun_sh_refuses_steps_that_are_not_a_whole_number(tmp_path, steps):
+    """--steps abc (or -3) started the servers and torchrun, whose ranks then failed: torchrun's
+    ChildFailedError, exit 1, and launch/ and logs/ left in the run directory. Now the one line,
+    exit 2, before anything is made."""
+    (tmp_path / "model").mkdir()
+    value = steps.split("=")[-1].split()[-1]
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        *steps.split(), f"model.path={tmp_path / 'model'}", GPUS_PER_NODE="0",
+    )  # fmt: skip
+    message = f"error: --steps {value} must be a whole number of steps (0 or more)\n"
+    assert (r.returncode, r.stderr) == (2, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_slurm_local_stops_nothing_from_a_directory_another_could_write(tmp_path):

@@ -3,16 +3,15 @@ limit that stops it and how to train on (it used to print nothing and exit 0); -
 before anything starts, from the step its files hold (tests/e2e/test_train.py shows no server
 starts)."""
 
-import json
 from pathlib import Path
 
 import pytest
 
 from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
-from megatron_gspo.train import checkpointing
 from megatron_gspo.train.hooks import last_step, nothing_to_train
 from megatron_gspo.train.run_dir import finished_step, prepare
+from tests.helpers import saved_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -50,30 +49,14 @@ def test_a_run_stopped_by_steps_names_steps():
 # --resume asks the run directory first (train/finished.py): the newest checkpoint's step, read
 # from its files, before any server or model starts (run_dir.py `finished_step`).
 
-# what megatron-core writes as a dist-checkpoint's model/metadata.json
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                     "common_backend": "torch", "common_backend_version": 1}  # fmt: skip
-
-
-def _saved(run: Path, step: int) -> Path:
-    """A checkpoint as `checkpointing.save` leaves it, as far as the files go."""
-    d = run / "checkpoints" / f"step_{step}"
-    (d / "model").mkdir(parents=True)
-    state = {"step": step, "weight_version": step, "sampler": {"epoch": 0}}
-    (d / "trainer_state.json").write_text(json.dumps(state))
-    (d / "model" / "shard.distcp").write_bytes(bytes(range(256)) * 16)
-    (d / "model" / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
-    checkpointing.write_manifest(d)
-    return d
-
 
 def _files(root: Path) -> dict:
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_the_step_a_resume_would_continue_from_is_read_from_the_newest_checkpoint(tmp_path):
-    _saved(tmp_path, 1)
-    _saved(tmp_path, 2)
+    saved_checkpoint(tmp_path, 1)
+    saved_checkpoint(tmp_path, 2)
     run_cfg = load_config(None, ["model.path=m", "train.steps=2"])
     dump_config(run_cfg, tmp_path / "config.yaml")
     before = _files(tmp_path)
@@ -88,7 +71,7 @@ def test_the_step_a_resume_would_continue_from_is_read_from_the_newest_checkpoin
 
 
 def test_a_config_resume_refuses_is_refused_there_as_the_start_refuses_it(tmp_path):
-    _saved(tmp_path, 2)
+    saved_checkpoint(tmp_path, 2)
     dump_config(load_config(None, ["model.path=m", "train.steps=2"]), tmp_path / "config.yaml")
     changed = load_config(None, ["model.path=m", "train.steps=2", "algo.loss=grpo"])
     with pytest.raises(UserError) as early:
@@ -104,8 +87,8 @@ def test_a_newest_checkpoint_that_does_not_verify_is_left_to_the_start(tmp_path)
     """The start sets it aside and resumes from the one before (which may have steps left):
     no answer is given from a checkpoint a resume would not continue from."""
     run_cfg = load_config(None, ["model.path=m", "train.steps=2"])
-    _saved(tmp_path, 1)
-    newest = _saved(tmp_path, 2)
+    saved_checkpoint(tmp_path, 1)
+    newest = saved_checkpoint(tmp_path, 2)
     (newest / "model" / "shard.distcp").write_bytes(bytes(4096))
     assert finished_step(tmp_path, run_cfg, False, last=2) is None
     (newest / "trainer_state.json").write_text("{]")
