@@ -155,8 +155,6 @@ def _cmd_train(args) -> None:
 
     from megatron_gspo.config import load_config
     from megatron_gspo.train.finished import nothing_left
-    from megatron_gspo.train.loop import run
-    from megatron_gspo.train.parts import build_parts
 
     if args.steps is not None and args.steps < 0:
         raise UserError(f"--steps must be >= 0, not {args.steps}")
@@ -165,6 +163,9 @@ def _cmd_train(args) -> None:
     resume, change = args.resume, args.allow_config_change
     if resume and nothing_left(cfg, run_dir, args.steps, change):
         return  # said, before any server or model starts; exit 0
+    from megatron_gspo.train.loop import run  # (megatron, the servers' clients: seconds)
+    from megatron_gspo.train.parts import build_parts
+
     with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
         run(parts, max_steps=args.steps)
 
@@ -234,14 +235,18 @@ def _add_study(sub) -> None:
     register(sub)
 
 
+def _cmd_serve(args) -> None:
+    from megatron_gspo.server.serve import serve_main
+
+    serve_main(args)
+
+
 def _add_serve(sub) -> None:
-    try:
-        from megatron_gspo.server.serve import add_serve_args, serve_main
-    except ImportError:
-        return
+    from megatron_gspo.server.args import add_serve_args
+
     p = sub.add_parser("serve", help="the built-in SGLang-compatible rollout server")
     add_serve_args(p)
-    p.set_defaults(func=serve_main)
+    p.set_defaults(func=_cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""The check every command makes of a new output path before it does any work.
+"""The check every command makes of a new output path before it does any work, and the guard
+that lets a build interrupted by SIGTERM remove its half-written output.
 
 A command that would fail to create its output only at the end (after converting or scoring
 everything) wastes the run and, as an OSError, prints a traceback. So the path is checked first:
@@ -10,8 +11,12 @@ directory there, so nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
@@ -38,3 +43,23 @@ def check_new_output(path: str | os.PathLike, flag: str) -> Path:
             f"choose another {flag}"
         ) from None
     return out
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """Inside the block SIGTERM raises SystemExit(128 + SIGTERM), as SIGINT raises
+    KeyboardInterrupt, so the block's `finally` runs and removes what it had half-written (by
+    default SIGTERM ends the process there and then). The previous handler is restored after.
+    Off the main thread, where Python sets no handler, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -59,7 +59,7 @@ from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.data.transcripts import TOOL_TASKS, segments_batch, tool_task_batch
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
-from megatron_gspo.outputs import check_new_output
+from megatron_gspo.outputs import check_new_output, terminate_raises
 
 INFO_FILE = "warmstart.json"
 # Copying the list back is an easier habit to pick up than forgetting a carry: with the arith
@@ -259,24 +259,25 @@ def make_task_model(
 
     `preset` names a model shape in PRESETS (with its task, used when `task` is None; arith
     without either); `knobs` override WarmStartSpec fields. The checkpoint appears at `out`
-    complete or not at all (built in a temporary directory beside it, then renamed). `out` must
-    not exist and must be creatable; both are checked before any work, as convert checks its
-    --out.
+    complete or not at all (built in a temporary directory beside it, then renamed; the directory
+    is removed on an error, SIGINT or SIGTERM). `out` must not exist and must be creatable; both
+    are checked before any work, as convert checks its --out.
     """
     task, spec = task_model_spec(task, preset, **knobs)
     out = check_new_output(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        tokenizer = "chars" if task in TOOL_TASKS else "words"
-        work = make_tiny_model(spec.tiny_spec(seed, tokenizer), tmp / "model")
-        info = {"task": task, "seed": seed, "preset": preset, **asdict(spec)}
-        info.update(_fine_tune(work, task, seed, spec))
-        (work / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(work, out)
-    finally:
-        torch.set_num_threads(threads)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with terminate_raises():  # (SIGTERM or SIGINT: the finally removes tmp)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            torch.set_num_threads(1)
+            tokenizer = "chars" if task in TOOL_TASKS else "words"
+            work = make_tiny_model(spec.tiny_spec(seed, tokenizer), tmp / "model")
+            info = {"task": task, "seed": seed, "preset": preset, **asdict(spec)}
+            info.update(_fine_tune(work, task, seed, spec))
+            (work / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+            os.replace(work, out)
+        finally:
+            torch.set_num_threads(threads)
+            shutil.rmtree(tmp, ignore_errors=True)
     return out

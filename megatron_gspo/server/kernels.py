@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_gspo.server.args import KERNEL_MODES
+
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "c", "torch")
 SOURCE = Path(__file__).with_name("decode_kernel.c")
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11"]
 _AUTO_MAX_PARAMS = 4 * 2**20  # above this, with several torch threads, "auto" keeps torch
@@ -265,8 +266,8 @@ def attach(model, mode: str = "auto") -> bool:
     it does. "auto" takes it for fp32 models unless several torch threads would serve a large
     model better; "c" insists (KernelUnavailable where it cannot). Builds the library on first use
     (about a second; call it before serving)."""
-    if mode not in MODES:
-        raise ValueError(f"decode kernel mode must be one of {MODES}, got {mode!r}")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"decode kernel mode must be one of {KERNEL_MODES}, got {mode!r}")
     model.decode_kernel = None
     if mode == "torch":
         return False

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("fp8",)
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _LINEAR_SUFFIXES = (
     "self_attn.q_proj.weight",

@@ -13,7 +13,8 @@ import torch
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec, load_hf_config, model_spec
 from megatron_gspo.hf.io import HFReader
-from megatron_gspo.server.quantize import QUANTIZATIONS, fp8_round_, is_quantized_param
+from megatron_gspo.server.args import QUANTIZATIONS
+from megatron_gspo.server.quantize import fp8_round_, is_quantized_param
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")

@@ -3,6 +3,9 @@ limit that stops it and how to train on (it used to print nothing and exit 0); -
 before anything starts, from the step its files hold (tests/e2e/test_train.py shows no server
 starts)."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,33 @@ def test_a_newest_checkpoint_that_does_not_verify_is_left_to_the_start(tmp_path)
     (newest / "trainer_state.json").write_text("{]")
     assert finished_step(tmp_path, run_cfg, False, last=2) is None
     assert finished_step(tmp_path / "none", run_cfg, False, last=2) is None  # no checkpoint
+
+
+# What the answer imports: torch for the bare process group, nothing of the start.
+RESUME = """
+import sys
+from megatron_gspo.cli import main
+
+try:
+    main(sys.argv[1:])
+finally:
+    print(sorted(m for m in sys.modules if m.split(".")[0] in ("aiohttp", "megatron")
+                 or m.startswith(("megatron_gspo.server.serve", "megatron_gspo.train.loop",
+                                  "megatron_gspo.train.parts", "megatron_gspo.weight_sync.sync"))))
+"""
+
+
+def test_resume_of_a_finished_run_imports_no_server_and_no_megatron(tmp_path):
+    run = tmp_path / "run"
+    saved_checkpoint(run, 2)
+    run_cfg = load_config(None, ["model.path=m", "train.steps=2"])
+    dump_config(run_cfg, run / "config.yaml")
+    dump_config(run_cfg, tmp_path / "run.yaml")
+    root = Path(__file__).resolve().parents[2]
+    argv = ["train", "--config", str(tmp_path / "run.yaml"), "--run-dir", str(run), "--resume"]
+    r = subprocess.run([sys.executable, "-c", RESUME, *argv], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root)))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    said, imported = r.stdout.splitlines()
+    assert said.startswith(f"{run} is at step 2 of 2 (train.steps): nothing to train")
+    assert imported == "[]"

@@ -3,9 +3,12 @@ partly competent on held-out prompts (greedy right on a minority, samples often 
 deterministic for a seed, and is written completely or not at all."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +155,25 @@ def test_tool_reports_errors_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "exists" in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_build_stopped_by_a_signal_leaves_nothing_behind(tmp_path, sig):
+    """`make-task-model` sent SIGTERM (a job scheduler's stop) or SIGINT mid-build removes its
+    temporary directory (SIGTERM used to end the process with runs/.NAME.tmp-XXXX/ left)."""
+    out = tmp_path / "runs" / "m"
+    cmd = [sys.executable, "-m", "megatron_gspo", "make-task-model", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.parent.glob(".m.tmp-*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no build started"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert list(out.parent.iterdir()) == []
+    # SIGTERM: SystemExit(143); SIGINT: Python's KeyboardInterrupt, which ends it by SIGINT
+    assert proc.returncode == (128 + sig if sig == signal.SIGTERM else -sig), stderr
