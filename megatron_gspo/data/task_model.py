@@ -23,9 +23,16 @@ PRESETS: dict[str, dict] = {
 
 def check_model_path(path: str, train_source: str) -> None:
     """model.path is a directory, or a one-line error naming how to get one there: for a
-    built-in task, the command that makes its starting model (as scripts/quickstart.sh does)."""
+    built-in task, the command that makes its starting model (as scripts/quickstart.sh does). A
+    file there is named as such (making a model over it would only fail again)."""
     if Path(path).is_dir():
         return
+    if Path(path).exists():
+        raise UserError(
+            f"model.path {path} is a file, not a model directory (an HF checkpoint: config.json "
+            "and *.safetensors, or a Megatron checkpoint from `megatron-gspo convert "
+            "hf-to-megatron`); point model.path at one"
+        )
     fix = "point model.path at an HF or Megatron checkpoint"
     if train_source.startswith("builtin:"):
         task = train_source.removeprefix("builtin:")

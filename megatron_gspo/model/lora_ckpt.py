@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.lora_config import ExpertAdapters, LoraConfig
 
 LORA_FILE = "lora.json"
+_STEP = re.compile(r"step_(\d+)")  # RUN_DIR/checkpoints/step_N (train/checkpointing.py)
 _MIB = 1 << 20
 
 
@@ -104,6 +106,39 @@ def shape_differences(saved: dict, now: dict) -> str:
 
 def _show(value) -> str:
     return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+
+
+def checkpoint_dir(checkpoint: Path) -> Path:
+    """`checkpoint` when it can be one: else a UserError for a missing path or a file, and for a
+    run directory (or its checkpoints/) one naming the checkpoint to pass, the newest there."""
+    checkpoint = Path(checkpoint)
+    want = "pass a LoRA run's checkpoint, RUN_DIR/checkpoints/step_N"
+    if not checkpoint.exists():
+        there = newest_step(checkpoint.parent)
+        also = f" (the newest there: {there})" if there is not None else ""
+        raise UserError(f"{checkpoint} does not exist; {want}{also}")
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint} is a file; {want}")
+    for where, what in ((checkpoint / "checkpoints", "a run directory"), (checkpoint, "")):
+        newest = newest_step(where)
+        if newest is not None:
+            what = what or "a directory of checkpoints"
+            raise UserError(
+                f"{checkpoint} is {what}, not a checkpoint; pass one of its checkpoints, "
+                f"e.g. the newest: --checkpoint {newest}"
+            )
+    if (checkpoint / "checkpoints").is_dir():
+        raise UserError(f"{checkpoint} is a run directory with no checkpoint yet; {want}")
+    return checkpoint
+
+
+def newest_step(directory: Path) -> Path | None:
+    """The step_N directory with the largest N in `directory` (None: none, or no directory)."""
+    if not directory.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _STEP.fullmatch(p.name)) and p.is_dir()]  # fmt: skip
+    return max(steps)[1] if steps else None
 
 
 def read_record(directory: Path) -> tuple[dict, LoraConfig]:

@@ -111,7 +111,7 @@ def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> N
     from megatron_gspo.model.policy import load_policy
     from megatron_gspo.model.weights import iter_hf
 
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = lora_ckpt.checkpoint_dir(Path(checkpoint)), Path(out)
     rec, cfg = lora_ckpt.read_record(checkpoint / "model")
     check_new_output(out, "--out")
     init_distributed(dims)

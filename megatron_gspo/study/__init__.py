@@ -25,7 +25,7 @@ from megatron_gspo.errors import UserError
 def run_study(args: argparse.Namespace, command: str) -> Path:
     """Plan, run what is left, write the report; returns DIR/report.md."""
     from megatron_gspo.study import overrides, plan
-    from megatron_gspo.study.report_md import write_report
+    from megatron_gspo.study.report_md import check_logged, write_report
     from megatron_gspo.study.runner import ensure_model, execute
 
     if not args.collapse_margin > 0:
@@ -38,6 +38,8 @@ def run_study(args: argparse.Namespace, command: str) -> Path:
     sweep = overrides.parse_sweep(args.sweep)
     study = plan.build_study(args.config, args.out, algos, args.seeds, args.overrides,
                              args.steps, table, sweep)  # fmt: skip
+    if args.report_only:
+        check_logged(study)  # nothing to report: say so, write nothing
     plan.check_manifest(study)
     failed: list[str] = []
     if not args.report_only:

@@ -248,9 +248,9 @@ def _starting_model(cfg: Config, given: bool, out: Path) -> Path | None:
     from megatron_gspo.data.task_model import check_model_path
 
     path = cfg.model.path
-    if Path(path).exists():
+    if Path(path).is_dir():
         return None
-    if given or not cfg.data.train.startswith("builtin:"):
+    if given or Path(path).exists() or not cfg.data.train.startswith("builtin:"):
         check_model_path(path, cfg.data.train)
     return (out / "model").resolve()
 

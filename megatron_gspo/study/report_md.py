@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megatron_gspo.errors import UserError
 from megatron_gspo.study.analysis import RunSummary, Spread, spread, summarize_run
 from megatron_gspo.study.figures import CAPTIONS, write_figures
 from megatron_gspo.study.plan import Study
@@ -44,6 +45,16 @@ def load(study: Study) -> dict[str, list[tuple[int, list[dict]]]]:
             rows = [r for r in read_metrics(run.run_dir) if r["step"] <= last]
             out[run.label].append((run.seed, rows))
     return out
+
+
+def check_logged(study: Study) -> None:
+    """--report-only: a UserError, before anything is written, where no run of the study has
+    logged a step (no DIR, or a DIR of other runs): there is nothing to report."""
+    for run in study.runs:
+        if (run.run_dir / METRICS_FILE).is_file() and read_metrics(run.run_dir):
+            return
+    why = f" (none of its {len(study.runs)} run(s) has logged a step)" if study.out.exists() else ""
+    raise UserError(f"no study in {study.out}{why}: run it without --report-only")
 
 
 def labels(study: Study) -> list[str]:

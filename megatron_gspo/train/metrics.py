@@ -18,6 +18,7 @@ To keep that round trip exact, `log` refuses a string metric equal to one of tho
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -171,13 +172,17 @@ class TensorBoardSink:
         from tensorboard.compat.proto import event_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self._pb = event_pb2
+        self._pb, self._dir = event_pb2, Path(log_dir)
         self._writer = EventFileWriter(str(log_dir))
         if start_step > 0:
             start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
             self._add(event_pb2.Event(step=start_step + 1, session_log=start))
 
     def _add(self, event) -> None:
+        # The writer's thread opens the file by name at each write; a directory gone under it
+        # would fail there, printing its own traceback. Checked here, it fails once, in log().
+        if not self._dir.is_dir():
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(self._dir))
         event.wall_time = time.time()
         self._writer.add_event(event)
         self._writer.flush()
@@ -189,7 +194,10 @@ class TensorBoardSink:
         self._add(self._pb.Event(step=row["step"], summary=Summary(value=values)))
 
     def close(self) -> None:
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError:  # its directory went away (log() said so): nothing left to save
+            pass
 
 
 class WandbSink:
@@ -352,9 +360,26 @@ class MetricsLogger:
                 f"step {step} logged after step {max(self._last, 0)}; steps must increase"
             )
         row = clean_metrics(step, metrics)
-        for sink in self._sinks:
-            sink.log(row)
+        if not self.run_dir.is_dir():  # metrics.jsonl, open, would go on into a deleted file
+            raise self._sink_error(None)
+        try:
+            for sink in self._sinks:
+                sink.log(row)
+        except OSError as e:
+            raise self._sink_error(e) from None
         self._last = step
+
+    def _sink_error(self, e: OSError | None) -> UserError:
+        """One line for a sink that cannot write: the run directory gone, or why not."""
+        if e is None or not self.run_dir.is_dir():
+            return UserError(
+                f"the run directory {self.run_dir} disappeared while training (its checkpoints "
+                "with it); start the run again"
+            )
+        return UserError(
+            f"cannot write the metrics in {self.run_dir}: {e}; fix that (space, permissions), "
+            "then continue with --resume"
+        )
 
     def close(self) -> None:
         for sink in self._sinks:

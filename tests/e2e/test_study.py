@@ -186,6 +186,37 @@ def test_a_missing_model_path_given_on_the_command_line_is_one_line_error(tmp_pa
         build_study(BASE, tmp_path / "S", ["gspo", "grpo"], 1, [f"grpo:model.path={missing}"])
 
 
+def test_a_file_as_model_path_is_refused_before_any_run(tmp_path):
+    """model.path=README.md in a study: the plan refuses it as a file (the runs would each fail
+    on it), nothing made."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a model\n")
+    with pytest.raises(UserError, match=f"model.path {readme} is a file, not a model directory"):
+        build_study(BASE, tmp_path / "S", ["gspo"], 1, [f"model.path={readme}"])
+    assert not (tmp_path / "S").exists()
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_report_only_without_a_study_is_one_line_and_writes_nothing(tmp_path, made):
+    """--report-only where no study ran (no DIR, or a DIR none of whose runs has logged a step):
+    one line, exit 2, and no DIR, report.md, figures or study.json made."""
+    out = tmp_path / "nostudy"
+    if made:
+        (out / "runs" / "gspo" / "seed1").mkdir(parents=True)  # started, killed before a step
+        (out / "runs" / "gspo" / "seed1" / "metrics.jsonl").write_text("")
+    before = sorted(tmp_path.rglob("*"))
+    cmd = [sys.executable, "-m", "megatron_gspo", "study", "--config", str(BASE), "--out",
+           str(out), "--report-only"]  # fmt: skip
+    env = cli_env() | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    why = " (none of its 4 run(s) has logged a step)" if made else ""
+    assert proc.stderr.strip().splitlines() == [
+        f"error: no study in {out}{why}: run it without --report-only"
+    ]
+    assert proc.stdout == "" and sorted(tmp_path.rglob("*")) == before
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

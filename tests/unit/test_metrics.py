@@ -303,3 +303,48 @@ def test_wandb_missing_is_a_user_error_and_touches_nothing(tmp_path, monkeypatch
 def test_read_metrics_names_a_missing_file(tmp_path):
     with pytest.raises(UserError, match=str(tmp_path / "nope")):
         read_metrics(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("tensorboard", [True, False])
+def test_a_run_directory_deleted_while_training_is_one_line(tmp_path, monkeypatch, tensorboard):
+    """rm -rf RUN_DIR mid-run: the next step's log is a UserError naming the directory (not
+    TensorBoard's FileNotFoundError, nor its writer thread's own traceback; not, without
+    TensorBoard, lines going on into the deleted metrics.jsonl), and closing says nothing."""
+    import shutil
+    import threading
+
+    thread_errors: list = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    run_dir = tmp_path / "run"
+    logger = MetricsLogger(run_dir, total_steps=5, tensorboard=tensorboard, console=False)
+    logger.log(1, step_metrics(1))
+    shutil.rmtree(run_dir)
+    with pytest.raises(UserError) as e:
+        logger.log(2, step_metrics(2))
+    assert str(e.value) == (
+        f"the run directory {run_dir} disappeared while training (its checkpoints with it); "
+        "start the run again"
+    )
+    logger.close()
+    assert thread_errors == [] and not run_dir.exists()
+
+
+def test_a_sink_that_cannot_write_names_the_run_directory(tmp_path, monkeypatch):
+    """Only tensorboard/ gone (the run directory still there): the one line says which file and
+    the run directory; TensorBoard's thread prints nothing of its own."""
+    import shutil
+    import threading
+
+    thread_errors: list = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    logger = MetricsLogger(tmp_path, total_steps=5, tensorboard=True, console=False)
+    logger.log(1, step_metrics(1))
+    shutil.rmtree(tmp_path / "tensorboard")
+    with pytest.raises(UserError) as e:
+        logger.log(2, step_metrics(2))
+    msg = str(e.value)
+    assert msg.startswith(f"cannot write the metrics in {tmp_path}: [Errno 2] No such file")
+    assert str(tmp_path / "tensorboard") in msg and "\n" not in msg
+    logger.close()
+    assert thread_errors == []
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # jsonl went first

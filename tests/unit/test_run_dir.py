@@ -267,3 +267,18 @@ def test_a_missing_model_path_names_the_command_that_makes_the_tasks_model(tmp_p
     with pytest.raises(UserError) as e:
         check_model_path(str(tmp_path / "m"), train)
     assert str(e.value).endswith(f"megatron-gspo make-task-model {flags} --out {tmp_path / 'm'}")
+
+
+@pytest.mark.parametrize("train", ["builtin:arith", "data/train.jsonl"])
+def test_a_file_as_model_path_is_named_a_file_not_a_missing_model(tmp_path, train):
+    """model.path=README.md: no 'does not exist' and no make-task-model over the file."""
+    from megatron_gspo.data.task_model import check_model_path
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a model\n")
+    with pytest.raises(UserError) as e:
+        check_model_path(str(readme), train)
+    msg = str(e.value)
+    assert msg.startswith(f"model.path {readme} is a file, not a model directory")
+    assert "config.json" in msg and "does not exist" not in msg and "make-task-model" not in msg
+    assert readme.read_text() == "# not a model\n"

@@ -1,0 +1,79 @@
+"""`convert lora-to-hf --checkpoint PATH`: a path that is not a checkpoint gets the line that names
+what to pass (a missing path, a file, a run directory, its checkpoints/), not 'holds no LoRA
+adapters'."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.errors import UserError
+from megatron_gspo.model.lora_ckpt import LORA_FILE, checkpoint_dir
+
+
+def _run_dir(root: Path, steps: list[int]) -> Path:
+    run = root / "lora"
+    for n in steps:
+        (run / "checkpoints" / f"step_{n}" / "model").mkdir(parents=True)
+    (run / "checkpoints" / ".step_99.tmp").mkdir(parents=True)  # a save cut short: not one
+    (run / "checkpoints" / "unverified").mkdir()
+    (run / "metrics.jsonl").write_text("")
+    return run
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(UserError) as e:
+        checkpoint_dir(path)
+    return str(e.value)
+
+
+def test_a_missing_checkpoint_is_said_not_to_exist_and_the_newest_beside_it_named(tmp_path):
+    run = _run_dir(tmp_path, [10, 30, 20])
+    msg = _error(run / "checkpoints" / "step_40")
+    assert msg.startswith(f"{run / 'checkpoints' / 'step_40'} does not exist; pass a LoRA run's")
+    assert msg.endswith(f"(the newest there: {run / 'checkpoints' / 'step_30'})")
+    assert _error(tmp_path / "nowhere").endswith("RUN_DIR/checkpoints/step_N")
+
+
+@pytest.mark.parametrize("given", ["", "checkpoints"])
+def test_a_run_directory_or_its_checkpoints_names_the_newest_checkpoint(tmp_path, given):
+    run = _run_dir(tmp_path, [8, 40, 9])  # 40 > 9 as numbers, not as names
+    msg = _error(run / given)
+    what = "a directory of checkpoints" if given else "a run directory"
+    assert msg == (
+        f"{run / given} is {what}, not a checkpoint; pass one of its checkpoints, e.g. the "
+        f"newest: --checkpoint {run / 'checkpoints' / 'step_40'}"
+    )
+    assert "no LoRA adapters" not in msg
+
+
+def test_a_run_directory_without_checkpoints_and_a_file_say_so(tmp_path):
+    run = _run_dir(tmp_path, [])
+    assert "is a run directory with no checkpoint yet" in _error(run)
+    assert _error(run / "metrics.jsonl").startswith(f"{run / 'metrics.jsonl'} is a file; pass")
+
+
+def test_a_checkpoint_passes_and_reads_on(tmp_path):
+    step = _run_dir(tmp_path, [5]) / "checkpoints" / "step_5"
+    assert checkpoint_dir(step) == step
+    (step / "model" / LORA_FILE).write_text("{}")
+    assert checkpoint_dir(step) == step
+
+
+def test_the_cli_says_it_on_one_line_and_exits_2(tmp_path):
+    run = _run_dir(tmp_path, [40])
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]), OMP_NUM_THREADS="1")
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "megatron_gspo", "convert", "lora-to-hf", "--checkpoint"]
+    proc = subprocess.run([*cmd, str(run), "--out", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {run} is a run directory, not a checkpoint; pass one of its checkpoints, e.g. "
+        f"the newest: --checkpoint {run / 'checkpoints' / 'step_40'}"
+    ]
+    assert not out.exists()
