@@ -711,23 +711,30 @@ def test_the_launcher_refuses_a_redirect_of_health_and_the_api_key_goes_nowhere_
         other_server.shutdown()
 
 
+def _restart_failure(group):
+    """Start `group`, set its weights, kill its server and restart it: (the server, the restart's
+    ServerFailed)."""
+    from megatron_gspo.rollout.launcher import ServerFailed
+
+    group.start()
+    group.set_current_weights(weight_version="3")
+    s = group.servers[0]
+    assert s.proc is not None
+    s.proc.kill()
+    s.proc.wait()
+    with pytest.raises(ServerFailed) as e:
+        group.restart(s)
+    return s, e.value
+
+
 def test_a_restarted_servers_weights_request_refuses_a_redirect(tmp_path):
     """The request that brings a restarted server to the current weights followed a 302 (as a
     GET, with the API key) to the host it named. Now the restart fails naming where it pointed."""
-    from megatron_gspo.rollout.launcher import ServerFailed
-
     other, seen, other_server = authorization_recorder()
     group = _redirecting_group(tmp_path, other, "/update_weight_version", 302)
     try:
-        group.start()
-        group.set_current_weights(weight_version="3")
-        s = group.servers[0]
-        assert s.proc is not None
-        s.proc.kill()
-        s.proc.wait()
-        with pytest.raises(ServerFailed) as e:
-            group.restart(s)
-        assert str(e.value) == (
+        s, e = _restart_failure(group)
+        assert str(e) == (
             f"server 0 (builtin, pid {s.pid}) at {s.url}: /update_weight_version answered HTTP "
             f"302, a redirect to {other}/update_weight_version, which is not followed (the API "
             "key would go with it)"
@@ -743,21 +750,12 @@ def test_a_restarted_servers_weights_answer_of_any_length_is_refused_in_one_line
     whole (a server or proxy answering 64 MB made the trainer hold it all, then take it as done).
     It is read up to the 16 MiB of the rollout client's control answers; past it the restart
     fails in one line naming the server and the path."""
-    from megatron_gspo.rollout.launcher import ServerFailed
-
     group = _redirecting_group(
         tmp_path, "http://127.0.0.1:1", "", 307, long="/update_weight_version"
     )
     try:
-        group.start()
-        group.set_current_weights(weight_version="3")
-        s = group.servers[0]
-        assert s.proc is not None
-        s.proc.kill()
-        s.proc.wait()
-        with pytest.raises(ServerFailed) as e:
-            group.restart(s)
-        assert str(e.value) == (
+        s, e = _restart_failure(group)
+        assert str(e) == (
             f"server 0 (builtin, pid {s.pid}) at {s.url}: /update_weight_version answered a body "
             "of more than 16.8 MB, where its answer is a few lines of JSON (not read past that)"
         )
