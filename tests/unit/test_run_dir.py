@@ -15,6 +15,7 @@ from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
 from megatron_gspo.train import run_dir as rd
+from tests.helpers import MEGATRON_METADATA
 
 pytestmark = pytest.mark.unit
 
@@ -54,11 +55,6 @@ def _checkpoint(run, step=1):
     (d / "model" / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
     checkpointing.write_manifest(d)
     return d
-
-
-# what megatron-core writes as a dist-checkpoint's model/metadata.json
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                     "common_backend": "torch", "common_backend_version": 1}  # fmt: skip
 
 
 def _tree(root: Path) -> list:
