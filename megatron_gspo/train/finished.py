@@ -55,23 +55,20 @@ def launch_line(
     """A launch script's --resume, before any server starts: the nothing-to-train line, or None
     (the launch goes on and its trainer decides). Reads the files only, without the lock: nothing
     in `run_dir` is made or written. A config --resume does not accept is the UserError."""
-    last = last_step(cfg, max_steps)
-    if not checkpointing.checkpoint_root(run_dir).is_dir():
-        return None
-    return _said(cfg, run_dir, finished_step(run_dir, cfg, allow_config_change, last), last)
+    return _line(cfg, run_dir, last_step(cfg, max_steps), allow_config_change, locked=False)
 
 
-def _line(cfg: Config, run_dir: Path, last: int, allow_config_change: bool) -> str | None:
-    """Rank 0: the nothing-to-train line, or None (the start goes on and decides)."""
+def _line(
+    cfg: Config, run_dir: Path, last: int, allow_config_change: bool, locked: bool = True
+) -> str | None:
+    """The nothing-to-train line, or None (the start goes on and decides); `locked`: read under
+    the run directory's lock (rank 0 of a start; a launch script's nodes read without it)."""
     if not checkpointing.checkpoint_root(run_dir).is_dir():  # (no lock file made for nothing)
         return None
-    lock = RunDirLock(run_dir).acquire()
+    lock = RunDirLock(run_dir).acquire() if locked else None
     try:
         step = finished_step(run_dir, cfg, allow_config_change, last)
     finally:
-        lock.release()
-    return _said(cfg, run_dir, step, last)
-
-
-def _said(cfg: Config, run_dir: Path, step: int | None, last: int) -> str | None:
+        if lock is not None:
+            lock.release()
     return None if step is None else nothing_to_train(run_dir, step, last, cfg.train.steps)
