@@ -14,6 +14,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.rewards.exact import exact_answer
@@ -25,6 +26,7 @@ RewardFn = Callable[[str, str, str], float]
 BUILTIN: dict[str, RewardFn] = {"exact": exact_answer, "math": math_answer}
 
 __all__ = [
+    "Failure",
     "RewardFn",
     "Scored",
     "load_reward",
@@ -71,17 +73,49 @@ def score_rewards(fn: RewardFn, items: list[tuple[str, str, str]], name: str) ->
     return [_score(fn, item, i, name) for i, item in enumerate(items)]
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why a sample failed, in one line, and the log that has it with its traceback (None: no
+    log has it)."""
+
+    line: str
+    log: Path | None = None
+
+
 @dataclass
 class Scored:
     """Rewards of a batch where a failure ends its item alone: `rewards[i]` is None where the
-    function failed on it (rewards/scoring.py), and `failures` says why (one line each)."""
+    function failed on it (rewards/scoring.py); `errors[i]` says why item i failed (None: it did
+    not), also where it still has a reward: 0 for an episode whose environment failed after the
+    model's first turn (train/generate.py)."""
 
     rewards: list[float | None]
-    failures: list[str]
+    errors: list[Failure | None]
 
     @property
     def failed(self) -> list[int]:
+        """The items without a reward (their groups are dropped)."""
         return [i for i, v in enumerate(self.rewards) if v is None]
+
+    @property
+    def failures(self) -> list[str]:
+        """Why each item without a reward has none, one line each."""
+        return [e.line if (e := self.errors[i]) is not None else "" for i in self.failed]
+
+    @property
+    def all_failed(self) -> bool:
+        """Every item failed, whatever the stage: nothing of the batch is worth training on."""
+        return bool(self.errors) and all(e is not None for e in self.errors)
+
+    def logs_text(self, items: list[int]) -> str:
+        """The end of a line about the failures of `items`: "; LOG has each, with its traceback",
+        naming the logs that have them ("" where none does)."""
+        found = [e.log for i in items if (e := self.errors[i]) is not None]
+        logs = list(dict.fromkeys(log for log in found if log is not None))
+        if not logs:
+            return ""
+        verb = "has" if len(logs) == 1 else "have"
+        return f"; {' and '.join(map(str, logs))} {verb} each, with its traceback"
 
 
 def dynamic_sampling_keep(rewards: list[float], group_size: int) -> list[int]:

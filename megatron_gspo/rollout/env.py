@@ -30,7 +30,8 @@ runs past `env.timeout_s`, kills its process or returns something else than the 
 episode: EnvError, counted, one summary line per step on the console and each episode's line
 (with the traceback) in RUN_DIR/logs/env.log. The episode's reward is 0, or, when it failed
 before the model's first turn (`fn(row)`, `prompt()`), it is a failed reward whose group is
-dropped, and a step on which every reward failed ends the run (train/generate.py). A call past
+dropped (train/generate.py); a step on which every sample failed, at any stage, ends the run
+(train/samples.py). A call past
 its time limit, or whose process dies, takes its worker down, and with it the episodes living
 there (they end as well, within env.timeout_s plus a worker's start); a new worker takes the
 next episodes.

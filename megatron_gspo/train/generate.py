@@ -4,7 +4,9 @@ episode per sample (rollout/episodes.py), and the rewards of either.
 A completion's reward is `reward.fn(prompt, response, answer)`. An episode's is the last reward
 its environment gave, else `reward.fn` on its last model turn (the answer, for a tool-calling
 episode); an episode whose environment failed gets 0 (RUN_DIR/logs/env.log says why), or, when it
-failed before the model wrote anything, counts as a failed reward (its group is dropped).
+failed before the model wrote anything, counts as a failed reward (its group is dropped). Either
+is a failed sample, as one whose reward failed (RUN_DIR/logs/reward.log): a step on which every
+sample failed ends the run (train/samples.py).
 
 Each prompt's group is generated on its own, and its samples go to the reward's worker processes
 (rewards/scoring.py) as soon as the group is done (an episode: as soon as it ends), so scoring
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 from megatron_gspo.bounded import Kind, Outcome
 from megatron_gspo.config import Config
-from megatron_gspo.rewards import Scored
+from megatron_gspo.rewards import Failure, Scored
 from megatron_gspo.rewards.scoring import RewardScorer
 from megatron_gspo.rollout.partial import finish
 from megatron_gspo.rollout.sample import Sample
@@ -89,12 +91,14 @@ class Generation:
         groups = [[s for s, _ in part] for part in parts]
         futures = [f for part in parts for _, f in part]
         if client.hold.stopped:  # aborted for good, the run is ending: no reward is waited for
-            futures = [_done(None, "the run is ending") for _ in futures]
+            futures = [_done(None, "the run is ending", Kind.CLOSED) for _ in futures]
         outcomes = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        if self.runner is not None:
-            _env_summary([s for g in groups for s in g], where, self.cfg.env.fn,
-                         self.runner.log.path)  # fmt: skip
-        return Rollout(groups, _scored(outcomes), t1 - t0, time.perf_counter() - t1)
+        samples = [s for g in groups for s in g]
+        scored = self._scored(samples, outcomes)
+        # (a step on which every sample failed ends the run on its own line: train/samples.py)
+        if self.runner is not None and not (step is not None and scored.all_failed):
+            _env_summary(samples, where, self.cfg.env.fn, self.runner.log.path)
+        return Rollout(groups, scored, t1 - t0, time.perf_counter() - t1)
 
     async def _completions(self, client: RolloutClient, row, i: int, ids: list[int], n: int,
                            sampling: dict, routed: bool, grouped: bool,
@@ -121,19 +125,38 @@ class Generation:
     def score(self, rows, samples: list[Sample], where: str = "") -> Scored:
         """Each sample's reward (None: failed, `failures` says why), waited for here."""
         futures = [self._submit(rows[s.prompt_index], s, where) for s in samples]
-        return _scored([f.result() for f in futures])
+        return self._scored(samples, [f.result() for f in futures])
 
     def _submit(self, row, s: Sample, where: str) -> Future:
         """Future of the sample's reward Outcome: its environment's, or reward.fn's."""
         if s.env_error is not None and not s.tokens:
-            return _done(None, f"environment {self.cfg.env.fn!r} failed: {s.env_error}")
+            return _done(None, self._env_failed(s))
         if s.env_error is not None:
             return _done(0.0)
         if s.env_reward is not None:
             return _done(float(s.env_reward))
         if s.aborted:  # (the run is ending: nothing will train on it)
-            return _done(None, "its generation was aborted")
+            return _done(None, "its generation was aborted", Kind.CLOSED)
         return self.rewards.submit(row.prompt, self.text(s), row.answer, where)
+
+    def _env_failed(self, s: Sample) -> str:
+        return f"environment {self.cfg.env.fn!r} failed: {s.env_error}"
+
+    def _scored(self, samples: list[Sample], outcomes: list[Outcome]) -> Scored:
+        """The samples' rewards and why each that failed did: its environment (whose log has
+        it, with the traceback), else its reward (the reward's log; none where the run ended
+        before it was scored: Kind.CLOSED)."""
+        env_log = None if self.runner is None else self.runner.log.path
+        errors: list[Failure | None] = []
+        for s, o in zip(samples, outcomes):
+            if s.env_error is not None:
+                errors.append(Failure(self._env_failed(s), env_log))
+            elif not o.ok:
+                log = None if o.kind is Kind.CLOSED else self.rewards.log.path
+                errors.append(Failure(o.message, log))
+            else:
+                errors.append(None)
+        return Scored([o.value if o.ok else None for o in outcomes], errors)
 
     def text(self, s: Sample) -> str:
         """The response text a reward function sees: the last model turn of an episode."""
@@ -144,16 +167,11 @@ class Generation:
         return cast(str, self.tokenizer.decode(tokens, skip_special_tokens=True))
 
 
-def _done(value: float | None, failure: str = "") -> Future:
+def _done(value: float | None, failure: str = "", kind: Kind = Kind.RAISED) -> Future:
     f: Future = Future()
     f.set_result(Outcome(Kind.VALUE, value=value) if value is not None
-                 else Outcome(Kind.RAISED, message=failure))  # fmt: skip
+                 else Outcome(kind, message=failure))  # fmt: skip
     return f
-
-
-def _scored(outcomes: list[Outcome]) -> Scored:
-    return Scored([o.value if o.ok else None for o in outcomes],
-                  [o.message for o in outcomes if not o.ok])  # fmt: skip
 
 
 def _env_summary(samples: list[Sample], where: str, fn: str | None, path: Path | None) -> None:

@@ -191,8 +191,9 @@ class BatchProducer:
         greedy = self.sampling(0, greedy=True)
         scored = self.io.run(self.gen.rollout(self.generator, rows, prompts, 1, greedy)).scored
         if scored.failures:
-            log.warning("eval: the reward failed on %d of %d samples, counted wrong (first: %s)",
-                        len(scored.failures), len(rows), scored.failures[0])  # fmt: skip
+            log.warning("eval: the reward failed on %d of %d samples, counted wrong (first: %s)%s",
+                        len(scored.failures), len(rows), scored.failures[0],
+                        scored.logs_text(scored.failed))  # fmt: skip
         return sum(v or 0.0 for v in scored.rewards) / max(len(rows), 1)
 
     def hold(self, on: bool) -> None:

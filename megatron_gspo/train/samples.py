@@ -116,16 +116,19 @@ def sample_versions(samples) -> tuple[float, float, float]:
 
 
 def reward_failures(scored, step: int) -> list[int]:
-    """The samples whose reward failed (their groups are dropped); an error when every one did
-    (the function is broken, and the step would have nothing to train on)."""
-    failed = scored.failed
-    if failed and len(failed) == len(scored.rewards):
-        raise UserError(f"{scored.failures[0]} (it failed on all {len(failed)} samples of step "
-                        f"{step})")  # fmt: skip
+    """The samples whose reward failed (their groups are dropped); an error when every sample
+    failed, whatever the stage (its environment's start or step(), its reward): the user's code
+    is broken, and the step would have nothing to train on. The lines name the logs with the
+    tracebacks."""
+    failed, n = scored.failed, len(scored.rewards)
+    if scored.all_failed:
+        first = next(e for e in scored.errors if e is not None)
+        raise UserError(f"{first.line} (all {n} samples of step {step} failed"
+                        f"{scored.logs_text(list(range(n)))})")  # fmt: skip
     if failed:
         log.warning("step %d: the reward failed on %d of %d samples; their groups are dropped "
-                    "(first: %s)", step, len(failed), len(scored.rewards),
-                    scored.failures[0])  # fmt: skip
+                    "(first: %s)%s", step, len(failed), n, scored.failures[0],
+                    scored.logs_text(failed))  # fmt: skip
     return failed
 
 

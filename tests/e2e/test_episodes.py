@@ -21,7 +21,7 @@ from megatron_gspo.rollout.env import EnvCalls
 from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
 from tests.e2e.server_process import running_server
 from tests.e2e.test_rollout_server import hf_teacher_forced
-from tests.e2e.test_train import metrics, train
+from tests.e2e.test_train import error_lines, metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -129,14 +129,30 @@ def test_an_observation_far_past_the_episode_s_room_ends_it_without_being_tokeni
 
 
 BAD_ENV = '''
-import time
+import os, time
+from pathlib import Path
 from megatron_gspo.rollout.env import Step
 
+STARTS = Path(STARTS_DIR)  # one file per episode started, in any worker process
+
+
+def _number():
+    k = 0
+    while True:
+        try:
+            os.close(os.open(STARTS / str(k), os.O_CREAT | os.O_EXCL))
+            return k
+        except FileExistsError:
+            k += 1
+
+
 class Env:
-    """Fails in a different way on most prompts; answers the rest once, then is done."""
+    """Four of every five episodes started fail, each in a different way; the fifth answers
+    once, then is done (so that every step has episodes of each kind: a step on which every
+    episode failed ends the run)."""
 
     def __init__(self, row):
-        self.kind = sum(map(ord, row.prompt)) % 5
+        self.kind = _number() % 5
         if self.kind == 0:
             raise RuntimeError("cannot start this one")
         self.turns = 0
@@ -158,21 +174,20 @@ class Env:
 def test_an_environment_that_raises_hangs_or_returns_garbage_is_counted_and_the_run_finishes(
     chat_model, tmp_path
 ):
-    path = tmp_path / "bad_env.py"
-    path.write_text(BAD_ENV)
+    path, starts = tmp_path / "bad_env.py", tmp_path / "starts"
+    starts.mkdir()
+    path.write_text(BAD_ENV.replace("STARTS_DIR", repr(str(starts))))
     run_dir = tmp_path / "run"
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "a"}) + "\n"
-                            for i in range(40)))  # fmt: skip
     # (a worker per episode: a hang takes no other episode with its worker)
     rc, out = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
-                    "env.timeout_s=0.5", f"data.train={data}", "train.eval_every=0",
-                    "rollout.max_new_tokens=4", "env.workers=16")  # fmt: skip
+                    "env.timeout_s=0.5", "train.eval_every=0", "rollout.max_new_tokens=4",
+                    "env.workers=16")  # fmt: skip
     assert rc == 0, out[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["env/errors"] > 0 and r["rollout/samples"] == 16.0, r
+    for r in rows:  # starts 0-15, then 16-31: one in five works; the failed starts' groups drop
+        assert r["env/errors"] == 13.0 and r["rollout/samples"] == 16.0, r
+        assert r["reward/failed_samples"] == [4.0, 3.0][r["step"] - 1], r
         assert r["env/turns_mean"] > 0, r
     summary = [line for line in out.splitlines() if " episodes (first: " in line]
     assert [line.split(":")[0] for line in summary] == ["step 1", "step 2"], out[-3000:]
@@ -225,6 +240,48 @@ def test_episodes_that_failed_to_start_are_not_stale_and_nothing_is_generated_ag
     assert f"step 2: the environment '{path}:Env' failed on 5 of 16 episodes" in out, out[-3000:]
     assert f"; {env_log} has each" in out and "RUN_DIR" not in out, out[-3000:]
     assert env_log.read_text().count("starting the episode raised RuntimeError: flaky start") == 16
+
+
+STEP_FAILS_ENV = '''
+import itertools
+from megatron_gspo.rollout.env import Step
+
+CALLS = itertools.count()  # (one worker: every step() of the run is called in this process)
+
+class Env:
+    """Step 1's 16 episodes end after the model's first turn; every later step() raises."""
+
+    def __init__(self, row):
+        pass
+
+    def step(self, turn):
+        if next(CALLS) >= 16:
+            raise ValueError("bad turn")
+        return Step(done=True, reward=float(len(turn.ids) % 2 == 0))
+'''
+
+
+def test_a_step_whose_every_episode_failed_in_step_ends_the_run_and_keeps_its_checkpoints(
+    chat_model, tmp_path
+):
+    """An environment whose step() raises on every episode of step 2: that step trained on
+    rewards all 0 and the run went on to exit 0, where a reward failing on every sample ends it.
+    Now it ends there in one line naming the run's env.log (exit 2), step 1's checkpoint kept."""
+    path = tmp_path / "step_fails.py"
+    path.write_text(STEP_FAILS_ENV)
+    run_dir = tmp_path / "run"
+    rc, out = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
+                    "env.workers=1", "train.eval_every=0", "rollout.max_new_tokens=4",
+                    "train.checkpoint_every=1", steps=3)  # fmt: skip
+    env_log = run_dir.resolve() / "logs" / "env.log"
+    assert rc == 2 and error_lines(out) == [
+        f"error: environment '{path}:Env' failed: step() raised ValueError: bad turn (all 16 "
+        f"samples of step 2 failed; {env_log} has each, with its traceback)"
+    ], out[-3000:]
+    assert " episodes (first: " not in out, out[-3000:]  # (the error is the step's one line)
+    assert [r["step"] for r in metrics(run_dir)] == [1]
+    assert (run_dir / "checkpoints" / "step_1" / "trainer_state.json").is_file()
+    assert env_log.read_text().count("ValueError: bad turn") == 2 * 16  # (line and traceback)
 
 
 GOOD_ENV = '''

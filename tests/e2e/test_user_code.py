@@ -111,6 +111,38 @@ def test_a_reward_that_hangs_exits_or_dies_fails_those_samples_and_the_run_finis
         assert what in log, log
 
 
+FAILING_REWARD = """
+def score(prompt, response, answer):
+    raise ValueError("cannot score")
+"""
+
+
+def test_a_reward_failing_on_every_sample_ends_the_run_naming_its_log(model, tmp_path):
+    """eval's warning and the error that ends the run (exit 2) named no log: each now names the
+    run's logs/reward.log, which has every failure's traceback."""
+    plugin = tmp_path / "failing.py"
+    plugin.write_text(FAILING_REWARD)
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, model, f"reward.fn={plugin}:score", "reward.workers=2",
+                  "train.eval_every=1")  # fmt: skip
+    try:
+        rc = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = (tmp_path / "run.log").read_text().splitlines()
+    log = run_dir.resolve() / "logs" / "reward.log"
+    has_each = f"; {log} has each, with its traceback"
+    [error] = [line for line in lines if line.startswith("error:")]
+    assert rc == 2 and error.startswith(f"error: reward '{plugin}:score' raised ValueError: "
+                                        "cannot score (prompt "), lines[-20:]  # fmt: skip
+    assert error.endswith(f"; fix the reward function (all 16 samples of step 1 failed{has_each})")
+    [at_eval] = [line for line in lines if line.startswith("eval: ")]  # (step 0's)
+    assert at_eval.startswith("eval: the reward failed on 8 of 8 samples, counted wrong (first: ")
+    assert at_eval.endswith(has_each), at_eval
+    assert log.read_text().count("ValueError: cannot score") == 2 * (8 + 16)  # line, traceback
+
+
 def test_ctrl_c_stops_a_run_whose_reward_swallows_it_and_leaves_no_process(model, tmp_path):
     started = tmp_path / "started"
     plugin = tmp_path / "stubborn.py"

@@ -25,7 +25,7 @@ from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
 from megatron_gspo.rollout.sample import Sample
 from megatron_gspo.rollout.tool_env import tool_env
 from megatron_gspo.train.generate import Generation
-from megatron_gspo.train.samples import to_batch
+from megatron_gspo.train.samples import reward_failures, to_batch
 
 pytestmark = pytest.mark.unit
 
@@ -361,6 +361,40 @@ def test_an_episode_is_scored_by_its_environment_else_reward_fn_on_its_last_turn
     assert scored.rewards == [1.0, 0.0, 0.25, 0.0, None, 1.0]
     assert scored.failed == [4]
     assert "starting the episode raised" in scored.failures[0]
+
+
+class _EnvTok(_SizedTok):
+    eos_token = None
+
+
+def test_a_step_on_which_every_sample_failed_at_any_stage_ends_the_run_naming_the_logs(tmp_path):
+    """An episode whose step() failed, after a model turn, is trained on at reward 0, its group
+    kept; but a step on which every episode failed so trained on rewards all 0 and the run went
+    on, where a reward failing on every sample ends it. Every sample failed, whatever the stage
+    (step(), the episode's start, its reward): an error naming the logs with the tracebacks."""
+    cfg = load_config(None, ["model.path=m", f"env.fn={ENV}Echo", "env.workers=1",
+                             "reward.fn=tests.unit.user_code:reward", "reward.workers=1"])  # fmt: skip
+    gen = Generation(cfg, _EnvTok(), tmp_path)  # type: ignore[arg-type]
+    rows = [PromptRow("p", "cd"), PromptRow("raise", "cd")]
+    after = _sample([1], [1], env_error="step() raised ValueError: bad turn")
+    before = _sample([], None, env_error="starting the episode raised RuntimeError: no")
+    reward_raised = _sample([3, 4], [1, 1])
+    reward_raised.prompt_index = 1
+    try:
+        partly = gen.score(rows, [after, _sample([3, 4], [1, 1])])
+        every = gen.score(rows, [after, before, reward_raised])
+    finally:
+        gen.close()
+    assert partly.rewards == [0.0, 1.0] and reward_failures(partly, 3) == []
+    assert every.rewards == [0.0, None, None]
+    with pytest.raises(UserError) as e:
+        reward_failures(every, 3)
+    logs = tmp_path / "logs"
+    assert str(e.value) == (
+        f"environment '{ENV}Echo' failed: step() raised ValueError: bad turn (all 3 samples of "
+        f"step 3 failed; {logs / 'env.log'} and {logs / 'reward.log'} have each, with its "
+        "traceback)"
+    )
 
 
 def test_an_episode_becomes_a_row_with_the_environment_masked_out():

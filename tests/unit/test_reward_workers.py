@@ -5,6 +5,7 @@ side by side, each sample sent as soon as its group's generation ends."""
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,10 +18,12 @@ from megatron_gspo.bounded import Kind
 from megatron_gspo.config import load_config
 from megatron_gspo.data.prompts import PromptRow
 from megatron_gspo.errors import UserError
+from megatron_gspo.rewards import Scored
 from megatron_gspo.rewards.scoring import RewardScorer
 from megatron_gspo.rollout.partial import Hold
 from megatron_gspo.rollout.sample import Sample
 from megatron_gspo.train.generate import Generation
+from megatron_gspo.train.samples import reward_failures
 
 pytestmark = pytest.mark.unit
 
@@ -158,6 +161,7 @@ def test_a_plugin_that_cannot_be_imported_fails_at_start_as_before():
 
 LOADS = """
 from megatron_gspo.errors import UserError
+from megatron_gspo.rewards import Scored
 from megatron_gspo.rewards.scoring import RewardScorer
 
 try:
@@ -300,3 +304,35 @@ def test_rewards_are_scored_side_by_side_while_generation_goes_on(tmp_path, monk
     assert min(c["start"] for c in got if c["prompt"] == "p0") < client.ended[2]
     assert any(a["pid"] != b["pid"] and a["start"] < b["end"] and b["start"] < a["end"]
                for a in got for b in got)  # fmt: skip
+
+
+def test_the_lines_about_a_step_s_failed_rewards_name_the_run_s_reward_log(tmp_path, caplog):
+    """The step's warning (some samples failed) and the error that ends the run (every one did)
+    said why the first failed and "fix the reward function", but not where the tracebacks are:
+    each now names RUN_DIR/logs/reward.log."""
+    cfg = load_config(None, ["model.path=m", f"reward.fn={REWARD}", "reward.workers=1"])
+    gen = Generation(cfg, _Tok(), tmp_path)
+    rows = [PromptRow("raise", "xx"), PromptRow("ok", "xx")]
+    samples = [Sample(i, 0, [1], [1, 1], finish_reason="stop") for i in (0, 1, 0)]
+    try:
+        scored = gen.score(rows, samples, "step 3")
+    finally:
+        gen.close()
+    log = tmp_path / "logs" / "reward.log"
+    first = (
+        f"reward {REWARD!r} raised RuntimeError: broken (prompt 'raise'); fix the reward function"
+    )
+    assert scored.rewards == [None, 1.0, None]
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo.train.samples"):
+        assert reward_failures(scored, 3) == [0, 2]
+    assert caplog.messages == [
+        f"step 3: the reward failed on 2 of 3 samples; their groups are dropped (first: {first}); "
+        f"{log} has each, with its traceback"
+    ]
+    every = Scored(scored.rewards[::2], scored.errors[::2])  # (the two that failed)
+    with pytest.raises(UserError) as e:
+        reward_failures(every, 3)
+    assert str(e.value) == (
+        f"{first} (all 2 samples of step 3 failed; {log} has each, with its traceback)"
+    )
+    assert log.read_text().count("Traceback (most recent call last)") == 2
