@@ -212,6 +212,25 @@ def refuse_redirect(resp: aiohttp.ClientResponse, url: str, path: str) -> None:
         raise RolloutError(f"{url}: {line}; point rollout.urls at the server itself")
 
 
+def not_an_object(raw: bytes) -> str | None:
+    """What the whole answer `raw` to a control request is, where it is not a JSON object (a
+    proxy's page, a list): its snippet and why; None where it is one, or empty (SGLang's {})."""
+    if not raw.strip():
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return f"{snippet(raw[:2000].decode('utf-8', 'replace'))}, not JSON"
+    return None if isinstance(data, dict) else f"{snippet(data)}, not a JSON object"
+
+
+def control_failure(path: str, status: int, raw: bytes) -> str:
+    """One line for a failed answer (not 2xx, not a redirect) to the control request `path`,
+    its body `raw` (the first FAILURE_LIMIT bytes at most) read for its message."""
+    what = message(json_object(raw)) if raw.strip() else "(no body)"
+    return f"{path} answered HTTP {status}: {what}"
+
+
 def json_object(raw: bytes) -> dict:
     """`raw` as read_json reads an answer's body."""
     try:
