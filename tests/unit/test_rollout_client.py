@@ -7,6 +7,7 @@ import contextlib
 import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -389,6 +390,77 @@ def test_an_episode_ends_at_a_turn_with_a_finish_reason_the_trainer_does_not_kno
         f'{url} ended its generation with finish reason "content_filter", which this trainer '
         "does not know"
     ]
+
+
+def _served_check(info: dict):
+    """check_served_models against a server whose /model_info and /get_model_info answer what
+    `info` gives each (absent: 404), for a trained model of 128 tokens; its error, or None."""
+    from aiohttp import web
+
+    from megatron_gspo.rollout.served_model import check_served_models
+
+    def route(path):
+        async def handler(request):
+            if isinstance(info[path], str):
+                return web.Response(text=info[path], content_type="text/html")
+            return web.json_response(info[path])
+
+        return handler
+
+    async def go():
+        routes = {path: route(path) for path in info}
+        async with fake_server(routes) as url, RolloutClient(url) as client:
+            try:
+                await check_served_models(client, Path("/models/trained"), 128)
+            except RolloutError as e:
+                return url, str(e)
+            return url, None
+
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def _checkpoint(where: Path, vocab: int) -> Path:
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps({"vocab_size": vocab}))
+    return where
+
+
+def test_a_server_of_another_vocabulary_is_refused_in_one_line(tmp_path):
+    """rollout.urls at servers serving another model went unchecked: their token ids, from
+    another vocabulary, were trained on. SGLang's /model_info says no vocabulary: the one of
+    the checkpoint at the model path it names, readable here, is compared; a server that says
+    its own (the built-in one; here under the older name /get_model_info) is taken at its
+    word."""
+    other = _checkpoint(tmp_path / "other", 160)
+    url, error = _served_check({"/model_info": {"model_path": str(other), "weight_version": "3"}})
+    assert error == (
+        f"{url} serves {other} (a vocabulary of 160 tokens), not the model being trained, "
+        "/models/trained (128 tokens): its token ids would be another vocabulary's; point "
+        "rollout.urls at servers of /models/trained"
+    )
+    url, error = _served_check({"/get_model_info": {"model_path": "m", "vocab_size": 64}})
+    assert error == (
+        f"{url} serves m (a vocabulary of 64 tokens), not the model being trained, "
+        "/models/trained (128 tokens): its token ids would be another vocabulary's; point "
+        "rollout.urls at servers of /models/trained"
+    )
+
+
+@pytest.mark.parametrize("case", ["a copy", "a hub name", "not here", "old", "a page", "silent"])
+def test_a_server_not_certainly_of_another_model_is_not_refused(tmp_path, case):
+    """Only a certain difference refuses: another directory of the same vocabulary (a copy,
+    or this run's weights on disk a resumed run's servers report), a model path that is a hub
+    name or that this machine does not have, a server without /model_info (an older one), one
+    that answers a page there, or one that says no model path, all go on."""
+    info = {
+        "a copy": {"/model_info": {"model_path": str(_checkpoint(tmp_path / "copy", 128))}},
+        "a hub name": {"/model_info": {"model_path": "Qwen/Qwen3-0.6B"}},
+        "not here": {"/model_info": {"model_path": str(tmp_path / "elsewhere")}},
+        "old": {},
+        "a page": {"/model_info": "<html>model</html>", "/get_model_info": "<html>x</html>"},
+        "silent": {"/model_info": {"weight_version": "default", "vocab_size": True}},
+    }[case]
+    assert _served_check(info)[1] is None
 
 
 @pytest.mark.parametrize("declared", [False, True])
