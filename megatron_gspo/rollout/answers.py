@@ -5,9 +5,11 @@ R3.
 rollout.urls may name a proxy, a server of another SGLang version or one serving another model,
 so a result is checked before a sample is made of it: a body that is not SGLang's shape, token
 ids outside the model's vocabulary, log-probs that are not one number <= 0 per token (NaN, text,
-above 0; -inf is left to the non-finite guard, train/guard.py), or a finish reason the trainer
-does not know stop the run with one line naming the server, rather than a traceback or a step
-trained on them. An answer is read only up to a size its request bounds (`answer_limit`): a
+above 0; -inf is left to the non-finite guard, train/guard.py), or a finish reason that is no
+name stop the run with one line naming the server, rather than a traceback or a step trained on
+them. A finish reason named but not one the client knows (a newer SGLang's) ends that sample
+only: it is not trained on (`Sample.ended_unknown`), and a warning names the server and the
+reason once. An answer is read only up to a size its request bounds (`answer_limit`): a
 server sending more (400 MB once made the trainer take 1.6 GB) stops the run the same way before
 the rest is read. A failed answer (not 200) is read only for its message, up to FAILURE_LIMIT
 bytes: a 5xx is `Retryable` on another server whatever its size, a 4xx refuses the request. A
@@ -19,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import NoReturn
@@ -28,8 +31,10 @@ import numpy as np
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.no_redirect import is_redirect, refusal_line
+from megatron_gspo.rollout.sample import FINISH_REASONS
 
-FINISH_REASONS = ("stop", "length", "abort")
+log = logging.getLogger(__name__)
+
 # The most bytes a /generate answer may take, from its request (`answer_limit`): per new token
 # its id and its share of the text (a token's text, JSON-escaped, rarely passes 16 bytes); per
 # token with a log-prob, input or output, SGLang's [logprob, id, text] entry; per result the rest
@@ -67,13 +72,16 @@ class Answer:
 
     tokens: list[int]
     logprobs: list[float] | None  # None: not asked for
-    finish_reason: str  # one of FINISH_REASONS
+    finish_reason: str  # one of FINISH_REASONS, or one a newer server added
     weight_version: str
     routed_experts: str | None  # base64, as sent
 
 
-def read_answer(data: object, url: str, vocab_size: int | None) -> Answer:
-    """`data` (one result of `url`'s /generate) as an Answer; RolloutError on anything else."""
+def read_answer(data: object, url: str, vocab_size: int | None,
+                said: set[tuple[str, str]] | None = None) -> Answer:  # fmt: skip
+    """`data` (one result of `url`'s /generate) as an Answer; RolloutError on anything else.
+    `said`: the (server, finish reason) pairs already warned of as reasons the client does not
+    know (a warning each, once)."""
     if not (isinstance(data, dict) and isinstance(data.get("meta_info"), dict)
             and isinstance(data.get("output_ids"), list)):  # fmt: skip
         _bad(url, f"{snippet(data)}, not SGLang's {{output_ids, meta_info}}")
@@ -86,14 +94,25 @@ def read_answer(data: object, url: str, vocab_size: int | None) -> Answer:
         _bad(url, f"token id {snippet(tokens[wrong[0]])}, not one of the model's vocabulary{span}")
     reason = meta.get("finish_reason") or {"type": "abort"}
     kind = reason.get("type") if isinstance(reason, dict) else reason
-    if kind not in FINISH_REASONS:
-        _bad(url, f"finish_reason {snippet(reason)}, not one of {', '.join(FINISH_REASONS)}")
+    if not (isinstance(kind, str) and kind):
+        _bad(url, f"finish_reason {snippet(reason)}, not a name ({', '.join(FINISH_REASONS)}...)")
+    said = set() if said is None else said
+    if kind not in FINISH_REASONS and (url, kind) not in said:
+        said.add((url, kind))
+        log.warning(unknown_finish(url, kind))
     routed = meta.get("routed_experts")
     if routed is not None and not isinstance(routed, str):
         _bad(url, f"routed_experts {snippet(routed)}, not a base64 string")
     lps = meta.get("output_token_logprobs")
     return Answer(list(tokens), None if lps is None else _logprobs(lps, tokens, url), str(kind),
                   str(meta.get("weight_version", "")), routed)  # fmt: skip
+
+
+def unknown_finish(url: str, kind: str) -> str:
+    """The warning for a finish reason `kind` of `url`'s that the client does not know."""
+    return (f"{url}/generate answered finish_reason {snippet(kind)}, not one this trainer knows "
+            f"({', '.join(FINISH_REASONS)}; a newer SGLang's?): each such sample ends there and "
+            "its group is not trained on (said once for this server and reason)")  # fmt: skip
 
 
 def _logprobs(entries: object, tokens: list[int], url: str) -> list[float]:
@@ -210,6 +229,25 @@ def refuse_redirect(resp: aiohttp.ClientResponse, url: str, path: str) -> None:
     misconfigured, as one that answers 4xx is)."""
     if (line := redirect_line(resp, path)) is not None:
         raise RolloutError(f"{url}: {line}; point rollout.urls at the server itself")
+
+
+def not_an_object(raw: bytes) -> str | None:
+    """What the whole answer `raw` to a control request is, where it is not a JSON object (a
+    proxy's page, a list): its snippet and why; None where it is one, or empty (SGLang's {})."""
+    if not raw.strip():
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return f"{snippet(raw[:2000].decode('utf-8', 'replace'))}, not JSON"
+    return None if isinstance(data, dict) else f"{snippet(data)}, not a JSON object"
+
+
+def control_failure(path: str, status: int, raw: bytes) -> str:
+    """One line for a failed answer (not 2xx, not a redirect) to the control request `path`,
+    its body `raw` (the first FAILURE_LIMIT bytes at most) read for its message."""
+    what = message(json_object(raw)) if raw.strip() else "(no body)"
+    return f"{path} answered HTTP {status}: {what}"
 
 
 def json_object(raw: bytes) -> dict:

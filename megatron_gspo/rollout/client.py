@@ -95,6 +95,7 @@ class RolloutClient:
         self._outstanding: dict[str, str] = {}  # rid -> server url
         self._epoch = 0  # bumped by abort(): requests of older epochs are not sent
         self._busy_unsaid = False  # no engine_busy_s in /get_server_info (SGLang's: ~20 ms a call)
+        self._unknown_said: set[tuple[str, str]] = set()  # (server, finish reason) warned of
         self.hold = Hold(self)  # while it is on, no request is sent (partial.py)
 
     async def __aenter__(self) -> RolloutClient:
@@ -272,16 +273,15 @@ class RolloutClient:
             return batch, time.perf_counter() - t0
 
     def _fill(self, sample: Sample, data: object, url: str, latency: float, want_routed: bool):
-        answer = read_answer(data, url, self.vocab_size)
+        answer = read_answer(data, url, self.vocab_size, self._unknown_said)
         sample.tokens, sample.finish_reason = answer.tokens, answer.finish_reason
-        sample.weight_version = answer.weight_version
-        sample.server, sample.latency_s = url, latency
+        sample.weight_version, sample.server, sample.latency_s = answer.weight_version, url, latency
         if answer.logprobs is not None:
             sample.logprobs = list(answer.logprobs)
         if answer.routed_experts is not None:
             rows = len(sample.prompt_ids) + len(sample.tokens) - 1
             sample.routed_experts = routed_experts(answer.routed_experts, rows, self.topk, url)
-        elif want_routed and not sample.aborted:
+        elif want_routed and not (sample.aborted or sample.ended_unknown):  # (not trained on)
             raise RolloutError(
                 f"{url} returned no routed_experts for {sample.rid}; start the server with "
                 "--enable-return-routed-experts (SGLang drops the field silently without it)"

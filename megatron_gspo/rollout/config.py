@@ -26,7 +26,9 @@ MAX_STALENESS = 8  # batches generated ahead (each holds a batch of samples in m
 class RolloutSection:
     backend: Backend = Backend.BUILTIN
     servers: int = 1  # servers the trainer starts and supervises (when urls is empty)
-    urls: list[str] = field(default_factory=list)  # servers started by someone else
+    # servers started by someone else; one serving a model of another vocabulary than the one
+    # trained is refused at start (rollout/served_model.py)
+    urls: list[str] = field(default_factory=list)
     # the node (the launcher's node index) each of `urls` runs on; with sync.method=tensor, servers
     # on several nodes get their buckets through a trainer rank on their own node (a relay).
     # launch/torchrun.sh sets it, and tells each trainer rank its node (MEGATRON_GSPO_NODE_RANK)

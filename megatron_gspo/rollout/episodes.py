@@ -198,9 +198,9 @@ class EpisodeRunner:
             ids, holds = s.prompt_ids + s.tokens, client.hold.holds
             [[turn]] = await client.generate([ids], 1, sp, return_routed_experts=routed)
             await finish(client.hold, turn, sp, routed, holds)  # (a weight update cut it short)
-            if turn.aborted:
+            if turn.aborted or turn.ended_unknown:  # (neither is trained on)
                 ep.add_model(turn)
-                return ep.finish("abort")
+                return ep.finish(turn.finish_reason)
             ep.add_model(turn)
             text = self.render.tokenizer.decode(turn.tokens, skip_special_tokens=False)
             step = await self.calls.step(episode, Turn(text, list(turn.tokens),

@@ -35,7 +35,13 @@ from pathlib import Path
 
 from megatron_gspo.comm import free_port
 from megatron_gspo.no_redirect import OPENER, is_redirect, redirect_refusal
-from megatron_gspo.rollout.answers import CONTROL_LIMIT, control_too_long
+from megatron_gspo.rollout.answers import (
+    CONTROL_LIMIT,
+    FAILURE_LIMIT,
+    control_failure,
+    control_too_long,
+    not_an_object,
+)
 from megatron_gspo.rollout.failures import ServerFailed, failure_cause
 from megatron_gspo.rollout.server_config import ServerConfig, copy_redacted, redacted
 
@@ -273,6 +279,8 @@ class ServerGroup:
                     continue
                 try:
                     self.restart(s)
+                except ServerFailed as e:  # (one line: what failed, the cause its log gives)
+                    log.error("could not restart server %d: %s", s.index, e.summary())
                 except Exception:  # noqa: BLE001 - keep watching the others
                     log.exception("could not restart server %d", s.index)
 
@@ -388,7 +396,8 @@ def _health(s: ManagedServer, refuse_redirect: bool = False) -> int | None:
 
 
 def _post(s: ManagedServer, path: str, body: dict) -> dict:
-    """`path`'s JSON answer, read up to CONTROL_LIMIT bytes (a ServerFailed past it)."""
+    """`path`'s JSON object, read up to CONTROL_LIMIT bytes; a ServerFailed in one line past
+    it, for an answer that is not one, or for a failure (its message)."""
     headers = {"Content-Type": "application/json"}
     if s.config.api_key:
         headers["Authorization"] = f"Bearer {s.config.api_key}"
@@ -399,10 +408,12 @@ def _post(s: ManagedServer, path: str, body: dict) -> dict:
     except urllib.error.HTTPError as e:
         if is_redirect(e):
             raise _failed(s, redirect_refusal(path, e)) from None
-        raise
+        raise _failed(s, control_failure(path, e.code, e.read(FAILURE_LIMIT))) from None
     if len(raw) > CONTROL_LIMIT:
         raise _failed(s, control_too_long(path))
-    return json.loads(raw or b"{}")
+    if (odd := not_an_object(raw)) is not None:  # (a proxy's page: its start, in one line)
+        raise _failed(s, f"{path} answered {odd}")
+    return json.loads(raw) if raw.strip() else {}
 
 
 def _failed(s: ManagedServer, what: str) -> ServerFailed:

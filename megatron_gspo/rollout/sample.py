@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# The finish reasons the client knows (SGLang's). Another one (a newer SGLang's) ends its sample,
+# which is not trained on (`Sample.ended_unknown`).
+FINISH_REASONS = ("stop", "length", "abort")
+
 
 @dataclass
 class Sample:
@@ -18,7 +22,7 @@ class Sample:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float | None] | None = None
-    finish_reason: str = "abort"  # length | stop | abort
+    finish_reason: str = "abort"  # length | stop | abort, or one the client does not know
     # the weights that wrote it (the server's word; a sample written by several: the oldest);
     # None: no weights wrote any of it (an episode whose environment failed before the model's
     # first turn), so it is never stale
@@ -39,6 +43,12 @@ class Sample:
     @property
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
+
+    @property
+    def ended_unknown(self) -> bool:
+        """Its server ended it for a reason the client does not know (a newer SGLang's finish
+        reason): what it is worth is unknown, so it is not trained on (train/generate.py)."""
+        return self.finish_reason not in FINISH_REASONS
 
 
 def version_index(version: str) -> int:

@@ -166,6 +166,7 @@ async def model_info(request: web.Request) -> web.Response:
             "architectures": st.hf_config.get("architectures"),
             "num_moe_layers": len(st.spec.moe_layer_ids),
             "num_experts_per_tok": st.spec.topk if st.spec.is_moe else 0,
+            "vocab_size": st.spec.vocab_size,  # (not SGLang's: the trainer checks it)
         }
     )
 

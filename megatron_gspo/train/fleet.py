@@ -1,7 +1,8 @@
 """The rollout servers as the trainer sees them: started and supervised here (`rollout.backend`,
-`rollout.servers`), or the ones a launch script started (`rollout.urls`, health-checked only);
-their restarts, the restore point a restarted server loads, memory release for colocated GPUs,
-and the servers' own busy time.
+`rollout.servers`), or the ones a launch script started (`rollout.urls`: health-checked, and
+refused where they serve another model, rollout/served_model.py); their restarts, the restore
+point a restarted server loads, memory release for colocated GPUs, and the servers' own busy
+time.
 
 Rank 0 holds the real fleet (the supervisor and a client of every server). The other ranks hold
 a view of it (`ServerFleet(urls, api_key)`, built in share.py): the URLs and key for the weight
@@ -87,6 +88,7 @@ class ServerFleet:
 
     def _connect(self, cfg: Config, hf_dir: Path) -> None:
         from megatron_gspo.rollout.client import RolloutClient
+        from megatron_gspo.rollout.served_model import check_served_models
 
         r, (topk, vocab, layers) = cfg.rollout, model_sizes(hf_dir)
         outage = r.health_timeout_s  # servers down: wait this long for a restart
@@ -95,6 +97,9 @@ class ServerFleet:
             outage_s=outage, vocab_size=vocab, layers=layers,
         )  # fmt: skip
         self._wait_healthy(cfg, self.client, "rollout.urls")
+        if r.urls:  # servers someone else started: another model's would train on garbage
+            assert self.io is not None  # (rank 0's fleet)
+            self.io.run(check_served_models(self.client, hf_dir, vocab))
         self.generator = self.client
         if r.router_url:
             self.generator = RolloutClient(

@@ -27,6 +27,7 @@ from megatron_gspo.bounded import Kind, Outcome
 from megatron_gspo.config import Config
 from megatron_gspo.rewards import Failure, Scored
 from megatron_gspo.rewards.scoring import RewardScorer
+from megatron_gspo.rollout.answers import snippet
 from megatron_gspo.rollout.partial import finish
 from megatron_gspo.rollout.sample import Sample
 
@@ -129,6 +130,10 @@ class Generation:
 
     def _submit(self, row, s: Sample, where: str) -> Future:
         """Future of the sample's reward Outcome: its environment's, or reward.fn's."""
+        if s.ended_unknown:  # (counted as a failed reward: its group is dropped)
+            return _done(None, f"{s.server} ended its generation with finish reason "
+                               f"{snippet(s.finish_reason)}, which this trainer does not "
+                               "know")  # fmt: skip
         if s.env_error is not None and not s.tokens:
             return _done(None, self._env_failed(s))
         if s.env_error is not None:

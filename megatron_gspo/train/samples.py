@@ -34,8 +34,10 @@ def model_sizes(hf_dir: Path) -> tuple[int | None, int, int]:
 
 
 def check_samples(samples) -> None:
-    # (an episode whose environment failed before the model wrote is a failed reward instead)
-    bad = [s for s in samples if s.aborted or (not s.tokens and s.env_error is None)]
+    # (an episode whose environment failed before the model wrote, or a sample that ended for
+    # a reason the client does not know, is a failed reward instead)
+    bad = [s for s in samples
+           if s.aborted or (not s.tokens and s.env_error is None and not s.ended_unknown)]  # fmt: skip
     if bad:
         raise UserError(
             f"{len(bad)} of {len(samples)} rollouts came back aborted or empty "

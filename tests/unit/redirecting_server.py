@@ -2,8 +2,9 @@
 of the server's command line, it listens on the `--host`/`--port` given there, answers
 $REDIRECT_CODE (default 307) to each path in $REDIRECT_PATHS (comma-separated), pointing at
 $REDIRECT_TO plus the path, 200 with a JSON object of 64 MiB to each path in $LONG_PATHS (a
-proxy's padded answer), and 200 with `{}` to anything else. It exits by itself after 60 s, so
-none outlives a failed test."""
+proxy's padded answer), $ODD_STATUS (default 200) with the body $ODD_BODY to each path in
+$ODD_PATHS (a proxy's page, a server's failure), and 200 with `{}` to anything else. It exits by
+itself after 60 s, so none outlives a failed test."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def main(argv: list[str]) -> None:
     target = os.environ["REDIRECT_TO"]
     code = int(os.environ.get("REDIRECT_CODE", "307"))
     long = set(os.environ.get("LONG_PATHS", "").split(","))
+    odd = set(os.environ.get("ODD_PATHS", "").split(","))
+    odd_status, odd_body = int(os.environ.get("ODD_STATUS", "200")), os.environ.get("ODD_BODY", "")
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -32,12 +35,20 @@ def main(argv: list[str]) -> None:
                 return
             if self.path in long:
                 return self.long_answer()
+            if self.path in odd:
+                return self.answer(odd_status, odd_body.encode())
             self.send_response(200)
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"{}")
 
         do_POST = do_GET
+
+        def answer(self, status: int, body: bytes):
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         def long_answer(self):
             head, tail, chunk = b'{"pad": "', b'"}', b"x" * (1 << 20)

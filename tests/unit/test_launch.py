@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -677,16 +678,18 @@ def _redirecting_python(tmp_path: Path) -> Path:
     return python
 
 
-def _redirecting_group(tmp_path: Path, other: str, path: str, code: int, long: str = ""):
+def _redirecting_group(tmp_path: Path, other: str, path: str, code: int, long: str = "",
+                       monitor: bool = False, **odd: str):  # fmt: skip
+    """A group of one redirecting_server.py (`odd`: its ODD_* variables)."""
     from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
 
     env = {"REDIRECT_TO": other, "REDIRECT_PATHS": path, "REDIRECT_CODE": str(code),
-           "LONG_PATHS": long}  # fmt: skip
+           "LONG_PATHS": long, **odd}  # fmt: skip
     config = ServerConfig(
         model_path=str(tmp_path), python=str(_redirecting_python(tmp_path)), api_key="secret",
         env=env,
     )  # fmt: skip
-    return ServerGroup([config], tmp_path / "logs", health_timeout_s=30, monitor=False)
+    return ServerGroup([config], tmp_path / "logs", health_timeout_s=30, monitor=monitor)
 
 
 def test_the_launcher_refuses_a_redirect_of_health_and_the_api_key_goes_nowhere_else(tmp_path):
@@ -761,6 +764,69 @@ def test_a_restarted_servers_weights_answer_of_any_length_is_refused_in_one_line
         )
     finally:
         group.stop()
+
+
+ODD_ANSWERS = {  # what a proxy or a failing server may answer, and the restart's line for it
+    "a proxy's page": ("200", "<html>\n<body>502 Bad Gateway</body>\n</html>",
+                       '"<html>\\n<body>502 Bad Gateway</body>\\n</html>", not JSON'),
+    "JSON that is not an object": ("200", "[1, 2]", "[1, 2], not a JSON object"),
+    "a failure": ("400", '{"success": false, "message": "no such version"}',
+                  "HTTP 400: no such version"),
+    "a failure without a body": ("502", "", "HTTP 502: (no body)"),
+}  # fmt: skip
+
+
+def _odd_answer_group(tmp_path: Path, case: str, monitor: bool = False):
+    status, body, _ = ODD_ANSWERS[case]
+    return _redirecting_group(tmp_path, "http://127.0.0.1:1", "", 307, monitor=monitor,
+                              ODD_PATHS="/update_weight_version", ODD_STATUS=status,
+                              ODD_BODY=body)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ODD_ANSWERS))
+def test_a_restarted_servers_weights_answer_that_is_no_json_object_is_refused_in_one_line(
+    tmp_path, case
+):
+    """The answer to the request that brings a restarted server to the current weights was
+    parsed as it came: a proxy's page raised a JSONDecodeError, a failure urllib's HTTPError
+    (each a traceback), and a list passed for an answer. Now the restart fails in one line
+    naming the server, the path and what came back."""
+    group = _odd_answer_group(tmp_path, case)
+    try:
+        s, e = _restart_failure(group)
+        assert str(e) == (
+            f"server 0 (builtin, pid {s.pid}) at {s.url}: /update_weight_version answered "
+            f"{ODD_ANSWERS[case][2]}"
+        )
+    finally:
+        group.stop()
+
+
+def test_the_monitor_says_a_failed_restart_in_one_line(tmp_path, caplog):
+    """The monitor logged a restart that failed with its traceback; a ServerFailed (what
+    failed, and the cause its log gives) is now one line."""
+    case = "a proxy's page"
+    group = _odd_answer_group(tmp_path, case, monitor=True)
+    try:
+        group.start()
+        group.set_current_weights(weight_version="3")
+        s = group.servers[0]
+        first = s.pid
+        assert s.proc is not None
+        s.proc.kill()
+        deadline = time.monotonic() + 60
+        while not [r for r in caplog.records if r.levelname == "ERROR"]:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.1)
+    finally:
+        group.stop()
+    record = next(r for r in caplog.records if r.levelname == "ERROR")
+    assert record.exc_info is None and s.pid != first
+    assert re.fullmatch(
+        rf"could not restart server 0: server 0 \(builtin, pid \d+\) at {re.escape(s.url)}: "
+        rf"/update_weight_version answered {re.escape(ODD_ANSWERS[case][2])}",
+        record.getMessage(),
+    ), record.getMessage()
 
 
 def test_serve_node_router_refuses_a_redirect_of_its_health(tmp_path):

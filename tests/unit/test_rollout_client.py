@@ -7,10 +7,12 @@ import contextlib
 import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from megatron_gspo.config import Config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.client import RolloutClient, RolloutError, Sample, decode_routed_experts
 from tests.helpers import authorization_recorder, redirector, serving
@@ -57,12 +59,15 @@ def test_fill_decodes_routed_experts_as_tokens_layers_topk():
     np.testing.assert_array_equal(s.routed_experts, routed)
 
 
-def test_missing_routed_experts_is_an_error_unless_aborted():
+def test_missing_routed_experts_is_an_error_unless_the_sample_is_not_trained_on():
+    """(Aborted, or ended for a reason the client does not know.)"""
     client = RolloutClient("http://127.0.0.1:1", topk=2)
     with pytest.raises(RolloutError, match="enable-return-routed-experts"):
         client._fill(Sample(0, 0, [1]), answer([4]), "u", 0.1, want_routed=True)
     s = client._fill(Sample(0, 0, [1]), answer([], reason="abort"), "u", 0.1, want_routed=True)
     assert s.aborted and s.routed_experts is None
+    s = client._fill(Sample(0, 0, [1]), answer([4], reason="new"), "u", 0.1, want_routed=True)
+    assert s.ended_unknown and s.routed_experts is None
 
 
 def test_decode_routed_experts_checks_the_size():
@@ -227,7 +232,10 @@ WRONG_ANSWERS = {  # what a proxy, another SGLang version or another model's ser
         },
         r"\[1\] for token 9, but output_ids\[1\] is 5",
     ),  # fmt: skip
-    "an unknown finish reason": (_result(reason="eos"), 'finish_reason {"type": "eos"}, not one'),
+    "a finish reason that is no name": (
+        _result(reason=7),
+        r'finish_reason \{"type": 7\}, not a name',
+    ),
     "routed experts that are not base64": (
         _result(routed_experts="not base64!"),
         "routed_experts is not base64",
@@ -263,6 +271,196 @@ def test_a_wrong_generate_answer_is_a_one_line_error_naming_the_server(case):
     assert re.search(expected, error), error
     assert error.endswith("check that rollout.urls points at an SGLang-compatible server (not a "
                           "proxy's page) serving the model being trained")  # fmt: skip
+
+
+def _generate_route(answer_of):
+    """A /generate handler answering each prompt with the (finish reason, tokens)
+    `answer_of(input_ids)`; a batch request (a prompt's group) gets a list."""
+    from aiohttp import web
+
+    async def generate(request):
+        body = await request.json()
+        batch = isinstance(body["rid"], list)
+        prompts = body["input_ids"] if batch else [body["input_ids"]]
+        results = [_result(answer_of(ids)[1], reason=answer_of(ids)[0]) for ids in prompts]
+        return web.json_response(results if batch else results[0])
+
+    return generate
+
+
+def test_a_finish_reason_the_client_does_not_know_ends_its_sample_with_one_warning(caplog):
+    """A server newer than the client (SGLang adding a finish reason) stopped the run at its
+    first such answer. Now such a sample ends there, as the server said, marked
+    `ended_unknown`; the server and the reason are named in one warning, once."""
+    route = _generate_route(lambda ids: ("content_filter", (5, 6)))
+
+    async def go():
+        async with fake_server({"POST /generate": route}) as url:
+            async with RolloutClient(url, vocab_size=100) as client:
+                first = await client.generate([[1, 2], [3]], n=2, grouped=True)
+                again = await client.generate([[4]], n=3)
+                return url, [s for g in first + again for s in g]
+
+    url, samples = asyncio.run(asyncio.wait_for(go(), 30))
+    assert len(samples) == 7
+    for s in samples:
+        assert (s.tokens, s.logprobs, s.finish_reason) == ([5, 6], [-0.5, -0.5], "content_filter")
+        assert s.ended_unknown and not s.aborted and s.server == url
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", (
+        f'{url}/generate answered finish_reason "content_filter", not one this trainer knows '
+        "(stop, length, abort; a newer SGLang's?): each such sample ends there and its group "
+        "is not trained on (said once for this server and reason)"
+    ))]  # fmt: skip
+
+
+def test_a_group_with_a_finish_reason_the_trainer_does_not_know_is_dropped(tmp_path, caplog):
+    """The step's batch, from a server that ends prompt 0's samples, before any token, for a
+    reason the trainer does not know: that group is dropped (counted as a failed reward, whose
+    line names the server and the reason), not taken for an empty rollout that stops the run;
+    the other group is trained on."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+    from megatron_gspo.train.generate import Generation
+    from megatron_gspo.train.io_thread import IoThread
+    from megatron_gspo.train.producer import BatchProducer, PromptSet
+
+    hf = make_tiny_model(TinySpec(), tmp_path / "model")
+    cfg = load_config(None, [f"model.path={hf}", "rollout.group_size=2",
+                             "rollout.prompts_per_step=2"])  # fmt: skip
+    prompts = PromptSet(cfg, hf)
+    ids = [prompts.encode(row.prompt) for row in prompts.train.rows[:2]]
+    assert ids[0] != ids[1]
+    route = _generate_route(
+        lambda got: ("content_filter", ()) if got == ids[0] else ("stop", (5, 6))
+    )
+    io, gen = IoThread(), Generation(cfg, prompts.tokenizer, None)
+    server = fake_server({"POST /generate": route})  # (on the loop the client runs on)
+    try:
+        url = io.run(server.__aenter__())
+        client = RolloutClient(url, vocab_size=128)
+        facts = BatchProducer(cfg, prompts, gen, client, io).produce([0, 1], step=1)
+        io.run(client.close())
+    finally:
+        io.run(server.__aexit__(None, None, None))
+        gen.close()
+        io.close()
+    assert facts.batch is not None and len(facts.batch) == 2
+    assert facts.batch.row_values("tokens") == [ids[1] + [5, 6]] * 2
+    assert facts.metrics["reward/failed_samples"] == 2.0
+    assert facts.metrics["rollout/reward_failed_groups_dropped"] == 1.0
+    step_line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1")]
+    assert step_line == [
+        "step 1: the reward failed on 2 of 4 samples; their groups are dropped (first: "
+        f'{url} ended its generation with finish reason "content_filter", which this trainer '
+        "does not know)"
+    ]
+
+
+def test_an_episode_ends_at_a_turn_with_a_finish_reason_the_trainer_does_not_know():
+    """Such a turn went on to the environment and the episode on to its next turn, which
+    ended it as "stop" (trained on with the environment's reward). Now the episode ends at
+    that turn, with its reason, and is scored as a failed reward (its group is dropped)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_gspo.data.prompts import PromptRow
+    from megatron_gspo.hf.tiny import CHAT_TEMPLATE, build_tokenizer
+    from megatron_gspo.rollout.env import EnvCalls
+    from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
+    from megatron_gspo.train.generate import Generation
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(128, "chars"),
+                                  chat_template=CHAT_TEMPLATE, eos_token="<|im_end|>")  # fmt: skip
+    calls = EnvCalls("tests.unit.user_code:Echo", timeout_s=30.0, vocab_size=128, workers=1)
+    runner = EpisodeRunner(calls, ChatRender(tok), Limits(3, 8, 64))
+    route = _generate_route(lambda ids: ("content_filter", (40, 41)))
+    row = PromptRow("p", "a")
+
+    async def go():
+        async with fake_server({"POST /generate": route}) as url:
+            async with RolloutClient(url, vocab_size=128) as client:
+                return url, await runner.run(client, row, [40], {}, False, (0, 0), 1)
+
+    try:
+        url, sample = asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        calls.close()
+    assert (sample.finish_reason, sample.turns, sample.tokens) == ("content_filter", 1, [40, 41])
+    scored = Generation(Config(), tok, run_dir=None).score([row], [sample])
+    assert scored.rewards == [None] and scored.failures == [
+        f'{url} ended its generation with finish reason "content_filter", which this trainer '
+        "does not know"
+    ]
+
+
+def _served_check(info: dict):
+    """check_served_models against a server whose /model_info and /get_model_info answer what
+    `info` gives each (absent: 404), for a trained model of 128 tokens; its error, or None."""
+    from aiohttp import web
+
+    from megatron_gspo.rollout.served_model import check_served_models
+
+    def route(path):
+        async def handler(request):
+            if isinstance(info[path], str):
+                return web.Response(text=info[path], content_type="text/html")
+            return web.json_response(info[path])
+
+        return handler
+
+    async def go():
+        routes = {path: route(path) for path in info}
+        async with fake_server(routes) as url, RolloutClient(url) as client:
+            try:
+                await check_served_models(client, Path("/models/trained"), 128)
+            except RolloutError as e:
+                return url, str(e)
+            return url, None
+
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def _checkpoint(where: Path, vocab: int) -> Path:
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps({"vocab_size": vocab}))
+    return where
+
+
+def test_a_server_of_another_vocabulary_is_refused_in_one_line(tmp_path):
+    """rollout.urls at servers serving another model went unchecked: their token ids, from
+    another vocabulary, were trained on. SGLang's /model_info says no vocabulary: the one of
+    the checkpoint at the model path it names, readable here, is compared; a server that says
+    its own (the built-in one; here under the older name /get_model_info) is taken at its
+    word."""
+    other = _checkpoint(tmp_path / "other", 160)
+    url, error = _served_check({"/model_info": {"model_path": str(other), "weight_version": "3"}})
+    assert error == (
+        f"{url} serves {other} (a vocabulary of 160 tokens), not the model being trained, "
+        "/models/trained (128 tokens): its token ids would be another vocabulary's; point "
+        "rollout.urls at servers of /models/trained"
+    )
+    url, error = _served_check({"/get_model_info": {"model_path": "m", "vocab_size": 64}})
+    assert error == (
+        f"{url} serves m (a vocabulary of 64 tokens), not the model being trained, "
+        "/models/trained (128 tokens): its token ids would be another vocabulary's; point "
+        "rollout.urls at servers of /models/trained"
+    )
+
+
+@pytest.mark.parametrize("case", ["a copy", "a hub name", "not here", "old", "a page", "silent"])
+def test_a_server_not_certainly_of_another_model_is_not_refused(tmp_path, case):
+    """Only a certain difference refuses: another directory of the same vocabulary (a copy,
+    or this run's weights on disk a resumed run's servers report), a model path that is a hub
+    name or that this machine does not have, a server without /model_info (an older one), one
+    that answers a page there, or one that says no model path, all go on."""
+    info = {
+        "a copy": {"/model_info": {"model_path": str(_checkpoint(tmp_path / "copy", 128))}},
+        "a hub name": {"/model_info": {"model_path": "Qwen/Qwen3-0.6B"}},
+        "not here": {"/model_info": {"model_path": str(tmp_path / "elsewhere")}},
+        "old": {},
+        "a page": {"/model_info": "<html>model</html>", "/get_model_info": "<html>x</html>"},
+        "silent": {"/model_info": {"weight_version": "default", "vocab_size": True}},
+    }[case]
+    assert _served_check(info)[1] is None
 
 
 @pytest.mark.parametrize("declared", [False, True])
