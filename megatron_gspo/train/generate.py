@@ -150,14 +150,16 @@ class Generation:
     def _scored(self, samples: list[Sample], outcomes: list[Outcome]) -> Scored:
         """The samples' rewards and why each that failed did: its environment (whose log has
         it, with the traceback), else its reward (the reward's log; none where the run ended
-        before it was scored: Kind.CLOSED)."""
+        before it was scored, Kind.CLOSED, or its server's finish reason was unknown)."""
         env_log = None if self.runner is None else self.runner.log.path
         errors: list[Failure | None] = []
         for s, o in zip(samples, outcomes):
             if s.env_error is not None:
                 errors.append(Failure(self._env_failed(s), env_log))
             elif not o.ok:
-                log = None if o.kind is Kind.CLOSED else self.rewards.log.path
+                # (reward.log has neither a sample never scored nor one the client refused)
+                unscored = o.kind is Kind.CLOSED or s.ended_unknown
+                log = None if unscored else self.rewards.log.path
                 errors.append(Failure(o.message, log))
             else:
                 errors.append(None)

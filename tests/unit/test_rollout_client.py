@@ -316,8 +316,8 @@ def test_a_finish_reason_the_client_does_not_know_ends_its_sample_with_one_warni
 def test_a_group_with_a_finish_reason_the_trainer_does_not_know_is_dropped(tmp_path, caplog):
     """The step's batch, from a server that ends prompt 0's samples, before any token, for a
     reason the trainer does not know: that group is dropped (counted as a failed reward, whose
-    line names the server and the reason), not taken for an empty rollout that stops the run;
-    the other group is trained on."""
+    line names the server and the reason, and no log: reward.log has nothing of it), not taken
+    for an empty rollout that stops the run; the other group is trained on."""
     from megatron_gspo.config import load_config
     from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
     from megatron_gspo.train.generate import Generation
@@ -333,7 +333,8 @@ def test_a_group_with_a_finish_reason_the_trainer_does_not_know_is_dropped(tmp_p
     route = _generate_route(
         lambda got: ("content_filter", ()) if got == ids[0] else ("stop", (5, 6))
     )
-    io, gen = IoThread(), Generation(cfg, prompts.tokenizer, None)
+    # (a run directory: its reward.log has none of these, so the line names no log)
+    io, gen = IoThread(), Generation(cfg, prompts.tokenizer, tmp_path / "run")
     server = fake_server({"POST /generate": route})  # (on the loop the client runs on)
     try:
         url = io.run(server.__aenter__())
