@@ -18,7 +18,9 @@ GROUPS: dict[str, dict[str, str]] = {
         "response/length_mean": "mean answer length in tokens",
         "response/length_max": "longest answer in tokens",
         "response/truncated_fraction": "share of answers cut at `rollout.max_new_tokens`",
-        "reward/failed_samples": "samples whose reward failed (raised, hung, no finite number)",
+        "reward/failed_samples": "samples with no reward: reward.fn failed (raised, hung, no finite "
+        "number), the episode failed before the model's first turn, or the server ended it for "
+        "a finish reason the trainer does not know",
     },
     "The update": {
         "loss/policy": "the policy loss (mean over the step's minibatch updates)",
