@@ -30,7 +30,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from megatron_gspo.algo.config import Mismatch, resolve_agg
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
+from megatron_gspo.outputs import temp_file_for
 from megatron_gspo.study.arms import (
     ALGO_KEYS,
     ALGOS,
@@ -293,9 +293,8 @@ def check_manifest(study: Study) -> None:
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(Path(src).read_bytes())
-    os.replace(tmp, dst)
+    with temp_file_for(dst) as tmp:
+        tmp.write_bytes(Path(src).read_bytes())
 
 
 def _sha(path: Path) -> str:
@@ -304,6 +303,5 @@ def _sha(path: Path) -> str:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    with temp_file_for(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
