@@ -121,6 +121,19 @@ def test_a_checkpoint_needs_resume_and_the_same_config(tmp_path, capsys):
     assert kept["algo"]["loss"] == "gspo"  # the steps so far ran with it
 
 
+def test_a_run_config_edited_into_bad_yaml_is_named_on_resume(tmp_path):
+    """The config a run saved, edited by hand into YAML that does not parse, used to end a
+    --resume with a yaml ScannerError traceback."""
+    _checkpoint(tmp_path)
+    (tmp_path / "config.yaml").write_text("model:\n  path: m\nalgo:\n\tloss: grpo\n")
+    with pytest.raises(UserError) as e:
+        rd.prepare(tmp_path, True, cfg(), False)
+    assert str(e.value) == (
+        f"{tmp_path / 'config.yaml'}, line 4, column 1: not valid YAML: found character '\\t' "
+        "that cannot start any token; indent with spaces, not tabs"
+    )
+
+
 def test_a_key_added_to_the_code_since_is_no_change():
     old = cfg().to_dict()
     del old["rollout"]["connect_grace_s"]
