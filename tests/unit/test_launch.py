@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from megatron_gspo.cli import ALLOW_WITHOUT_RESUME
 from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
 from tests.helpers import authorization_recorder, saved_checkpoint
@@ -474,6 +475,17 @@ def test_torchrun_sh_refuses_steps_that_are_not_a_whole_number(tmp_path, steps):
     )  # fmt: skip
     message = f"error: --steps {value} must be a whole number of steps (0 or more)\n"
     assert (r.returncode, r.stderr) == (2, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_torchrun_sh_refuses_allow_config_change_without_resume(tmp_path):
+    """train's line, exit 2, before anything is made (it used to launch a new run)."""
+    (tmp_path / "model").mkdir()
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        "--allow-config-change", f"model.path={tmp_path / 'model'}", GPUS_PER_NODE="0",
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, f"error: {ALLOW_WITHOUT_RESUME}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
