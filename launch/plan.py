@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_gspo.cli import ALLOW_WITHOUT_RESUME
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.data.task_model import check_model_path
 from megatron_gspo.errors import UserError
@@ -311,6 +312,8 @@ def nothing_to_train_line(cfg: Config, args: argparse.Namespace) -> str | None:
     on), asked before any server starts. Only then are the trainer's modules (torch) imported:
     a plain launch plans without them."""
     steps = steps_arg(args.steps)
+    if args.allow_config_change and not args.resume:
+        raise UserError(ALLOW_WITHOUT_RESUME)  # (train's line)
     if not args.resume:
         return None
     from megatron_gspo.train.finished import launch_line

@@ -43,16 +43,20 @@ die() { echo "error: $*" >&2; exit 2; }
 usage() { echo "$USAGE" >&2; exit 2; }
 
 # ---- arguments -------------------------------------------------------------------------------
+# A flag's value: missing (the flag last) or empty ("", FLAG=) is train's one-line refusal, not
+# bash's "2: parameter null or not set" (exit 1), nor a flag dropped without a word.
+STEPS_NEED="a whole number of steps (0 or more)"
+need() { [[ -n "$2" ]] || die "$1 needs $3"; }  # need FLAG VALUE WHAT
 CONFIG="" RUN_DIR="" STEPS="" RESUME=0 ALLOW_CHANGE=0
 OVERRIDES=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --config) CONFIG="${2:?--config needs a file}"; shift 2 ;;
-        --config=*) CONFIG="${1#*=}"; shift ;;
-        --run-dir) RUN_DIR="${2:?--run-dir needs a directory}"; shift 2 ;;
-        --run-dir=*) RUN_DIR="${1#*=}"; shift ;;
-        --steps) STEPS="${2:?--steps needs a number}"; shift 2 ;;
-        --steps=*) STEPS="${1#*=}"; shift ;;
+        --config) need --config "${2:-}" "a file"; CONFIG="$2"; shift 2 ;;
+        --config=*) CONFIG="${1#*=}"; need --config "$CONFIG" "a file"; shift ;;
+        --run-dir) need --run-dir "${2:-}" "a directory"; RUN_DIR="$2"; shift 2 ;;
+        --run-dir=*) RUN_DIR="${1#*=}"; need --run-dir "$RUN_DIR" "a directory"; shift ;;
+        --steps) need --steps "${2:-}" "$STEPS_NEED"; STEPS="$2"; shift 2 ;;
+        --steps=*) STEPS="${1#*=}"; need --steps "$STEPS" "$STEPS_NEED"; shift ;;
         --resume) RESUME=1; shift ;;
         --allow-config-change) ALLOW_CHANGE=1; shift ;;
         -h|--help) usage ;;

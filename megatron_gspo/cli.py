@@ -150,6 +150,12 @@ def _add_score(sub) -> None:
     p.set_defaults(func=_cmd_score)
 
 
+ALLOW_WITHOUT_RESUME = (
+    "--allow-config-change applies only with --resume; add --resume to continue the run with "
+    "this config, or leave the flag out to start a new run"
+)
+
+
 def _cmd_train(args) -> None:
     from pathlib import Path
 
@@ -158,6 +164,8 @@ def _cmd_train(args) -> None:
 
     if args.steps is not None and args.steps < 0:
         raise UserError(f"--steps must be >= 0, not {args.steps}")
+    if args.allow_config_change and not args.resume:  # (a new run has no config to differ from)
+        raise UserError(ALLOW_WITHOUT_RESUME)
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     resume, change = args.resume, args.allow_config_change

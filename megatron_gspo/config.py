@@ -38,6 +38,7 @@ from megatron_gspo.model.parallel_config import ParallelConfig
 from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
 from megatron_gspo.weight_sync.config import SyncConfig
+from megatron_gspo.yaml_io import first_line, read_yaml
 
 
 @dataclass
@@ -190,10 +191,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         path = Path(path)
         if not path.is_file():
             raise UserError(f"config file {path} not found; pass --config FILE.yaml")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except (yaml.YAMLError, ValueError) as e:  # ValueError: an integer of > 4300 digits
-            raise UserError(f"{path} is not valid YAML: {_first_line(e)}") from None
+        raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
             raise UserError(f"{path} must hold a mapping of config sections")
     told: set[str] = set()
@@ -231,7 +229,7 @@ def _override_value(key: str, text: str) -> Any:
         if not isinstance(e, yaml.YAMLError):  # Python reads no integer of > 4300 digits
             raise UserError(f"{key} must be a number that fits, not {show(text)}") from None
         raise UserError(
-            f"override {key}: {show(text)} is not valid YAML ({_first_line(e)}); "
+            f"override {key}: {show(text)} is not valid YAML ({_yaml_problem(e)}); "
             "write the value as YAML, quoted if it holds : { } [ ] or #"
         ) from None
     if hint is str and isinstance(value, dict | list):
@@ -253,8 +251,12 @@ def _hint(key: str):
     return inner[0] if typing.get_origin(hint) in _UNIONS and len(inner) == 1 else hint
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What the parser found in an override's value, and at which character."""
+    if not isinstance(e, yaml.MarkedYAMLError) or not e.problem:
+        return first_line(e)
+    mark = e.problem_mark
+    return e.problem + ("" if mark is None else f" at character {mark.index + 1}")
 
 
 def build(cls, raw: Any, where: str):

@@ -1,5 +1,6 @@
-"""The check every command makes of a new output path before it does any work, and the guard
-that lets a build interrupted by SIGTERM remove its half-written output.
+"""The check every command makes of a new output path before it does any work, the guard that
+lets a build interrupted by SIGTERM remove its half-written output, and the temporary file or
+directory beside an output that becomes it only when complete.
 
 A command that would fail to create its output only at the end (after converting or scoring
 everything) wastes the run and, as an OSError, prints a traceback. So the path is checked first:
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -63,3 +65,55 @@ def terminate_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM arriving inside the block take effect when it ends (raised again
+    then), so a temporary output made inside is named before a signal can stop the process.
+    (A handler, not a signal mask: the kernel gives a signal to any thread that does not block
+    it, and Python then runs the handler in the main thread all the same.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():  # (None: a handler set outside Python)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for s in dict.fromkeys(got):
+            signal.raise_signal(s)
+
+
+@contextlib.contextmanager
+def temp_file_for(out: Path) -> Iterator[Path]:
+    """A temporary file beside `out` for the block to write: renamed to `out` when the block
+    ends, removed on an error, SIGINT or SIGTERM (nothing half-written is left beside `out`)."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with terminate_raises():
+        try:
+            yield tmp
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def temp_dir_for(out: Path) -> Iterator[Path]:
+    """A new temporary directory beside `out` (missing parents made) for the block to fill:
+    renamed to `out` (mode 755) when the block ends, removed on an error, SIGINT or SIGTERM."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp: Path | None = None
+    with terminate_raises():
+        try:
+            with signals_held():
+                tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            yield tmp
+            tmp.chmod(0o755)
+            os.replace(tmp, out)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)

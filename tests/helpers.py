@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -58,6 +60,54 @@ def run_cli(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.C
     target = ["-m", "megatron_gspo.cli", *args]
     cmd = [sys.executable, *target] if nproc == 1 else torchrun(nproc, *target)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env())
+
+
+# sitecustomize.py of `stopped_mid_write`'s command: renaming its temporary output onto the
+# output waits (an injected delay), so the test's signal finds the temporary output there however
+# fast it was written; SIGINT raises KeyboardInterrupt as at a terminal (a shell without job
+# control starts a background command with SIGINT ignored, and Python then leaves it so).
+_HOLD_RENAME = """
+import os
+import signal
+import time
+
+_OUT, _replace = os.environ["MEGATRON_GSPO_TEST_HOLD"], os.replace
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _held_replace(src, dst, *args, **kwargs):
+    if os.path.abspath(dst) == _OUT:
+        time.sleep(600)
+    return _replace(src, dst, *args, **kwargs)
+
+
+os.replace = _held_replace
+"""
+
+
+def stopped_mid_write(args: list[str], out: Path, sig: int) -> tuple[int, str]:
+    """Run `megatron-gspo ARGS`, which writes `out`, and send it `sig` as soon as its temporary
+    output (.OUT.tmp-*) appears beside `out`: (its exit status, its stderr)."""
+    with tempfile.TemporaryDirectory() as hook:
+        (Path(hook) / "sitecustomize.py").write_text(_HOLD_RENAME)
+        env = cli_env()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [hook, env.get("PYTHONPATH")]))
+        env["MEGATRON_GSPO_TEST_HOLD"] = str(out.absolute())
+        cmd = [sys.executable, "-m", "megatron_gspo", *args]
+        err = Path(hook) / "stderr"  # (a file: a pipe nobody reads until the end could fill)
+        with open(err, "w") as f:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            deadline = time.monotonic() + 240
+            while not list(out.parent.glob(f".{out.name}.tmp-*")):
+                assert proc.poll() is None, f"ended first: {err.read_text()[-2000:]}"
+                assert time.monotonic() < deadline, "no temporary output in 240 s"
+                time.sleep(0.01)
+            proc.send_signal(sig)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+        return proc.returncode, err.read_text()
 
 
 def hf_token_logprobs(checkpoint: Path, seqs: list[list[int]]) -> list[torch.Tensor]:

@@ -10,9 +10,7 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -223,23 +221,6 @@ def _pread_into(fd: int, dst: torch.Tensor, offset: int, n: int, path: Path) -> 
         if got <= 0:
             raise UserError(f"checkpoint file {path} is truncated; re-copy the checkpoint")
         done += got
-
-
-@contextmanager
-def atomic_output_dir(out: str | os.PathLike):
-    """Yield a temporary directory beside `out`; rename it to `out` only if the body succeeds."""
-    out = Path(out)
-    if out.exists():
-        raise UserError(f"output path {out} exists; remove it or choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def copy_non_weight_files(src: Path, dst: Path) -> None:

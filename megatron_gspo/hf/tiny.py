@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import string
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import torch
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.outputs import check_new_output
+from megatron_gspo.outputs import check_new_output, temp_dir_for
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 BASE_WORDS = (
@@ -213,16 +211,9 @@ def make_tiny_model(spec: TinySpec, out: str | os.PathLike) -> Path:
     config = hf_config(spec)
     torch.manual_seed(spec.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with temp_dir_for(out) as tmp:  # (an error, SIGINT or SIGTERM: nothing left behind)
         model.save_pretrained(tmp)
         _save_tokenizer(spec, tmp)
-        tmp.chmod(0o755)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

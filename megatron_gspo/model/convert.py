@@ -2,8 +2,8 @@
 
 Both directions run on every rank of the layout (torchrun converts large checkpoints in parallel:
 each rank reads or writes only its own share). Output goes to a temporary directory beside the
-target and is renamed into place only when every rank has finished, so a failed conversion
-leaves nothing behind.
+target and is renamed into place only when every rank has finished, so a failed or interrupted
+(SIGINT, SIGTERM) conversion leaves nothing behind.
 
 Neither direction loads weights into a model. HF -> Megatron builds the layout's model only for
 its sharded state dict (keys, shapes, shards) and writes HF tensors through it; Megatron -> HF
@@ -13,11 +13,13 @@ checkpoint was saved under (the layout given only sets the number of processes).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from megatron_gspo.model import weights
 from megatron_gspo.model.checkpoint_reader import DistCheckpointReader
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
-from megatron_gspo.outputs import check_new_output
+from megatron_gspo.outputs import check_new_output, signals_held, terminate_raises
 
 SHARD_BYTES = 4 << 30  # largest HF shard file a rank writes
 
@@ -47,27 +49,43 @@ def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool)
     return spec
 
 
-def shared_tmpdir(out: Path) -> Path:
-    """Rank 0 makes a temporary directory beside `out`; every rank learns its path."""
-    box = [None]
-    if dist.get_rank() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        box[0] = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+@contextlib.contextmanager
+def shared_output(out: Path) -> Iterator[Path]:
+    """Collective: a temporary directory beside `out` (made by rank 0) that every rank writes
+    into, renamed to `out` once every rank finished the block. An error on any rank, SIGINT or
+    SIGTERM removes it; a signal on rank 0 removes it at once (it stops every rank wherever
+    it is, so the collectives that follow may never complete)."""
+    box: list = [None]
+    rank0 = dist.get_rank() == 0
+    with terminate_raises():
+        try:
+            if rank0:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with signals_held():
+                    box[0] = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+            dist.broadcast_object_list(box, src=0)
+            try:
+                yield Path(box[0])
+            except BaseException as e:
+                if rank0 and not isinstance(e, Exception):  # SIGINT, SIGTERM: at once
+                    shutil.rmtree(box[0], ignore_errors=True)
+                _settle(Path(box[0]), out, ok=False)
+                raise
+            _settle(Path(box[0]), out, ok=True)
+        finally:
+            if rank0 and box[0] is not None:
+                shutil.rmtree(box[0], ignore_errors=True)  # (gone once renamed)
 
 
-def finish_output(tmp: Path, out: Path, ok: bool) -> None:
+def _settle(tmp: Path, out: Path, ok: bool) -> None:
+    """Collective: rank 0 renames `tmp` to `out` when every rank's `ok`."""
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, ok)
-    if dist.get_rank() == 0:
-        if all(flags):
-            for f in tmp.rglob("*"):
-                f.chmod(0o755 if f.is_dir() else 0o644)
-            tmp.chmod(0o755)
-            os.replace(tmp, out)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if dist.get_rank() == 0 and all(flags):
+        for f in tmp.rglob("*"):
+            f.chmod(0o755 if f.is_dir() else 0o644)
+        tmp.chmod(0o755)
+        os.replace(tmp, out)
     dist.barrier()
 
 
@@ -95,9 +113,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
     hf_dir, out = Path(hf_dir), Path(out)
     spec = _check_inputs(hf_dir, out, dims, want_megatron=False)
     init_distributed(dims)
-    tmp = shared_tmpdir(out)
-    ok = False
-    try:
+    with shared_output(out) as tmp:
         reader = hf_io.HFReader(hf_dir)
         dtype = reader.dtype()
         # sequential experts: each entry of their sharded state is a view of one parameter
@@ -111,9 +127,6 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
             (tmp / "hf").mkdir()
             hf_io.copy_non_weight_files(hf_dir, tmp / "hf")
             mckpt.write_meta(tmp, spec=spec, padded_vocab=chunks[0].padded_vocab_size, dtype=dtype)
-        ok = True
-    finally:
-        finish_output(tmp, out, ok)
 
 
 @_without_gc
@@ -121,9 +134,7 @@ def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> 
     meg_dir, out = Path(meg_dir), Path(out)
     spec = _check_inputs(meg_dir, out, dims, want_megatron=True)
     init_distributed(dims)
-    tmp = shared_tmpdir(out)
-    ok = False
-    try:
+    with shared_output(out) as tmp:
         reader = DistCheckpointReader(meg_dir / "model")
         try:
             params = weights.stored_params(reader, spec)
@@ -137,9 +148,6 @@ def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> 
         name_shards(tmp, written)
         if dist.get_rank() == 0:
             hf_io.copy_non_weight_files(hf_files_dir(meg_dir), tmp)
-        ok = True
-    finally:
-        finish_output(tmp, out, ok)
 
 
 def _my_share(params: list, reader) -> list:

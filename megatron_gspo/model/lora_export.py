@@ -102,12 +102,7 @@ def load_adapters(chunks, directory: Path) -> None:
 
 def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> None:
     """Write the merged HF model to `out` and the PEFT adapter to `out`/adapter (collective)."""
-    from megatron_gspo.model.convert import (
-        finish_output,
-        name_shards,
-        shared_tmpdir,
-        write_rank_shards,
-    )
+    from megatron_gspo.model.convert import name_shards, shared_output, write_rank_shards
     from megatron_gspo.model.policy import load_policy
     from megatron_gspo.model.weights import iter_hf
 
@@ -125,16 +120,12 @@ def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> N
         raise UserError(f"the base at {rec['base_path']} changed since {checkpoint} was saved")
     check_adapters(chunks, checkpoint / "model")
     load_adapters(chunks, checkpoint / "model")
-    tmp, ok = shared_tmpdir(out), False
-    try:
+    with shared_output(out) as tmp:
         name_shards(tmp, write_rank_shards(iter_hf(chunks), tmp))
         tensors = peft_tensors(all_factors(chunks), cfg)
         if dist.get_rank() == 0:
             hf_io.copy_non_weight_files(Path(rec["base_path"]), tmp)
             write_peft(tmp / PEFT_DIR, tensors, cfg, rec["base_path"], chunks[0].model_spec)
-        ok = True
-    finally:
-        finish_output(tmp, out, ok)
 
 
 def write_peft(directory: Path, tensors: dict, cfg: LoraConfig, base: str, spec) -> None:

@@ -9,7 +9,6 @@ appears only when complete.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -18,7 +17,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import ModelSpec
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, load_policy
-from megatron_gspo.outputs import check_new_output
+from megatron_gspo.outputs import check_new_output, temp_file_for
 
 
 def read_sequences(path: Path, spec: ModelSpec) -> list[dict]:
@@ -106,10 +105,8 @@ def run_score(
             for i, lp in part:
                 rows[i]["logprobs"] = lp
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
+        with temp_file_for(out) as tmp, open(tmp, "w") as f:  # (SIGINT, SIGTERM: removed)
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        os.replace(tmp, out)
     dist.barrier()
     return len(rows)

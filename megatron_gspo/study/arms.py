@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from megatron_gspo.config import Config, build
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
+from megatron_gspo.yaml_io import read_yaml
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")  # the default arms
@@ -62,9 +61,9 @@ def outside_row(path: Path) -> dict | None:
     """A config's settings outside an arm's row: the resolved config (its defaults filled in)
     without `algo.<ALGO_KEYS>` and `reward.<REWARD_KEYS>`. None for a file that is not a config."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path) or {}
         settings = build(Config, rename_keys(raw, str(path), quiet=True), "").to_dict()
-    except (OSError, yaml.YAMLError, UserError, TypeError, ValueError, AttributeError):
+    except (OSError, UserError, TypeError, ValueError, AttributeError):
         return None
     settings["algo"] = {k: v for k, v in settings["algo"].items() if k not in ALGO_KEYS}
     settings["reward"] = {k: v for k, v in settings["reward"].items() if k not in REWARD_KEYS}

@@ -30,17 +30,15 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import yaml
 
 from megatron_gspo.algo.config import Mismatch, resolve_agg
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
+from megatron_gspo.outputs import temp_file_for
 from megatron_gspo.study.arms import (
     ALGO_KEYS,
     ALGOS,
@@ -56,6 +54,7 @@ from megatron_gspo.study.overrides import (
     check_distinct,
     split_overrides,
 )
+from megatron_gspo.yaml_io import read_yaml
 
 LEVEL = {"gspo": "sequence", "gspo_token": "sequence"}  # the rest: token
 MANIFEST = "study.json"
@@ -122,7 +121,7 @@ def algo_table(
             have = ", ".join(available_arms(base, configs_dir))
             raise UserError(f"{path} is missing: an arm's settings are read from its config of "
                             f"the family; add it, or choose arms among {have}")  # fmt: skip
-        raw = rename_keys(yaml.safe_load(path.read_text()) or {}, str(path))
+        raw = rename_keys(read_yaml(path) or {}, str(path))
         algo, reward = raw.get("algo") or {}, raw.get("reward") or {}
         table[name] = {k: algo[k] for k in ALGO_KEYS if k in algo}
         table[name] |= {f"reward.{k}": reward[k] for k in REWARD_KEYS if k in reward}
@@ -136,7 +135,7 @@ def _unset(base: Path | None, row: dict) -> dict:
     from megatron_gspo.algo.config import AlgoConfig
     from megatron_gspo.rewards.config import RewardSection
 
-    raw = (yaml.safe_load(Path(base).read_text()) or {}) if base and Path(base).is_file() else {}
+    raw = (read_yaml(base) or {}) if base and Path(base).is_file() else {}
     raw = rename_keys(raw, str(base))
     out = {}
     sections = (("algo", ALGO_KEYS, AlgoConfig(), ""),
@@ -293,9 +292,8 @@ def check_manifest(study: Study) -> None:
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(Path(src).read_bytes())
-    os.replace(tmp, dst)
+    with temp_file_for(dst) as tmp:
+        tmp.write_bytes(Path(src).read_bytes())
 
 
 def _sha(path: Path) -> str:
@@ -304,6 +302,5 @@ def _sha(path: Path) -> str:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    with temp_file_for(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")

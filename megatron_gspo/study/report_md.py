@@ -4,10 +4,10 @@ study: what has run so far)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.outputs import temp_file_for
 from megatron_gspo.study.analysis import RunSummary, Spread, spread, summarize_run
 from megatron_gspo.study.figures import CAPTIONS, write_figures
 from megatron_gspo.study.plan import Study
@@ -87,9 +87,8 @@ def write_report(study: Study, margin: float, command: str, failed: list[str]) -
         *_figures(figures),
     ])  # fmt: skip
     path = study.out / "report.md"
-    tmp = path.with_name(f".report.md.tmp-{os.getpid()}")
-    tmp.write_text(text + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with temp_file_for(path) as tmp:
+        tmp.write_text(text + "\n", encoding="utf-8")
     return path
 
 

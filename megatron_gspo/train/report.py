@@ -14,7 +14,6 @@ directory does not (a typo would scatter directories), and a run with no metrics
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.outputs import temp_file_for
 from megatron_gspo.train.metrics import METRICS_FILE, read_metrics
 
 Run = tuple[str, list[dict]]
@@ -216,15 +216,12 @@ def load_runs(run_dirs: Sequence[Path], labels: Sequence[str] | None = None) -> 
 
 
 def save_png(fig, out: Path) -> Path:
-    """Write the figure to `out` atomically (temporary file in the same directory, then rename)."""
+    """Write the figure to `out` atomically (temporary file in the same directory, then rename;
+    an error, SIGINT or SIGTERM leaves nothing)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+    with temp_file_for(out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 

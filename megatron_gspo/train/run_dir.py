@@ -36,13 +36,12 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from megatron_gspo.config import Config, build
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
 from megatron_gspo.train.files import fsync_dir
+from megatron_gspo.yaml_io import read_yaml
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.yaml"
@@ -238,7 +237,7 @@ def _check_config(run_dir: Path, cfg: Config, allow: bool) -> str | None:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         return None
-    changes = config_changes(yaml.safe_load(path.read_text()) or {}, cfg)
+    changes = config_changes(read_yaml(path) or {}, cfg)
     changes = [c for c in changes if not c[0].startswith(MAY_CHANGE)]
     if not changes:
         return None

@@ -9,6 +9,7 @@ reference turns that conversion off (model/lora_peft.py)."""
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from megatron_gspo.algo.policy_loss import loss_denominator, policy_loss
 from megatron_gspo.model.lora_peft import peft_config
 from tests.distributed.lora_worker import LORA, fixed_batch
-from tests.helpers import hf_token_logprobs, run_cli, run_distributed
+from tests.helpers import hf_token_logprobs, run_cli, run_distributed, stopped_mid_write
 
 pytestmark = pytest.mark.distributed
 
@@ -268,6 +269,21 @@ def test_lora_to_hf_refuses_a_truncated_adapter_file(lora_step, tmp_path):
         "re-copy it"
     )
     assert not out.exists() and not list(tmp_path.glob(".hf.tmp*"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_lora_to_hf_stopped_by_a_signal_mid_write_leaves_nothing_behind(lora_step, tmp_path, sig):
+    """SIGTERM (a job scheduler's stop) used to end the export with its .OUT.tmp-XXXX left
+    beside --out. Now it is removed; the files the user had there are as they were."""
+    (tmp_path / "mine.txt").write_text("mine")
+    out = tmp_path / "hf"
+    rc, err = stopped_mid_write(
+        ["convert", "lora-to-hf", "--checkpoint", str(lora_step), "--out", str(out)], out, sig
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+    assert (tmp_path / "mine.txt").read_text() == "mine"
+    # SIGTERM: SystemExit(143); SIGINT: Python's KeyboardInterrupt, which ends it by SIGINT
+    assert rc == (128 + sig if sig == signal.SIGTERM else -sig), err[-2000:]
 
 
 @pytest.mark.parametrize("command", ["megatron-to-hf", "score"])

@@ -217,6 +217,29 @@ def test_report_only_without_a_study_is_one_line_and_writes_nothing(tmp_path, ma
     assert proc.stdout == "" and sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("broken", ["base", "arm"])
+def test_a_config_that_is_not_yaml_is_one_line_naming_where(tmp_path, broken):
+    """A base config or an arm's config of its family that YAML cannot parse used to end the
+    study with a yaml ParserError traceback (the arm's read before the base was checked)."""
+    for name in ("gspo", "grpo"):
+        text = (ROOT / "configs" / f"tiny_moe_{name}.yaml").read_text()
+        (tmp_path / f"lab_{name}.yaml").write_text(text)
+    bad = tmp_path / ("lab_gspo.yaml" if broken == "base" else "lab_grpo.yaml")
+    bad.write_text(bad.read_text() + "algo:\n  clip_low: [0.1\n")
+    lines = len(bad.read_text().splitlines())
+    base = str(tmp_path / "lab_gspo.yaml")
+    cmd = [sys.executable, "-m", "megatron_gspo", "study", "--config", base, "--algos",
+           "gspo,grpo", "--out", str(tmp_path / "S")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=cli_env(), cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: {bad}, line {lines + 1}, column 1: not valid YAML: expected ',' or ']', but got "
+        f"'<stream end>' (while parsing a flow sequence that starts at line {lines}, column 13); "
+        "close the list with ] (quote an item that holds , [ ] or :)"
+    ]
+    assert not (tmp_path / "S").exists()
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -2,12 +2,19 @@
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from megatron_gspo import cli
-from tests.helpers import random_sequences, read_logprobs, run_cli, write_jsonl
+from tests.helpers import (
+    random_sequences,
+    read_logprobs,
+    run_cli,
+    stopped_mid_write,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -280,6 +287,42 @@ def test_make_task_model_refuses_an_output_it_cannot_create(tmp_path, capsys):
         assert line.startswith(f"error: {start}") and line.endswith(" another --out"), line
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def _writing(command: str, tiny_models, moe_megatron, tmp_path: Path) -> list[str]:
+    """The arguments of `command` but its output flag."""
+    if command == "make-tiny-model":
+        return ["make-tiny-model"]
+    if command == "score":
+        inp = write_jsonl(tmp_path / "in.jsonl", random_sequences(100))
+        return ["score", "--checkpoint", str(tiny_models["moe"]), "--input", str(inp)]
+    src = ["--hf", str(tiny_models["moe"])]
+    if command == "megatron-to-hf":
+        src = ["--megatron", str(moe_megatron)]
+    return ["convert", command, *src]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "command", ["make-tiny-model", "hf-to-megatron", "megatron-to-hf", "score"]
+)
+def test_a_command_stopped_by_a_signal_mid_write_leaves_nothing_behind(
+    tmp_path, tiny_models, moe_megatron, command, sig
+):
+    """SIGTERM (a job scheduler's stop) used to end these commands with their temporary output
+    (.OUT.tmp-XXXX) left beside --out, and score's SIGINT too. Now it is removed; the files the
+    user had there are as they were."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mine.txt").write_text("mine")
+    out = work / ("out.jsonl" if command == "score" else "out")
+    flag = "--output" if command == "score" else "--out"
+    args = _writing(command, tiny_models, moe_megatron, tmp_path)
+    rc, err = stopped_mid_write([*args, flag, str(out)], out, sig)
+    assert [p.name for p in work.iterdir()] == ["mine.txt"]
+    assert (work / "mine.txt").read_text() == "mine"
+    # SIGTERM: SystemExit(143); SIGINT: Python's KeyboardInterrupt, which ends it by SIGINT
+    assert rc == (128 + sig if sig == signal.SIGTERM else -sig), err[-2000:]
 
 
 def test_score_makes_a_missing_output_directory(tmp_path, tiny_models):

@@ -1,5 +1,8 @@
 """The typed run config: YAML + dotted overrides, every key and value checked at load."""
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
@@ -10,6 +13,7 @@ from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel import ParallelConfig
 from megatron_gspo.routing.modes import ReplayMode
 from megatron_gspo.weight_sync.config import SyncConfig
+from tests.helpers import cli_env
 
 pytestmark = pytest.mark.unit
 
@@ -109,6 +113,50 @@ def test_lora_is_off_by_default_and_reads_its_keys(tmp_path):
 def test_missing_config_file(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model: {path: m}\ntrain:\n  steps: [1, 2\n  lr: 3\n",
+         "line 4, column 5: not valid YAML: expected ',' or ']', but got ':' (while parsing a "
+         "flow sequence that starts at line 3, column 10); close the list with ] (quote an item "
+         "that holds , [ ] or :)"),
+        ("model:\n\tpath: m\n", "line 2, column 1: not valid YAML: found character '\\t' that "
+                                "cannot start any token; indent with spaces, not tabs"),
+        ("model:\n  path: m\n   dtype: bfloat16\n",
+         "line 3, column 9: not valid YAML: mapping values are not allowed here; indent the keys "
+         "of a section alike; quote a value with ': '"),
+        ("model: {path: m}\ndata:\n  template: \"Q: {prompt}\n",
+         "line 4, column 1: not valid YAML: found unexpected end of stream (while scanning a "
+         "quoted scalar that starts at line 3, column 13); close the quoted string"),
+        ("model: {path: @m}\n", "line 1, column 15: not valid YAML: found character '@' that "
+                                "cannot start any token; quote the value (a plain one cannot "
+                                "start with @ or `)"),
+    ],
+    ids=["list", "tab", "indent", "quote", "at"],
+)  # fmt: skip
+def test_a_config_that_is_not_yaml_names_the_file_line_column_and_fix(tmp_path, text, message):
+    """It used to be yaml's first line only: "c.yaml is not valid YAML: while parsing a flow
+    sequence", naming neither the line nor the problem."""
+    with pytest.raises(UserError) as e:
+        load_config(_write(tmp_path, text))
+    assert str(e.value) == f"{tmp_path / 'c.yaml'}, {message}"
+
+
+def test_train_with_a_config_that_is_not_yaml_says_where_in_one_line(tmp_path):
+    """The same line from the command, exit 2, nothing made (no runs/ directory)."""
+    bad = _write(tmp_path, "model: {path: m}\ntrain:\n  steps: [1, 2\n  lr: 3\n")
+    proc = subprocess.run([sys.executable, "-m", "megatron_gspo", "train", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=120, env=cli_env(),
+                          cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: {bad}, line 4, column 5: not valid YAML: expected ',' or ']', but got ':' (while "
+        "parsing a flow sequence that starts at line 3, column 10); close the list with ] (quote "
+        "an item that holds , [ ] or :)"
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["c.yaml"]
 
 
 def test_shipped_tiny_configs_load():
@@ -268,8 +316,13 @@ def test_an_override_that_is_not_yaml_is_text_for_a_string_key_else_an_error(tmp
     with pytest.raises(UserError) as e:  # taken as text, then checked as a template
         load_config(path, ["data.template={prompt}{x}"])
     assert str(e.value).startswith("data.template '{prompt}{x}' cannot be filled (KeyError")
-    for override, message in [
-        ("train.steps=[1, {", "override train.steps: '[1, {' is not valid YAML (while parsing"),
+    for override, message in [  # (what the parser found, not "while parsing a flow mapping")
+        (
+            "train.steps=[1, {",
+            "override train.steps: '[1, {' is not valid YAML (expected the "
+            "node content, but found '<stream end>' at character 6); write the "
+            "value as YAML",
+        ),
         ("rollout.urls=[a, {", "override rollout.urls: '[a, {' is not valid YAML"),
         ("algo.loss={gspo", "override algo.loss: '{gspo' is not valid YAML"),
         ("nokey.x={a", "unknown config key 'nokey'"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from megatron_gspo.cli import ALLOW_WITHOUT_RESUME
 from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
 from tests.helpers import authorization_recorder, saved_checkpoint
@@ -462,19 +463,36 @@ def test_the_plan_of_a_resume_with_steps_left_goes_on(tmp_path):
     assert "NOTHING_TO_TRAIN=''" in r.stdout.splitlines()
 
 
-@pytest.mark.parametrize("steps", ["--steps abc", "--steps -3", "--steps=1.5", "--steps=٣"])
+@pytest.mark.parametrize(
+    "steps",
+    [["--steps", "abc"], ["--steps", "-3"], ["--steps=1.5"], ["--steps=٣"], ["--steps", ""],
+     ["--steps="], ["--steps"]],
+    ids=["abc", "-3", "=1.5", "=arabic-3", "empty", "=empty", "last"],
+)  # fmt: skip
 def test_torchrun_sh_refuses_steps_that_are_not_a_whole_number(tmp_path, steps):
     """--steps abc (or -3) started the servers and torchrun, whose ranks then failed: torchrun's
-    ChildFailedError, exit 1, and launch/ and logs/ left in the run directory. Now the one line,
-    exit 2, before anything is made."""
+    ChildFailedError, exit 1, and launch/ and logs/ left in the run directory; --steps "" and a
+    --steps last were bash's "2: --steps needs a number" (exit 1), and --steps= was dropped (the
+    run launched). Now the one line, exit 2, before anything is made."""
     (tmp_path / "model").mkdir()
-    value = steps.split("=")[-1].split()[-1]
     r = _torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
-        *steps.split(), f"model.path={tmp_path / 'model'}", GPUS_PER_NODE="0",
+        f"model.path={tmp_path / 'model'}", *steps, GPUS_PER_NODE="0",
     )  # fmt: skip
-    message = f"error: --steps {value} must be a whole number of steps (0 or more)\n"
-    assert (r.returncode, r.stderr) == (2, message)
+    value = "".join(steps).removeprefix("--steps").removeprefix("=")
+    said = f"--steps {value} must be" if value else "--steps needs"
+    assert (r.returncode, r.stderr) == (2, f"error: {said} a whole number of steps (0 or more)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_torchrun_sh_refuses_allow_config_change_without_resume(tmp_path):
+    """train's line, exit 2, before anything is made (it used to launch a new run)."""
+    (tmp_path / "model").mkdir()
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
+        "--allow-config-change", f"model.path={tmp_path / 'model'}", GPUS_PER_NODE="0",
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, f"error: {ALLOW_WITHOUT_RESUME}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 

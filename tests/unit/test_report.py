@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from megatron_gspo.train.report import (
     make_report,
     register,
 )
-from tests.helpers import cli_env
+from tests.helpers import cli_env, stopped_mid_write
 
 pytestmark = pytest.mark.unit
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -119,6 +120,21 @@ def test_report_command_writes_a_png(two_runs, tmp_path, capsys):
         # 11 panels on a 4-wide grid: 3 rows of 4.2 x 3.2 inches at 100 dpi.
         assert img.size == (round(4 * 4.2 * 100), round(3 * 3.2 * 100))
     assert [p.name for p in out.parent.iterdir()] == ["report.png"]  # no temp file left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_report_stopped_by_a_signal_mid_write_leaves_nothing_behind(two_runs, tmp_path, sig):
+    """SIGTERM used to end `report` with its .report.png.tmp-PID left beside --out. Now it is
+    removed; the files the user had there are as they were."""
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    (figs / "old.png").write_bytes(b"the user's figure")
+    out = figs / "report.png"
+    rc, err = stopped_mid_write(["report", *map(str, two_runs), "--out", str(out)], out, sig)
+    assert [p.name for p in figs.iterdir()] == ["old.png"]
+    assert (figs / "old.png").read_bytes() == b"the user's figure"
+    # SIGTERM: SystemExit(143); SIGINT: Python's KeyboardInterrupt, which ends it by SIGINT
+    assert rc == (128 + sig if sig == signal.SIGTERM else -sig), err[-2000:]
 
 
 def test_errors(two_runs, tmp_path):

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_gspo.cli import ALLOW_WITHOUT_RESUME
 from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
 from megatron_gspo.train import run_dir as rd
-from tests.helpers import MEGATRON_METADATA
+from tests.helpers import MEGATRON_METADATA, cli_env
 
 pytestmark = pytest.mark.unit
 
@@ -119,6 +120,33 @@ def test_a_checkpoint_needs_resume_and_the_same_config(tmp_path, capsys):
     assert "resuming with a changed config (algo.loss" in capsys.readouterr().out
     kept = yaml.safe_load((tmp_path / "config.until_step_1.yaml").read_text())
     assert kept["algo"]["loss"] == "gspo"  # the steps so far ran with it
+
+
+def test_a_run_config_edited_into_bad_yaml_is_named_on_resume(tmp_path):
+    """The config a run saved, edited by hand into YAML that does not parse, used to end a
+    --resume with a yaml ScannerError traceback."""
+    _checkpoint(tmp_path)
+    (tmp_path / "config.yaml").write_text("model:\n  path: m\nalgo:\n\tloss: grpo\n")
+    with pytest.raises(UserError) as e:
+        rd.prepare(tmp_path, True, cfg(), False)
+    assert str(e.value) == (
+        f"{tmp_path / 'config.yaml'}, line 4, column 1: not valid YAML: found character '\\t' "
+        "that cannot start any token; indent with spaces, not tabs"
+    )
+
+
+def test_allow_config_change_without_resume_is_refused_before_anything(tmp_path):
+    """--allow-config-change lets a resumed run take a changed config; without --resume there
+    is no run config to differ from, and the flag used to be accepted without a word."""
+    (tmp_path / "model").mkdir()
+    root = Path(__file__).resolve().parents[2]
+    argv = ["train", "--config", str(root / "configs/tiny_moe_gspo.yaml"), "--run-dir",
+            str(tmp_path / "run"), "--allow-config-change", f"model.path={tmp_path / 'model'}"]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "megatron_gspo", *argv], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path, env=cli_env())  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, f"error: {ALLOW_WITHOUT_RESUME}\n")
+    assert ALLOW_WITHOUT_RESUME.startswith("--allow-config-change applies only with --resume; ")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
 def test_a_key_added_to_the_code_since_is_no_change():
