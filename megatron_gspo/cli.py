@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 
-from megatron_gspo.errors import UserError
+from megatron_gspo.errors import Interrupted, UserError
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +150,8 @@ def _add_score(sub) -> None:
     p.set_defaults(func=_cmd_score)
 
 
+INTERRUPTED = 130  # the exit code of a command stopped by a Ctrl-C (the shell's: 128 + SIGINT)
+
 ALLOW_WITHOUT_RESUME = (
     "--allow-config-change applies only with --resume; add --resume to continue the run with "
     "this config, or leave the flag out to start a new run"
@@ -174,8 +176,13 @@ def _cmd_train(args) -> None:
     from megatron_gspo.train.loop import run  # (megatron, the servers' clients: seconds)
     from megatron_gspo.train.parts import build_parts
 
-    with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
-        run(parts, max_steps=args.steps)
+    try:
+        with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
+            run(parts, max_steps=args.steps)
+    except KeyboardInterrupt:  # (its servers and workers stopped on the way out)
+        from megatron_gspo.train.checkpointing import resume_hint
+
+        raise Interrupted(resume_hint(run_dir)) from None
 
 
 def _add_train(sub) -> None:
@@ -301,8 +308,21 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (Interrupted, KeyboardInterrupt) as e:  # a Ctrl-C: one line, not a traceback
+        if _rank() == 0:
+            print(f"interrupted{f': {e}' if isinstance(e, Interrupted) else ''}", file=sys.stderr)
+        sys.exit(INTERRUPTED)
     finally:
         _shutdown()
+
+
+def _rank() -> int:
+    """This process's rank (0 where torch.distributed was never loaded: not imported here)."""
+    if "torch.distributed" not in sys.modules:
+        return 0
+    from megatron_gspo.comm import rank
+
+    return rank()
 
 
 def _shutdown() -> None:

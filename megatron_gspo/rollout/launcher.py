@@ -12,7 +12,9 @@ Each server is its own process group (start_new_session), tracked by PID, with i
 the current weights: /update_weights_from_disk of the last HF dir given to `set_current_weights`,
 or the `on_restart(url)` callback (e.g. a tensor or distributed weight push). `stop` sends SIGTERM
 to each server's process group (its PID), then SIGKILL after a grace period; it runs on leaving
-the `with`, at interpreter exit (atexit) and on SIGTERM/SIGINT. Nothing is ever killed by name.
+the `with`, at interpreter exit (atexit) and on SIGTERM/SIGINT (not on a signal the process
+ignores, as a background job of a script ignores SIGINT: the run goes on, so must its servers).
+Nothing is ever killed by name.
 """
 
 from __future__ import annotations
@@ -459,6 +461,8 @@ def _install_exit_handlers() -> None:
         return  # signal handlers can only be set from the main thread; atexit still runs
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous = signal.getsignal(sig)
+        if previous == signal.SIG_IGN:  # (a background job's SIGINT): the run goes on, so do they
+            continue
         signal.signal(sig, _make_handler(sig, previous))
 
 
@@ -467,8 +471,6 @@ def _make_handler(sig: int, previous):
         stop_all()
         if callable(previous):
             previous(signum, frame)  # e.g. KeyboardInterrupt for SIGINT
-        elif previous == signal.SIG_IGN:
-            return
         else:
             signal.signal(sig, signal.SIG_DFL)
             os.kill(os.getpid(), sig)

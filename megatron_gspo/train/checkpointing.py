@@ -69,6 +69,18 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def resume_hint(run_dir: Path) -> str:
+    """What a run stopped before its end kept, and how to go on: its newest complete checkpoint
+    and --resume, or that it saved none (the same command starts it again)."""
+    newest = latest(run_dir)
+    if newest is None:
+        return (f"{run_dir} holds no checkpoint yet: the same command starts the run again "
+                "(with --resume too)")  # fmt: skip
+    return (
+        f"{newest} is the run's newest checkpoint: the same command with --resume goes on from it"
+    )
+
+
 def saved_step(ckpt: Path) -> int | None:
     """The step checkpoint `ckpt` was saved after, from its state file (None where that is not
     readable: a resume's checks say why)."""

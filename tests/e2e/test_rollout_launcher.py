@@ -263,7 +263,8 @@ def test_api_key_is_left_out_of_the_server_log(tmp_path):
 
 
 SCRIPT = """
-import json, sys, time
+import json, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, whoever started us
 from megatron_gspo.rollout.launcher import ServerConfig, ServerGroup
 group = ServerGroup([ServerConfig(model_path=sys.argv[1], threads=1)], sys.argv[2])
 group.start()
