@@ -25,14 +25,18 @@ class ServerFailed(RuntimeError):
 _EXCEPTION = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt))\b:?")
 
 
+_NO_LIBRARY = "error while loading shared libraries"  # (the dynamic loader's own words)
 _NOISE = ("Traceback", "File ", "^", "~", "During handling", "The above exception")
 
 
 def failure_cause(tail: str) -> str:
-    """The line of a failed server's log that says why: the last exception line of the last
-    traceback, else the last line that mentions an error, else the last line (300 characters)."""
+    """The line of a failed server's log that says why: a program that could not load a shared
+    library (the cause wherever it appears: SGLang's scheduler exits on it, and its parent then
+    raises about the scheduler's exit code), else the last exception line of the last traceback,
+    else the last line that mentions an error, else the last line (300 characters)."""
     lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
     for pick in (
+        lambda ln: _NO_LIBRARY in ln,
         lambda ln: bool(_EXCEPTION.match(ln)),
         lambda ln: "error" in ln.lower() and not ln.startswith(_NOISE),
         lambda ln: not ln.startswith(_NOISE),

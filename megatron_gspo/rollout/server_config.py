@@ -178,6 +178,54 @@ def check_sglang_modes(cfg, gpu: bool) -> None:
             "backends (fa3, flashinfer, triton) do not run on a CPU; on a CPU use "
             "rollout.backend=builtin, whose deterministic mode does"
         )
+    if not gpu:
+        check_sglang_on_cpu(r)
+
+
+def check_sglang_on_cpu(r) -> None:
+    """What SGLang's CPU build cannot start with (each a failure deep in its start otherwise,
+    after a minute or two): its memory saver (it loads libcuda) and more tensor-parallel ranks
+    than the machine has NUMA nodes (SGLang's rule, unless SGLANG_CPU_OMP_THREADS_BIND binds
+    each rank's cores)."""
+    from megatron_gspo.errors import UserError
+
+    if r.release_memory or "--enable-memory-saver" in r.extra_server_args:
+        what = "rollout.release_memory" if r.release_memory else "--enable-memory-saver"
+        raise UserError(
+            f"{what} with SGLang needs a GPU: SGLang's memory saver, which lends the servers' "
+            "GPU memory to training, loads libcuda; on a CPU set rollout.release_memory=false "
+            "and leave --enable-memory-saver out of rollout.extra_server_args"
+        )
+    nodes = numa_nodes()
+    bound = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND", "all") != "all"
+    if nodes is not None and r.server_tp > nodes and not bound:
+        raise UserError(
+            f"rollout.server_tp={r.server_tp} with SGLang on a CPU needs as many NUMA nodes "
+            f"(this machine has {nodes}), or SGLANG_CPU_OMP_THREADS_BIND naming each rank's "
+            f"cores (e.g. 0-15|16-31 for 2); set rollout.server_tp={nodes}"
+        )
+
+
+def numa_nodes() -> int | None:
+    """The NUMA nodes with a CPU this process may run on (None: not known here)."""
+    root = Path("/sys/devices/system/node")
+    try:
+        allowed = os.sched_getaffinity(0)
+        lists = [(d / "cpulist").read_text() for d in root.glob("node[0-9]*")]
+        count = sum(bool(cpu_list(text) & allowed) for text in lists)
+    except (OSError, AttributeError, ValueError):
+        return None
+    return count or None
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a sysfs cpulist ("0-3,8,10-11")."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 # Where scripts/sglang_env.sh builds SGLang's own environment, unless $SGLANG_VENV names another.

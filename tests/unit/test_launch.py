@@ -282,6 +282,12 @@ SGLANG_DETERMINISTIC_ON_A_CPU = (
     "deterministic mode does"
 )
 
+SGLANG_MEMORY_SAVER_ON_A_CPU = (
+    "{what} with SGLang needs a GPU: SGLang's memory saver, which lends the servers' GPU memory "
+    "to training, loads libcuda; on a CPU set rollout.release_memory=false and leave "
+    "--enable-memory-saver out of rollout.extra_server_args"
+)
+
 
 @pytest.mark.parametrize(
     "args, code, message",
@@ -299,6 +305,10 @@ SGLANG_DETERMINISTIC_ON_A_CPU = (
         (["rollout.backend=sglang", "rollout.quantization=fp8"], 2, SGLANG_FP8_ON_A_CPU),
         (["rollout.backend=sglang", "rollout.deterministic=true"], 2,
          SGLANG_DETERMINISTIC_ON_A_CPU),
+        (["rollout.backend=sglang", "rollout.release_memory=true"], 2,
+         SGLANG_MEMORY_SAVER_ON_A_CPU.format(what="rollout.release_memory")),
+        (["rollout.backend=sglang", "rollout.extra_server_args=[--enable-memory-saver]"], 2,
+         SGLANG_MEMORY_SAVER_ON_A_CPU.format(what="--enable-memory-saver")),
     ],
 )  # fmt: skip
 def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, args, code, message):
@@ -317,6 +327,41 @@ def test_serve_node_refuses_in_one_line_and_leaves_nothing_running(tmp_path, arg
     assert not (tmp_path / "urls.txt").exists()
     if code == 2:
         assert not (tmp_path / "logs").exists()  # refused before any server was started
+
+
+def test_more_sglang_tp_ranks_than_numa_nodes_on_a_cpu_are_refused(monkeypatch):
+    """SGLang's CPU build binds each TP rank to a NUMA node: with more ranks it fails an
+    assertion after a minute or two of starting (the qwen3 config's server_tp=8 on a CPU).
+    Refused at once, unless SGLANG_CPU_OMP_THREADS_BIND binds the ranks itself."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.errors import UserError
+    from megatron_gspo.rollout.server_config import check_sglang_modes, numa_nodes
+
+    nodes = numa_nodes()
+    if nodes is None:
+        pytest.skip("this machine's NUMA nodes are not known")
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    model = "model.path=/m"  # (not read here)
+    over = load_config(None, [model, "rollout.backend=sglang", f"rollout.server_tp={nodes + 1}"])
+    with pytest.raises(UserError) as e:
+        check_sglang_modes(over, gpu=False)
+    assert str(e.value) == (
+        f"rollout.server_tp={nodes + 1} with SGLang on a CPU needs as many NUMA nodes (this "
+        f"machine has {nodes}), or SGLANG_CPU_OMP_THREADS_BIND naming each rank's cores (e.g. "
+        f"0-15|16-31 for 2); set rollout.server_tp={nodes}"
+    )
+    check_sglang_modes(over, gpu=True)  # (a GPU's servers: not this rule)
+    check_sglang_modes(load_config(None, [model, "rollout.backend=sglang",
+                                          f"rollout.server_tp={nodes}"]), gpu=False)  # fmt: skip
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
+    check_sglang_modes(over, gpu=False)
+
+
+def test_numa_nodes_count_the_nodes_with_a_cpu_this_process_may_use():
+    from megatron_gspo.rollout.server_config import cpu_list
+
+    assert cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_list("\n") == set()
 
 
 def test_plan_refuses_the_sglang_modes_its_nodes_cannot_serve(tmp_path):
@@ -671,6 +716,14 @@ def test_a_server_that_fails_to_start_is_summed_up_by_its_cause(tmp_path):
     )
     assert failure_cause(argparse_tail) == "server.py: error: unrecognized arguments: -x"
     assert failure_cause("loading\nKilled\n") == "Killed"
+    no_libcuda = (  # SGLang's scheduler could not start; its parent raises about the exit code
+        "/venv/bin/python: error while loading shared libraries: libcuda.so.1: cannot open "
+        "shared object file: No such file or directory"
+    )
+    died = "RuntimeError: Rank 0 scheduler died during initialization (exit code: 127)."
+    assert (
+        failure_cause(f"{no_libcuda}\n{no_libcuda}\nTraceback\n  raise x\n{died}\n") == no_libcuda
+    )
     assert failure_cause("") == ""
     log = tmp_path / "server-0.log"
     e = ServerFailed("server 0 (sglang, pid 7) exited with code 1 while starting", log,
