@@ -63,7 +63,11 @@ class RolloutError(UserError):
 
 class Retryable(Exception):
     """A failure another try (on another server) may get past: a 5xx, a time-out, a connection
-    lost."""
+    lost. `status`: the HTTP status of a 5xx answer (None for the others)."""
+
+    def __init__(self, text: str, status: int | None = None):
+        super().__init__(text)
+        self.status = status
 
 
 @dataclass
@@ -312,7 +316,7 @@ async def read_failure(resp: aiohttp.ClientResponse, url: str) -> Retryable | Ro
     if more:
         what += f" (its body cut at {FAILURE_LIMIT >> 10} KiB, the rest not read)"
     if resp.status >= 500:
-        return Retryable(f"HTTP {resp.status}: {what}")
+        return Retryable(f"HTTP {resp.status}: {what}", resp.status)
     return RolloutError(f"{url} refused the request: {what}")
 
 

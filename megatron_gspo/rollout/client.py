@@ -7,11 +7,12 @@ per-request overhead when answers are short. A prompt's samples go to one server
 loaded when the prompt is scheduled), so SGLang's radix cache shares the prompt. Each server
 takes at most `max_concurrency` requests at a time. Connection errors, time-outs and 5xx answers
 (of any size: a failed answer's body is read only for its message, answers.py) are retried on
-another server with exponential back-off; a 4xx is the caller's error, raised at once
-(`RolloutError`), as is a 3xx: no request follows a redirect (`_ask`), nor sends its API key
-there. `abort()` aborts every outstanding request of this client: those come back with their
-partial output and finish_reason "abort". With `sampling_seed`, sample j of prompt i gets
-seed + i * n + j: the G samples of a prompt differ and a rerun reproduces them.
+another server with back-off, but not a healthy server's same 500 again and again (retries.py);
+a 4xx is the caller's error, raised at once (`RolloutError`), as is a 3xx: no request follows
+a redirect (`_ask`), nor sends its API key there. `abort()` aborts every outstanding request of
+this client: those come back with their partial output and finish_reason "abort". With
+`sampling_seed`, sample j of prompt i gets seed + i * n + j: the G samples of a prompt differ
+and a rerun reproduces them.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ from megatron_gspo.rollout.answers import (
     topk_unsaid,
 )
 from megatron_gspo.rollout.partial import Hold
+from megatron_gspo.rollout.retries import MAX_BACKOFF_S, SAME_500S, Tries
 from megatron_gspo.rollout.sample import Sample
 
 __all__ = ["RolloutClient", "RolloutError", "Sample", "decode_routed_experts"]
 
 log = logging.getLogger(__name__)
 
-MAX_BACKOFF_S = 2.0  # the longest wait between two tries of a request
 _QUICK = aiohttp.ClientTimeout(total=5)  # a question about the servers' state
 
 
@@ -75,12 +76,14 @@ class RolloutClient:
         outage_s: float = 0.0,
         vocab_size: int | None = None,
         layers: int | None = None,
+        server_logs: dict[str, str] | None = None,
     ):
         """`retries` quick retries on other servers (backoff_s, doubling); after those, a
         request waits up to `outage_s` for any server to answer /health again (its supervisor
         restarting it) and is sent there: a sample is retried, never lost or doubled.
         `vocab_size`: the model's; a token id outside it is an error (another model's server).
-        `layers`, `topk`: the model's, which bound an answer's size (answers.py)."""
+        `layers`, `topk`: the model's, which bound an answer's size (answers.py).
+        `server_logs`: each server's log by URL, named where one fails a request for good."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -90,6 +93,7 @@ class RolloutClient:
         self.retries, self.backoff_s, self.outage_s = retries, backoff_s, outage_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.topk, self.vocab_size, self.layers = topk, vocab_size, layers
+        self.server_logs = {u.rstrip("/"): p for u, p in (server_logs or {}).items()}
         self._servers: list[_Server] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._outstanding: dict[str, str] = {}  # rid -> server url
@@ -175,46 +179,24 @@ class RolloutClient:
     async def _send(
         self, samples: list[Sample], body: dict, server: _Server, epoch: int
     ) -> list[Sample]:
-        """One request for `samples` (one, or a prompt's group as a batch), retried whole."""
+        """One request for `samples` (one, or a prompt's group), retried whole (retries.py)."""
         _, servers = self._state()
         rids = [s.rid for s in samples]
-        tried: list[_Server] = []
-        first, attempt, outage_until, last_error = server, 0, None, ""
+        tries, first = Tries(rids[0]), server
         try:
             while True:
                 if epoch != self._epoch:
                     return samples  # aborted before it was sent
-                if attempt and attempt <= self.retries:
-                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-                    server = self._pick_other(servers, tried)
-                elif attempt:  # every quick retry failed: wait for a server to come back
-                    if outage_until is None:
-                        outage_until = time.monotonic() + self.outage_s
-                    # (still backing off: a server whose /health is fine while /generate answers
-                    # 5xx, an overloaded one or a proxy's, is not sent a request per millisecond)
-                    await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S))
-                    # (a request that keeps failing on healthy servers gives up at the same
-                    # deadline: a healthy /health does not make it retry for ever)
-                    healthy = None
-                    if time.monotonic() < outage_until:
-                        healthy = await self._healthy_server(servers, outage_until)
-                    if healthy is None:
-                        raise RolloutError(
-                            f"request {rids[0]} failed on "
-                            f"{', '.join(sorted({s.url for s in tried}))} after {attempt} "
-                            f"attempts (last: {last_error}) and no server took it within "
-                            f"{self.outage_s:.0f} s after; check that the servers are up and "
-                            "their logs"
-                        )
-                    server = healthy
-                tried.append(server)
-                attempt += 1
+                if tries.attempt:
+                    server = await self._next_server(servers, tries)
+                tries.urls.append(server.url)
                 try:
                     result = await self._post_generate(server, rids, body, epoch)
                 except Retryable as e:
                     server.failures += 1
-                    last_error = str(e)
+                    tries.failed(e)
                     log.warning("rollout request %s failed on %s: %s", rids[0], server.url, e)
+                    await self._refuse_a_server_bug(server, tries)
                     continue
                 server.failures = 0
                 if result is None:
@@ -226,6 +208,25 @@ class RolloutClient:
         finally:
             first.load -= len(samples)
 
+    async def _next_server(self, servers: list[_Server], tries: Tries) -> _Server:
+        """Where the next try of a failed request goes, after its back-off: another server for
+        the quick retries; then the first to answer /health within `outage_s` of the first wait
+        (a RolloutError when none does)."""
+        if tries.attempt <= self.retries:
+            await asyncio.sleep(tries.backoff_s(self.backoff_s))
+            return self._pick_other(servers, tries.urls)
+        until = tries.wait_until(self.outage_s)
+        await asyncio.sleep(tries.backoff_s(self.backoff_s, MAX_BACKOFF_S))  # (retries.py)
+        healthy = await self._healthy_server(servers, until) if time.monotonic() < until else None
+        if healthy is None:
+            raise tries.gave_up(self.outage_s)
+        return healthy
+
+    async def _refuse_a_server_bug(self, server: _Server, tries: Tries) -> None:
+        """Stop a request that had the same HTTP 500 SAME_500S times from an up `server`."""
+        if tries.same_500s >= SAME_500S and (await self._health(server.url, 5.0))[0] == 200:
+            raise tries.server_bug(server.url, self.server_logs.get(server.url))
+
     async def _healthy_server(self, servers: list[_Server], until: float) -> _Server | None:
         """The first server (fewest failures first) to answer /health 200 before `until`."""
         while True:
@@ -236,8 +237,8 @@ class RolloutClient:
                 return None
             await asyncio.sleep(0.5)
 
-    def _pick_other(self, servers: list[_Server], tried: list[_Server]) -> _Server:
-        fresh = [s for s in servers if s not in tried] or servers
+    def _pick_other(self, servers: list[_Server], tried: list[str]) -> _Server:
+        fresh = [s for s in servers if s.url not in tried] or servers
         return min(fresh, key=lambda s: (s.failures, s.load))
 
     async def _post_generate(

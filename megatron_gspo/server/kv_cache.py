@@ -40,7 +40,12 @@ class KVCache:
 
     @torch.inference_mode()  # the tensors may have been made by a forward (inference tensors)
     def copy_prefix(self, src: int, dst: list[int], n: int) -> None:
-        """Copy the first n positions of slot src into each slot of dst, in every layer."""
+        """Copy the first n positions of slot src into each slot of dst, in every layer.
+
+        The source rows are cloned first: they are a view of the tensor written to, and torch
+        refuses an indexed write from a view of its own target whenever it can tell that the two
+        share memory (when n is the whole capacity: a prompt as long as the cache), as it cannot
+        prove that the write leaves what it reads alone."""
         self.ensure(max(dst) + 1, n)
         for t in (*self.k, *self.v):
-            t[dst, :, :n] = t[src, :, :n]
+            t[dst, :, :n] = t[src, :, :n].clone()

@@ -92,9 +92,10 @@ class ServerFleet:
 
         r, (topk, vocab, layers) = cfg.rollout, model_sizes(hf_dir)
         outage = r.health_timeout_s  # servers down: wait this long for a restart
+        logs = {s.url: str(s.log_path) for s in self.group.servers} if self.group else None
         self.client = RolloutClient(
             self.urls, api_key=self.api_key, topk=topk, timeout_s=r.health_timeout_s,
-            outage_s=outage, vocab_size=vocab, layers=layers,
+            outage_s=outage, vocab_size=vocab, layers=layers, server_logs=logs,
         )  # fmt: skip
         self._wait_healthy(cfg, self.client, "rollout.urls")
         if r.urls:  # servers someone else started: another model's would train on garbage
