@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_gspo.comm import free_port
+from megatron_gspo.errors import UserError
 from megatron_gspo.no_redirect import OPENER, is_redirect, redirect_refusal
 from megatron_gspo.rollout.answers import (
     CONTROL_LIMIT,
@@ -153,7 +154,8 @@ class ServerGroup:
         a second start would leave the first servers running unsupervised."""
         if any(s.proc is not None for s in self.servers):
             raise RuntimeError("this ServerGroup was started already (`with` starts it)")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for s in self.servers:  # before any server starts: none is left half-started
+            _check_log(s.log_path)
         _LIVE.add(self)
         _install_exit_handlers()
         try:
@@ -431,6 +433,20 @@ def _die_with_parent() -> None:
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _check_log(path: Path) -> None:
+    """That the server's log can be appended to (made, where it is not there): one line naming
+    it where it cannot (a read-only logs/, a log of another user)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise UserError(
+            f"cannot write the server log {path} ({e.strerror}); make it and {path.parent} "
+            "writable and start again"
+        ) from None
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -3,14 +3,14 @@
 
 A run whose newest checkpoint is its last step is complete and skipped; one with an earlier
 checkpoint is continued with `--resume`; one with none (killed before its first checkpoint) is
-cleared and started again. Runs go one at a time (seed by seed, every algorithm per seed first),
+started again, by the trainer's own start (train/run_dir.py: the attempt's files are moved to
+aborted/<k>/, nothing holding weights is deleted). Runs go one at a time (seed by seed, every algorithm per seed first),
 so an interrupted study has comparable runs for the seeds it finished. A failed run is reported
 and the others still run; the same command retries it.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.study.plan import RunSpec, Study, task_of
-from megatron_gspo.train.metrics import format_duration
+from megatron_gspo.train.console import format_duration
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,6 @@ def execute(study: Study) -> list[RunSpec]:
         state = states[run]
         what = f"resume from step {state.step}" if state.kind == "resume" else "start"
         print(f"[{i}/{len(todo)}] {run.name}: {what}", flush=True)
-        if state.kind == "fresh" and run.run_dir.exists():
-            shutil.rmtree(run.run_dir)  # no checkpoint: nothing to continue from
         t0 = time.monotonic()
         rc = _call(train_command(study, run, state.kind == "resume"), log_path(study, run))
         took = format_duration(time.monotonic() - t0)

@@ -9,18 +9,21 @@
 
 A checkpoint is written into `.step_<N>.tmp/` and renamed to `step_<N>/` by global rank 0 only
 after every rank finished writing, the state file is on disk and the manifest was computed from
-the files as they read back (each rank hashes a share), so a directory named `step_<N>` is always
-complete; a crash mid-write leaves only a `.tmp` directory, which `latest` ignores and the next
-save of that step replaces. Older checkpoints beyond `keep` are deleted after the rename, never
-the new one: it is the last verified checkpoint.
+the files as they read back (each rank hashes a share), so a directory named `step_<N>` was
+complete when written; a crash mid-write leaves only a `.tmp` directory, which `latest` ignores
+and the next save of that step replaces. Older checkpoints beyond `keep` are deleted after the
+rename, never the new one: it is the last verified checkpoint.
 
-A resume uses the newest checkpoint that verifies against its manifest (`verify`: the manifest
-lists every file of the directory, so every file a load reads, and each has its size and sha256)
-and that this version can load (`loadable`: its state file is a JSON object, its model/ a
-dist-checkpoint whose backend and version this megatron-core reads). A newer one that does not (a
-truncated, zeroed or garbled file, a lost manifest, a manifest that leaves files out, a format of
-another version) is moved aside to `checkpoints/unverified/` and named, never loaded and never
-deleted.
+Every `step_<N>` directory is a checkpoint, whatever it holds now: one that lost a file since (its
+state file included) is a damaged checkpoint, never taken for an absent one. A resume uses the
+newest checkpoint that verifies against its manifest (`verify`: the manifest lists every file of
+the directory, so every file a load reads, and each has its size and sha256) and that this
+version can load (`loadable`: its state file is a JSON object, its model/ a dist-checkpoint whose
+backend and version this megatron-core reads). A newer one that does not (a truncated, zeroed,
+garbled or lost file, a lost manifest, a manifest that leaves files out, a format of another
+version) is moved aside to `checkpoints/unverified/` and named, never loaded and never deleted;
+where none is left to resume from, the resume is refused and nothing is changed. A save never
+overwrites a `step_<N>` already there: it is moved to `unverified/` too.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from megatron_gspo.train.files import fsync_dir
 from megatron_gspo.train.state import TrainState
 
 _NAME = re.compile(r"^step_(\d+)$")
+_TMP = re.compile(r"^\.step_(\d+)\.tmp$")
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 UNVERIFIED = "unverified"
@@ -51,26 +55,36 @@ def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+def saved_checkpoints(run_dir: Path) -> list[Path]:
+    """Every checkpoint directory (`step_<N>`), oldest first, damaged or not: a save renames
+    only a complete write into place, so each was complete when written; `verify` says whether
+    it still is (a directory that lost its state file is a damaged checkpoint, not no
+    checkpoint)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = _NAME.match(p.name)
-        if m and (p / STATE_FILE).is_file():
+        if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
 
 
 def latest(run_dir: Path) -> Path | None:
-    done = complete_checkpoints(run_dir)
+    done = saved_checkpoints(run_dir)
     return done[-1] if done else None
 
 
+def only_half_writes(run_dir: Path) -> bool:
+    """Whether checkpoints/ holds nothing but saves cut short (`.step_<N>.tmp`): no checkpoint,
+    nothing set aside, nothing of the user's."""
+    root = checkpoint_root(run_dir)
+    return all(_TMP.match(p.name) and p.is_dir() for p in root.iterdir()) if root.is_dir() else True
+
+
 def resume_hint(run_dir: Path) -> str:
-    """What a run stopped before its end kept, and how to go on: its newest complete checkpoint
+    """What a run stopped before its end kept, and how to go on: its newest checkpoint
     and --resume, or that it saved none (the same command starts it again)."""
     newest = latest(run_dir)
     if newest is None:
@@ -109,11 +123,11 @@ def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
         _write_json(tmp / STATE_FILE, state)
     _write_manifest(tmp)
     if rank == 0:
-        if final.exists():  # the same step saved before a crash and again after resume
-            shutil.rmtree(final)
+        if final.exists():  # (not the one resumed from, nor newer: kept, named)
+            print(_set_aside_line(run_dir, final, "was there already"), flush=True)
         os.replace(tmp, final)
         fsync_dir(root)
-        for old in complete_checkpoints(run_dir)[:-keep]:
+        for old in saved_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
@@ -217,7 +231,7 @@ def newest_verified(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]
     """The newest complete checkpoint that verifies and can be loaded, and the newer ones that
     cannot (with why)."""
     skipped: list[tuple[Path, str]] = []
-    for ckpt in reversed(complete_checkpoints(run_dir)):
+    for ckpt in reversed(saved_checkpoints(run_dir)):
         problem = verify(ckpt) or loadable(ckpt)
         if problem is None:
             return ckpt, skipped
@@ -236,6 +250,12 @@ def set_aside(run_dir: Path, ckpts: list[Path]) -> Path:
         os.replace(ckpt, target)
     fsync_dir(checkpoint_root(run_dir))
     return dest
+
+
+def _set_aside_line(run_dir: Path, ckpt: Path, why: str) -> str:
+    """Move `ckpt` to checkpoints/unverified/; the line that says so."""
+    dest = set_aside(run_dir, [ckpt])
+    return f"{ckpt.name} {why}: moved to {dest.relative_to(run_dir)}/, not deleted"
 
 
 def _files(directory: Path) -> list[str]:

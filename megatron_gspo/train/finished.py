@@ -3,11 +3,12 @@
 `megatron-gspo train --resume` on a run at its last step (train.steps, or --steps) used to start
 the rollout servers, build the model and load its checkpoint before the step hooks said there was
 nothing to train: seconds on the quickstart's tiny model, minutes on a large one. `nothing_left`
-asks the run directory first: global rank 0, holding its lock, reads the step of the newest
-checkpoint (run_dir.py `finished_step`); when that is the last step or past it, every rank learns
-so over a bare process group (no megatron imported), rank 0 prints the line (hooks.py
-`nothing_to_train`), and the command ends with exit 0, having started and written nothing.
-Anything else goes on to the start as before.
+asks the run directory first: global rank 0, holding its lock (shared, taken without writing: a
+read-only copy of a finished run answers too), reads the step of the newest checkpoint (run_dir.py
+`finished_step`); when that is the last step or past it, every rank learns so over a bare process
+group (no megatron imported), rank 0 prints the line (hooks.py `nothing_to_train`), and the
+command ends with exit 0, having started and written nothing. Anything else goes on to the start
+as before.
 
 The launch scripts ask the same question before they start a server (`launch_line`, from
 launch/plan.py on --resume): every node of a launch asks at once, so it reads the files without
@@ -63,9 +64,9 @@ def _line(
 ) -> str | None:
     """The nothing-to-train line, or None (the start goes on and decides); `locked`: read under
     the run directory's lock (rank 0 of a start; a launch script's nodes read without it)."""
-    if not checkpointing.checkpoint_root(run_dir).is_dir():  # (no lock file made for nothing)
+    if not checkpointing.checkpoint_root(run_dir).is_dir():
         return None
-    lock = RunDirLock(run_dir).acquire() if locked else None
+    lock = RunDirLock(run_dir).acquire_to_read() if locked else None  # (shared: writes nothing)
     try:
         step = finished_step(run_dir, cfg, allow_config_change, last)
     finally:

@@ -9,7 +9,9 @@ resume, 0 for a fresh run.
 exactly the keys the loop logged (a key that does not apply to a run is absent; `None` values are
 dropped). Nothing else is added (no wall-clock stamp), so a resumed run writes the same lines as an
 uninterrupted one. Each line is flushed and fsync'ed: a kill -9 loses at most the line being
-written, and opening the logger again (or `truncate_metrics`) drops that torn line.
+written, and opening the logger again (or `truncate_metrics`) drops that torn line and says so in
+one line: which step's line it was, and whether that step is trained again (after the resumed
+checkpoint: its line is written anew) or its metrics are lost (the checkpoint is past it).
 
 Non-finite floats are written as the JSON strings "NaN", "Infinity" and "-Infinity" (the file
 stays strict JSON, readable by jq or any JSON parser); `read_metrics` turns them back into floats.
@@ -22,12 +24,12 @@ import errno
 import json
 import math
 import os
-import sys
+import re
 import time
 from pathlib import Path
-from typing import TextIO, cast
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.train.console import ConsoleProgress
 from megatron_gspo.train.files import fsync_dir
 
 METRICS_FILE = "metrics.jsonl"
@@ -87,11 +89,18 @@ def _parse(path: Path, raw: bytes, lineno: int) -> tuple[str, dict]:
 
 
 def _complete_rows(path: Path) -> list[tuple[str, dict]]:
-    """(line, row) for every complete line; a torn last line (no newline, or cut JSON) is skipped.
-    The file is read as bytes and each line decoded alone: a write cut inside a character tears
-    only the last line, and stray bytes are named by their line."""
+    """(line, row) for every complete line; a torn last line (cut JSON) is skipped."""
+    return _rows_and_cut(path)[0]
+
+
+def _rows_and_cut(path: Path) -> tuple[list[tuple[str, dict]], bytes | None]:
+    """(line, row) for every complete line, and the torn last line's bytes (None: none). The
+    file is read as bytes and each line decoded alone: a write cut inside a character tears
+    only the last line, and stray bytes are named by their line. A last line without its
+    newline that is a whole row is kept (the write was cut after its JSON)."""
     lines = path.read_bytes().split(b"\n")
-    torn = lines.pop()  # bytes after the last newline: empty unless the last write was cut
+    if not lines[-1].strip():  # (bytes after the last newline: none unless a write was cut)
+        lines.pop()
     rows = []
     for i, line in enumerate(lines, start=1):
         if not line.strip():
@@ -99,9 +108,26 @@ def _complete_rows(path: Path) -> list[tuple[str, dict]]:
         try:
             rows.append(_parse(path, line, i))
         except UserError:
-            if i < len(lines) or torn or not _could_be_cut(line):
+            if i < len(lines) or not _could_be_cut(line):
                 raise
-    return rows
+            return rows, line
+    return rows, None
+
+
+def cut_line_note(path: Path, cut: bytes, last_step: int) -> str:
+    """The line that says a torn last line of `path` was dropped: its step (where its start
+    shows it) and whether that step is trained again after checkpoint step `last_step`."""
+    m = re.match(rb'\{"step": (\d+)[,}]', cut)
+    if m is None:
+        return f"{path}: its last line was cut short (its step unreadable) and is dropped"
+    step = int(m.group(1))
+    head = (
+        f"{path}: the line of step {step} was cut short (its write was interrupted) and is dropped"
+    )
+    if step > last_step:
+        return f"{head}; step {step} is trained again from step {last_step}, its line written anew"
+    return (f"{head}; its metrics are lost: the run resumes after step {last_step}, so step "
+            f"{step} is not trained again")  # fmt: skip
 
 
 def _could_be_cut(raw: bytes) -> bool:
@@ -122,12 +148,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [row for _, row in _complete_rows(path)]
 
 
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Keep only the lines with step <= last_step (atomic rewrite); drops a torn last line too."""
+def truncate_metrics(run_dir: Path, last_step: int) -> str | None:
+    """Keep only the lines with step <= last_step (atomic rewrite); drops a torn last line too,
+    and returns the line that says so (`cut_line_note`; None: there was none)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        return
-    kept = "".join(line + "\n" for line, row in _complete_rows(path) if row["step"] <= last_step)
+        return None
+    rows, cut = _rows_and_cut(path)
+    kept = "".join(line + "\n" for line, row in rows if row["step"] <= last_step)
     tmp = path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(kept)
@@ -135,13 +163,16 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+    return None if cut is None else cut_line_note(path, cut, last_step)
 
 
 class JsonlSink:
     """Appends one line per step; flush + fsync so a kill -9 loses at most the line in flight."""
 
     def __init__(self, run_dir: Path, start_step: int):
-        truncate_metrics(run_dir, start_step)
+        note = truncate_metrics(run_dir, start_step)
+        if note is not None:
+            print(note, flush=True)
         self._file = open(Path(run_dir) / METRICS_FILE, "a", encoding="utf-8")
 
     def log(self, row: dict[str, Scalar]) -> None:
@@ -223,90 +254,6 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
-
-
-# ---- console --------------------------------------------------------------------------------
-
-
-def format_duration(seconds: float) -> str:
-    """45s, 1m20s, 2h03m."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-def progress_text(
-    step: int,
-    total_steps: int,
-    reward: float | None,
-    eval_reward: float | None,
-    sec_per_step: float | None,
-) -> str:
-    """'step 12/40 | reward 0.41 | eval 0.50 | 2.1 s/step | ETA 1m20s'; unknown parts left out."""
-    parts = [f"step {step}/{total_steps}"]
-    if reward is not None:
-        parts.append(f"reward {reward:.2f}")
-    if eval_reward is not None:
-        parts.append(f"eval {eval_reward:.2f}")
-    if sec_per_step is not None:
-        parts.append(f"{sec_per_step:.1f} s/step")
-        parts.append("ETA " + format_duration(sec_per_step * max(0, total_steps - step)))
-    return " | ".join(parts)
-
-
-class ConsoleProgress:
-    """The progress line on stderr: redrawn in place on a TTY, one plain line per step otherwise.
-
-    Seconds per step are wall-clock time between log() calls; once two steps are in, the time
-    before the first one (start-up) is left out of the average. Step 0 (before any training step)
-    restarts the clock and shows no rate.
-    """
-
-    def __init__(self, total_steps: int, clock=time.monotonic):
-        self.total_steps, self._clock = total_steps, clock
-        self._t0 = clock()
-        self._times: list[float] = []
-        self._eval: float | None = None
-        self._width = 0
-
-    def sec_per_step(self) -> float | None:
-        t = self._times
-        if len(t) >= 2:
-            return (t[-1] - t[0]) / (len(t) - 1)
-        return t[0] - self._t0 if t else None
-
-    def text(self, row: dict[str, Scalar]) -> str:
-        if row["step"] == 0:
-            self._t0 = self._clock()
-        else:
-            self._times.append(self._clock())
-        if isinstance(row.get("eval/reward"), int | float):
-            self._eval = float(row["eval/reward"])
-        reward = row.get("reward/mean")
-        reward = float(reward) if isinstance(reward, int | float) else None
-        step = cast(int, row["step"])
-        return progress_text(step, self.total_steps, reward, self._eval, self.sec_per_step())
-
-    def log(self, row: dict[str, Scalar]) -> None:
-        line, stream = self.text(row), sys.stderr
-        if _is_tty(stream):
-            stream.write("\r" + line.ljust(self._width))
-            self._width = len(line)
-        else:
-            stream.write(line + "\n")
-        stream.flush()
-
-    def close(self) -> None:
-        if self._width and _is_tty(sys.stderr):
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
-def _is_tty(stream: TextIO) -> bool:
-    return hasattr(stream, "isatty") and stream.isatty()
 
 
 # ---- the logger the loop holds --------------------------------------------------------------

@@ -3,16 +3,22 @@ finds there.
 
     nothing of a run                         start (with or without --resume: it says so, in
                                              one line, so a mistyped --run-dir shows)
-    an earlier attempt, no checkpoint        start again, either command: the attempt's record
-                                             (metrics, config) is moved to aborted/<k>/, its
-                                             incomplete checkpoint deleted; logs/ goes on
-    a complete checkpoint, --resume          resume from the newest one that verifies against
-                                             its manifest (newer ones that do not are moved to
-                                             checkpoints/unverified/), if the config is the run's
-    a complete checkpoint, no --resume       error: pass --resume, or another --run-dir
+    an earlier attempt, no checkpoint        start again, either command: the attempt's files
+                                             (metrics, config, the disk sync's weights/, a
+                                             checkpoints/ with anything set aside in it) are
+                                             moved to aborted/<k>/; only saves cut short
+                                             (checkpoints/.step_N.tmp) are deleted; logs/ goes on
+    a checkpoint (step_N), --resume          resume from the newest one that verifies against
+                                             its manifest (newer ones that do not, a lost state
+                                             file included, are moved to
+                                             checkpoints/unverified/), if the config is the run's;
+                                             none verifies: error, nothing changed
+    a checkpoint (step_N), no --resume       error: pass --resume, or another --run-dir
     one at the last step, --resume           "nothing to train" before anything starts (the
                                              newest verifies, the config is the run's:
                                              `finished_step`, train/finished.py); exit 0
+    a run directory a start cannot write     error naming the path, nothing changed (the
+                                             "nothing to train" answer needs no write)
 
 Resuming with a config that differs from the run's in what it computes (the algorithm, the
 data, the optimizer...) is refused unless --allow-config-change; what may change freely is in
@@ -25,10 +31,13 @@ then leaves the directory as it found it, and removes one it made.
 The lock is an `fcntl.flock` on RUN_DIR/.lock, taken by global rank 0 (the process that writes
 the directory) before it looks, and released when that process ends, however it ends (the
 kernel drops the lock of a killed process). A second trainer gets an error naming the first.
+A look that only reads (`RunDirLock.acquire_to_read`: is there a step left?) takes it shared,
+through the file opened read-only, so a read-only copy of a finished run still answers.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -45,13 +54,18 @@ from megatron_gspo.yaml_io import read_yaml
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.yaml"
-# What an attempt leaves: its record, moved aside (a new run would append to it or mix with it), and
-# scratch, deleted (an incomplete checkpoint, the disk sync's files). logs/ stays where it is: a
-# launch script writes there before the trainer starts, and every log is appended to, with a
-# header at each start, so the earlier attempt's lines (why it ended) stay above the new ones.
-ATTEMPT_FILES = ("metrics.jsonl", CONFIG_FILE, "tensorboard", "wandb", "wandb_run_id")
-SCRATCH = ("checkpoints", "weights")
+# What an attempt leaves, moved aside (a new run would append to it or mix with it): its record,
+# the disk sync's weights/ (the policy it trained to, maybe many steps past the base model) and a
+# checkpoints/ holding anything but saves cut short (a checkpoint set aside in unverified/, a
+# user's file); one holding only those is deleted (`checkpointing.only_half_writes`). logs/ stays
+# where it is: a launch script writes there before the trainer starts, and every log is appended
+# to, with a header at each start, so the earlier attempt's lines (why it ended) stay above.
+ATTEMPT_FILES = ("metrics.jsonl", CONFIG_FILE, "tensorboard", "wandb", "wandb_run_id", "weights")
+CHECKPOINTS = "checkpoints"
 ABORTED = "aborted"
+# where a start writes: the directory itself (the metrics, the config), the logs (appended to),
+# checkpoints/ and its step_N (saved, set aside, rotated out), and the sinks' and sync's folders
+WRITTEN = ("logs", CHECKPOINTS, f"{CHECKPOINTS}/unverified", "tensorboard", "weights", ABORTED)
 # config keys --resume may change: how long to run, how to log, where the servers are (a launch
 # script starts them on new ports each time); a key ending in "." stands for its section
 MAY_CHANGE = (
@@ -72,6 +86,7 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self._fd: int | None = None
+        self._wrote = False
 
     def acquire(self) -> RunDirLock:
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -82,9 +97,32 @@ class RunDirLock:
             raise UserError(
                 f"cannot make --run-dir {self.run_dir} ({e.strerror}); pass --run-dir NEW_DIR"
             ) from None
-        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        path = self.run_dir / LOCK_FILE
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only copy of a run, a directory of another user
+            raise not_writable(self.run_dir, path, e) from None
+        self._lock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd, self._wrote = fd, True
+        return self
+
+    def acquire_to_read(self) -> RunDirLock:
+        """A shared lock, for a look that writes nothing: its file opened read-only (a
+        read-only run directory still answers), none where there is none (no trainer holds it:
+        a trainer makes it first). A trainer holding the directory is the same error."""
+        try:
+            fd = os.open(self.run_dir / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return self
+        self._lock(fd, fcntl.LOCK_SH)
+        self._fd, self._wrote = fd, False
+        return self
+
+    def _lock(self, fd: int, kind: int) -> None:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process"
             os.close(fd)
@@ -92,16 +130,36 @@ class RunDirLock:
                 f"{self.run_dir} is in use by another trainer ({holder}); wait for it to end "
                 "or stop it, or pass --run-dir NEW_DIR"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self._fd = fd
-        return self
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            if self._wrote:
+                os.ftruncate(self._fd, 0)
             os.close(self._fd)  # closing the descriptor drops the lock
             self._fd = None
+
+
+def not_writable(run_dir: Path, path: Path, e: OSError | None = None) -> UserError:
+    """The one line for a path in `run_dir` a start must write and cannot."""
+    why = os.strerror(errno.EACCES) if e is None else e.strerror
+    return UserError(
+        f"cannot write {path} ({why}): a run writes its checkpoints, metrics and logs in its "
+        f"--run-dir; nothing was changed: make it writable (chmod -R u+w {run_dir}) and run the "
+        "command again, or pass --run-dir NEW_DIR"
+    )
+
+
+def check_writable(run_dir: Path) -> None:
+    """Refuse, naming it, the first path in `run_dir` a start writes and cannot (a read-only
+    copy of a run, a logs/ of another user), before anything is written: the start would fail
+    on it half-way (after moving files aside, with the servers started)."""
+    logs = run_dir / "logs"
+    paths = [run_dir, *(run_dir / name for name in WRITTEN)]
+    paths += sorted(logs.iterdir()) if logs.is_dir() else []  # (each log is appended to)
+    paths += checkpointing.saved_checkpoints(run_dir)  # (moved aside or rotated out)
+    for p in paths:
+        if p.exists() and not os.access(p, os.W_OK):
+            raise not_writable(run_dir, p)
 
 
 @dataclass
@@ -147,17 +205,18 @@ def prepare(
     checkpoint to resume from, an earlier attempt without one to clear), or the error that
     refuses it. Changes nothing: `StartPlan.carry_out` does. `new`: this start made `run_dir`
     (a --resume there says so: a mistyped --run-dir)."""
+    check_writable(run_dir)
     ckpt = checkpointing.latest(run_dir)
     if ckpt is not None:
         if not resume:
             raise UserError(
-                f"{run_dir} holds an earlier run (last complete checkpoint: {ckpt.name}); pass "
+                f"{run_dir} holds an earlier run (newest checkpoint: {ckpt.name}); pass "
                 "--resume to continue it or --run-dir NEW_DIR to start another"
             )
         ckpt, skipped = _verified(run_dir)
         changes = _check_config(run_dir, cfg, allow_config_change)
         return StartPlan(ckpt, skipped, changes=changes)
-    left = [name for name in ATTEMPT_FILES + SCRATCH if (run_dir / name).exists()]
+    left = [name for name in (*ATTEMPT_FILES, CHECKPOINTS) if (run_dir / name).exists()]
     if not left and resume:
         print(resume_without_checkpoint(run_dir, new), flush=True)
     return StartPlan(clear=left)
@@ -202,9 +261,11 @@ def _verified(run_dir: Path) -> tuple[Path, list[tuple[Path, str]]]:
 
 
 def _clear_attempt(run_dir: Path, left: list[str]) -> str:
-    """Move an attempt's files to aborted/<k>/ and delete its scratch; the line that says so."""
-    moved = [n for n in left if n in ATTEMPT_FILES]
-    deleted = [n for n in left if n in SCRATCH]
+    """Move an attempt's files to aborted/<k>/ and delete its saves cut short (a checkpoints/
+    holding only those); the line that says so. Nothing holding weights is deleted."""
+    scratch = CHECKPOINTS in left and checkpointing.only_half_writes(run_dir)
+    deleted = [CHECKPOINTS] if scratch else []
+    moved = [n for n in left if n not in deleted]
     dest = None
     if moved:
         root = run_dir / ABORTED
@@ -222,7 +283,7 @@ def _clear_attempt(run_dir: Path, left: list[str]) -> str:
         assert dest is not None  # made above when files were moved
         done.append(f"moved {', '.join(moved)} to {dest.relative_to(run_dir)}/")
     if deleted:
-        done.append(f"deleted {', '.join(n + '/' for n in deleted)} (incomplete, unusable)")
+        done.append("deleted checkpoints/ (incomplete, unusable)")
     if (run_dir / "logs").is_dir():
         done.append("logs/ goes on (its earlier lines say why the attempt ended)")
     return (

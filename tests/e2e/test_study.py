@@ -104,6 +104,26 @@ def test_study_killed_then_resumed_then_skipped(task_model, tmp_path):
     assert first.read_bytes() == done_before
 
 
+def test_a_run_without_a_checkpoint_is_left_to_the_trainer_not_deleted(tmp_path, capsys):
+    """A run directory holding no step_N used to be deleted whole before its run started
+    again: a checkpoint set aside in checkpoints/unverified/, the disk sync's weights with it.
+    The trainer's start moves what an attempt left aside instead (train/run_dir.py)."""
+    from megatron_gspo.study.plan import RunSpec, Study
+    from megatron_gspo.study.runner import execute
+    from megatron_gspo.train import checkpointing
+    from tests.helpers import saved_checkpoint
+
+    run_dir = tmp_path / "study" / "runs" / "gspo" / "seed1"
+    checkpointing.set_aside(run_dir, [saved_checkpoint(run_dir, 2)])
+    kept = run_dir / "checkpoints" / "unverified" / "step_2"
+    files = {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()}
+    run = RunSpec("gspo", 1, run_dir, ())
+    study = Study(BASE, tmp_path / "study", {"gspo": {}}, [1], 3, 1, runs=[run])
+    assert execute(study) == [run]  # (no base_config.yaml in the study: the train fails)
+    assert "gspo/seed1: start" in capsys.readouterr().out
+    assert {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()} == files
+
+
 def test_algo_table_reads_the_configs(tmp_path):
     table = algo_table()
     for name, row in table.items():

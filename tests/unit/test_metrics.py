@@ -19,11 +19,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.train.console import ConsoleProgress, format_duration, progress_text
 from megatron_gspo.train.metrics import (
-    ConsoleProgress,
     MetricsLogger,
-    format_duration,
-    progress_text,
+    clean_metrics,
+    encode_line,
     read_metrics,
     truncate_metrics,
 )
@@ -149,6 +149,49 @@ def test_resume_after_torn_line_equals_uninterrupted_run(tmp_path):
     assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (
         tmp_path / "ref" / "metrics.jsonl"
     ).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("resumed_at", "said"),
+    [
+        (3, "; step 4 is trained again from step 3, its line written anew"),
+        (4, "; its metrics are lost: the run resumes after step 4, so step 4 is not trained again"),
+    ],
+)
+def test_a_cut_line_is_named_with_its_step_and_whether_that_step_is_trained_again(
+    tmp_path, capsys, resumed_at, said
+):
+    """The line of a step cut mid-line (a kill, a disk that filled up) used to be dropped
+    silently: a resume from that step's checkpoint left a hole in the record, unsaid."""
+    run_steps(tmp_path, range(1, 4))
+    path = tmp_path / "metrics.jsonl"
+    complete = path.read_text()
+    line = encode_line(clean_metrics(4, step_metrics(4)))
+    path.write_text(complete + line[: len(line) // 2])
+    run_steps(tmp_path, range(resumed_at + 1, 6), start_step=resumed_at)
+    out = capsys.readouterr().out
+    head = f"{path}: the line of step 4 was cut short (its write was interrupted) and is dropped"
+    assert out == head + said + "\n"
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == ([1, 2, 3, 4, 5] if resumed_at == 3 else [1, 2, 3, 5])
+    assert path.read_text().startswith(complete)
+
+
+def test_a_cut_line_whose_step_does_not_show_is_said_and_a_whole_one_kept(tmp_path, capsys):
+    run_steps(tmp_path, range(1, 3))
+    path = tmp_path / "metrics.jsonl"
+    complete = path.read_text()
+    path.write_text(complete + '{"step": 3')  # (the 3 could be the start of 30)
+    assert truncate_metrics(tmp_path, 2) == (
+        f"{path}: its last line was cut short (its step unreadable) and is dropped"
+    )
+    assert path.read_text() == complete
+    # a write cut after its JSON, before its newline: a whole row, kept (and given its newline)
+    path.write_text(complete + encode_line(clean_metrics(3, step_metrics(3))).rstrip("\n"))
+    assert truncate_metrics(tmp_path, 3) is None
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert capsys.readouterr().out == ""
+    assert path.read_text().endswith("}\n")
 
 
 CHILD = textwrap.dedent(

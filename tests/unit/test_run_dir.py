@@ -175,6 +175,9 @@ DAMAGE = {
     # used to verify, load the half shard and fail inside torch
     "model files unlisted": lambda d: _unlist(d, "model/"),
     "a file added": lambda d: (d / "model/extra.distcp").write_bytes(b"x"),
+    # a checkpoint that lost its state file used to be taken for no checkpoint: a resume went on
+    # from the one before it and the next save deleted it (save's "same step again")
+    "state file lost": lambda d: (d / "trainer_state.json").unlink(),
 }
 
 
@@ -251,7 +254,7 @@ def test_resume_skips_a_checkpoint_that_does_not_verify(tmp_path, capsys, damage
     assert f"step_2: {problem}" in line and "\n" not in line
     kept = tmp_path / "checkpoints" / "unverified" / "step_2"
     assert kept.is_dir() and not bad.exists()  # set aside, not deleted, not counted
-    assert checkpointing.complete_checkpoints(tmp_path) == [good]
+    assert checkpointing.saved_checkpoints(tmp_path) == [good]
 
 
 def test_no_verified_checkpoint_is_an_error_that_changes_nothing(tmp_path):
@@ -306,3 +309,71 @@ def test_a_file_as_model_path_is_named_a_file_not_a_missing_model(tmp_path, trai
     assert msg.startswith(f"model.path {readme} is a file, not a model directory")
     assert "config.json" in msg and "does not exist" not in msg and "make-task-model" not in msg
     assert readme.read_text() == "# not a model\n"
+
+
+def test_checkpoints_that_all_lost_their_state_file_are_refused_and_kept(tmp_path):
+    """Every step_N without its trainer_state.json used to read as a run that ended before its
+    first checkpoint: the start "started again" and deleted checkpoints/, weights and all."""
+    for step in (1, 2, 3):
+        (_checkpoint(tmp_path, step) / "trainer_state.json").unlink()
+    dump_config(cfg(), tmp_path / "config.yaml")
+    before = _tree(tmp_path)
+    with pytest.raises(UserError) as e:
+        rd.prepare(tmp_path, True, cfg(), False)
+    said = str(e.value)
+    assert said.startswith(f"no checkpoint in {tmp_path / 'checkpoints'} verifies (step_3: ")
+    assert said.count("trainer_state.json is missing") == 3 and "nothing was changed" in said
+    assert "\n" not in said
+    with pytest.raises(UserError, match=r"\(newest checkpoint: step_3\); pass --resume"):
+        rd.prepare(tmp_path, False, cfg(), False)
+    assert _tree(tmp_path) == before
+
+
+def test_starting_again_deletes_only_saves_cut_short(tmp_path, capsys):
+    """An attempt without a checkpoint still holding weights (a checkpoint set aside in
+    checkpoints/unverified/, the disk sync's versions in weights/) has them moved to aborted/<k>/
+    with its record; only a checkpoints/ holding nothing but saves cut short is deleted."""
+    run = tmp_path / "run"
+    _attempt(run)
+    kept = _checkpoint(run, 2)
+    checkpointing.set_aside(run, [kept])
+    (run / "weights" / "v3").mkdir(parents=True)
+    (run / "weights" / "v3" / "model.safetensors").write_bytes(b"w" * 64)
+    set_aside, synced = _tree(run / "checkpoints/unverified"), _tree(run / "weights")
+    rd.prepare(run, True, cfg(), False).carry_out(run)
+    line = capsys.readouterr().out.strip()
+    assert "moved metrics.jsonl, weights, checkpoints to aborted/1/" in line, line
+    assert "deleted" not in line
+    assert _tree(run / "aborted/1/checkpoints/unverified") == set_aside
+    assert _tree(run / "aborted/1/weights") == synced
+    assert not (run / "checkpoints").exists() and not (run / "weights").exists()
+
+
+SAVE = """
+import sys, torch
+from pathlib import Path
+from megatron_gspo.model.parallel import start_process_group
+from megatron_gspo.train import checkpointing
+
+class Files:  # writes model/ as Actor.save does (what the files hold is not what is checked)
+    def save(self, directory):
+        torch.save(torch.arange(4), directory / "weights.pt")
+
+start_process_group()
+checkpointing.save(Files(), Path(sys.argv[1]), 2, {"step": 2}, keep=5)
+"""
+
+
+def test_a_save_never_deletes_a_checkpoint_of_its_step_already_there(tmp_path):
+    """A step_N the start did not resume from (put back by hand, a copy's) used to be deleted
+    by the save of step N ("the same step saved before a crash"): it is moved aside, named."""
+    old = _checkpoint(tmp_path, 2)
+    files = _tree(old)
+    done = subprocess.run([sys.executable, "-c", SAVE, str(tmp_path)], capture_output=True,
+                          text=True, env=cli_env(), timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = "step_2 was there already: moved to checkpoints/unverified/, not deleted\n"
+    assert done.stdout == said
+    assert _tree(tmp_path / "checkpoints/unverified/step_2") == files
+    new = tmp_path / "checkpoints/step_2"
+    assert (new / "model/weights.pt").is_file() and checkpointing.verify(new) is None
