@@ -172,6 +172,7 @@ class StartPlan:
     set_aside: list[tuple[Path, str]] = field(default_factory=list)  # newer, unverified: why
     clear: list[str] = field(default_factory=list)  # an earlier attempt's files
     changes: str | None = None  # a changed config resumed with (--allow-config-change)
+    config_missing: bool = False  # resumed, though the run's config.yaml is gone
 
     def carry_out(self, run_dir: Path) -> None:
         """Rank 0, holding the lock: set aside, clear or keep what the plan says; print it."""
@@ -189,13 +190,29 @@ class StartPlan:
         if self.changes is not None:
             assert self.checkpoint is not None
             path = run_dir / CONFIG_FILE
-            kept = path.with_name(f"config.until_{self.checkpoint.name}.yaml")
+            kept = free_name(run_dir, f"config.until_{self.checkpoint.name}", ".yaml")
             os.replace(path, kept)
             print(
                 f"resuming with a changed config ({self.changes}); the run's is kept as "
                 f"{kept.name}",
                 flush=True,
             )
+        if self.config_missing:
+            print(
+                f"--resume: {run_dir / CONFIG_FILE} is missing, so this config was not compared "
+                "with the run's; resuming with it (written as the run's config.yaml)",
+                flush=True,
+            )
+
+
+def free_name(directory: Path, stem: str, suffix: str) -> Path:
+    """`directory`/STEM.SUFFIX, else STEM.2.SUFFIX, .3, ...: the first not taken (a file kept
+    there before is never replaced: resumed twice from one checkpoint with a changed config,
+    the first's config.until_step_N.yaml is the one the steps up to N ran with)."""
+    path, k = directory / f"{stem}{suffix}", 2
+    while path.exists():
+        path, k = directory / f"{stem}.{k}{suffix}", k + 1
+    return path
 
 
 def prepare(
@@ -215,7 +232,8 @@ def prepare(
             )
         ckpt, skipped = _verified(run_dir)
         changes = _check_config(run_dir, cfg, allow_config_change)
-        return StartPlan(ckpt, skipped, changes=changes)
+        missing = not (run_dir / CONFIG_FILE).is_file()
+        return StartPlan(ckpt, skipped, changes=changes, config_missing=missing)
     left = [name for name in (*ATTEMPT_FILES, CHECKPOINTS) if (run_dir / name).exists()]
     if not left and resume:
         print(resume_without_checkpoint(run_dir, new), flush=True)

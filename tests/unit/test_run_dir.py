@@ -47,7 +47,12 @@ def _attempt(run):
     (run / "notes.txt").write_text("mine\n")
 
 
-def _checkpoint(run, step=1):
+def _checkpoint(run, step=1, config=True):
+    """Checkpoint step_`step` of `run` as a save leaves it, with the run's config.yaml (cfg())
+    where `config` and there is none."""
+    if config and not (run / "config.yaml").exists():
+        run.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg(), run / "config.yaml")
     d = run / "checkpoints" / f"step_{step}"
     d.mkdir(parents=True)
     (d / "trainer_state.json").write_text("{}")
@@ -120,6 +125,30 @@ def test_a_checkpoint_needs_resume_and_the_same_config(tmp_path, capsys):
     assert "resuming with a changed config (algo.loss" in capsys.readouterr().out
     kept = yaml.safe_load((tmp_path / "config.until_step_1.yaml").read_text())
     assert kept["algo"]["loss"] == "gspo"  # the steps so far ran with it
+
+    # Resumed again from the same checkpoint with another change (the first resume saved no
+    # checkpoint): the config the steps up to 1 ran with stays config.until_step_1.yaml.
+    dump_config(changed, tmp_path / "config.yaml")  # (what the first resume's start wrote)
+    plan = rd.prepare(tmp_path, True, cfg("optim.lr=3e-6", *free), True)
+    plan.carry_out(tmp_path)
+    assert "the run's is kept as config.until_step_1.2.yaml" in capsys.readouterr().out
+    assert yaml.safe_load((tmp_path / "config.until_step_1.yaml").read_text()) == kept
+    second = yaml.safe_load((tmp_path / "config.until_step_1.2.yaml").read_text())
+    assert second["algo"]["loss"] == "grpo"
+
+
+def test_a_resume_whose_run_config_is_gone_says_it_was_not_compared(tmp_path, capsys):
+    """A run directory whose config.yaml was deleted resumed silently with whatever config was
+    given (nothing to compare it with): it still does, and says so."""
+    ckpt = _checkpoint(tmp_path)
+    (tmp_path / "config.yaml").unlink()
+    plan = rd.prepare(tmp_path, True, cfg("algo.loss=grpo"), False)
+    assert plan == rd.StartPlan(ckpt, config_missing=True)
+    plan.carry_out(tmp_path)
+    assert capsys.readouterr().out == (
+        f"--resume: {tmp_path / 'config.yaml'} is missing, so this config was not compared with "
+        "the run's; resuming with it (written as the run's config.yaml)\n"
+    )
 
 
 def test_a_run_config_edited_into_bad_yaml_is_named_on_resume(tmp_path):
@@ -335,7 +364,7 @@ def test_starting_again_deletes_only_saves_cut_short(tmp_path, capsys):
     with its record; only a checkpoints/ holding nothing but saves cut short is deleted."""
     run = tmp_path / "run"
     _attempt(run)
-    kept = _checkpoint(run, 2)
+    kept = _checkpoint(run, 2, config=False)
     checkpointing.set_aside(run, [kept])
     (run / "weights" / "v3").mkdir(parents=True)
     (run / "weights" / "v3" / "model.safetensors").write_bytes(b"w" * 64)
