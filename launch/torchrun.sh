@@ -3,7 +3,8 @@
 # torchrun agent for the trainer ranks. One node on its own; under Slurm launch/slurm/train.sbatch
 # runs this script once per node (srun), and two copies with NNODES=2 simulate two nodes.
 #
-#   launch/torchrun.sh --config FILE.yaml [--run-dir DIR] [--steps N] [--resume] [key.sub=value ...]
+#   launch/torchrun.sh --config FILE.yaml [--run-dir DIR] [--steps N] [--resume]
+#       [--allow-config-change] [key.sub=value ...]
 #
 # rollout.placement decides where servers go (launch/plan.py): colocated, every node serves on
 # the trainer's GPUs; disaggregated, the last ROLLOUT_NODES nodes only serve (on one node, the
@@ -27,7 +28,8 @@
 #   SERVERS_PER_NODE  servers per serving node (default GPUs / rollout.server_tp, 1 on a CPU)
 #   RDZV_ENDPOINT     c10d rendezvous host:port (default 127.0.0.1:<free port>; set it for
 #                     several nodes)
-#   LAUNCH_ID         the same on every node of one launch (default SLURM_JOB_ID, else time+pid)
+#   LAUNCH_ID         the same on every node of one launch, a plain name (letters, digits, . _ -;
+#                     default SLURM_JOB_ID, else time+pid): RUN_DIR/launch/<LAUNCH_ID>/
 #   SERVER_HOST       address servers bind (default 127.0.0.1 when the job has one node)
 #   SERVER_PORT_BASE  server i listens on BASE+i (default: free ports)
 #   SGLANG_PYTHON     python of SGLang's environment (or rollout.sglang_python)
@@ -40,7 +42,13 @@ REPO="$(cd "$HERE/.." && pwd)"
 
 USAGE="usage: launch/torchrun.sh --config FILE.yaml [--run-dir DIR] [--steps N] [--resume] [--allow-config-change] [key.sub=value ...]"
 die() { echo "error: $*" >&2; exit 2; }
-usage() { echo "$USAGE" >&2; exit 2; }
+# --help: the usage, then this file's opening comment (what it runs, the environment it reads)
+show_help() {
+    echo "$USAGE"
+    echo
+    sed -n '2,/^set -euo pipefail/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"
+    exit 0
+}
 
 # ---- arguments -------------------------------------------------------------------------------
 # A flag's value: missing (the flag last) or empty ("", FLAG=) is train's one-line refusal, not
@@ -59,7 +67,7 @@ while [[ $# -gt 0 ]]; do
         --steps=*) STEPS="${1#*=}"; need --steps "$STEPS" "$STEPS_NEED"; shift ;;
         --resume) RESUME=1; shift ;;
         --allow-config-change) ALLOW_CHANGE=1; shift ;;
-        -h|--help) usage ;;
+        -h|--help) show_help ;;
         *=*) OVERRIDES+=("$1"); shift ;;
         *) die "unknown argument '$1'; $USAGE" ;;
     esac
@@ -110,6 +118,16 @@ else
     RDZV_ENDPOINT="${RDZV_ENDPOINT:-127.0.0.1:$(free_port)}"
     SERVER_HOST="${SERVER_HOST:-127.0.0.1}"
 fi
+# torchrun takes any RDZV_ENDPOINT (a typo was minutes of c10d warnings, then a failure that
+# blamed the checkpoint), and LAUNCH_ID names a directory under RUN_DIR/launch/ (../../x made
+# one outside the run directory): both checked here, before anything is made.
+HOST_PORT='^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})$'
+if ! [[ "$RDZV_ENDPOINT" =~ $HOST_PORT ]] || ! in_range "${BASH_REMATCH[3]}" 1 65535; then
+    die "RDZV_ENDPOINT=$RDZV_ENDPOINT must be host:port, the first node's address and a free port (e.g. node001:29500)"
+fi
+LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)-$$}}"
+[[ "$LAUNCH_ID" =~ ^[A-Za-z0-9._-]+$ && "$LAUNCH_ID" != . && "$LAUNCH_ID" != .. ]] \
+    || die "LAUNCH_ID=$LAUNCH_ID must be a plain name (letters, digits, . _ -), the same on every node of the launch"
 # The servers and the trainer share an API key: only its holder may drive the servers, and the
 # built-in server loads shared-memory (tensor) weight updates only for it. One node makes its
 # own; the nodes of a multi-node launch must be given the same one.
@@ -142,7 +160,6 @@ if [[ -n "${NOTHING_TO_TRAIN:-}" ]]; then echo "$NOTHING_TO_TRAIN"; exit 0; fi
 [[ -n "${SGLANG_PYTHON:-}" ]] && export SGLANG_PYTHON
 
 # ---- this launch's directories -------------------------------------------------------------
-LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)-$$}}"
 mkdir -p "$RUN_DIR"
 RUN_DIR="$(cd "$RUN_DIR" && pwd)"
 STATE="$RUN_DIR/launch/$LAUNCH_ID"

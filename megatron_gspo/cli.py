@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 
 from megatron_gspo.errors import Interrupted, UserError
+from megatron_gspo.outputs import signals_held
+
+# Each command imports what it runs with SIGINT and SIGTERM held (`signals_held`: they take
+# effect once the import ends, a second or two). Those imports load torch, whose C++ module an
+# interrupt cannot stop cleanly: it was lost (the command went on, a server came up serving), came
+# out as a RuntimeError ("generic_type: cannot initialize type ..."), or left torch half-imported.
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -39,14 +46,14 @@ def _wrote(line: str) -> None:
 
 
 def _cmd_convert(args) -> None:
-    from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
+    with signals_held():
+        from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
+        from megatron_gspo.model.lora_export import PEFT_DIR, lora_to_hf
 
     if args.direction == "hf-to-megatron":
         hf_to_megatron(args.hf, args.out, _dims(args))
         _wrote(f"wrote {args.out} (Megatron checkpoint of {args.hf})")
     elif args.direction == "lora-to-hf":
-        from megatron_gspo.model.lora_export import PEFT_DIR, lora_to_hf
-
         lora_to_hf(args.checkpoint, args.out, _dims(args))
         adapter = os.path.join(args.out, PEFT_DIR)
         _wrote(f"wrote {args.out} (HF model, adapters merged) and {adapter} (PEFT adapter)")
@@ -56,14 +63,16 @@ def _cmd_convert(args) -> None:
 
 
 def _cmd_score(args) -> None:
-    from megatron_gspo.model.score_cmd import run_score
+    with signals_held():
+        from megatron_gspo.model.score_cmd import run_score
 
     n = run_score(args.checkpoint, args.input, args.output, _dims(args), args.micro_batch_size)
     _wrote(f"wrote {args.output} ({n} sequences with their per-token log-probs)")
 
 
 def _cmd_make_tiny(args) -> None:
-    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+    with signals_held():
+        from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
 
     fields = {k: v for k, v in vars(args).items() if k in TinySpec.__dataclass_fields__}
     try:
@@ -173,8 +182,9 @@ def _cmd_train(args) -> None:
     resume, change = args.resume, args.allow_config_change
     if resume and nothing_left(cfg, run_dir, args.steps, change):
         return  # said, before any server or model starts; exit 0
-    from megatron_gspo.train.loop import run  # (megatron, the servers' clients: seconds)
-    from megatron_gspo.train.parts import build_parts
+    with signals_held():
+        from megatron_gspo.train.loop import run  # (megatron, the servers' clients: seconds)
+        from megatron_gspo.train.parts import build_parts
 
     try:
         with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
@@ -207,7 +217,8 @@ TASK_MODEL_SHAPE = ("layers", "hidden", "experts", "topk", "moe_ffn")
 
 
 def _cmd_make_task_model(args) -> None:
-    from megatron_gspo.data.warmstart import make_task_model
+    with signals_held():
+        from megatron_gspo.data.warmstart import make_task_model
 
     shape = {k: getattr(args, k) for k in TASK_MODEL_SHAPE if getattr(args, k) is not None}
     try:
@@ -251,7 +262,8 @@ def _add_study(sub) -> None:
 
 
 def _cmd_serve(args) -> None:
-    from megatron_gspo.server.serve import serve_main
+    with signals_held():
+        from megatron_gspo.server.serve import serve_main
 
     serve_main(args)
 
@@ -264,8 +276,19 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def package_version() -> str:
+    """The installed package's version (its metadata: no torch imported to say it)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-gspo")
+    except metadata.PackageNotFoundError:
+        return "(not installed: pip install -e . sets the version)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_convert(sub)
@@ -294,7 +317,45 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    interrupts = _note_interrupts()
+    try:
+        args = parse_args(argv)
+        _quiet_known_warnings()
+        args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except BaseException as e:  # a Ctrl-C: one line, not a traceback
+        # (a SIGINT inside torch's import or its checkpoint writer comes out as their own error)
+        ctrl_c = isinstance(e, (Interrupted, KeyboardInterrupt)) or bool(interrupts)
+        if isinstance(e, SystemExit) or not ctrl_c:
+            raise
+        if _rank() == 0:
+            print(f"interrupted{f': {e}' if isinstance(e, Interrupted) else ''}", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+    finally:
+        _shutdown()
+
+
+def _note_interrupts() -> list[int]:
+    """SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted in the list
+    returned: one landing inside a library's C++ code comes out as that library's error (inside
+    torch's import: "generic_type: cannot initialize type ..."; inside its checkpoint writer:
+    "unexpected pos"), which `main` then reports as the interrupt it is. A SIGINT that is not
+    Python's (ignored, as by a script's background job) is left as it is."""
+    noted: list[int] = []
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return noted
+
+    def interrupt(signum: int, frame: object) -> None:
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    return noted
+
+
+def _quiet_known_warnings() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # megatron-core announces at import that optional CUDA extensions are missing; on a CPU run
     # that is expected (model/cpu_compat.py), so keep the console for our own messages.
@@ -303,33 +364,22 @@ def main(argv: list[str] | None = None) -> None:
     # (its own comment: "throws grad-access warning"); only that call site is silenced.
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf",
                             module=r"megatron\.core\.optimizer\.optimizer")  # fmt: skip
-    try:
-        args.func(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (Interrupted, KeyboardInterrupt) as e:  # a Ctrl-C: one line, not a traceback
-        if _rank() == 0:
-            print(f"interrupted{f': {e}' if isinstance(e, Interrupted) else ''}", file=sys.stderr)
-        sys.exit(INTERRUPTED)
-    finally:
-        _shutdown()
 
 
+# On the way out nothing is imported: after a SIGINT inside torch's import, importing torch
+# again (a module of ours that imports it) crashes the interpreter (a second TORCH_LIBRARY).
 def _rank() -> int:
-    """This process's rank (0 where torch.distributed was never loaded: not imported here)."""
-    if "torch.distributed" not in sys.modules:
-        return 0
-    from megatron_gspo.comm import rank
-
-    return rank()
+    """This process's rank (0 where megatron_gspo.comm, and so torch, was never loaded)."""
+    comm = sys.modules.get("megatron_gspo.comm")
+    return 0 if comm is None else comm.rank()
 
 
 def _shutdown() -> None:
-    if "torch.distributed" in sys.modules:
-        from megatron_gspo.model.parallel import shutdown
-
-        shutdown()
+    """Process groups and parallel state down, where model/parallel.py (which alone starts
+    them) was loaded."""
+    parallel = sys.modules.get("megatron_gspo.model.parallel")
+    if parallel is not None:
+        parallel.shutdown()
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ class Config:
         """Each section's `check()`, then the checks across sections. Checks run here, once the
         tree is built (not in `__post_init__`): some need several sections, and a config is
         built from defaults before the keys a run must give (model.path) are in it."""
-        in_range(self.seed, "seed", 0, 2**63 - 1)
+        in_range(self.seed, "seed", 0, INT_MAX)
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "check"):

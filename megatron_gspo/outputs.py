@@ -1,6 +1,7 @@
 """The check every command makes of a new output path before it does any work, the guard that
-lets a build interrupted by SIGTERM remove its half-written output, and the temporary file or
-directory beside an output that becomes it only when complete.
+lets a build interrupted by SIGTERM remove its half-written output, the temporary file or
+directory beside an output that becomes it only when complete, and the guards that keep a
+signal what it is inside code that would lose it (`signals_held`, `interrupts_kept`).
 
 A command that would fail to create its output only at the end (after converting or scoring
 everything) wastes the run and, as an OSError, prints a traceback. So the path is checked first:
@@ -86,6 +87,44 @@ def signals_held() -> Iterator[None]:
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         for s in dict.fromkeys(got):
             signal.raise_signal(s)
+
+
+@contextlib.contextmanager
+def interrupts_kept() -> Iterator[None]:
+    """SIGINT and SIGTERM inside the block act at once, as outside it, and the block ends with
+    their own exception (KeyboardInterrupt; SystemExit(143) under `terminate_raises`) even where
+    the code inside turned it into another error or dropped it: torch's checkpoint writer, whose
+    C++ zip writer a KeyboardInterrupt leaves mid-record, raises "RuntimeError: unexpected pos",
+    which DCP wraps in a CheckpointException. A signal Python does not handle (ignored, or
+    SIGTERM's default) is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    wrapped = {s: h for s, h in previous.items() if callable(h)}
+    for s, handler in wrapped.items():
+        signal.signal(s, _noting(handler, got))
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        if not got:
+            raise
+    finally:
+        for s, handler in wrapped.items():
+            signal.signal(s, handler)
+    for s in dict.fromkeys(got):  # (the error that replaced it is dropped: the signal says why)
+        signal.raise_signal(s)
+
+
+def _noting(handler, got: list[int]):
+    def note(signum: int, frame) -> None:
+        got.append(signum)
+        handler(signum, frame)
+
+    return note
 
 
 @contextlib.contextmanager

@@ -110,6 +110,57 @@ def stopped_mid_write(args: list[str], out: Path, sig: int) -> tuple[int, str]:
         return proc.returncode, err.read_text()
 
 
+# The command's process: SIGINT as at a terminal (a background job of a shell without job
+# control would have it ignored), then HOOK, then `megatron-gspo ARGS`.
+PRELUDE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+{hook}
+from megatron_gspo.cli import main
+main(sys.argv[1:])
+"""
+
+# `run_hooked`'s hook: the first torch.save to a stream (DCP's writer saves each item so) gets a
+# SIGINT on its second write, so the KeyboardInterrupt is raised inside torch's C++ zip writer
+# (which calls that write), as a Ctrl-C during a checkpoint's write is; torch then raises
+# "RuntimeError: ... unexpected pos" (on a first write it lets the KeyboardInterrupt out).
+CTRL_C_IN_WRITER = """
+import torch
+_save = torch.save
+
+class _Stream:
+    writes = 0
+    def __init__(self, f):
+        self.f = f
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def write(self, b):
+        _Stream.writes += 1
+        if _Stream.writes == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.f.write(b)
+
+def _saving(obj, f, *args, **kwargs):
+    return _save(obj, f if isinstance(f, (str, os.PathLike)) else _Stream(f), *args, **kwargs)
+
+torch.save = _saving
+"""
+
+
+def run_hooked(hook: str, args: list[str], timeout: int = 120) -> tuple[int | None, str]:
+    """`megatron-gspo ARGS` with `hook` run first in its process: (exit status, stderr); None
+    when it was still running after `timeout` seconds (then killed)."""
+    cmd = [sys.executable, "-c", PRELUDE.format(hook=hook), *args]
+    proc = subprocess.Popen(cmd, env=cli_env(), cwd=Path(__file__).resolve().parents[1], text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return None, proc.communicate()[1]
+    return proc.returncode, err
+
+
 def hf_token_logprobs(checkpoint: Path, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Independent reference: log p(token_t | prefix) from a transformers forward, fp32."""
     from transformers import AutoModelForCausalLM

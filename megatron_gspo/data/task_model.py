@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.hf.tokenizer_files import check_tokenizer
 
 # Named model shapes (each with its task); flags and knobs override them. drift: many MoE layers
 # of many small experts and a long answer, where routing drifts and token-level ratios are noisy;
@@ -24,8 +25,10 @@ PRESETS: dict[str, dict] = {
 def check_model_path(path: str, train_source: str) -> None:
     """model.path is a directory, or a one-line error naming how to get one there: for a
     built-in task, the command that makes its starting model (as scripts/quickstart.sh does). A
-    file there is named as such (making a model over it would only fail again)."""
+    file there is named as such (making a model over it would only fail again). A model there
+    must have its tokenizer (hf/tokenizer_files.py)."""
     if Path(path).is_dir():
+        check_tokenizer(path, "model.path")
         return
     if Path(path).exists():
         raise UserError(

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_gspo.checks import INT_MAX, in_range
 from megatron_gspo.data.prompts import PromptRow, encode_prompt, load_prompts
 from megatron_gspo.data.task_model import PRESETS
 from megatron_gspo.data.tasks import sloppy_answer
@@ -263,6 +264,7 @@ def make_task_model(
     is removed on an error, SIGINT or SIGTERM). `out` must not exist and must be creatable; both
     are checked before any work, as convert checks its --out.
     """
+    in_range(seed, "--seed", 0, INT_MAX)  # (train's seed: the same range)
     task, spec = task_model_spec(task, preset, **knobs)
     out = check_new_output(out, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)

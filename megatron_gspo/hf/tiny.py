@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.checks import INT_MAX, in_range
 from megatron_gspo.errors import UserError
 from megatron_gspo.outputs import check_new_output, temp_dir_for
 
@@ -178,6 +179,7 @@ def check_spec(spec: TinySpec) -> None:
     from megatron_gspo.hf.config import SUPPORTED, model_spec
 
     vocabulary(spec.vocab_size, spec.tokenizer)
+    in_range(spec.seed, "--seed", 0, INT_MAX)  # (train's seed: the same range)
     # model_spec reads 0 experts, or 0-wide ones, as a dense model: not what was asked for
     for flag, n in (("--experts", spec.experts), ("--moe-ffn", spec.moe_ffn)):
         if spec.arch == "qwen3_moe" and n < 1:

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.outputs import interrupts_kept
 
 META = "megatron_gspo.json"
 FORMAT = "megatron-gspo/dist-v1"
@@ -95,7 +96,7 @@ def save_model(chunks, directory: str | Path, *, fsync: bool = True) -> None:
     """
     from megatron.core import dist_checkpointing
 
-    with contextlib.nullcontext() if fsync else _without_fsync():
+    with interrupts_kept(), contextlib.nullcontext() if fsync else _without_fsync():
         dist_checkpointing.save(sharded_model_state(chunks), str(directory))
 
 
@@ -103,14 +104,15 @@ def save_sharded(
     state: dict, directory: str | Path, *, fsync: bool = True, checksums: bool = True
 ) -> None:
     """Collective: `dist_checkpointing.save` of a sharded state dict, the files written by this
-    process (same torch_dist format and metadata as megatron's own writer).
+    process (same torch_dist format and metadata as megatron's own writer). A Ctrl-C (or SIGTERM)
+    during it is raised as such, not as the error torch's writer makes of it (`interrupts_kept`).
 
     `checksums=False` leaves the zip CRC32 of each stored tensor unset: torch.load never checks
     it, and computing it costs about as much as the write itself here."""
     from megatron.core import dist_checkpointing
 
     strategy = _in_process_strategy(fsync)
-    with contextlib.nullcontext() if checksums else _without_crc32():
+    with interrupts_kept(), contextlib.nullcontext() if checksums else _without_crc32():
         if strategy is None:  # a megatron without the pieces used here: its default writer
             with contextlib.nullcontext() if fsync else _without_fsync():
                 dist_checkpointing.save(state, str(directory))

@@ -20,6 +20,7 @@ import torch
 from aiohttp import web
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.hf.tokenizer_files import check_tokenizer
 from megatron_gspo.server import kernels
 from megatron_gspo.server.app import build_app
 from megatron_gspo.server.args import add_serve_args, check_host, check_serve_args
@@ -30,6 +31,7 @@ log = logging.getLogger("megatron_gspo.server.serve")
 
 def serve_main(args: argparse.Namespace) -> None:
     check_serve_args(args)
+    check_tokenizer(args.model, "--model")  # (a text request needs it; SGLang's start does too)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     check_host(args.host, args.api_key)
     if args.threads > 0:
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # a Ctrl-C before it serves (after: a clean stop, exit 0)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

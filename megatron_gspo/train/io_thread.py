@@ -42,8 +42,9 @@ class IoThread:
         """Stop the loop and its thread (the clients on it are closed first: ServerFleet)."""
         if self.loop.is_closed():
             return
-        with contextlib.suppress(Exception):  # (what is still running ends first: a Ctrl-C's)
-            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self.loop).result(CANCEL_S)
+        if self._thread.is_alive():  # (what is still running ends first: a Ctrl-C's)
+            with contextlib.suppress(Exception):  # (a task that ignores it: dropped as before)
+                asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self.loop).result(CANCEL_S)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()

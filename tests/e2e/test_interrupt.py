@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_gspo.train.checkpointing import latest
-from tests.helpers import QUICK_TRAIN, StepGate, cli_env
+from megatron_gspo.train.checkpointing import latest, resume_hint
+from tests.helpers import CTRL_C_IN_WRITER, QUICK_TRAIN, StepGate, cli_env, run_hooked
 
 pytestmark = [pytest.mark.e2e]
 
@@ -91,3 +91,16 @@ def test_a_run_that_ignores_sigint_goes_on_with_its_servers(model, tmp_path):
     gate.open()
     assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     assert latest(run) == run / "checkpoints" / "step_4"
+
+
+def test_a_ctrl_c_inside_a_checkpoints_write_still_names_what_to_go_on_from(model, tmp_path):
+    """A Ctrl-C inside torch's checkpoint writer came out as its "RuntimeError: unexpected pos"
+    (in a CheckpointException): train's own line, naming the checkpoint to go on from, was
+    lost. Here it lands in the first checkpoint's write (run_hooked's hook)."""
+    run = tmp_path / "run"
+    args = ["train", "--config", str(ROOT / "configs" / "tiny_moe_gspo.yaml"), "--run-dir",
+            str(run), "--steps", "2", f"model.path={model}", *QUICK_TRAIN,
+            "train.checkpoint_every=1"]  # fmt: skip
+    code, err = run_hooked(CTRL_C_IN_WRITER, args, timeout=600)
+    assert (code, err) == (130, f"interrupted: {resume_hint(run)}\n"), err[-3000:]
+    assert latest(run) is None

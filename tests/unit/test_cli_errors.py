@@ -180,6 +180,55 @@ def test_a_model_that_does_not_load_leaves_no_run_directory(tmp_path, tiny_model
     assert (run / "logs" / "launch.log").read_text() == "the launch script's\n"
 
 
+def _without_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of the model directory `src` without its tokenizer files (a Megatron checkpoint's
+    are under hf/)."""
+    shutil.copytree(src, dst)
+    for f in dst.rglob("*"):
+        if f.name.startswith(("tokenizer", "special_tokens_map")):
+            f.unlink()
+    return dst
+
+
+NO_TOKENIZER = (
+    "{key} {path} has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model"
+    "{where}): copy the tokenizer files from the model it came from"
+)
+
+
+def test_train_refuses_a_model_without_its_tokenizer_before_the_run(
+    tmp_path, tiny_models, moe_megatron
+):
+    """transformers builds an empty tokenizer from a directory without one: the run started its
+    servers, then said "prompt '...' encodes to no tokens; check the prompt and template". Now
+    one line names the fix, before anything starts, for an HF model and a Megatron one (whose
+    `convert` took the tokenizer-less directory: it needs none)."""
+    from megatron_gspo.hf.tokenizer_files import MEGATRON_META
+    from megatron_gspo.model.checkpoint import META
+
+    assert MEGATRON_META == META
+    hf = _without_tokenizer(tiny_models["moe"], tmp_path / "hf_copy")
+    meg = _without_tokenizer(moe_megatron, tmp_path / "meg_copy")
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_gspo.yaml"
+    run = tmp_path / "run"
+    for path, where in [(hf, ""), (meg, f" in {meg / 'hf'}")]:
+        proc = run_cli(["train", "--config", str(config), "--run-dir", str(run),
+                        f"model.path={path}"])  # fmt: skip
+        line = NO_TOKENIZER.format(key="model.path", path=path, where=where)
+        assert_clean_failure(proc, line, tmp_path)
+        assert "rollout server" not in proc.stdout + proc.stderr
+        assert not run.exists()
+
+
+def test_serve_refuses_a_model_without_its_tokenizer(tmp_path, tiny_models):
+    """`serve` loaded the model and served without a word; a text request then got a 400."""
+    model = _without_tokenizer(tiny_models["moe"], tmp_path / "copy")
+    proc = run_cli(["serve", "--model", str(model), "--port", "0"], timeout=120)
+    line = NO_TOKENIZER.format(key="--model", path=model, where="")
+    assert_clean_failure(proc, line, tmp_path)
+    assert proc.stdout == ""
+
+
 def _with_config(src: Path, dst: Path, config: str = "config.json", **changes) -> Path:
     shutil.copytree(src, dst)
     cfg = json.loads((dst / config).read_text())
@@ -390,6 +439,21 @@ def test_make_tiny_model_refuses_a_model_the_tools_would_refuse(tmp_path, flags,
     was not the model asked for), or fail with a RuntimeError traceback (--hidden -1)."""
     argv = ["make-tiny-model", "--out", str(tmp_path / "m"), *flags]
     assert main_error(argv, capsys) == f"error: {message}"
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["make-tiny-model", "make-task-model"])
+def test_a_negative_seed_is_refused_as_trains_seed_is(tmp_path, command, capsys):
+    """--seed -1 used to write a model (exit 0) while `train seed=-1` was refused: now both say
+    the same range in one line, and nothing is written."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.errors import UserError
+
+    with pytest.raises(UserError) as train:
+        load_config(None, ["model.path=/m", "seed=-1"])
+    line = main_error([command, "--out", str(tmp_path / "m"), "--seed", "-1"], capsys)
+    assert line == f"error: --{train.value}"
+    assert line == "error: --seed must be an integer in [0, 9223372036854775807], not -1"
     assert not list(tmp_path.iterdir())
 
 

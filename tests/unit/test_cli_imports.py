@@ -54,3 +54,29 @@ def test_no_command_help_imports_torch_aiohttp_or_megatron():
     first = json.loads(r.stdout.splitlines()[-1])
     assert {"(build_parser)", "(none)", "serve", "train", "convert lora-to-hf"} <= set(first)
     assert {c: mods for c, mods in first.items() if mods} == {}
+
+
+def test_version_is_the_packages_and_imports_nothing_heavy():
+    """`megatron-gspo --version` did not exist. It says the version pyproject.toml gives the
+    package, on stdout, exit 0, and (like --help) loads no torch to say it."""
+    import tomllib
+
+    probe = (
+        "import contextlib, io, json, sys\n"
+        "from megatron_gspo import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try:\n"
+        "        cli.main(['--version'])\n"
+        "    except SystemExit as e:\n"
+        "        code = e.code\n"
+        f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
+        "print(json.dumps([code, out.getvalue(), heavy]))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    code, out, heavy = json.loads(r.stdout.splitlines()[-1])
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert (code, out, heavy) == (0, f"megatron-gspo {version}\n", [])

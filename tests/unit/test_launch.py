@@ -229,6 +229,60 @@ def test_torchrun_sh_refuses_numbers_outside_the_job(tmp_path, env, message):
 
 
 @pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RDZV_ENDPOINT": "garbage"}, "RDZV_ENDPOINT=garbage must be host:port, the first node's address and a free port (e.g. node001:29500)"),
+        ({"RDZV_ENDPOINT": "node1:0"}, "RDZV_ENDPOINT=node1:0 must be host:port, the first node's address and a free port (e.g. node001:29500)"),
+        ({"RDZV_ENDPOINT": "node1:29500:1"}, "RDZV_ENDPOINT=node1:29500:1 must be host:port, the first node's address and a free port (e.g. node001:29500)"),
+        ({"NNODES": "1", "RDZV_ENDPOINT": ":29500"}, "RDZV_ENDPOINT=:29500 must be host:port, the first node's address and a free port (e.g. node001:29500)"),
+        ({"LAUNCH_ID": "../../x"}, "LAUNCH_ID=../../x must be a plain name (letters, digits, . _ -), the same on every node of the launch"),
+        ({"LAUNCH_ID": ".."}, "LAUNCH_ID=.. must be a plain name (letters, digits, . _ -), the same on every node of the launch"),
+        ({"NNODES": "1", "LAUNCH_ID": "a b"}, "LAUNCH_ID=a b must be a plain name (letters, digits, . _ -), the same on every node of the launch"),
+    ],
+)  # fmt: skip
+def test_torchrun_sh_refuses_a_rendezvous_or_launch_id_it_cannot_use(tmp_path, env, message):
+    """LAUNCH_ID=../../x made launch/../../x/{urls,done} outside the run directory, and
+    RDZV_ENDPOINT=garbage was ~100 s of c10d warnings, then "no complete checkpoint yet ...
+    rerun". Now the one line, exit 2, and nothing made (run from tmp_path: where ../../x would
+    land from the run directory is inside it too)."""
+    multi = {"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1:1", "LAUNCH_ID": "t",
+             "MEGATRON_GSPO_API_KEY": "k"}  # fmt: skip
+    (tmp_path / "model").mkdir()
+    r = _torchrun_sh(
+        "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", "a/b/run",
+        f"model.path={tmp_path / 'model'}", cwd=tmp_path, **{**multi, **env},
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, f"error: {message}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_torchrun_sh_takes_the_rendezvous_and_launch_ids_it_documents(tmp_path):
+    """The forms the scripts and docs use pass the checks (the run then stops at plan.py's
+    refusal of a layout, before anything is made)."""
+    (tmp_path / "model").mkdir()
+    for endpoint, launch in [("127.0.0.1:29555", "sim1"), ("node-1.cluster:29500", "1234"),
+                             ("[::1]:29500", "20261207-101010-77_a.b")]:  # fmt: skip
+        r = _torchrun_sh(
+            "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir",
+            str(tmp_path / "run"), "parallel.tp=4", f"model.path={tmp_path / 'model'}",
+            NNODES="2", NPROC_PER_NODE="1",
+            RDZV_ENDPOINT=endpoint, LAUNCH_ID=launch, MEGATRON_GSPO_API_KEY="k",
+        )  # fmt: skip
+        assert r.returncode == 2 and "not a multiple of tp*pp=4" in r.stderr, (endpoint, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_torchrun_sh_help_is_its_usage_and_environment_on_stdout():
+    """--help printed the usage line on stderr with exit 2, as a refused argument is."""
+    r = _torchrun_sh("--help")
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.startswith("usage: launch/torchrun.sh --config FILE.yaml")
+    for variable in ("NPROC_PER_NODE", "NNODES NODE_RANK", "RDZV_ENDPOINT", "LAUNCH_ID"):
+        assert f"\n  {variable} " in r.stdout, variable
+    assert "#" not in r.stdout and "set -euo" not in r.stdout
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (["--nproc-per-node", "0"], "NPROC_PER_NODE=0 must be at least 1 (or unset for the default)"),
@@ -574,6 +628,22 @@ def test_sbatch_refuses_to_run_outside_slurm():
         capture_output=True, text=True, env=env, timeout=30,
     )  # fmt: skip
     assert r.returncode == 2 and "run this with sbatch" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--config", "x.yaml", "-h"]])
+def test_sbatch_help_is_its_usage_and_environment_outside_slurm(args):
+    """--help used to be "error: run this with sbatch" (exit 2) outside a job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(
+        ["bash", str(ROOT / "launch/slurm/train.sbatch"), *args],
+        capture_output=True, text=True, env=env, timeout=30,
+    )  # fmt: skip
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.startswith("usage: sbatch [--nodes N] [--gpus-per-node G] launch/slurm/")
+    assert "srun starts launch/torchrun.sh once per node" in r.stdout
+    for variable in ("MEGATRON_GSPO_HOME", "ROLLOUT_NODES", "RDZV_PORT", "SRUN_ARGS"):
+        assert f"\n  {variable} " in r.stdout, variable
+    assert "SBATCH" not in r.stdout and "#" not in r.stdout
 
 
 # ---- the container ---------------------------------------------------------------------------
