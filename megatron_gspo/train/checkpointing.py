@@ -116,12 +116,17 @@ def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
         (tmp / "model").mkdir(parents=True)
         (tmp / "rng").mkdir()
     dist.barrier()
-    actor.save(tmp / "model")
-    torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        _write_json(tmp / STATE_FILE, state)
-    _write_manifest(tmp)
+    try:
+        actor.save(tmp / "model")
+        torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            _write_json(tmp / STATE_FILE, state)
+        _write_manifest(tmp)
+    except BaseException:  # (a Ctrl-C mid-write: one process removes what it half-wrote; with
+        if dist.get_world_size() == 1:  # more, the others may still write: the next save does)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0:
         if final.exists():  # (not the one resumed from, nor newer: kept, named)
             print(_set_aside_line(run_dir, final, "was there already"), flush=True)

@@ -104,3 +104,4 @@ def test_a_ctrl_c_inside_a_checkpoints_write_still_names_what_to_go_on_from(mode
     code, err = run_hooked(CTRL_C_IN_WRITER, args, timeout=600)
     assert (code, err) == (130, f"interrupted: {resume_hint(run)}\n"), err[-3000:]
     assert latest(run) is None
+    assert list((run / "checkpoints").iterdir()) == []  # (its half-write removed)
