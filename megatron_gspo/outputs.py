@@ -58,14 +58,35 @@ def terminate_raises() -> Iterator[None]:
         yield
         return
 
+    got: list[int] = []
+
     def raise_exit(signum: int, frame: object) -> None:
+        got.append(signum)
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, raise_exit)
+    _TERMINATED.append(got)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _TERMINATED.remove(got)
+    stop_if_terminated(got)  # (the block ended as if nothing came: its SystemExit was swallowed)
+
+
+# The signals each `terminate_raises` block now open has had. A handler's exception is raised in
+# whatever Python code runs then, and one that lands in a finalizer (a `__del__` run by the
+# garbage collector, say during an import) is printed as "Exception ignored" and dropped: the
+# block would go on to make its output as if no SIGTERM had come.
+_TERMINATED: list[list[int]] = []
+
+
+def stop_if_terminated(got: list[int] | None = None) -> None:
+    """SystemExit(128 + SIGTERM) where a SIGTERM came in an open `terminate_raises` block (or in
+    `got`) and its exception was swallowed: called before an output is made final."""
+    for signals in [got] if got is not None else _TERMINATED:
+        if signals:
+            raise SystemExit(128 + signals[-1])
 
 
 @contextlib.contextmanager
@@ -135,6 +156,7 @@ def temp_file_for(out: Path) -> Iterator[Path]:
     with terminate_raises():
         try:
             yield tmp
+            stop_if_terminated()
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
@@ -151,6 +173,7 @@ def temp_dir_for(out: Path) -> Iterator[Path]:
             with signals_held():
                 tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
             yield tmp
+            stop_if_terminated()
             tmp.chmod(0o755)
             os.replace(tmp, out)
         finally:

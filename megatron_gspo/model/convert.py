@@ -32,7 +32,12 @@ from megatron_gspo.model import weights
 from megatron_gspo.model.checkpoint_reader import DistCheckpointReader
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
-from megatron_gspo.outputs import check_new_output, signals_held, terminate_raises
+from megatron_gspo.outputs import (
+    check_new_output,
+    signals_held,
+    stop_if_terminated,
+    terminate_raises,
+)
 
 SHARD_BYTES = 4 << 30  # largest HF shard file a rank writes
 
@@ -82,6 +87,7 @@ def _settle(tmp: Path, out: Path, ok: bool) -> None:
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, ok)
     if dist.get_rank() == 0 and all(flags):
+        stop_if_terminated()
         for f in tmp.rglob("*"):
             f.chmod(0o755 if f.is_dir() else 0o644)
         tmp.chmod(0o755)
