@@ -52,8 +52,10 @@ def check_new_output(path: str | os.PathLike, flag: str) -> Path:
 def terminate_raises() -> Iterator[None]:
     """Inside the block SIGTERM raises SystemExit(128 + SIGTERM), as SIGINT raises
     KeyboardInterrupt, so the block's `finally` runs and removes what it had half-written (by
-    default SIGTERM ends the process there and then). The previous handler is restored after.
-    Off the main thread, where Python sets no handler, the block runs as it is."""
+    default SIGTERM ends the process there and then). The previous handlers are restored after.
+    Either signal is also noted, so that one whose exception a finalizer swallowed still stops
+    the block (`stop_if_terminated`). Off the main thread, where Python sets no handler, the
+    block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -65,13 +67,18 @@ def terminate_raises() -> Iterator[None]:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, raise_exit)
+    interrupt = signal.getsignal(signal.SIGINT)  # (Python's, or one that wraps it: noted too)
+    if callable(interrupt):
+        signal.signal(signal.SIGINT, _noting(interrupt, got))
     _TERMINATED.append(got)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if callable(interrupt):
+            signal.signal(signal.SIGINT, interrupt)
         _TERMINATED.remove(got)
-    stop_if_terminated(got)  # (the block ended as if nothing came: its SystemExit was swallowed)
+    stop_if_terminated(got)  # (the block ended as if nothing came: its exception was swallowed)
 
 
 # The signals each `terminate_raises` block now open has had. A handler's exception is raised in
@@ -82,9 +89,12 @@ _TERMINATED: list[list[int]] = []
 
 
 def stop_if_terminated(got: list[int] | None = None) -> None:
-    """SystemExit(128 + SIGTERM) where a SIGTERM came in an open `terminate_raises` block (or in
-    `got`) and its exception was swallowed: called before an output is made final."""
+    """The exception of a SIGTERM (SystemExit(128 + SIGTERM)) or SIGINT (KeyboardInterrupt) that
+    came in an open `terminate_raises` block (or is in `got`) and was swallowed: called before an
+    output is made final."""
     for signals in [got] if got is not None else _TERMINATED:
+        if signals and signals[-1] == signal.SIGINT:
+            raise KeyboardInterrupt
         if signals:
             raise SystemExit(128 + signals[-1])
 
