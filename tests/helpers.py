@@ -339,3 +339,17 @@ class StepGate:
 
     def open(self) -> None:
         self.hold.unlink(missing_ok=True)
+
+
+# The source of `_number(directory)` for the user code (reward plugins, environments) a test
+# writes: the k-th call, in any worker process, gets k (it creates directory/k exclusively).
+NUMBER_FN = """
+def _number(directory):
+    k = 0
+    while True:
+        try:
+            os.close(os.open(directory / str(k), os.O_CREAT | os.O_EXCL))
+            return k
+        except FileExistsError:
+            k += 1
+"""

@@ -22,6 +22,7 @@ from megatron_gspo.rollout.episodes import ChatRender, EpisodeRunner, Limits
 from tests.e2e.server_process import running_server
 from tests.e2e.test_rollout_server import hf_teacher_forced
 from tests.e2e.test_train import error_lines, metrics, train
+from tests.helpers import NUMBER_FN
 
 pytestmark = pytest.mark.e2e
 
@@ -135,15 +136,7 @@ from megatron_gspo.rollout.env import Step
 
 STARTS = Path(STARTS_DIR)  # one file per episode started, in any worker process
 
-
-def _number():
-    k = 0
-    while True:
-        try:
-            os.close(os.open(STARTS / str(k), os.O_CREAT | os.O_EXCL))
-            return k
-        except FileExistsError:
-            k += 1
+NUMBER_FN
 
 
 class Env:
@@ -152,7 +145,7 @@ class Env:
     episode failed ends the run)."""
 
     def __init__(self, row):
-        self.kind = _number() % 5
+        self.kind = _number(STARTS) % 5
         if self.kind == 0:
             raise RuntimeError("cannot start this one")
         self.turns = 0
@@ -176,7 +169,9 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_is_counted_and_the_
 ):
     path, starts = tmp_path / "bad_env.py", tmp_path / "starts"
     starts.mkdir()
-    path.write_text(BAD_ENV.replace("STARTS_DIR", repr(str(starts))))
+    path.write_text(
+        BAD_ENV.replace("STARTS_DIR", repr(str(starts))).replace("NUMBER_FN", NUMBER_FN)
+    )
     run_dir = tmp_path / "run"
     # (a worker per episode: a hang takes no other episode with its worker)
     rc, out = train("tiny_moe_gspo.yaml", run_dir, chat_model, f"env.fn={path}:Env",
@@ -410,15 +405,7 @@ from megatron_gspo.rollout.env import Step
 METRICS = Path({metrics!r})
 STARTED = Path({started!r})  # one file per episode started, in any worker process
 
-
-def _number():
-    k = 0
-    while True:
-        try:
-            os.close(os.open(STARTED / str(k), os.O_CREAT | os.O_EXCL))
-            return k
-        except FileExistsError:
-            k += 1
+{number_fn}
 
 class Env:
     """Three model turns. The episodes of step 2's batch (the 17th to 32nd started: 16 a step)
@@ -426,7 +413,7 @@ class Env:
     that ends step 1 (at most 120 s)."""
 
     def __init__(self, row):
-        self.row, self.k = row, _number()
+        self.row, self.k = row, _number(STARTED)
 
     def prompt(self):
         return [{{"role": "user", "content": self.row.prompt}}]
@@ -454,7 +441,7 @@ def test_partial_rollouts_go_on_across_a_weight_sync_on_the_new_weights(chat_mod
     run_dir = tmp_path / "run"
     path = tmp_path / "slow_env.py"
     (tmp_path / "started").mkdir()
-    path.write_text(SLOW_ENV.format(metrics=str(run_dir / "metrics.jsonl"),
+    path.write_text(SLOW_ENV.format(number_fn=NUMBER_FN, metrics=str(run_dir / "metrics.jsonl"),
                                     started=str(tmp_path / "started")))  # fmt: skip
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}-{i} ?", "answer": "a"}) + "\n"

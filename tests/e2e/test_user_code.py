@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
-from tests.helpers import QUICK_TRAIN, cli_env
+from tests.helpers import NUMBER_FN, QUICK_TRAIN, cli_env
 
 pytestmark = pytest.mark.e2e
 
@@ -30,19 +30,11 @@ from megatron_gspo.rewards.exact import exact_answer
 
 CALLS = Path({calls!r})  # one file per call, in any worker process
 
-
-def _number():
-    k = 0
-    while True:
-        try:
-            os.close(os.open(CALLS / str(k), os.O_CREAT | os.O_EXCL))
-            return k
-        except FileExistsError:
-            k += 1
+{number_fn}
 
 
 def score(prompt, response, answer):
-    k = _number()
+    k = _number(CALLS)
     if k == 0:
         time.sleep(3600)
     if k == 1:
@@ -89,7 +81,7 @@ def test_a_reward_that_hangs_exits_or_dies_fails_those_samples_and_the_run_finis
     calls = tmp_path / "calls"
     calls.mkdir()
     plugin = tmp_path / "hostile.py"
-    plugin.write_text(HOSTILE_REWARD.format(calls=str(calls)))
+    plugin.write_text(HOSTILE_REWARD.format(calls=str(calls), number_fn=NUMBER_FN))
     run_dir = tmp_path / "run"
     proc = _start(run_dir, model, f"reward.fn={plugin}:score", "reward.timeout_s=2",
                   "reward.workers=2")  # fmt: skip
