@@ -235,16 +235,16 @@ def refuse_redirect(resp: aiohttp.ClientResponse, url: str, path: str) -> None:
         raise RolloutError(f"{url}: {line}; point rollout.urls at the server itself")
 
 
-def not_an_object(raw: bytes) -> str | None:
-    """What the whole answer `raw` to a control request is, where it is not a JSON object (a
-    proxy's page, a list): its snippet and why; None where it is one, or empty (SGLang's {})."""
+def control_object(raw: bytes) -> dict | str:
+    """The whole answer `raw` to a control request as a JSON object ({} where it is empty:
+    SGLang's), else what it is in words (a proxy's page, a list): its snippet and why."""
     if not raw.strip():
-        return None
+        return {}
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
         return f"{snippet(raw[:2000].decode('utf-8', 'replace'))}, not JSON"
-    return None if isinstance(data, dict) else f"{snippet(data)}, not a JSON object"
+    return data if isinstance(data, dict) else f"{snippet(data)}, not a JSON object"
 
 
 def control_failure(path: str, status: int, raw: bytes) -> str:

@@ -42,8 +42,8 @@ from megatron_gspo.rollout.answers import (
     CONTROL_LIMIT,
     FAILURE_LIMIT,
     control_failure,
+    control_object,
     control_too_long,
-    not_an_object,
 )
 from megatron_gspo.rollout.failures import ServerFailed, failure_cause
 from megatron_gspo.rollout.server_config import ServerConfig, copy_redacted, redacted
@@ -415,9 +415,10 @@ def _post(s: ManagedServer, path: str, body: dict) -> dict:
         raise _failed(s, control_failure(path, e.code, e.read(FAILURE_LIMIT))) from None
     if len(raw) > CONTROL_LIMIT:
         raise _failed(s, control_too_long(path))
-    if (odd := not_an_object(raw)) is not None:  # (a proxy's page: its start, in one line)
-        raise _failed(s, f"{path} answered {odd}")
-    return json.loads(raw) if raw.strip() else {}
+    answer = control_object(raw)
+    if isinstance(answer, str):  # (a proxy's page: its start, in one line)
+        raise _failed(s, f"{path} answered {answer}")
+    return answer
 
 
 def _failed(s: ManagedServer, what: str) -> ServerFailed:
