@@ -30,7 +30,7 @@ import yaml
 from megatron_gspo.algo.config import AlgoConfig
 from megatron_gspo.checks import INT_MAX, choice, in_range, need, positive, show
 from megatron_gspo.config_renames import rename_keys, rename_overrides, set_dotted
-from megatron_gspo.errors import UserError
+from megatron_gspo.errors import UserError, first_line
 from megatron_gspo.model.lora_config import LoraConfig
 from megatron_gspo.model.modes import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB, GroupedGemm, Recompute
 from megatron_gspo.model.optim import OptimConfig
@@ -38,7 +38,7 @@ from megatron_gspo.model.parallel_config import ParallelConfig
 from megatron_gspo.rewards.config import RewardSection
 from megatron_gspo.rollout.config import EnvSection, RolloutSection
 from megatron_gspo.weight_sync.config import SyncConfig
-from megatron_gspo.yaml_io import first_line, read_yaml
+from megatron_gspo.yaml_io import read_yaml
 
 
 @dataclass

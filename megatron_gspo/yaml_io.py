@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from megatron_gspo.errors import UserError
+from megatron_gspo.errors import UserError, first_line
 
 # (words in yaml's problem, what to fix), the first that matches; else FIX
 HINTS = (
@@ -59,7 +59,3 @@ def fix(e: yaml.MarkedYAMLError) -> str:
     """What to change where the parser stopped."""
     said = e.problem or ""
     return next((hint for words, hint in HINTS if words in said), FIX)
-
-
-def first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_gspo.errors import UserError
+from megatron_gspo.errors import UserError, first_line
 from megatron_gspo.outputs import interrupts_kept
 
 META = "megatron_gspo.json"
@@ -62,7 +62,7 @@ def unreadable(directory: Path) -> str | None:
     try:
         verify_checkpoint_and_load_strategy(str(directory))
     except Exception as e:  # noqa: BLE001 - whatever megatron finds wrong, the load would too
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e)[:200]
         return f"{name} names a format this version cannot read ({first})"
     return None
 
