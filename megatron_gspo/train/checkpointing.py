@@ -11,8 +11,11 @@ A checkpoint is written into `.step_<N>.tmp/` and renamed to `step_<N>/` by glob
 after every rank finished writing, the state file is on disk and the manifest was computed from
 the files as they read back (each rank hashes a share), so a directory named `step_<N>` was
 complete when written; a crash mid-write leaves only a `.tmp` directory, which `latest` ignores
-and the next save of that step replaces. Older checkpoints beyond `keep` are deleted after the
-rename, never the new one: it is the last verified checkpoint.
+and the next save of that step replaces. A save cut short by an error, SIGINT or SIGTERM removes
+it, on any number of ranks (`_write`): rank 0 does, and so does any rank stopped before it sent
+its share of the manifest (rank 0 cannot complete the checkpoint without it, and such a rank may
+have made the directory again after rank 0 removed it). Older checkpoints beyond `keep` are
+deleted after the rename, never the new one: it is the last verified checkpoint.
 
 Every `step_<N>` directory is a checkpoint, whatever it holds now: one that lost a file since (its
 state file included) is a damaged checkpoint, never taken for an absent one. A resume uses the
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.outputs import signals_held, stop_if_terminated, terminate_raises
 from megatron_gspo.train.files import fsync_dir
 from megatron_gspo.train.state import TrainState
 
@@ -116,17 +120,8 @@ def save(actor, run_dir: Path, step: int, state: dict, keep: int) -> Path:
         (tmp / "model").mkdir(parents=True)
         (tmp / "rng").mkdir()
     dist.barrier()
-    try:
-        actor.save(tmp / "model")
-        torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            _write_json(tmp / STATE_FILE, state)
-        _write_manifest(tmp)
-    except BaseException:  # (a Ctrl-C mid-write: one process removes what it half-wrote; with
-        if dist.get_world_size() == 1:  # more, the others may still write: the next save does)
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with terminate_raises():  # (SIGTERM too stops the write by an exception: `_write` cleans up)
+        _write(actor, tmp, state)
     if rank == 0:
         if final.exists():  # (not the one resumed from, nor newer: kept, named)
             print(_set_aside_line(run_dir, final, "was there already"), flush=True)
@@ -166,17 +161,48 @@ def restore_rng(path: Path) -> None:
         torch.set_rng_state(torch.load(rng, weights_only=True))
 
 
-def _write_manifest(directory: Path) -> None:
-    """Collective: each rank hashes a share of the checkpoint's files; rank 0 writes the manifest."""
+def _write(actor, tmp: Path, state: dict) -> None:
+    """Collective: the checkpoint's files into `tmp`, its manifest last. Cut short (an error,
+    SIGINT, SIGTERM), `tmp` is removed by rank 0 (which renames it only after this returns) and
+    by each other rank stopped before it sent its share of the manifest: without that share rank
+    0 cannot complete the checkpoint, and such a rank, still writing when rank 0 removed `tmp`,
+    may have made it again (DCP's writer makes its directory). A rank stopped after sending it
+    leaves `tmp` to rank 0: it may be renamed into place, complete."""
+    rank = dist.get_rank()
+    removes = True
+    try:
+        actor.save(tmp / "model")
+        torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            _write_json(tmp / STATE_FILE, state)
+        mine = _hash_share(tmp)
+        removes = rank == 0
+        _gather_manifest(tmp, mine)
+        stop_if_terminated()  # (a signal whose exception a finalizer swallowed)
+    except BaseException:
+        if removes:
+            with signals_held():  # (a second Ctrl-C, or torchrun's SIGTERM, waits for it)
+                shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _hash_share(directory: Path) -> dict:
+    """Collective: rank 0's list of the checkpoint's files, and this rank's share of them
+    hashed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     box = [_files(directory) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     files = box[0]
     assert files is not None  # every rank holds rank 0's list after the broadcast
-    mine = {rel: _entry(directory / rel) for rel in files[rank::world]}
-    shares: list = [None] * world
+    return {rel: _entry(directory / rel) for rel in files[rank::world]}
+
+
+def _gather_manifest(directory: Path, mine: dict) -> None:
+    """Collective: every rank's share of hashes to rank 0, which writes the manifest."""
+    shares: list = [None] * dist.get_world_size()
     dist.all_gather_object(shares, mine)
-    if rank == 0:
+    if dist.get_rank() == 0:
         entries = {k: v for share in shares for k, v in share.items()}
         write_manifest(directory, entries)
 
