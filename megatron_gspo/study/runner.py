@@ -1,10 +1,13 @@
 """Running a study: each run is a `megatron-gspo train` subprocess in DIR/runs/<arm>/seed<k>
 (DIR/runs/<arm>/<j>_<value>/seed<k> in a sweep).
 
-A run whose newest checkpoint is its last step is complete and skipped; one with an earlier
-checkpoint is continued with `--resume`; one with none (killed before its first checkpoint) is
-started again, by the trainer's own start (train/run_dir.py: the attempt's files are moved to
-aborted/<k>/, nothing holding weights is deleted). Runs go one at a time (seed by seed, every algorithm per seed first),
+A run whose newest checkpoint is its last step and verifies against its manifest (the check
+the trainer's --resume makes, `checkpointing.verify`) is complete and skipped; one with an
+earlier checkpoint, or whose newest does not verify, is continued with `--resume` (which moves a
+damaged checkpoint to checkpoints/unverified/ and goes on from the newest one that verifies); one
+with none (killed before its first checkpoint) is started again, by the trainer's own start
+(train/run_dir.py: the attempt's files are moved to aborted/<k>/, nothing holding weights is
+deleted). Runs go one at a time (seed by seed, every algorithm per seed first),
 so an interrupted study has comparable runs for the seeds it finished. A failed run is reported
 and the others still run; the same command retries it.
 """
@@ -25,16 +28,32 @@ from megatron_gspo.train.console import format_duration
 @dataclass(frozen=True)
 class RunState:
     kind: str  # complete | resume | fresh
-    step: int  # the newest complete checkpoint's step (0: none)
+    step: int  # the newest checkpoint's step (0: none)
+    damaged: str | None = None  # why the newest checkpoint does not verify (None: it does)
+
+    def action(self) -> str:
+        """What the study does with the run, in a few words."""
+        if self.kind == "fresh":
+            return "start"
+        if self.damaged is None:
+            return f"resume from step {self.step}"
+        return (f"resume: its newest checkpoint, step_{self.step}, does not verify "
+                f"({self.damaged}); --resume moves it to checkpoints/unverified/ and goes on from "
+                "the newest one that does")  # fmt: skip
 
 
 def run_state(run: RunSpec, steps: int) -> RunState:
-    from megatron_gspo.train.checkpointing import latest
+    """Complete only when the newest checkpoint is at `steps` (or past) and verifies: a damaged
+    one is the trainer's --resume to set aside."""
+    from megatron_gspo.train.checkpointing import latest, verify
 
     ckpt = latest(run.run_dir)
-    step = int(ckpt.name.removeprefix("step_")) if ckpt is not None else 0
     if ckpt is None:
         return RunState("fresh", 0)
+    step = int(ckpt.name.removeprefix("step_"))
+    damaged = verify(ckpt)
+    if damaged is not None:
+        return RunState("resume", step, damaged)
     return RunState("complete" if step >= steps else "resume", step)
 
 
@@ -85,8 +104,7 @@ def execute(study: Study) -> list[RunSpec]:
     print(f"study: {len(study.runs)} runs, {done} complete, {len(todo)} to run", flush=True)
     for i, run in enumerate(todo, start=1):
         state = states[run]
-        what = f"resume from step {state.step}" if state.kind == "resume" else "start"
-        print(f"[{i}/{len(todo)}] {run.name}: {what}", flush=True)
+        print(f"[{i}/{len(todo)}] {run.name}: {state.action()}", flush=True)
         t0 = time.monotonic()
         rc = _call(train_command(study, run, state.kind == "resume"), log_path(study, run))
         took = format_duration(time.monotonic() - t0)

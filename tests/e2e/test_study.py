@@ -124,6 +124,40 @@ def test_a_run_without_a_checkpoint_is_left_to_the_trainer_not_deleted(tmp_path,
     assert {p.relative_to(kept): p.read_bytes() for p in kept.rglob("*") if p.is_file()} == files
 
 
+@pytest.mark.parametrize("damage", [None, "truncated", "state file lost"])
+def test_a_run_whose_last_checkpoint_does_not_verify_is_resumed_not_skipped(
+    tmp_path, capsys, damage
+):
+    """A run was taken as complete from its newest step_N's name: a last checkpoint damaged since
+    (a truncated file, its state file lost) had the run skipped for good. It is complete only when
+    that checkpoint verifies; else it goes to the trainer's --resume, which sets it aside."""
+    from megatron_gspo.study.plan import RunSpec, Study
+    from megatron_gspo.study.runner import execute, log_path
+    from tests.helpers import saved_checkpoint
+
+    run_dir = tmp_path / "study" / "runs" / "gspo" / "seed1"
+    ckpt = saved_checkpoint(run_dir, 3)
+    if damage == "truncated":
+        shard = ckpt / "model" / "shard.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "state file lost":
+        (ckpt / "trainer_state.json").unlink()
+    run = RunSpec("gspo", 1, run_dir, ())
+    study = Study(BASE, tmp_path / "study", {"gspo": {}}, [1], 3, 1, runs=[run])
+    failed = execute(study)  # (no base_config.yaml in the study: a train fails)
+    out = capsys.readouterr().out
+    if damage is None:
+        assert (failed, out) == ([], "study: 1 runs, 1 complete, 0 to run\n")
+        return
+    assert failed == [run] and "study: 1 runs, 0 complete, 1 to run" in out
+    why = {"truncated": "model/shard.distcp is 100 bytes, the manifest says 4096",
+           "state file lost": "trainer_state.json is missing"}[damage]  # fmt: skip
+    assert (f"gspo/seed1: resume: its newest checkpoint, step_3, does not verify ({why}); "
+            "--resume moves it to checkpoints/unverified/") in out  # fmt: skip
+    command = log_path(study, run).read_text().splitlines()[1]
+    assert " train --config " in command and " --resume" in command, command
+
+
 def test_algo_table_reads_the_configs(tmp_path):
     table = algo_table()
     for name, row in table.items():
