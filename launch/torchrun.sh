@@ -244,25 +244,46 @@ trap 'on_signal SIGTERM' TERM
 
 pause() { sleep "$1" & wait $! || true; }  # a sleep that traps can interrupt
 
-last_checkpoint() {
-    local best="" n=-1 d
+# The run's checkpoints, newest first, one "STEP PATH" a line: every step_N directory, as the
+# trainer counts them (one that lost its trainer_state.json is a damaged checkpoint, not none).
+checkpoints() {
+    local d k
     for d in "$RUN_DIR"/checkpoints/step_*; do
-        [[ -f "$d/trainer_state.json" ]] || continue
-        local k="${d##*step_}"
-        [[ "$k" =~ ^[0-9]+$ ]] && ((k > n)) && { n=$k; best=$d; }
-    done
-    echo "${best:-none}"
+        k="${d##*/step_}"
+        if [[ -d "$d" && "$k" =~ ^[0-9]{1,18}$ ]]; then echo "$((10#$k)) $d"; fi
+    done | sort -k1,1nr
+}
+newest_checkpoint() { local k d; read -r k d < <(checkpoints) && echo "$d" || echo none; }
+# What a rerun does with the run's checkpoints, as the trainer decides it on --resume (a message:
+# nothing is checked or moved here): newest first, one that does not verify against its manifest
+# is moved to checkpoints/unverified/ and the one before is tried; where none is left, --resume
+# refuses (and a start without --resume refuses a run that has checkpoints). Seen here: a lost
+# trainer_state.json or manifest.json; what only reading the files shows (a checksum, a format)
+# is the trainer's to find.
+resume_advice() {
+    local k d missing damaged="" usable=""
+    while read -r k d; do
+        missing=""
+        [[ -f "$d/manifest.json" ]] || missing="manifest.json"
+        [[ -f "$d/trainer_state.json" ]] || missing="trainer_state.json"
+        [[ -z "$missing" ]] && { usable="$d"; break; }
+        damaged+="${damaged:+, }${d##*/} (no $missing)"
+    done < <(checkpoints)
+    if [[ -n "$usable" && -z "$damaged" ]]; then
+        echo "last complete checkpoint: $usable; rerun with --resume --run-dir $RUN_DIR to continue"
+    elif [[ -n "$usable" ]]; then
+        echo "last complete checkpoint: $usable; rerun with --resume --run-dir $RUN_DIR to continue from it (newer, damaged: $damaged; --resume moves them to checkpoints/unverified/)"
+    elif [[ -n "$damaged" ]]; then
+        echo "no usable checkpoint under $RUN_DIR/checkpoints, only damaged ones: $damaged; --resume would refuse them (nothing changed): restore their files from a copy, or start another run with --run-dir NEW_DIR"
+    else
+        echo "no complete checkpoint yet under $RUN_DIR/checkpoints; rerun (with or without --resume) to start it again"
+    fi
 }
 abort_job() {  # abort_job MESSAGE: tell the other nodes, then stop here
     echo "node $NODE_RANK: $*" >> "$STATE/abort"
     fail "$*"
-    local ckpt; ckpt="$(last_checkpoint)"
     fail "logs: $RANK_LOGS (per rank), $SERVER_LOGS (servers)"
-    if [[ "$ckpt" == none ]]; then
-        fail "no complete checkpoint yet under $RUN_DIR/checkpoints; rerun (with or without --resume) to start it again"
-    else
-        fail "last complete checkpoint: $ckpt; rerun with --resume --run-dir $RUN_DIR to continue"
-    fi
+    fail "$(resume_advice)"
 }
 other_node_failed() { [[ -f "$STATE/abort" ]]; }
 
@@ -372,7 +393,7 @@ done
 
 if [[ "$code" == 0 ]]; then
     [[ "$NODE_RANK" == 0 ]] && echo 0 > "$STATE/done"
-    log "training finished; last complete checkpoint: $(last_checkpoint)"
+    log "training finished; newest checkpoint: $(newest_checkpoint)"
     exit 0
 fi
 abort_job "training stopped on node $NODE_RANK: torchrun exited with code $code (a rank failed or was killed; torchrun's summary above names it)"

@@ -241,6 +241,27 @@ def redirector(to: str, code: int = 307) -> tuple[str, list, object]:
     return url, asked, server
 
 
+def torchrun_sh(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`launch/torchrun.sh ARGS` with this python (PYTHON) and `env` added to the environment."""
+    full = {**os.environ, "PYTHON": sys.executable, **env}
+    return subprocess.run(
+        ["bash", str(Path(__file__).resolve().parents[1] / "launch/torchrun.sh"), *args],
+        capture_output=True, text=True, env=full, timeout=120, cwd=cwd,
+    )  # fmt: skip
+
+
+def servers_killed_python(directory: Path) -> Path:
+    """A PYTHON for torchrun.sh: the real python, but launch/serve_node.py is killed at once
+    (as the kernel's OOM killer would), so the launch stops before torchrun starts."""
+    python = directory / "python"
+    python.write_text(
+        '#!/bin/bash\ncase "$1" in */serve_node.py) echo Killed; exit 137 ;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    return python
+
+
 def torchrun(nproc: int, *target: str) -> list[str]:
     """The command running `target` (a script and its arguments, or "-m", module, ...) under
     torchrun with `nproc` ranks on this machine."""

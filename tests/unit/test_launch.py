@@ -19,7 +19,12 @@ from packaging.requirements import Requirement
 from megatron_gspo.cli import ALLOW_WITHOUT_RESUME
 from megatron_gspo.config import dump_config, load_config
 from megatron_gspo.errors import UserError
-from tests.helpers import authorization_recorder, saved_checkpoint
+from tests.helpers import (
+    authorization_recorder,
+    saved_checkpoint,
+    servers_killed_python,
+    torchrun_sh,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -176,21 +181,13 @@ def _cfg_layout(**kwargs):
 # ---- the scripts fail before starting anything -----------------------------------------------
 
 
-def _torchrun_sh(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHON": sys.executable, **env}
-    return subprocess.run(
-        ["bash", str(ROOT / "launch/torchrun.sh"), *args],
-        capture_output=True, text=True, env=full, timeout=120, cwd=cwd,
-    )  # fmt: skip
-
-
 def test_torchrun_sh_needs_a_config():
-    r = _torchrun_sh()
+    r = torchrun_sh()
     assert r.returncode == 2 and r.stderr.startswith("error: --config FILE.yaml is required")
 
 
 def test_torchrun_sh_refuses_a_layout_that_cannot_work(tmp_path):
-    r = _torchrun_sh(
+    r = torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
         "parallel.tp=2", NPROC_PER_NODE="1",
     )  # fmt: skip
@@ -200,7 +197,7 @@ def test_torchrun_sh_refuses_a_layout_that_cannot_work(tmp_path):
 
 
 def test_torchrun_sh_multi_node_needs_a_rendezvous(tmp_path):
-    r = _torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), NNODES="2")
+    r = torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), NNODES="2")
     assert r.returncode == 2 and "RDZV_ENDPOINT=host:port" in r.stderr
 
 
@@ -220,7 +217,7 @@ def test_torchrun_sh_refuses_numbers_outside_the_job(tmp_path, env, message):
     """NODE_RANK=2 of a 2-node job used to wait forever for a training that never came, x was
     read as node 0 (or died on 'x: unbound variable'), NPROC_PER_NODE=0 became the default."""
     multi = {"RDZV_ENDPOINT": "127.0.0.1:1", "LAUNCH_ID": "t", "MEGATRON_GSPO_API_KEY": "k"}
-    r = _torchrun_sh(
+    r = torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
         **multi, **env,
     )  # fmt: skip
@@ -248,7 +245,7 @@ def test_torchrun_sh_refuses_a_rendezvous_or_launch_id_it_cannot_use(tmp_path, e
     multi = {"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1:1", "LAUNCH_ID": "t",
              "MEGATRON_GSPO_API_KEY": "k"}  # fmt: skip
     (tmp_path / "model").mkdir()
-    r = _torchrun_sh(
+    r = torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", "a/b/run",
         f"model.path={tmp_path / 'model'}", cwd=tmp_path, **{**multi, **env},
     )  # fmt: skip
@@ -262,7 +259,7 @@ def test_torchrun_sh_takes_the_rendezvous_and_launch_ids_it_documents(tmp_path):
     (tmp_path / "model").mkdir()
     for endpoint, launch in [("127.0.0.1:29555", "sim1"), ("node-1.cluster:29500", "1234"),
                              ("[::1]:29500", "20261207-101010-77_a.b")]:  # fmt: skip
-        r = _torchrun_sh(
+        r = torchrun_sh(
             "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir",
             str(tmp_path / "run"), "parallel.tp=4", f"model.path={tmp_path / 'model'}",
             NNODES="2", NPROC_PER_NODE="1",
@@ -274,7 +271,7 @@ def test_torchrun_sh_takes_the_rendezvous_and_launch_ids_it_documents(tmp_path):
 
 def test_torchrun_sh_help_is_its_usage_and_environment_on_stdout():
     """--help printed the usage line on stderr with exit 2, as a refused argument is."""
-    r = _torchrun_sh("--help")
+    r = torchrun_sh("--help")
     assert (r.returncode, r.stderr) == (0, "")
     assert r.stdout.startswith("usage: launch/torchrun.sh --config FILE.yaml")
     for variable in ("NPROC_PER_NODE", "NNODES NODE_RANK", "RDZV_ENDPOINT", "LAUNCH_ID"):
@@ -309,13 +306,8 @@ def test_torchrun_sh_names_this_launchs_server_failure_not_an_earlier_one(tmp_pa
     logs = tmp_path / "run" / "logs" / "servers" / "node0"
     logs.mkdir(parents=True)
     (logs / "serve_node.log").write_text("error: node 0: the failure of an earlier launch\n")
-    python = tmp_path / "python"  # the real python, but serve_node.py is killed at once
-    python.write_text(
-        '#!/bin/bash\ncase "$1" in */serve_node.py) echo Killed; exit 137 ;; esac\n'
-        f'exec {sys.executable} "$@"\n'
-    )
-    python.chmod(0o755)
-    r = _torchrun_sh(
+    python = servers_killed_python(tmp_path)
+    r = torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
         f"model.path={tmp_path}", PYTHON=str(python),
     )  # fmt: skip
@@ -502,12 +494,12 @@ def test_a_launch_without_its_model_refuses_before_any_server_starts(tmp_path):
             "--log-dir", str(tmp_path / "logs"), "--urls-file", str(tmp_path / "urls.txt"))  # fmt: skip
     assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
     assert not (tmp_path / "logs").exists() and not (tmp_path / "urls.txt").exists()
-    r = _torchrun_sh("--config", config, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    r = torchrun_sh("--config", config, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
     assert not (tmp_path / "run").exists()  # planned before the run directory is made
     # train's --allow-config-change (a resume with another config) goes through the script too:
     # it was an unknown argument there
-    r = _torchrun_sh("--config", config, "--resume", "--allow-config-change", cwd=tmp_path)
+    r = torchrun_sh("--config", config, "--resume", "--allow-config-change", cwd=tmp_path)
     assert (r.returncode, r.stderr) == (2, MISSING_TASK_MODEL)
 
 
@@ -545,7 +537,7 @@ def test_torchrun_sh_resume_of_a_finished_run_says_so_before_anything_starts(
     written there."""
     run, override = _finished_run(tmp_path, step)
     before = _tree(run)
-    r = _torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(run),
+    r = torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(run),
                      "--resume", *args, override, GPUS_PER_NODE="0", cwd=tmp_path)  # fmt: skip
     assert (r.returncode, r.stdout, r.stderr) == (0, f"{run} {line}\n", "")
     assert _tree(run) == before
@@ -574,7 +566,7 @@ def test_torchrun_sh_refuses_steps_that_are_not_a_whole_number(tmp_path, steps):
     --steps last were bash's "2: --steps needs a number" (exit 1), and --steps= was dropped (the
     run launched). Now the one line, exit 2, before anything is made."""
     (tmp_path / "model").mkdir()
-    r = _torchrun_sh(
+    r = torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
         f"model.path={tmp_path / 'model'}", *steps, GPUS_PER_NODE="0",
     )  # fmt: skip
@@ -587,7 +579,7 @@ def test_torchrun_sh_refuses_steps_that_are_not_a_whole_number(tmp_path, steps):
 def test_torchrun_sh_refuses_allow_config_change_without_resume(tmp_path):
     """train's line, exit 2, before anything is made (it used to launch a new run)."""
     (tmp_path / "model").mkdir()
-    r = _torchrun_sh(
+    r = torchrun_sh(
         "--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(tmp_path / "run"),
         "--allow-config-change", f"model.path={tmp_path / 'model'}", GPUS_PER_NODE="0",
     )  # fmt: skip
