@@ -21,7 +21,9 @@
 # Environment (all optional):
 #   PYTHON            python with megatron-gspo (default: .venv/bin/python, else python3)
 #   NPROC_PER_NODE    trainer ranks per training node (default: the GPUs, 1 on a CPU)
-#   GPUS_PER_NODE     GPUs to place processes on (default: nvidia-smi's count, 0 without one)
+#   GPUS_PER_NODE     GPUs to place processes on (default: nvidia-smi's count, 0 without one;
+#                     refused above 0 on a machine without a GPU: NPROC_PER_NODE sets the
+#                     ranks of a CPU run)
 #   NNODES NODE_RANK  nodes in the job and this one's index (default 1 0; Slurm: SLURM_NNODES,
 #                     SLURM_NODEID)
 #   ROLLOUT_NODES     disaggregated: nodes set aside for servers, the last ones (default 1)
@@ -106,6 +108,14 @@ done
 [[ -z "${SERVER_PORT_BASE:-}" ]] || in_range "$SERVER_PORT_BASE" 0 65535 \
     || die "SERVER_PORT_BASE=$SERVER_PORT_BASE must be a port number (0: free ports)"
 NNODES=$((10#$NNODES)) NODE_RANK=$((10#$NODE_RANK))
+# GPUS_PER_NODE places ranks and servers on GPUs. On a machine without one (nvidia-smi lists none
+# and torch, which decides where the trainer runs, sees none) GPUS_PER_NODE=8 ran 8 gloo ranks and
+# 8 servers on its cores, silently, several times slower: refused. Several CPU ranks are
+# NPROC_PER_NODE's. (torch is asked only then: a GPU machine without nvidia-smi still launches.)
+if ((10#$GPUS_PER_NODE > 0)) && ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; } \
+    && [[ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" == 0 ]]; then
+    die "GPUS_PER_NODE=$GPUS_PER_NODE, but this machine has no GPU (neither nvidia-smi nor torch finds one); on a CPU leave GPUS_PER_NODE unset (or 0), and set NPROC_PER_NODE=N for N trainer ranks"
+fi
 if [[ "$NNODES" -gt 1 ]]; then
     [[ -n "${RDZV_ENDPOINT:-}" ]] || die "RDZV_ENDPOINT=host:port of the first node is required with NNODES=$NNODES"
     [[ -n "${LAUNCH_ID:-${SLURM_JOB_ID:-}}" ]] \

@@ -225,6 +225,25 @@ def test_torchrun_sh_refuses_numbers_outside_the_job(tmp_path, env, message):
     assert not list(tmp_path.rglob("*.log"))  # nothing started
 
 
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a machine with a GPU")
+def test_torchrun_sh_refuses_gpus_per_node_on_a_machine_without_a_gpu(tmp_path):
+    """GPUS_PER_NODE=8 without a GPU was taken silently: 8 gloo ranks and 8 servers on the
+    machine's cores, several times slower than one of each. Now one line naming the fix, exit 2,
+    before anything is made (NPROC_PER_NODE sets the ranks of a CPU run)."""
+    import torch
+
+    if torch.cuda.device_count():
+        pytest.skip("torch sees a GPU")
+    run = tmp_path / "run"
+    r = torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(run),
+                    f"model.path={tmp_path}", GPUS_PER_NODE="8")  # fmt: skip
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", (
+        "error: GPUS_PER_NODE=8, but this machine has no GPU (neither nvidia-smi nor torch finds "
+        "one); on a CPU leave GPUS_PER_NODE unset (or 0), and set NPROC_PER_NODE=N for N trainer "
+        "ranks\n"))  # fmt: skip
+    assert not run.exists()
+
+
 @pytest.mark.parametrize(
     "env, message",
     [
