@@ -263,7 +263,11 @@ checkpoints() {
         if [[ -d "$d" && "$k" =~ ^[0-9]{1,18}$ ]]; then echo "$((10#$k)) $d"; fi
     done | sort -k1,1nr
 }
-newest_checkpoint() { local k d; read -r k d < <(checkpoints) && echo "$d" || echo none; }
+newest_checkpoint() {
+    local d=""
+    read -r _ d < <(checkpoints) || true
+    echo "${d:-none}"
+}
 # What a rerun does with the run's checkpoints, as the trainer decides it on --resume (a message:
 # nothing is checked or moved here): newest first, one that does not verify against its manifest
 # is moved to checkpoints/unverified/ and the one before is tried; where none is left, --resume
@@ -271,8 +275,8 @@ newest_checkpoint() { local k d; read -r k d < <(checkpoints) && echo "$d" || ec
 # trainer_state.json or manifest.json; what only reading the files shows (a checksum, a format)
 # is the trainer's to find.
 resume_advice() {
-    local k d missing damaged="" usable=""
-    while read -r k d; do
+    local d missing damaged="" usable=""
+    while read -r _ d; do
         missing=""
         [[ -f "$d/manifest.json" ]] || missing="manifest.json"
         [[ -f "$d/trainer_state.json" ]] || missing="trainer_state.json"
