@@ -110,6 +110,43 @@ def test_serve_stopped_while_torch_imports_says_interrupted(tmp_path, tiny_model
     assert (code, err) == (130, "interrupted\n"), err[-3000:]
 
 
+# The first torch.save sends SIG from a finalizer, as when the garbage collector runs a
+# library's `__del__` just as a Ctrl-C or a SIGTERM comes: its exception is raised there, where
+# Python drops it and reports it as "Exception ignored in ...".
+SIGNAL_IN_FINALIZER = """
+import torch
+_save = torch.save
+
+class _Finalized:
+    sent = False
+    def __del__(self):
+        _Finalized.sent = True
+        signal.raise_signal({sig})
+        sum(range(1000))  # (the handler runs at a bytecode boundary here)
+
+def _saving(*args, **kwargs):
+    if not _Finalized.sent:
+        _Finalized()
+    return _save(*args, **kwargs)
+
+torch.save = _saving
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_a_finalizer_swallowed_ends_convert_with_only_its_line(tmp_path, tiny_models, sig):
+    """The output was not made (outputs.py noted the signal), but stderr began with Python's
+    "Exception ignored in: <function ...__del__>" and a traceback ending "SystemExit: 143"."""
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out"
+    args = ["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out)]
+    code, err = run_hooked(SIGNAL_IN_FINALIZER.format(sig=int(sig)), args)
+    said = (130, "interrupted\n") if sig == signal.SIGINT else (128 + signal.SIGTERM, "")
+    assert (code, err) == said, err[-3000:]
+    assert not list(work.iterdir())
+
+
 def test_closing_the_io_thread_ends_what_still_runs_on_it(caplog):
     """A Ctrl-C during a rollout stops its caller (rank 0's main thread), not the rollout on the
     io thread's loop: closed with it pending, asyncio logged "Task was destroyed but it is
