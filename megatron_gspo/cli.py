@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import sys
 import warnings
 
+from megatron_gspo.entry import run_command
 from megatron_gspo.errors import Interrupted, UserError
 from megatron_gspo.outputs import signals_held
 
@@ -158,8 +157,6 @@ def _add_score(sub) -> None:
     _layout_args(p)
     p.set_defaults(func=_cmd_score)
 
-
-INTERRUPTED = 130  # the exit code of a command stopped by a Ctrl-C (the shell's: 128 + SIGINT)
 
 ALLOW_WITHOUT_RESUME = (
     "--allow-config-change applies only with --resume; add --resume to continue the run with "
@@ -317,42 +314,13 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    interrupts = _note_interrupts()
-    try:
-        args = parse_args(argv)
-        _quiet_known_warnings()
-        args.func(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except BaseException as e:  # a Ctrl-C: one line, not a traceback
-        # (a SIGINT inside torch's import or its checkpoint writer comes out as their own error)
-        ctrl_c = isinstance(e, (Interrupted, KeyboardInterrupt)) or bool(interrupts)
-        if isinstance(e, SystemExit) or not ctrl_c:
-            raise
-        if _rank() == 0:
-            print(f"interrupted{f': {e}' if isinstance(e, Interrupted) else ''}", file=sys.stderr)
-        sys.exit(INTERRUPTED)
-    finally:
-        _shutdown()
+    run_command(lambda: _run(argv))
 
 
-def _note_interrupts() -> list[int]:
-    """SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted in the list
-    returned: one landing inside a library's C++ code comes out as that library's error (inside
-    torch's import: "generic_type: cannot initialize type ..."; inside its checkpoint writer:
-    "unexpected pos"), which `main` then reports as the interrupt it is. A SIGINT that is not
-    Python's (ignored, as by a script's background job) is left as it is."""
-    noted: list[int] = []
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return noted
-
-    def interrupt(signum: int, frame: object) -> None:
-        noted.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    return noted
+def _run(argv: list[str] | None) -> None:
+    args = parse_args(argv)
+    _quiet_known_warnings()
+    args.func(args)
 
 
 def _quiet_known_warnings() -> None:
@@ -364,22 +332,6 @@ def _quiet_known_warnings() -> None:
     # (its own comment: "throws grad-access warning"); only that call site is silenced.
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf",
                             module=r"megatron\.core\.optimizer\.optimizer")  # fmt: skip
-
-
-# On the way out nothing is imported: after a SIGINT inside torch's import, importing torch
-# again (a module of ours that imports it) crashes the interpreter (a second TORCH_LIBRARY).
-def _rank() -> int:
-    """This process's rank (0 where megatron_gspo.comm, and so torch, was never loaded)."""
-    comm = sys.modules.get("megatron_gspo.comm")
-    return 0 if comm is None else comm.rank()
-
-
-def _shutdown() -> None:
-    """Process groups and parallel state down, where model/parallel.py (which alone starts
-    them) was loaded."""
-    parallel = sys.modules.get("megatron_gspo.model.parallel")
-    if parallel is not None:
-        parallel.shutdown()
 
 
 if __name__ == "__main__":

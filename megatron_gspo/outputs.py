@@ -17,9 +17,10 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
@@ -54,36 +55,33 @@ def terminate_raises() -> Iterator[None]:
     KeyboardInterrupt, so the block's `finally` runs and removes what it had half-written (by
     default SIGTERM ends the process there and then). The previous handlers are restored after.
     Either signal is also noted, so that one whose exception a finalizer swallowed still stops
-    the block (`stop_if_terminated`). Off the main thread, where Python sets no handler, the
-    block runs as it is."""
+    the block (`stop_if_terminated`), and Python's "Exception ignored" report of it is not
+    printed (`_noted`). Off the main thread, where Python sets no handler, the block runs as it
+    is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
     got: list[int] = []
-
-    def raise_exit(signum: int, frame: object) -> None:
-        got.append(signum)
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, raise_exit)
+    handlers = {signal.SIGTERM: _raise_exit}
     interrupt = signal.getsignal(signal.SIGINT)  # (Python's, or one that wraps it: noted too)
     if callable(interrupt):
-        signal.signal(signal.SIGINT, _noting(interrupt, got))
+        handlers[signal.SIGINT] = interrupt
     _TERMINATED.append(got)
     try:
-        yield
+        with _noted(handlers, got):
+            yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if callable(interrupt):
-            signal.signal(signal.SIGINT, interrupt)
         _TERMINATED.remove(got)
     stop_if_terminated(got)  # (the block ended as if nothing came: its exception was swallowed)
 
 
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 # The signals each `terminate_raises` block now open has had. A handler's exception is raised in
 # whatever Python code runs then, and one that lands in a finalizer (a `__del__` run by the
-# garbage collector, say during an import) is printed as "Exception ignored" and dropped: the
+# garbage collector, say during an import) is dropped (`_noted`: its report is not printed): the
 # block would go on to make its output as if no SIGTERM had come.
 _TERMINATED: list[list[int]] = []
 
@@ -133,29 +131,52 @@ def interrupts_kept() -> Iterator[None]:
         return
     got: list[int] = []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    wrapped = {s: h for s, h in previous.items() if callable(h)}
-    for s, handler in wrapped.items():
-        signal.signal(s, _noting(handler, got))
     try:
-        yield
+        with _noted({s: h for s, h in previous.items() if callable(h)}, got):
+            yield
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException:
         if not got:
             raise
-    finally:
-        for s, handler in wrapped.items():
-            signal.signal(s, handler)
     for s in dict.fromkeys(got):  # (the error that replaced it is dropped: the signal says why)
         signal.raise_signal(s)
 
 
-def _noting(handler, got: list[int]):
-    def note(signum: int, frame) -> None:
-        got.append(signum)
-        handler(signum, frame)
+@contextlib.contextmanager
+def _noted(handlers: dict[int, Callable], got: list[int]) -> Iterator[None]:
+    """Each of `handlers` set for its signal for the block, the signal noted in `got` before the
+    handler runs; the handlers before are restored after. The exception a handler raises is
+    raised in whatever Python code runs then; where that is a finalizer (a `__del__` run by the
+    garbage collector), Python drops it and prints "Exception ignored in ... SystemExit: 143",
+    a traceback before the command's own line. The caller acts on the noted signal, so that
+    report is not printed: a hook passes every other unraisable exception on to the hook before
+    it."""
+    raised: list[BaseException] = []
 
-    return note
+    def note(signum: int, frame: object) -> None:
+        got.append(signum)
+        try:
+            handlers[signum](signum, frame)
+        except BaseException as e:
+            raised.append(e)
+            raise
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if any(e is unraisable.exc_value for e in raised):  # (dropped: its frames freed)
+            raised[:] = [e for e in raised if e is not unraisable.exc_value]
+        else:
+            previous_hook(unraisable)
+
+    previous = {s: signal.signal(s, note) for s in handlers}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, hook
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():  # (None: a handler set outside Python)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if sys.unraisablehook is hook:  # (else one set inside the block is left to its owner)
+            sys.unraisablehook = previous_hook
 
 
 @contextlib.contextmanager

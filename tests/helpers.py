@@ -111,14 +111,14 @@ def stopped_mid_write(args: list[str], out: Path, sig: int) -> tuple[int, str]:
 
 
 # The command's process: SIGINT as at a terminal (a background job of a shell without job
-# control would have it ignored), then HOOK, then `megatron-gspo ARGS`.
+# control would have it ignored), then HOOK, then `megatron-gspo ARGS` (or `python -m MODULE`).
 PRELUDE = """
-import os, signal, sys
+import os, runpy, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 {hook}
-from megatron_gspo.cli import main
-main(sys.argv[1:])
+{command}
 """
+CLI = "from megatron_gspo.cli import main\nmain(sys.argv[1:])"
 
 # `run_hooked`'s hook: the first torch.save to a stream (DCP's writer saves each item so) gets a
 # SIGINT on its second write, so the KeyboardInterrupt is raised inside torch's C++ zip writer
@@ -147,10 +147,14 @@ torch.save = _saving
 """
 
 
-def run_hooked(hook: str, args: list[str], timeout: int = 120) -> tuple[int | None, str]:
-    """`megatron-gspo ARGS` with `hook` run first in its process: (exit status, stderr); None
-    when it was still running after `timeout` seconds (then killed)."""
-    cmd = [sys.executable, "-c", PRELUDE.format(hook=hook), *args]
+def run_hooked(
+    hook: str, args: list[str], timeout: int = 120, module: str | None = None
+) -> tuple[int | None, str]:
+    """`megatron-gspo ARGS` (`python -m MODULE ARGS` with `module`) with `hook` run first in its
+    process: (exit status, stderr); None when it was still running after `timeout` seconds
+    (then killed)."""
+    command = CLI if module is None else f"runpy.run_module({module!r}, run_name='__main__')"
+    cmd = [sys.executable, "-c", PRELUDE.format(hook=hook, command=command), *args]
     proc = subprocess.Popen(cmd, env=cli_env(), cwd=Path(__file__).resolve().parents[1], text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:

@@ -1,6 +1,6 @@
-"""`megatron-gspo serve` (and `python -m megatron_gspo.server`): the process's start and stop:
-check the flags (args.py), listen, run the engine thread, stop cleanly on SIGTERM/SIGINT within
---shutdown-timeout. The HTTP API is app.py's."""
+"""`megatron-gspo serve` (and `python -m megatron_gspo.server`: __main__.py): the process's start
+and stop: check the flags (args.py), listen, run the engine thread, stop cleanly on SIGTERM/SIGINT
+within --shutdown-timeout. The HTTP API is app.py's."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.hf.tokenizer_files import check_tokenizer
 from megatron_gspo.server import kernels
 from megatron_gspo.server.app import build_app
-from megatron_gspo.server.args import add_serve_args, check_host, check_serve_args
+from megatron_gspo.server.args import check_host, check_serve_args
 from megatron_gspo.server.state import ServerState
 
 log = logging.getLogger("megatron_gspo.server.serve")
@@ -107,20 +107,3 @@ def _exit_now(grace_s: float) -> None:
     print(f"shutdown took over {grace_s:g} s (a stuck request?); exiting", file=sys.stderr)
     sys.stderr.flush()
     os._exit(1)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megatron_gspo.server")
-    add_serve_args(parser)
-    try:
-        serve_main(parser.parse_args(argv))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:  # a Ctrl-C before it serves (after: a clean stop, exit 0)
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

@@ -22,7 +22,8 @@ import traceback
 
 from aiohttp import web
 
-from megatron_gspo.server import app, engine, serve
+from megatron_gspo.server import app, engine
+from megatron_gspo.server.__main__ import main as serve_main
 
 
 def _die(self) -> None:
@@ -71,7 +72,7 @@ def main() -> None:
     elif fault != "linger":
         raise SystemExit(f"unknown fault {fault!r}; use die, stuck, linger, nan or old_version")
     try:
-        serve.main(argv)
+        serve_main(argv)
     except OSError:
         if fault != "linger":
             raise

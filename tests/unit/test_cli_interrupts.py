@@ -11,12 +11,14 @@ from __future__ import annotations
 import io
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from megatron_gspo.outputs import interrupts_kept
-from tests.helpers import CTRL_C_IN_WRITER, run_hooked
+from tests.helpers import CTRL_C_IN_WRITER, cli_env, run_hooked
 
 pytestmark = pytest.mark.unit
 
@@ -100,14 +102,74 @@ def test_convert_stopped_inside_torchs_writer_says_interrupted(tmp_path, tiny_mo
     assert not list(work.iterdir())
 
 
+@pytest.mark.parametrize("module", [None, "megatron_gspo.server"], ids=["serve", "python-m"])
 @pytest.mark.parametrize("mode", ["as_is", "lost", "garbled"])
-def test_serve_stopped_while_torch_imports_says_interrupted(tmp_path, tiny_models, mode):
+def test_serve_stopped_while_torch_imports_says_interrupted(tmp_path, tiny_models, mode, module):
     """The trial's `serve` with a SIGINT 0.7 s in: a RuntimeError traceback, exit 1; sent a
     little earlier it was lost and the server came up serving; raised as it is, torch was left
-    half-imported and importing it again on the way out crashed the interpreter (SIGSEGV)."""
-    args = ["serve", "--model", str(tiny_models["moe"]), "--port", "0"]
-    code, err = run_hooked(CTRL_C_IN_IMPORT.format(mode=mode), args, timeout=60)
+    half-imported and importing it again on the way out crashed the interpreter (SIGSEGV).
+    `python -m megatron_gspo.server` (the launcher's) imported torch as it loaded, before
+    anything held the signal: the same tracebacks, or a server that came up serving."""
+    args = ["--model", str(tiny_models["moe"]), "--port", "0"]
+    hook = CTRL_C_IN_IMPORT.format(mode=mode)
+    code, err = run_hooked(hook, args if module else ["serve", *args], timeout=60, module=module)
     assert (code, err) == (130, "interrupted\n"), err[-3000:]
+
+
+# `python -m megatron_gspo.server --help`, then whether torch was loaded to say it.
+SERVER_HELP = """
+import runpy, sys
+sys.argv[1:] = ["--help"]
+try:
+    runpy.run_module("megatron_gspo.server", run_name="__main__")
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules)
+"""
+
+
+def test_the_servers_module_help_imports_no_torch():
+    """`python -m megatron_gspo.server --help` took 2 s (torch imported first) to print it."""
+    cmd = [sys.executable, "-c", SERVER_HELP]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=cli_env())
+    assert r.stdout.startswith("usage: python -m megatron_gspo.server"), r.stderr
+    assert r.stdout.splitlines()[-1] == "0 False"
+
+
+# The first torch.save sends SIG from a finalizer, as when the garbage collector runs a
+# library's `__del__` just as a Ctrl-C or a SIGTERM comes: its exception is raised there, where
+# Python drops it and reports it as "Exception ignored in ...".
+SIGNAL_IN_FINALIZER = """
+import torch
+_save = torch.save
+
+class _Finalized:
+    sent = False
+    def __del__(self):
+        _Finalized.sent = True
+        signal.raise_signal({sig})
+        sum(range(1000))  # (the handler runs at a bytecode boundary here)
+
+def _saving(*args, **kwargs):
+    if not _Finalized.sent:
+        _Finalized()
+    return _save(*args, **kwargs)
+
+torch.save = _saving
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_a_finalizer_swallowed_ends_convert_with_only_its_line(tmp_path, tiny_models, sig):
+    """The output was not made (outputs.py noted the signal), but stderr began with Python's
+    "Exception ignored in: <function ...__del__>" and a traceback ending "SystemExit: 143"."""
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out"
+    args = ["convert", "hf-to-megatron", "--hf", str(tiny_models["moe"]), "--out", str(out)]
+    code, err = run_hooked(SIGNAL_IN_FINALIZER.format(sig=int(sig)), args)
+    said = (130, "interrupted\n") if sig == signal.SIGINT else (128 + signal.SIGTERM, "")
+    assert (code, err) == said, err[-3000:]
+    assert not list(work.iterdir())
 
 
 def test_closing_the_io_thread_ends_what_still_runs_on_it(caplog):

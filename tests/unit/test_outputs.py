@@ -1,13 +1,15 @@
 """megatron_gspo/outputs.py: a SIGTERM whose SystemExit a finalizer swallowed still stops the
-block before its output is made final."""
+block before its output is made final, and Python's report of the swallowed exception is not
+printed (any other exception a finalizer drops still is)."""
 
 from __future__ import annotations
 
 import signal
+import sys
 
 import pytest
 
-from megatron_gspo.outputs import temp_dir_for, temp_file_for
+from megatron_gspo.outputs import interrupts_kept, temp_dir_for, temp_file_for
 
 
 class SignalInFinalizer:
@@ -38,6 +40,47 @@ def test_a_signal_whose_exception_a_finalizer_swallowed_still_stops_the_output(t
     if sig == signal.SIGTERM:
         assert e.value.code == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []  # no output, no temporary left
+
+
+class ErrorInFinalizer:
+    """Raises `error` from its `__del__`: a library's own bug, which Python reports."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __del__(self) -> None:
+        raise self.error
+
+
+@pytest.fixture
+def reported(monkeypatch) -> list[str]:
+    """What Python's hook would print as "Exception ignored in ...": the hook the guards find."""
+    seen: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(repr(u.exc_value)))
+    return seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_only_the_signals_own_exception_goes_unreported(tmp_path, reported, sig):
+    """Python printed "Exception ignored in: <function ...__del__>" and a traceback ending in
+    "SystemExit: 143" (or "KeyboardInterrupt") before the command's own line."""
+    before = sys.unraisablehook
+    with pytest.raises((SystemExit, KeyboardInterrupt)), temp_file_for(tmp_path / "out"):
+        ErrorInFinalizer(ValueError("a library's own"))
+        SignalInFinalizer(sig)
+        ErrorInFinalizer(KeyboardInterrupt())  # (the signal's type, not the signal's exception)
+    assert reported == ['ValueError("a library\'s own")', "KeyboardInterrupt()"]
+    assert sys.unraisablehook is before
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupts_kept_leaves_a_swallowed_ctrl_c_unreported_and_acts_on_it(reported):
+    before = sys.unraisablehook
+    with pytest.raises(KeyboardInterrupt), interrupts_kept():
+        SignalInFinalizer(signal.SIGINT)
+        ErrorInFinalizer(ValueError("a library's own"))
+    assert reported == ['ValueError("a library\'s own")']
+    assert sys.unraisablehook is before
 
 
 def test_the_block_without_a_signal_makes_its_output(tmp_path):

@@ -1,0 +1,68 @@
+"""How each entry point (`megatron-gspo`, `python -m megatron_gspo.server`) runs its command:
+bad input (`UserError`) is the one line "error: ..." and exit 2; a Ctrl-C is the one line
+"interrupted" (with what was kept, for `Interrupted`) and exit 130, the shell's code for it.
+Each command imports what it runs with SIGINT and SIGTERM held (`outputs.signals_held`)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+from megatron_gspo.errors import Interrupted, UserError
+
+INTERRUPTED = 130  # the exit code of a command stopped by a Ctrl-C (the shell's: 128 + SIGINT)
+
+
+def run_command(command: Callable[[], object]) -> None:
+    """`command()`, its bad input and its Ctrl-C said in one line, as above."""
+    interrupts = _note_interrupts()
+    try:
+        command()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except BaseException as e:  # a Ctrl-C: one line, not a traceback
+        # (a SIGINT inside torch's import or its checkpoint writer comes out as their own error)
+        ctrl_c = isinstance(e, (Interrupted, KeyboardInterrupt)) or bool(interrupts)
+        if isinstance(e, SystemExit) or not ctrl_c:
+            raise
+        if _rank() == 0:
+            print(f"interrupted{f': {e}' if isinstance(e, Interrupted) else ''}", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+    finally:
+        _shutdown()
+
+
+def _note_interrupts() -> list[int]:
+    """SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted in the list
+    returned: one landing inside a library's C++ code comes out as that library's error (inside
+    torch's import: "generic_type: cannot initialize type ..."; inside its checkpoint writer:
+    "unexpected pos"), which `run_command` then reports as the interrupt it is. A SIGINT that is
+    not Python's (ignored, as by a script's background job) is left as it is."""
+    noted: list[int] = []
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return noted
+
+    def interrupt(signum: int, frame: object) -> None:
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    return noted
+
+
+# On the way out nothing is imported: after a SIGINT inside torch's import, importing torch
+# again (a module of ours that imports it) crashes the interpreter (a second TORCH_LIBRARY).
+def _rank() -> int:
+    """This process's rank (0 where megatron_gspo.comm, and so torch, was never loaded)."""
+    comm = sys.modules.get("megatron_gspo.comm")
+    return 0 if comm is None else comm.rank()
+
+
+def _shutdown() -> None:
+    """Process groups and parallel state down, where model/parallel.py (which alone starts
+    them) was loaded."""
+    parallel = sys.modules.get("megatron_gspo.model.parallel")
+    if parallel is not None:
+        parallel.shutdown()
