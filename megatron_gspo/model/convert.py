@@ -58,10 +58,15 @@ def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool)
 def shared_output(out: Path) -> Iterator[Path]:
     """Collective: a temporary directory beside `out` (made by rank 0) that every rank writes
     into, renamed to `out` once every rank finished the block. An error on any rank, SIGINT or
-    SIGTERM removes it; a signal on rank 0 removes it at once (it stops every rank wherever
-    it is, so the collectives that follow may never complete)."""
+    SIGTERM removes it: a signal removes it at once (it stops every rank wherever it is, so the
+    collectives that follow may never complete). Rank 0 always removes it (it renames it only
+    once every rank's `ok` flag came), and so does each other rank cut short before it sent its
+    flag: such a rank, still writing when rank 0 removed it, may have made it again (DCP's writer
+    makes its directory). A rank stopped after sending it leaves it to rank 0: it may be renamed
+    into place, complete."""
     box: list = [None]
     rank0 = dist.get_rank() == 0
+    removes = True
     with terminate_raises():
         try:
             if rank0:
@@ -72,14 +77,20 @@ def shared_output(out: Path) -> Iterator[Path]:
             try:
                 yield Path(box[0])
             except BaseException as e:
-                if rank0 and not isinstance(e, Exception):  # SIGINT, SIGTERM: at once
-                    shutil.rmtree(box[0], ignore_errors=True)
+                if not isinstance(e, Exception):  # SIGINT, SIGTERM: at once
+                    _remove(box[0])
                 _settle(Path(box[0]), out, ok=False)
                 raise
+            removes = rank0  # (its flag goes out: rank 0 may rename the directory from here)
             _settle(Path(box[0]), out, ok=True)
         finally:
-            if rank0 and box[0] is not None:
-                shutil.rmtree(box[0], ignore_errors=True)  # (gone once renamed)
+            if removes and box[0] is not None:
+                _remove(box[0])  # (rank 0's: gone once renamed)
+
+
+def _remove(tmp: str) -> None:
+    with signals_held():  # (a second Ctrl-C, or torchrun's SIGTERM, waits for it)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _settle(tmp: Path, out: Path, ok: bool) -> None:
