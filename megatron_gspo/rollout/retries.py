@@ -17,11 +17,14 @@ the built-in server's KV cache, which it failed on, was sent again for minutes) 
 "check that the servers are up", though they were. After SAME_500S such answers (the quick
 retries and the try that /health let through: ~6 s with the default back-off), the last from a
 server that then answers /health 200, the request stops the run in one line with the server's
-message and its log.
+message and its log. An out-of-memory answer is never counted so (`OUT_OF_MEMORY`): the same
+OOM text five times in ~6 s may be a load that passes (other requests holding the memory), and
+stopping a run on it costs more than the wait.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +34,9 @@ from megatron_gspo.rollout.answers import Retryable, RolloutError
 # count, another 500 message starts the count again), the last from a server whose /health then
 # answers 200: a server's failure on this request, reported instead of waited out.
 SAME_500S = 5
+# A 500 that says the server ran out of memory (torch's "CUDA out of memory", SGLang's "Not
+# enough memory", "OOM"): perhaps the load of the moment, waited for as an outage.
+OUT_OF_MEMORY = re.compile(r"out of memory|not enough memory|\bOOM\b", re.IGNORECASE)
 MAX_BACKOFF_S = 2.0  # the longest wait between two tries of a request
 
 
@@ -51,7 +57,9 @@ class Tries:
 
     def failed(self, e: Retryable) -> None:
         text = str(e)
-        if e.status == 500:
+        if e.status == 500 and OUT_OF_MEMORY.search(text):
+            self.same_500s = 0
+        elif e.status == 500:
             self.same_500s = self.same_500s + 1 if text == self.last_5xx else 1
         if e.status is not None:
             self.last_5xx = text

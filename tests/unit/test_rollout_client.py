@@ -226,6 +226,20 @@ def test_500s_of_another_message_each_time_are_waited_for():
     assert len(posts) > 5, len(posts)  # past the 5 that stop the same 500 of a healthy server
 
 
+@pytest.mark.parametrize("text", [
+    "CUDA out of memory. Tried to allocate 2.00 GiB", "Not enough memory for the KV cache", "OOM",
+])  # fmt: skip
+def test_the_same_out_of_memory_500_from_a_healthy_server_is_waited_for(text):
+    """An out-of-memory answer may be the load of the moment (other requests holding the
+    memory): the same one from a healthy server is waited for up to outage_s, not stopped on
+    after 5 as another repeated 500 is."""
+    posts: list[float] = []
+    routes = failing_server(200, itertools.repeat(text), posts)
+    with pytest.raises(RolloutError, match=r"after \d+ attempts \(last: HTTP 500: "):
+        generate_one(routes, retries=2, outage_s=2.0)
+    assert len(posts) > 5, len(posts)
+
+
 def test_the_line_that_gives_up_quotes_the_last_5xx_answer():
     """A request whose last try found nothing listening (a server that went away) ended with
     that connection error alone; the 500 an earlier try got, the server's own words, is quoted
