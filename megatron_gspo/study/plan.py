@@ -30,7 +30,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +40,7 @@ from megatron_gspo.algo.config import Mismatch, resolve_agg
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
-from megatron_gspo.outputs import temp_file_for
+from megatron_gspo.outputs import check_new_output, temp_file_for
 from megatron_gspo.study.arms import (
     ALGO_KEYS,
     ALGOS,
@@ -269,6 +271,7 @@ def task_of(cfg_path: Path, common: list[str]) -> str:
 def check_manifest(study: Study) -> None:
     """Refuse to continue a run that was started with other settings; record the new ones and
     (re)write the base config's copy that the runs read."""
+    check_study_dir(study.out)
     path = study.out / MANIFEST
     old = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
     sha = _sha(study.config)
@@ -289,6 +292,22 @@ def check_manifest(study: Study) -> None:
     snapshot = study.out / SNAPSHOT
     if not started or not snapshot.is_file():
         _copy_atomic(study.config, snapshot)
+
+
+def check_study_dir(out: Path) -> None:
+    """`out` (--out) can hold the study: an earlier run of it (a directory, continued) or a
+    path that can be created; else a UserError, before anything is written."""
+    if not out.exists():
+        check_new_output(out, "--out")
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a study directory; choose another --out")
+    try:  # (tried, not read from the permission bits: root cannot write in /sys either)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=out))
+    except OSError as e:
+        raise UserError(
+            f"cannot write in study directory {out} ({e.strerror}); choose another --out"
+        ) from None
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:

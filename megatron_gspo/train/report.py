@@ -7,8 +7,9 @@ or --labels). A panel whose keys no run has says "n/a". When a run logs per-laye
 `build_figure` takes `(label, rows)` pairs, so other commands reuse it: rows made by
 `aggregate_seeds` carry `<key>:min` / `<key>:max`, drawn as a band around the mean line.
 Matplotlib is used through its object API on the Agg canvas (no pyplot, no global backend).
-The command refuses an --out that exists (a figure the user kept is not replaced) or whose
-directory does not (a typo would scatter directories), and a run with no metrics line yet.
+The command refuses an --out that exists (a figure the user kept is not replaced), whose
+directory does not (a typo would scatter directories) or takes no new file (a file, /sys), and a
+run with no metrics line yet, before drawing anything.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.outputs import temp_file_for
+from megatron_gspo.outputs import check_new_output, temp_file_for
 from megatron_gspo.train.metrics import METRICS_FILE, read_metrics
 
 Run = tuple[str, list[dict]]
@@ -232,9 +233,10 @@ def make_report(run_dirs: list[Path], out: Path, labels: list[str] | None = None
         raise UserError(f"--out {out}: the report is a PNG; give a path ending in .png")
     if out.exists():
         raise UserError(f"--out {out} exists; pass a new path, or delete it to write it again")
-    if not out.parent.is_dir():
+    if not out.parent.exists() and not out.parent.is_symlink():
         raise UserError(f"--out {out}: directory {out.parent} does not exist; create it, or "
                         "give a path in an existing directory")  # fmt: skip
+    check_new_output(out, "--out")  # (a file as the directory; /proc, /sys: no new files)
     return save_png(build_figure(load_runs(run_dirs, labels)), out)
 
 
