@@ -231,6 +231,18 @@ class TensorBoardSink:
             pass
 
 
+WANDB_MISSING = "logging.wandb is set but wandb is not installed: pip install megatron-gspo[wandb]"
+
+
+def check_wandb(wandb: dict | None) -> None:
+    """logging.wandb set where wandb is not installed: refused when the run starts, before its
+    directory is made or written (the sink itself opens only after the start is committed)."""
+    import importlib.util
+
+    if wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise UserError(WANDB_MISSING)
+
+
 class WandbSink:
     """wandb.init(**kwargs, config=config). The run id is kept in RUN_DIR/wandb_run_id so that a
     resumed run continues the same W&B run (W&B keeps the values it already has for a step)."""
@@ -239,9 +251,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise UserError(
-                "logging.wandb is set but wandb is not installed: pip install megatron-gspo[wandb]"
-            ) from None
+            raise UserError(WANDB_MISSING) from None
         kwargs = {"dir": str(run_dir), **kwargs}
         id_file = Path(run_dir) / "wandb_run_id"
         if start_step > 0 and "id" not in kwargs and id_file.is_file():

@@ -13,6 +13,7 @@ from megatron_gspo.config import Config, dump_config
 from megatron_gspo.data.task_model import check_model_path
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
+from megatron_gspo.train.metrics import check_wandb
 from megatron_gspo.train.run_dir import RunDirLock, StartPlan, prepare
 from megatron_gspo.train.state import TrainState
 
@@ -40,6 +41,7 @@ class TrainerSetup:
         cfg = self.cfg
         check_model_path(cfg.model.path, cfg.data.train)
         check_sglang_start(cfg)
+        check_wandb(cfg.logging.wandb)
         spec, _ = checkpoint_spec(cfg.model.path)
         cfg.check_context(
             spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")

@@ -343,6 +343,28 @@ def test_wandb_missing_is_a_user_error_and_touches_nothing(tmp_path, monkeypatch
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
+def test_train_with_wandb_missing_makes_no_run_directory(
+    tmp_path, tiny_models, monkeypatch, capsys
+):
+    """`train logging.wandb=...` without wandb was refused only when the logger opened, after
+    the run directory was made with config.yaml and logs/ in it: now before anything is made."""
+    from megatron_gspo import cli
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed (find_spec: None)
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_gspo.yaml"
+    run = tmp_path / "run"
+    argv = ["train", "--config", str(config), "--run-dir", str(run),
+            f"model.path={tiny_models['moe']}", "logging.wandb={project: x}"]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1:] == [
+        "error: logging.wandb is set but wandb is not installed: pip install megatron-gspo[wandb]"
+    ], err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
 def test_read_metrics_names_a_missing_file(tmp_path):
     with pytest.raises(UserError, match=str(tmp_path / "nope")):
         read_metrics(tmp_path / "nope")
