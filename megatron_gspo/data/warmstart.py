@@ -160,13 +160,23 @@ def task_model_spec(
 
 
 def _check(spec: WarmStartSpec) -> None:
-    if spec.layers < 2 or spec.experts < 2 or not 1 <= spec.topk <= spec.experts:
-        raise UserError("the task model needs >= 2 layers and 1 <= topk <= experts >= 2")
-    if spec.hidden < 8 or spec.hidden % 8 or spec.moe_ffn < 1:
+    # (each value is its flag's, or the preset's or task's where the flag was not given)
+    if spec.layers < 2:
+        raise UserError(f"--layers {spec.layers}: the task model needs >= 2 layers")
+    if spec.experts < 2:
+        raise UserError(f"--experts {spec.experts}: the task model needs >= 2 experts")
+    if not 1 <= spec.topk <= spec.experts:
         raise UserError(
-            f"hidden must be a multiple of 8 (4 heads of an even size) and moe_ffn >= 1, got "
-            f"hidden {spec.hidden}, moe_ffn {spec.moe_ffn}"
+            f"--topk {spec.topk}: the experts per token must be in [1, {spec.experts}] "
+            f"(--experts {spec.experts}); lower --topk or raise --experts"
         )
+    if spec.hidden < 8 or spec.hidden % 8:
+        raise UserError(
+            f"--hidden {spec.hidden}: the task model needs a multiple of 8 (4 heads of an even "
+            "size)"
+        )
+    if spec.moe_ffn < 1:
+        raise UserError(f"--moe-ffn {spec.moe_ffn}: the task model needs >= 1")
     if not 0.0 <= spec.keep_right <= 1.0:
         raise UserError(f"keep_right is a probability, got {spec.keep_right}")
     if spec.batch_size < 1 or spec.warmup_steps < 1 or spec.cooldown_steps < 0:

@@ -187,6 +187,7 @@ def check_spec(spec: TinySpec) -> None:
                 f"{flag} must be >= 1 for a qwen3_moe model, not {n}; "
                 "use --arch qwen3 for a dense one"
             )
+    _check_dense(spec)
     outside = [i for i in spec.dense_layers if not 0 <= i < spec.layers]
     if outside:
         raise UserError(
@@ -199,6 +200,27 @@ def check_spec(spec: TinySpec) -> None:
     except UserError as e:
         key = min((k for k in FLAG_OF_KEY if k in str(e)), key=str(e).find, default=None)
         raise UserError(f"{e}; set by {FLAG_OF_KEY[key]}" if key else str(e)) from None
+
+
+# make-tiny-model's flags that shape only an MoE model: (TinySpec field, flag)
+MOE_FLAGS = (("experts", "--experts"), ("topk", "--topk"), ("moe_ffn", "--moe-ffn"),
+             ("dense_layers", "--dense-layers"), ("norm_topk_prob", "--no-norm-topk-prob"))  # fmt: skip
+
+
+def _check_dense(spec: TinySpec) -> None:
+    """A dense --arch with an MoE-only setting changed from its default: refused, not ignored."""
+    if spec.arch == "qwen3_moe":
+        return
+    default = TinySpec()
+    for name, flag in MOE_FLAGS:
+        value = getattr(spec, name)
+        if value != getattr(default, name):
+            given = f"{flag} {','.join(map(str, value)) if isinstance(value, list) else value}"
+            given = flag if isinstance(value, bool) else given
+            raise UserError(
+                f"{given} sets the experts of an MoE model, and --arch {spec.arch} is dense; "
+                f"drop {flag}, or use --arch qwen3_moe"
+            )
 
 
 def make_tiny_model(spec: TinySpec, out: str | os.PathLike) -> Path:

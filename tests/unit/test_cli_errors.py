@@ -432,11 +432,15 @@ def test_score_refuses_bad_flags(tmp_path, tiny_models, flags, message, capsys):
         (["--experts", "0"], "--experts must be >= 1 for a qwen3_moe model, not 0; use --arch qwen3 for a dense one"),
         (["--moe-ffn", "0"], "--moe-ffn must be >= 1 for a qwen3_moe model, not 0; use --arch qwen3 for a dense one"),
         (["--dense-layers", "7"], "--dense-layers 7 is not a layer of a 2-layer model; use layer ids in [0, 2)"),
+        (["--arch", "qwen3", "--experts", "4"], "--experts 4 sets the experts of an MoE model, and --arch qwen3 is dense; drop --experts, or use --arch qwen3_moe"),
+        (["--arch", "qwen2", "--topk", "1"], "--topk 1 sets the experts of an MoE model, and --arch qwen2 is dense; drop --topk, or use --arch qwen3_moe"),
+        (["--arch", "qwen3", "--dense-layers", "0"], "--dense-layers 0 sets the experts of an MoE model, and --arch qwen3 is dense; drop --dense-layers, or use --arch qwen3_moe"),
+        (["--arch", "qwen3", "--no-norm-topk-prob"], "--no-norm-topk-prob sets the experts of an MoE model, and --arch qwen3 is dense; drop --no-norm-topk-prob, or use --arch qwen3_moe"),
     ],
 )  # fmt: skip
 def test_make_tiny_model_refuses_a_model_the_tools_would_refuse(tmp_path, flags, message, capsys):
     """Each of these used to write a checkpoint with exit 0 (that convert then refused, or that
-    was not the model asked for), or fail with a RuntimeError traceback (--hidden -1)."""
+    was not the model asked for: a dense --arch ignored the MoE flags), or fail with a RuntimeError traceback (--hidden -1)."""
     argv = ["make-tiny-model", "--out", str(tmp_path / "m"), *flags]
     assert main_error(argv, capsys) == f"error: {message}"
     assert not list(tmp_path.iterdir())
