@@ -155,14 +155,16 @@ def summarize_stats(stats: Mapping[str, Tensor]) -> dict[str, float]:
 
 
 def _split_summary(s: dict[str, float]) -> dict[str, float]:
-    """log_ratio_std_{same,moved} (population std; absent where no token is in the group) and
-    tokens_moved_fraction = moved / (same + moved), from the log_ratio_* sums."""
+    """log_ratio_std_{same,moved} (population std; absent where the group has fewer than 2
+    tokens: the std of one token is 0 whatever its log-ratio, and a step's mean over minibatches
+    would read that 0 as "no spread") and tokens_moved_fraction = moved / (same + moved), from
+    the log_ratio_* sums."""
     if "log_ratio_same_count" not in s:
         return {}
     n_same, n_moved = s["log_ratio_same_count"], s["log_ratio_moved_count"]
     out = {"tokens_moved_fraction": _div(n_moved, n_same + n_moved)} if n_same + n_moved else {}
     for name, n in (("same", n_same), ("moved", n_moved)):
-        if n:
+        if n >= 2:
             mean = s[f"log_ratio_{name}_sum"] / n
             var = s[f"log_ratio_{name}_sq_sum"] / n - mean**2
             out[f"log_ratio_std_{name}"] = math.sqrt(max(var, 0.0))

@@ -22,11 +22,19 @@ def findings(summaries: dict[str, list[RunSummary]], levels: dict[str, str], mar
     return lines
 
 
+SPLIT = ("std_routing_same", "std_routing_changed")
+
+
 def _split_line(ran: dict[str, list[RunSummary]]) -> list[str]:
-    """How much noisier the token log-ratio is where routing moved than where it did not."""
-    same, moved = _spreads(ran, "std_routing_same"), _spreads(ran, "std_routing_changed")
-    parts = [f"{a} {moved[a].mean / same[a].mean:.2g}x ({moved[a].mean:.2g} vs {same[a].mean:.2g})"
-             for a in same if a in moved and same[a].mean > 0]  # fmt: skip
+    """How much noisier the token log-ratio is where routing moved than where it did not, over
+    the runs that measured both (a std over fewer than 2 tokens is not logged: a run whose moved
+    group never had 2 is not compared, nor one seed's value against another's)."""
+    parts = []
+    for a, runs in ran.items():
+        both = [r for r in runs if all(k in r.values for k in SPLIT)]
+        same, moved = spread(both, SPLIT[0]), spread(both, SPLIT[1])
+        if same is not None and moved is not None and same.mean > 0:
+            parts.append(f"{a} {moved.mean / same.mean:.2g}x ({moved.mean:.2g} vs {same.mean:.2g})")
     if not parts:
         return []
     return ["Token log-ratio std where routing moved vs where it did not (ratio of the two): "

@@ -172,8 +172,9 @@ def _mechanism(summaries: dict[str, list[RunSummary]]) -> list[str]:
             "Per update, averaged over steps, then mean over seeds [lowest, highest]. A token's "
             "routing is the top-k sets, in every MoE layer, of the position that produced it; it "
             "moved when any set differs from the one the old log-probs saw. The log-ratio is "
-            "log pi_theta - log pi_old of the token, whatever the loss (n/a: not measured in that "
-            "mode, e.g. the rollout routing exists under R3 only).", "", head,
+            "log pi_theta - log pi_old of the token, whatever the loss; its std is left out of an "
+            "update whose group has fewer than 2 tokens (n/a: never measured, e.g. the rollout "
+            "routing exists under R3 only).", "", head,
             "|" + "---|" * (len(MECHANISM) + 1)]  # fmt: skip
     for a, runs in summaries.items():
         cells = [_cell(spread(runs, name), fmt) for _, name, fmt in MECHANISM]

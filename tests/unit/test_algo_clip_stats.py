@@ -158,3 +158,31 @@ def test_log_ratio_split_leaves_out_an_empty_group():
     out = summarize_stats(base | s)
     assert out["tokens_moved_fraction"] == 0.0 and "log_ratio_std_moved" not in out
     assert out["log_ratio_std_same"] == pytest.approx(0.05, rel=1e-6)
+
+
+def _split_summary_of(lr: list[float], moved: list[bool]) -> dict:
+    """summarize_stats of one minibatch holding one sequence of loss tokens `lr`."""
+    s = log_ratio_split_stats(torch.tensor([lr]), torch.ones(1, len(lr)), torch.tensor([moved]))
+    base = dict.fromkeys(
+        ("num_tokens", "num_seqs", "clipped_tokens_low", "clipped_tokens_high", "clipped_seqs",
+         "ratio_count", "ratio_minus_one_sum", "ratio_minus_one_sq_sum", "kl_old_k3_sum",
+         "ratio_min", "ratio_max"),
+        torch.tensor(1.0),
+    )  # fmt: skip
+    return summarize_stats(base | s)
+
+
+def test_a_log_ratio_std_over_one_token_is_left_out_not_zero():
+    """One moved token used to log log_ratio_std_moved = 0.0 (a population std over one value),
+    which the step's mean over minibatches and the study's findings read as "no spread". Now a
+    group of fewer than 2 tokens has no std: the step's mean is over the minibatches that have
+    one (the loop's mean takes the minibatches that hold the key)."""
+    one = _split_summary_of([0.3, -0.1, 0.2], [True, False, False])
+    assert "log_ratio_std_moved" not in one and one["tokens_moved_fraction"] == pytest.approx(1 / 3)
+    assert one["log_ratio_std_same"] == pytest.approx(abs(-0.1 - 0.2) / 2, rel=1e-6)
+    # two tokens a, b: population std = |a - b| / 2
+    two = _split_summary_of([0.3, -0.5, 0.2], [True, True, False])
+    assert two["log_ratio_std_moved"] == pytest.approx(abs(0.3 - -0.5) / 2, rel=1e-6)
+    assert "log_ratio_std_same" not in two
+    values = [m["log_ratio_std_moved"] for m in (one, two) if "log_ratio_std_moved" in m]
+    assert sum(values) / len(values) == pytest.approx(0.4, rel=1e-6)  # (was (0 + 0.4) / 2)
