@@ -280,5 +280,8 @@ def test_log_ratio_std_is_split_by_whether_routing_moved(runs, batch_file, layou
     assert step["routing/tokens_changed_any"] == pytest.approx(
         len(moved) / (len(same) + len(moved))
     )
-    assert step["log_ratio_std_same"] == pytest.approx(float(np.std(same)), rel=1e-3)
-    assert step["log_ratio_std_moved"] == pytest.approx(float(np.std(moved)), rel=1e-3)
+    for key, group in (("log_ratio_std_same", same), ("log_ratio_std_moved", moved)):
+        if len(group) < 2:  # a std over one token is undefined: not logged
+            assert key not in step, key
+        else:
+            assert step[key] == pytest.approx(float(np.std(group)), rel=1e-3), key
