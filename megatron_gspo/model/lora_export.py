@@ -4,7 +4,7 @@ which any server loads without LoRA support) and the adapters in PEFT's format
 onto the base model).
 
 The checkpoint names its base (lora.json: path and fingerprint); the base is loaded from there
-and must still match. Adapters load under any layout (dist-checkpoint resharding).
+and must still match, checked before anything is loaded (a moved base: set base_path there). Adapters load under any layout (dist-checkpoint resharding).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> N
     from megatron_gspo.model.weights import iter_hf
 
     checkpoint, out = lora_ckpt.checkpoint_dir(Path(checkpoint)), Path(out)
-    rec, cfg = lora_ckpt.read_record(checkpoint / "model")
+    rec, cfg = read_lora(checkpoint)
+    check_base(checkpoint, rec)
     check_new_output(out, "--out")
     init_distributed(dims)
     chunks = load_policy(rec["base_path"], dims, lora=cfg)
@@ -116,7 +117,7 @@ def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> N
         raise UserError(
             f"{checkpoint}'s lora.json targets no module of the model at {rec['base_path']}"
         )
-    if built["base_fingerprint"] != rec["base_fingerprint"]:
+    if built["base_fingerprint"] != rec["base_fingerprint"]:  # (changed while loading)
         raise UserError(f"the base at {rec['base_path']} changed since {checkpoint} was saved")
     check_adapters(chunks, checkpoint / "model")
     load_adapters(chunks, checkpoint / "model")
@@ -126,6 +127,36 @@ def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> N
         if dist.get_rank() == 0:
             hf_io.copy_non_weight_files(Path(rec["base_path"]), tmp)
             write_peft(tmp / PEFT_DIR, tensors, cfg, rec["base_path"], chunks[0].model_spec)
+
+
+def read_lora(checkpoint: Path) -> tuple[dict, LoraConfig]:
+    """The checkpoint's lora.json record and adapters' config; a full-weight checkpoint (no
+    lora.json) is pointed at the command that converts it."""
+    if not (checkpoint / "model" / lora_ckpt.LORA_FILE).is_file():
+        raise UserError(
+            f"{checkpoint} holds no LoRA adapters (no model/{lora_ckpt.LORA_FILE}): a full-weight "
+            f"checkpoint converts with: megatron-gspo convert megatron-to-hf --megatron "
+            f"{checkpoint} --out OUT"
+        )
+    return lora_ckpt.read_record(checkpoint / "model")
+
+
+def check_base(checkpoint: Path, rec: dict) -> None:
+    """The LoRA base that lora.json records (base_path) is there and its files are the ones
+    the adapters were trained on (base_fingerprint), before anything is loaded or written."""
+    base, where = rec["base_path"], checkpoint / "model" / lora_ckpt.LORA_FILE
+    fix = (
+        f"put the base model the adapters were trained on back there, or set base_path in "
+        f"{where} to where it is now"
+    )
+    if not Path(base).is_dir():
+        what = "is not a directory" if Path(base).exists() else "does not exist"
+        raise UserError(f"the LoRA base model {base} (base_path in {where}) {what}; {fix}")
+    if lora_ckpt.fingerprint(base) != rec["base_fingerprint"]:
+        raise UserError(
+            f"the LoRA base model {base} (base_path in {where}) changed since {checkpoint} was "
+            f"saved (its files differ from base_fingerprint); {fix}"
+        )
 
 
 def write_peft(directory: Path, tensors: dict, cfg: LoraConfig, base: str, spec) -> None:

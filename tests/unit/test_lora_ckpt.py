@@ -4,6 +4,7 @@ adapters'."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,4 +77,59 @@ def test_the_cli_says_it_on_one_line_and_exits_2(tmp_path):
         f"error: {run} is a run directory, not a checkpoint; pass one of its checkpoints, e.g. "
         f"the newest: --checkpoint {run / 'checkpoints' / 'step_40'}"
     ]
+    assert not out.exists()
+
+
+def _lora_step(tmp_path: Path, base: Path) -> Path:
+    """A LoRA run's checkpoint whose lora.json records `base` (no adapter tensors: the checks
+    below come before any is read)."""
+
+    from megatron_gspo.model.lora_ckpt import record
+    from megatron_gspo.model.lora_config import LoraConfig
+
+    step = _run_dir(tmp_path, [5]) / "checkpoints" / "step_5"
+    rec = record(base, LoraConfig(rank=2))
+    (step / "model" / LORA_FILE).write_text(json.dumps(rec, indent=2) + "\n")
+    return step
+
+
+def test_lora_to_hf_names_the_recorded_base_and_how_to_supply_it(tmp_path, tiny_models, capsys):
+    """The base moved away was "checkpoint BASE does not exist; check the path", though the
+    user passed the run's checkpoint, which exists; a changed base named no fix; a full-weight
+    checkpoint was not pointed at megatron-to-hf. Nothing is written in any case."""
+    import shutil
+
+    from megatron_gspo import cli
+
+    base = Path(shutil.copytree(tiny_models["moe"], tmp_path / "base"))
+    step = _lora_step(tmp_path, base)
+    where = step / "model" / LORA_FILE
+    fix = f"put the base model the adapters were trained on back there, or set base_path in {where} to where it is now"
+    out = tmp_path / "hf"
+    argv = ["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(out)]
+
+    def error() -> str:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        return err.strip()
+
+    base.rename(tmp_path / "moved")
+    assert (
+        error() == f"error: the LoRA base model {base} (base_path in {where}) does not exist; {fix}"
+    )
+    (tmp_path / "moved").rename(base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "rope_theta": 1.0}))
+    assert error() == (
+        f"error: the LoRA base model {base} (base_path in {where}) changed since {step} was "
+        f"saved (its files differ from base_fingerprint); {fix}"
+    )
+    where.unlink()
+    assert error() == (
+        f"error: {step} holds no LoRA adapters (no model/{LORA_FILE}): a full-weight checkpoint "
+        f"converts with: megatron-gspo convert megatron-to-hf --megatron {step} --out OUT"
+    )
     assert not out.exists()
