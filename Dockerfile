@@ -3,7 +3,11 @@
 #
 #   docker build -t megatron-gspo .
 #   docker run --gpus all --ipc=host --shm-size=16g -v /models:/models -v /runs:/runs \
-#       megatron-gspo train --config configs/tiny_moe_gspo.yaml --run-dir /runs/tiny
+#       megatron-gspo train --config configs/tiny_moe_gspo.yaml --run-dir /runs/tiny \
+#       model.path=/models/task_model
+#
+#   (the model comes from a mount: make it with `megatron-gspo make-task-model --out
+#   /models/task_model`; docs/deployment.md, "Container")
 #
 # - Base: NGC PyTorch. It carries CUDA, NCCL, Transformer Engine and apex built against its own
 #   torch; everything installed here is constrained to that torch so pip never replaces it.

@@ -21,6 +21,8 @@ import io
 import sys
 import textwrap
 import tokenize
+import types
+import typing
 from pathlib import Path
 
 from megatron_gspo.docs_commands import COMMANDS_MD, commands_md
@@ -84,17 +86,28 @@ def show_default(f: dataclasses.Field) -> str:
     return str(value)
 
 
-def show_type(f: dataclasses.Field, hints: dict) -> str:
-    t = hints.get(f.name, f.type)
+def type_text(t: object) -> str:
+    """A field's type as the page shows it: an enum or Literal as its allowed values, each
+    member of a union (`Agg | None`: "seq-mean-token-mean | ... | None") the same way."""
     if isinstance(t, type) and issubclass(t, enum.Enum):
-        return " \\| ".join(str(m.value) for m in t)
+        return " | ".join(str(m.value) for m in t)
+    if typing.get_origin(t) is typing.Literal:
+        return " | ".join(
+            str(a.value if isinstance(a, enum.Enum) else a) for a in typing.get_args(t)
+        )
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return " | ".join(type_text(a) for a in typing.get_args(t))
+    if t is type(None):
+        return "None"
     text = t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
-    return str(text).replace("typing.", "").replace("|", "\\|")
+    return str(text).replace("typing.", "")
+
+
+def show_type(f: dataclasses.Field, hints: dict) -> str:
+    return type_text(hints.get(f.name, f.type)).replace("|", "\\|")
 
 
 def section_table(name: str, cls: type) -> list[str]:
-    import typing
-
     hints = typing.get_type_hints(cls)
     notes = field_comments(cls)
     out = [f"## `{name}`", ""]

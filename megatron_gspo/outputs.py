@@ -179,15 +179,31 @@ def _noted(handlers: dict[int, Callable], got: list[int]) -> Iterator[None]:
             sys.unraisablehook = previous_hook
 
 
+FILE_MODE, DIR_MODE = 0o644, 0o755  # an output's, as `convert` leaves its files: any user reads
+
+
+def make_readable(path: Path) -> None:
+    """`path` and, for a directory, everything in it: files FILE_MODE, directories DIR_MODE,
+    whatever made them (safetensors' model file comes 0600, mkdtemp's directory 0700) and
+    whatever the umask: a container running as another uid reads them."""
+    if path.is_dir():
+        for f in path.rglob("*"):
+            if not f.is_symlink():
+                f.chmod(DIR_MODE if f.is_dir() else FILE_MODE)
+    path.chmod(DIR_MODE if path.is_dir() else FILE_MODE)
+
+
 @contextlib.contextmanager
 def temp_file_for(out: Path) -> Iterator[Path]:
-    """A temporary file beside `out` for the block to write: renamed to `out` when the block
-    ends, removed on an error, SIGINT or SIGTERM (nothing half-written is left beside `out`)."""
+    """A temporary file beside `out` for the block to write: renamed to `out` (mode 644) when
+    the block ends, removed on an error, SIGINT or SIGTERM (nothing half-written is left beside
+    `out`)."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with terminate_raises():
         try:
             yield tmp
             stop_if_terminated()
+            make_readable(tmp)
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
@@ -196,7 +212,8 @@ def temp_file_for(out: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def temp_dir_for(out: Path) -> Iterator[Path]:
     """A new temporary directory beside `out` (missing parents made) for the block to fill:
-    renamed to `out` (mode 755) when the block ends, removed on an error, SIGINT or SIGTERM."""
+    renamed to `out` when the block ends (directories in it mode 755, files 644, as `convert`
+    leaves them), removed on an error, SIGINT or SIGTERM."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp: Path | None = None
     with terminate_raises():
@@ -205,7 +222,7 @@ def temp_dir_for(out: Path) -> Iterator[Path]:
                 tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
             yield tmp
             stop_if_terminated()
-            tmp.chmod(0o755)
+            make_readable(tmp)
             os.replace(tmp, out)
         finally:
             if tmp is not None:

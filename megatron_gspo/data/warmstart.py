@@ -60,7 +60,12 @@ from megatron_gspo.data.tasks import sloppy_answer
 from megatron_gspo.data.transcripts import TOOL_TASKS, segments_batch, tool_task_batch
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
-from megatron_gspo.outputs import check_new_output, stop_if_terminated, terminate_raises
+from megatron_gspo.outputs import (
+    check_new_output,
+    make_readable,
+    stop_if_terminated,
+    terminate_raises,
+)
 
 INFO_FILE = "warmstart.json"
 # Copying the list back is an easier habit to pick up than forgetting a carry: with the arith
@@ -289,6 +294,7 @@ def make_task_model(
             info.update(_fine_tune(work, task, seed, spec))
             (work / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
             stop_if_terminated()
+            make_readable(work)  # (save_pretrained wrote model.safetensors 0600 again)
             os.replace(work, out)
         finally:
             torch.set_num_threads(threads)

@@ -1,7 +1,9 @@
 """A reward function from the user's code: "package.module:function" or "path/to/file.py:function".
 
 Loading imports exactly the named module (a file path is imported as a module of its own, under
-a private name) and nothing else; the function must be callable as fn(prompt, response, answer).
+a private name, once per process: its functions named by two specs are the same objects) and
+nothing else (`import_user_module`, with which env.fn and env.tools load their code too); the
+function must be callable as fn(prompt, response, answer).
 Training loads it in a bounded worker process (megatron_gspo/bounded), never in the trainer, so
 that a module which exits, hangs or kills its process when imported fails the load alone.
 """
@@ -21,7 +23,9 @@ from megatron_gspo.errors import UserError
 def _import_file(spec: str, path: Path, kind: str):
     if not path.is_file():
         raise UserError(f"{kind} {spec!r}: file {str(path)!r} does not exist")
-    name = f"_megatron_gspo_reward_{abs(hash(str(path.resolve())))}"
+    name = f"_megatron_gspo_user_{abs(hash(str(path.resolve())))}"
+    if name in sys.modules:  # (imported already: another of its functions)
+        return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise UserError(f"{kind} {spec!r}: {str(path)!r} is not a Python file")
@@ -50,7 +54,9 @@ def _import_fix(module_name: str, missing: str | None) -> str:
     return f"install {missing!r}, which it imports"
 
 
-def _import(spec: str, module_name: str, kind: str):
+def import_user_module(spec: str, module_name: str, kind: str):
+    """The module `module_name` ("package.module", or "path/to/file.py") that `spec` names, or
+    a one-line UserError naming `kind` and `spec` and what to do."""
     try:
         if module_name.endswith(".py"):
             return _import_file(spec, Path(module_name), kind)
@@ -90,7 +96,7 @@ def load_plugin(
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise UserError(f"{kind} {spec!r}: write it as module:function or file.py:function")
-    module = _import(spec, module_name, kind)
+    module = import_user_module(spec, module_name, kind)
     fn = getattr(module, attr, None)
     if fn is None:
         raise UserError(f"{kind} {spec!r}: {module_name!r} has no attribute {attr!r}")

@@ -10,7 +10,8 @@ the form `tokenizer.apply_chat_template(messages, tools=[schema, ...])` renders 
 `@tool` derives that schema from the function's signature (str -> "string", int -> "integer",
 float -> "number", bool -> "boolean", anything else -> "string"; a parameter without a default is
 required) and the first line of its docstring, and registers the tool by name in REGISTRY.
-`resolve_tools` turns the config's specs ("calc" or "module:function") into {name: Tool}.
+`resolve_tools` turns the config's specs ("calc", "module:function" or "path/to/file.py:function",
+the module imported as env.fn's and reward.fn's are) into {name: Tool}.
 
 The model calls tools the way Qwen3 writes them, one JSON object per block:
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib
 import inspect
 import operator
 import typing
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.rewards.plugin import import_user_module
 from megatron_gspo.rollout.tool_calls import ToolCall
 
 MAX_RESULT_CHARS = 2000  # the most text one call feeds back to the model
@@ -164,18 +165,15 @@ def _known() -> str:
 
 
 def _import_attr(spec: str) -> object:
+    """The object "module:function" or "path/to/file.py:function" names, imported as env.fn's
+    and reward.fn's code is (rewards/plugin.py)."""
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        raise UserError(f"tool {spec!r}: write it as a tool name ({_known()}) or module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except UserError:  # raised by the module itself (a tool registered twice)
-        raise
-    except BaseException as e:  # (SystemExit and KeyboardInterrupt raised by the module too)
         raise UserError(
-            f"tool {spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); put its "
-            f"package on PYTHONPATH or use a built-in tool ({_known()})"
-        ) from e
+            f"tool {spec!r}: write it as a tool name ({_known()}), module:function or "
+            "file.py:function"
+        )
+    module = import_user_module(spec, module_name, "tool")
     if not hasattr(module, attr):
         raise UserError(f"tool {spec!r}: {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
@@ -185,7 +183,8 @@ def _resolve_one(spec: str) -> Tool:
     if ":" not in spec:
         if spec not in REGISTRY:
             raise UserError(
-                f"tool {spec!r} is not a known tool; use one of {_known()} or module:function"
+                f"tool {spec!r} is not a known tool; use one of {_known()}, module:function or "
+                "file.py:function"
             )
         return REGISTRY[spec]
     obj = _import_attr(spec)
@@ -209,7 +208,8 @@ def _resolve_one(spec: str) -> Tool:
 
 
 def resolve_tools(specs: list[str]) -> dict[str, Tool]:
-    """{name: Tool} for the config's specs: registry names ("calc") or "module:function"."""
+    """{name: Tool} for the config's specs: registry names ("calc"), "module:function" or
+    "path/to/file.py:function"."""
     tools: dict[str, Tool] = {}
     for spec in specs:
         found = _resolve_one(spec)

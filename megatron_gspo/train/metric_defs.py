@@ -12,7 +12,8 @@ import re
 
 GROUPS: dict[str, dict[str, str]] = {
     "Reward and answers": {
-        "reward/mean": "mean reward of the step's trained samples",
+        "reward/mean": "mean reward of the step's generated samples (before any group is "
+        "dropped; samples whose reward failed left out)",
         "reward/std": "std of those rewards",
         "eval/reward": "greedy reward on held-out prompts (every `train.eval_every` steps, step 0)",
         "response/length_mean": "mean answer length in tokens",
@@ -36,7 +37,6 @@ GROUPS: dict[str, dict[str, str]] = {
         "ratio/std": "its std",
         "ratio/max": "its largest value",
         "ratio/min": "its smallest value",
-        "ratio/max_minus_1": "largest ratio minus 1 (how far an update moved the policy)",
         "ratio/first_update_mean": "the first update's mean ratio (1 when old log-probs are exact)",
         "ratio/clip_fraction_tokens": "share of tokens whose ratio was clipped",
         "ratio/clip_fraction_seqs": "share of sequences with a clipped ratio",
@@ -67,8 +67,8 @@ GROUPS: dict[str, dict[str, str]] = {
     },
     "Rollouts": {
         "rollout/samples": "samples generated for the step",
-        "rollout/tokens": "tokens generated for the step",
-        "rollout/groups_kept": "groups trained on (after dynamic sampling and drops)",
+        "rollout/groups_kept": "`algo.dynamic_sampling` only: the groups it kept (rewards not "
+        "all equal), before the stale and failed-reward groups are dropped",
         "rollout/stale_samples": "samples from weights other than the step's",
         "rollout/regenerated_samples": "samples generated again once a restarted server caught up",
         "rollout/stale_groups_dropped": "groups dropped for stale samples",
@@ -97,7 +97,9 @@ GROUPS: dict[str, dict[str, str]] = {
         "time/step_s": "the whole step",
         "time/trainer_idle_s": "the trainer waiting for its batch",
         "time/servers_idle_s": "the step's time before its sync that a server's engine did not work",
-        "tokens_per_s": "tokens trained on per second of the step",
+        "tokens_per_s": "prompt and response tokens of the step's generated samples (an "
+        "episode's environment tokens included; before any group is dropped) per second of the "
+        "step",
         "train/padding_fraction": "share of the microbatches' token slots that are padding "
         "(`train.pack`: packed under `train.max_tokens_per_microbatch`, else padded rows)",
         "train/tokens_per_microbatch": "real tokens per microbatch",

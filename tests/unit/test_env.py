@@ -132,7 +132,8 @@ def test_load_env_names_the_fix(tmp_path):
         (ENV + "reward", [], "environment 'tests.unit.user_code:reward': it takes (prompt: 'str', "
          "response: 'str', answer: 'str') -> 'float' (missing a required argument: 'response'); "
          "it must be callable as fn(row) -> an episode with step(turn)"),
-        ("tools", ["{module}:f"], "tool '{module}:f': cannot import '{module}' (SystemExit: 0)"),
+        ("tools", ["{module}:f"], "tool '{module}:f': importing '{module}' raised SystemExit: 0"),
+        ("tools", ["{path}:f"], "tool '{path}:f': importing '{path}' raised SystemExit: 0"),
     ],
 )  # fmt: skip
 def test_environment_code_that_does_not_load_fails_at_start_and_the_trainer_goes_on(
@@ -310,6 +311,59 @@ def test_an_async_tool_s_result_is_what_the_model_is_shown():
     finally:
         calls.close()
     assert [s.observation for s in steps] == [[{"role": "tool", "content": "echo hi"}]] * 2
+
+
+MY_TOOLS = """
+from megatron_gspo.rollout.tools import tool
+
+
+def mul(a: int, b: int) -> int:
+    \"\"\"Multiply two integers.\"\"\"
+    return a * b
+
+
+@tool(name="neg", description="Negate an integer")
+def negate(x: int) -> int:
+    return -x
+"""
+
+
+def test_a_tool_given_as_a_py_file_is_run_in_the_episode_s_worker(tmp_path, monkeypatch):
+    """env.tools=[calc, my_tools.py:mul] (my_tools.py in the current directory, not on the
+    path) loads as env.fn=my_envs.py:Guess does: the file is imported in the worker, once for
+    its two tools, and the model's calls of them are answered there; "my_tools:mul" names the
+    fix."""
+    (tmp_path / "my_tools.py").write_text(MY_TOOLS)
+    monkeypatch.chdir(tmp_path)
+    specs = ["calc", "my_tools.py:mul", "my_tools.py:negate"]
+    calls = EnvCalls("tools", specs, timeout_s=5.0, vocab_size=100, workers=1)
+    turn = _turn(
+        '<tool_call>{"name": "mul", "arguments": {"a": 37, "b": 48}}</tool_call>'
+        '<tool_call>{"name": "neg", "arguments": {"x": 5}}</tool_call>'
+        '<tool_call>{"name": "calc", "arguments": {"expr": "2**10"}}</tool_call>'
+    )
+
+    async def go():
+        episode = await calls.start(ROW)
+        return episode, await calls.step(episode, turn)
+
+    try:
+        episode, step = asyncio.run(go())
+    finally:
+        calls.close()
+    assert [t["function"]["name"] for t in episode.tools] == ["calc", "mul", "neg"]
+    assert episode.tools[1]["function"]["parameters"]["required"] == ["a", "b"]
+    assert step.observation == [
+        {"role": "tool", "content": str(37 * 48)},
+        {"role": "tool", "content": "-5"},
+        {"role": "tool", "content": str(2**10)},
+    ]
+    with pytest.raises(UserError) as e:
+        EnvCalls("tools", ["my_tools:mul"], timeout_s=5.0, vocab_size=100, workers=1)
+    assert str(e.value).startswith(
+        "tool 'my_tools:mul': cannot import 'my_tools' (No module named 'my_tools'); put its "
+        "package on PYTHONPATH or give the path of a .py file"
+    )
 
 
 class _Tok:

@@ -33,6 +33,31 @@ def test_metric_families_and_unknown_keys():
     assert undefined({"step": 1, "reward/mean": 0.5, "reward/mean2": 1}) == ["reward/mean2"]
 
 
+def test_the_glossary_defines_no_key_metrics_jsonl_lacks():
+    """ratio/max_minus_1 is computed by the study's figures (study/figures.py), and
+    rollout/tokens is turned into tokens_per_s before the row is written (train/hooks.py):
+    docs/metrics.md listed both as metrics.jsonl keys."""
+    from megatron_gspo.train.metric_defs import definition
+
+    assert definition("ratio/max_minus_1") is None
+    assert definition("rollout/tokens") is None
+    assert "rollout/tokens" not in docs_gen.metrics_md()
+
+
+def test_an_enum_or_literal_type_shows_its_allowed_values():
+    """algo.agg (`Agg | None`) showed as "megatron_gspo.algo.config.Agg \\| None"."""
+    from megatron_gspo.algo.config import AGGS, Agg
+
+    assert docs_gen.type_text(Agg | None) == " | ".join([*AGGS, "None"])
+    assert docs_gen.type_text(typing.Optional[Agg]) == " | ".join([*AGGS, "None"])  # noqa: UP045
+    assert docs_gen.type_text(typing.Literal["a", "b"] | None) == "a | b | None"
+    assert docs_gen.type_text(int | None) == "int | None"
+    assert docs_gen.type_text(list[str]) == "list"
+    rows = [x.split(" | ") for x in docs_gen.config_md().splitlines() if x.startswith("| `")]
+    assert dict((r[0], r[1]) for r in rows)["| `algo.agg`"] == " \\| ".join([*AGGS, "None"])
+    assert not [r[0] for r in rows if "megatron_gspo." in r[1]]  # no Python type name leaks
+
+
 def test_every_key_of_every_section_is_on_the_page():
     text = docs_gen.config_md()
     hints = typing.get_type_hints(Config)

@@ -707,6 +707,26 @@ def test_dockerfile_installs_pyproject_dependencies_and_runs_as_non_root():
     assert re.search(r'^ENTRYPOINT \["megatron-gspo"\]$', text, flags=re.M)
 
 
+def _first_docker_run(lines: list[str]) -> str:
+    """The first `docker run ...` command of `lines`, its continuation lines joined."""
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("docker run"))
+    words = []
+    for line in lines[start:]:
+        words.append(line.strip().removesuffix("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            return " ".join(words)
+    raise AssertionError("the docker run command does not end")
+
+
+def test_the_dockerfile_s_example_is_the_documented_one():
+    """Its example had no model.path: runs/task_model, the config's, is not in the image."""
+    header = [line.removeprefix("#") for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    docs = (ROOT / "docs/deployment.md").read_text().split("## Container", 1)[1].splitlines()
+    example = _first_docker_run(header)
+    assert example == _first_docker_run(docs)
+    assert "model.path=/models/" in example
+
+
 # ---- linters ---------------------------------------------------------------------------------
 
 

@@ -1,11 +1,16 @@
 """megatron_gspo/outputs.py: a SIGTERM whose SystemExit a finalizer swallowed still stops the
 block before its output is made final, and Python's report of the swallowed exception is not
-printed (any other exception a finalizer drops still is)."""
+printed (any other exception a finalizer drops still is); what the blocks make any user can
+read."""
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +92,44 @@ def test_the_block_without_a_signal_makes_its_output(tmp_path):
     with temp_file_for(tmp_path / "out") as tmp:
         tmp.write_text("whole")
     assert (tmp_path / "out").read_text() == "whole"
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_outputs_are_readable_by_any_user_whatever_made_them(tmp_path):
+    """As `convert` leaves its files: 644 files, 755 directories, even where the writer made
+    them private (mkstemp's 0600, mkdtemp's 0700) or the umask would."""
+    previous = os.umask(0o077)
+    try:
+        with temp_file_for(tmp_path / "scores.jsonl") as tmp:
+            tmp.write_text("{}\n")
+        with temp_dir_for(tmp_path / "model") as tmp:
+            fd, _ = tempfile.mkstemp(dir=tmp)
+            os.close(fd)
+            (Path(tempfile.mkdtemp(dir=tmp)) / "part").write_text("x")
+    finally:
+        os.umask(previous)
+    assert _mode(tmp_path / "scores.jsonl") == 0o644
+    found = sorted(p for p in (tmp_path / "model").rglob("*"))
+    assert len(found) == 3
+    assert {_mode(p) for p in found if p.is_file()} == {0o644}
+    assert {_mode(p) for p in [tmp_path / "model", *found] if p.is_dir()} == {0o755}
+
+
+@pytest.mark.parametrize("command", ["make-tiny-model", "make-task-model"])
+def test_the_model_commands_write_every_file_readable(tmp_path, command):
+    """model.safetensors came 0600 (the other files 0644): a container running as uid 1001
+    (docs/deployment.md) could not read the model."""
+    from megatron_gspo.data.warmstart import make_task_model
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+
+    if command == "make-tiny-model":
+        out = make_tiny_model(TinySpec(layers=1, experts=2, topk=1), tmp_path / "m")
+    else:
+        knobs = dict(hidden=32, batch_size=8, clean_steps=1, sloppy_steps=1)
+        out = make_task_model(tmp_path / "m", seed=0, **knobs)
+    modes = {p.name: _mode(p) for p in out.iterdir()}
+    assert "model.safetensors" in modes and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o644) and _mode(out) == 0o755

@@ -323,6 +323,34 @@ def test_resolve_by_name_and_by_module_function():
     assert "shout" not in REGISTRY  # a plain function is wrapped, not registered
 
 
+MY_TOOLS = """from megatron_gspo.rollout.tools import tool
+
+
+def mul(a: int, b: int) -> int:
+    "Multiply."
+    return a * b
+
+
+@tool(name="neg")
+def negate(x: int) -> int:
+    "Negate."
+    return -x
+"""
+
+
+def test_resolve_a_py_file_s_functions_importing_the_file_once(tmp_path):
+    """ "path/to/file.py:function", as env.fn and reward.fn take it: two of its tools import it
+    once (an @tool in it registered a second time, as another function, would be refused)."""
+    path = tmp_path / "my_tools.py"
+    path.write_text(MY_TOOLS)
+    tools = resolve_tools([f"{path}:mul", f"{path}:negate", "calc"])
+    assert list(tools) == ["mul", "neg", "calc"]
+    assert tools["neg"] is REGISTRY["neg"]
+    assert call_tool(tools, ToolCall("mul", {"a": 37, "b": 48})) == str(37 * 48)
+    assert call_tool(tools, ToolCall("neg", {"x": 5})) == "-5"
+    assert resolve_tools([f"{path}:negate"])["neg"] is tools["neg"]
+
+
 def test_resolve_a_decorated_function_keeps_its_registered_name():
     tool(name="quiet", description="Lower the voice")(whisper)
     tools = resolve_tools(["tests.unit.test_tools:whisper", "quiet"])
@@ -333,7 +361,11 @@ def test_resolve_a_decorated_function_keeps_its_registered_name():
     "spec, words",
     [
         ("nosuch", ["'nosuch'", "not a known tool", "calc"]),
-        ("nosuch.module:f", ["'nosuch.module:f'", "cannot import 'nosuch.module'", "calc"]),
+        (
+            "nosuch.module:f",
+            ["'nosuch.module:f'", "cannot import 'nosuch.module'", "give the path of a .py file"],
+        ),
+        ("nosuch.py:f", ["tool 'nosuch.py:f': file 'nosuch.py' does not exist"]),
         ("tests.unit.test_tools:missing", ["has no attribute 'missing'"]),
         ("tests.unit.test_tools:NOT_A_FUNCTION", ["is a int, not a function"]),
         (":f", ["module:function", "calc"]),
