@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import warnings
 
-from megatron_gspo.entry import run_command
+from megatron_gspo.entry import run_command, terminate_stops
 from megatron_gspo.errors import Interrupted, UserError
 from megatron_gspo.outputs import signals_held
 
@@ -179,17 +180,36 @@ def _cmd_train(args) -> None:
     resume, change = args.resume, args.allow_config_change
     if resume and nothing_left(cfg, run_dir, args.steps, change):
         return  # said, before any server or model starts; exit 0
-    with signals_held():
-        from megatron_gspo.train.loop import run  # (megatron, the servers' clients: seconds)
-        from megatron_gspo.train.parts import build_parts
+    # A SIGTERM (a Slurm preemption, `docker stop`; torchrun passes it on to each rank) stops
+    # the run as a Ctrl-C does: by an exception (SystemExit(143)), so its servers and workers
+    # are stopped on the way out, then the same line; its default action ended the process
+    # there and then, without a word, exit -15.
+    with terminate_stops():
+        try:
+            with signals_held():
+                from megatron_gspo.train.loop import run  # (megatron, the servers' clients)
+                from megatron_gspo.train.parts import build_parts
 
-    try:
-        with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
-            run(parts, max_steps=args.steps)
-    except KeyboardInterrupt:  # (its servers and workers stopped on the way out)
-        from megatron_gspo.train.checkpointing import resume_hint
+            with build_parts(cfg, run_dir, resume=resume, allow_config_change=change) as parts:
+                run(parts, max_steps=args.steps)
+        except (KeyboardInterrupt, SystemExit) as e:  # (servers, workers stopped on the way out)
+            signum = _stop_signal(e)
+            if signum is None:
+                raise
+            from megatron_gspo.train.checkpointing import resume_hint
 
-        raise Interrupted(resume_hint(run_dir)) from None
+            raise Interrupted(resume_hint(run_dir), signum) from None
+
+
+def _stop_signal(e: BaseException) -> int | None:
+    """The signal that `e` stops a command for (SIGINT: KeyboardInterrupt; SIGTERM: the
+    SystemExit(128 + SIGTERM) of `terminate_stops`, or of `outputs.terminate_raises` inside a
+    checkpoint's write), None for any other exit."""
+    if isinstance(e, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
+        return signal.SIGTERM
+    return None
 
 
 def _add_train(sub) -> None:

@@ -146,6 +146,12 @@ class Config:
         self.lora.check_layout(self.parallel.tp, self.parallel.etp)
         if self.model.moe_grouped_gemm == GroupedGemm.ON:  # auto is decided at build
             self.lora.experts_build(True, te=False)
+        if self.rollout.temperature == 0:  # (eval samples greedily on its own)
+            raise UserError(
+                "rollout.temperature=0 samples greedily: every answer of a prompt's group is the "
+                "same, so every group advantage is 0 and the run learns nothing; set "
+                "rollout.temperature > 0 (1.0, the default; eval is greedy whatever it is)"
+            )
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch % self.algo.minibatches:
             raise UserError(
@@ -172,13 +178,26 @@ class Config:
                 raise UserError(
                     f"data.max_prompt_tokens ({prompt}) + {key} ({n}) = {prompt + n} tokens "
                     f"exceed the model's context of {context} tokens (max_position_embeddings "
-                    f"in {where}); lower {key} to at most {max(context - prompt, 0)} or "
-                    "data.max_prompt_tokens"
+                    f"in {where}); {_context_fix(prompt, key, n, context)}"
                 )
 
     def to_dict(self) -> dict:
         """Plain values (a mode as its string), as YAML and JSON write them."""
         return dataclasses.asdict(self, dict_factory=_plain)
+
+
+def _context_fix(prompt: int, key: str, n: int, context: int) -> str:
+    """What lowers a prompt budget `prompt` and `n` tokens after it (`key`) into `context`: each
+    one down to what the other leaves, where it leaves at least one token (a prompt alone as long
+    as the context leaves none to generate)."""
+    fixes = []
+    if prompt < context:
+        fixes.append(f"{key} to at most {context - prompt}")
+    if n < context:
+        fixes.append(f"data.max_prompt_tokens to at most {context - n}")
+    if not fixes:
+        return f"lower data.max_prompt_tokens and {key} to {context} tokens together"
+    return "lower " + " or ".join(fixes)
 
 
 # ---- loading --------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """How each entry point (`megatron-gspo`, `python -m megatron_gspo.server`) runs its command:
 bad input (`UserError`) is the one line "error: ..." and exit 2; a Ctrl-C is the one line
-"interrupted" (with what was kept, for `Interrupted`) and exit 130, the shell's code for it.
+"interrupted" (with what was kept, for `Interrupted`) and exit 130, the shell's code for it (a
+SIGTERM that a command turned into `Interrupted`, as `train` does: the same line, exit 143).
 Each command imports what it runs with SIGINT and SIGTERM held (`outputs.signals_held`)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 from megatron_gspo.errors import Interrupted, UserError
 
@@ -29,7 +32,7 @@ def run_command(command: Callable[[], object]) -> None:
             raise
         if _rank() == 0:
             print(f"interrupted{f': {e}' if isinstance(e, Interrupted) else ''}", file=sys.stderr)
-        sys.exit(INTERRUPTED)
+        sys.exit(128 + e.signum if isinstance(e, Interrupted) else INTERRUPTED)
     finally:
         _shutdown()
 
@@ -50,6 +53,27 @@ def _note_interrupts() -> list[int]:
 
     signal.signal(signal.SIGINT, interrupt)
     return noted
+
+
+@contextlib.contextmanager
+def terminate_stops() -> Iterator[None]:
+    """Inside the block SIGTERM raises SystemExit(128 + SIGTERM), as SIGINT raises
+    KeyboardInterrupt: the code it lands in unwinds (a command's servers and workers stopped on
+    the way out) where its default action ends the process there and then. A SIGTERM ignored is
+    left so, as is the block off the main thread (where Python sets no handler)."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 # On the way out nothing is imported: after a SIGINT inside torch's import, importing torch

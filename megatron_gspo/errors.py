@@ -1,4 +1,7 @@
-"""The exceptions the CLI turns into one line: bad user input (exit 2) and a Ctrl-C (exit 130)."""
+"""The exceptions the CLI turns into one line: bad user input (exit 2) and a Ctrl-C (exit 130)
+or, for `train`, a SIGTERM (exit 143)."""
+
+import signal
 
 
 class UserError(Exception):
@@ -6,8 +9,13 @@ class UserError(Exception):
 
 
 class Interrupted(Exception):
-    """A command stopped by a Ctrl-C (SIGINT). The CLI prints "interrupted: " and the message
-    (what was kept, how to go on) on one line and exits 130, the shell's code for a Ctrl-C."""
+    """A command stopped by a Ctrl-C (SIGINT), or a SIGTERM (`signum`). The CLI prints
+    "interrupted: " and the message (what was kept, how to go on) on one line and exits
+    128 + `signum`, the shell's code for the signal (130 for a Ctrl-C, 143 for a SIGTERM)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 def first_line(e: BaseException) -> str:

@@ -56,15 +56,14 @@ def parse_generate(
     prompts, batched = _prompts(body, encode, limits)
     for ids in prompts:
         _check_ids(ids, vocab_size)
-        if len(ids) >= context_len:
-            raise BadRequest(
-                f"the prompt has {len(ids)} tokens; the model's context length is {context_len}"
-            )
     sps = body.get("sampling_params")
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     if len(sps) != len(prompts):
         raise BadRequest("sampling_params is a list of another length than the batch")
     params = [parse_sampling_params(sp, vocab_size, limits) for sp in sps]
+    for ids, raw, sp in zip(prompts, sps, params):
+        given = isinstance(raw, dict) and "max_new_tokens" in raw
+        check_context(len(ids), sp.max_new_tokens if given else None, context_len)
     total = sum(sp.n for sp in params)
     if total > limits.max_batch:
         raise BadRequest(
@@ -99,6 +98,27 @@ def parse_generate(
         "unknown": unknown_fields(body),
     }
     return requests, batched or params[0].n > 1, options
+
+
+def check_context(prompt: int, max_new_tokens: int | None, context_len: int) -> None:
+    """A prompt of `prompt` tokens, and what it asks to generate after it (None: the default,
+    not given), fit the model's context, as SGLang 0.5.23's TokenizerManager checks them (without
+    --allow-auto-truncate): a prompt that leaves no room for a token is refused, and so is an
+    explicit max_new_tokens that runs past the context. A default one is cut at the context (the
+    engine's `Request.limit`; SGLang's scheduler does the same)."""
+    if prompt >= context_len:
+        raise BadRequest(
+            f"the prompt has {prompt} tokens, which leaves no room for a new token in the "
+            f"model's context length of {context_len} tokens; shorten it to at most "
+            f"{context_len - 1} tokens"
+        )
+    if max_new_tokens is not None and prompt + max_new_tokens > context_len:
+        raise BadRequest(
+            f"the prompt's {prompt} tokens + sampling_params.max_new_tokens {max_new_tokens} = "
+            f"{prompt + max_new_tokens} tokens exceed the model's maximum context length of "
+            f"{context_len} tokens; lower max_new_tokens to at most {context_len - prompt} or "
+            "shorten the prompt"
+        )
 
 
 # SGLang's GenerateReqInput fields: those this server serves, those that only steer scheduling,

@@ -157,6 +157,24 @@ def test_unknown_sampling_key_is_refused(server):
         run(with_client(url, go))
 
 
+def test_a_request_past_the_context_is_refused(server):
+    """A prompt as long as the context, and an explicit max_new_tokens that runs past it, are
+    400s (SGLang's TokenizerManager without --allow-auto-truncate; the built-in server used to
+    answer the second with a generation cut at the context)."""
+    _, url = server
+    context = SPEC.max_position_embeddings
+    for ids, new in (([5] * context, 1), ([5] * 100, context - 99)):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new}}
+        status, text = run(post(url, "/generate", body))
+        assert status == 400 and "context length" in text, (len(ids), new, status, text)
+
+    async def go(c):
+        await c.generate([[5] * 100], sampling_params={"max_new_tokens": context})
+
+    with pytest.raises(RolloutError, match="context length"):
+        run(with_client(url, go))
+
+
 def test_update_weights_from_disk_sets_weight_version(server, ckpts):
     _, url = server
     before = greedy(url)

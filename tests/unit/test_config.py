@@ -351,9 +351,21 @@ def test_a_malformed_rollout_url_is_refused_at_load(tmp_path, url):
         (["rollout.max_new_tokens=100000000"], "data.max_prompt_tokens (256) + "
          "rollout.max_new_tokens (100000000) = 100000256 tokens exceed the model's context of "
          "2048 tokens (max_position_embeddings in m/config.json); lower rollout.max_new_tokens "
-         "to at most 1792 or data.max_prompt_tokens"),
-        (["data.max_prompt_tokens=2000", "rollout.max_new_tokens=49"], "= 2049 tokens exceed"),
-        (["env.fn=x:y", "env.max_tokens=1800"], "env.max_tokens (1800) = 2056 tokens exceed"),
+         "to at most 1792"),
+        (["data.max_prompt_tokens=2000", "rollout.max_new_tokens=49"], "= 2049 tokens exceed "
+         "the model's context of 2048 tokens (max_position_embeddings in m/config.json); lower "
+         "rollout.max_new_tokens to at most 48 or data.max_prompt_tokens to at most 1999"),
+        # a prompt budget as long as the context leaves no new token: only it can be lowered
+        (["data.max_prompt_tokens=5000"], "data.max_prompt_tokens (5000) + "
+         "rollout.max_new_tokens (16) = 5016 tokens exceed the model's context of 2048 tokens "
+         "(max_position_embeddings in m/config.json); lower data.max_prompt_tokens to at most "
+         "2032"),
+        (["data.max_prompt_tokens=2048"], "; lower data.max_prompt_tokens to at most 2032"),
+        (["data.max_prompt_tokens=3000", "rollout.max_new_tokens=3000"], "; lower "
+         "data.max_prompt_tokens and rollout.max_new_tokens to 2048 tokens together"),
+        (["env.fn=x:y", "env.max_tokens=1800"], "env.max_tokens (1800) = 2056 tokens exceed the "
+         "model's context of 2048 tokens (max_position_embeddings in m/config.json); lower "
+         "env.max_tokens to at most 1792 or data.max_prompt_tokens to at most 248"),
     ],
 )  # fmt: skip
 def test_prompt_and_generation_must_fit_the_models_context(tmp_path, overrides, message):
@@ -361,6 +373,8 @@ def test_prompt_and_generation_must_fit_the_models_context(tmp_path, overrides, 
     with pytest.raises(UserError) as e:
         cfg.check_context(2048, "m/config.json")
     assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).endswith(message.rpartition("; ")[2]), str(e.value)  # the whole hint
+    assert "at most 0" not in str(e.value)
     load_config(_write(tmp_path, "model: {path: m}\n")).check_context(2048, "m/config.json")
     fits = load_config(_write(tmp_path, "model: {path: m}\n"), ["rollout.max_new_tokens=1792"])
     fits.check_context(2048, "m/config.json")  # exactly the context: fine
@@ -424,3 +438,15 @@ def test_lora_picks_experts_its_adapters_can_sit_on(rank, experts, targets, grou
     assert cfg.experts_build(grouped, te) is want
     with pytest.raises(UserError, match="model.moe_grouped_gemm=false"):
         LoraConfig(rank=4, experts=ExpertAdapters.SHARED).experts_build(True, te=True)
+
+
+def test_greedy_rollouts_that_cannot_learn_are_refused(tmp_path):
+    """rollout.temperature=0 used to train every step on groups of identical answers (zero
+    advantages, nothing learned) without a word; it is refused in one line at load."""
+    path = _write(tmp_path, "model: {path: m}\n")
+    with pytest.raises(UserError) as e:
+        load_config(path, ["rollout.temperature=0"])
+    message = str(e.value)
+    assert message.startswith("rollout.temperature=0 samples greedily") and "\n" not in message
+    assert "set rollout.temperature > 0" in message
+    assert load_config(path, ["rollout.temperature=0.01"]).rollout.temperature == 0.01
