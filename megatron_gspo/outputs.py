@@ -70,8 +70,8 @@ def terminate_raises() -> Iterator[None]:
     try:
         with _noted(handlers, got):
             yield
-    finally:
-        _TERMINATED.remove(got)
+    finally:  # (by identity: an inner block's list may equal this one's)
+        _TERMINATED[:] = [g for g in _TERMINATED if g is not got]
     stop_if_terminated(got)  # (the block ended as if nothing came: its exception was swallowed)
 
 

@@ -88,6 +88,20 @@ def test_interrupts_kept_leaves_a_swallowed_ctrl_c_unreported_and_acts_on_it(rep
     assert sys.unraisablehook is before
 
 
+def test_a_signal_swallowed_after_an_inner_block_still_stops_the_outer_output(tmp_path):
+    """An inner guarded output (a checkpoint's write inside a command's) ended first and took
+    the outer block's note of signals with it (removed by equality: both empty then): a SIGTERM
+    swallowed after it was lost, and the outer block's end failed with "list.remove(x): x not
+    in list" instead of stopping its output."""
+    with pytest.raises(SystemExit) as e, temp_dir_for(tmp_path / "outer") as outer:
+        with temp_file_for(outer / "inner") as inner:
+            inner.write_text("whole")
+        SignalInFinalizer(signal.SIGTERM)
+        (outer / "part").write_text("half")
+    assert e.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_block_without_a_signal_makes_its_output(tmp_path):
     with temp_file_for(tmp_path / "out") as tmp:
         tmp.write_text("whole")
