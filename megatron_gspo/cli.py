@@ -47,8 +47,9 @@ def _wrote(line: str) -> None:
 
 def _cmd_convert(args) -> None:
     with signals_held():
-        from megatron_gspo.model.convert import hf_to_megatron, megatron_to_hf
+        from megatron_gspo.model.convert import hf_to_megatron
         from megatron_gspo.model.lora_export import PEFT_DIR, lora_to_hf
+        from megatron_gspo.train.export import megatron_to_hf  # (a run's checkpoint too)
 
     if args.direction == "hf-to-megatron":
         hf_to_megatron(args.hf, args.out, _dims(args))
@@ -137,8 +138,12 @@ def _add_convert(sub) -> None:
     a.add_argument("--hf", required=True, help="HF checkpoint directory")
     a.add_argument("--out", required=True, help="new directory for the Megatron checkpoint")
     _layout_args(a)
-    b = csub.add_parser("megatron-to-hf", help="Megatron dist-checkpoint -> HF safetensors")
-    b.add_argument("--megatron", required=True, help="Megatron checkpoint directory")
+    b = csub.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF safetensors")
+    b.add_argument(
+        "--megatron",
+        required=True,
+        help="Megatron checkpoint directory, or a training run's checkpoints/step_N",
+    )
     b.add_argument("--out", required=True, help="new directory for the HF checkpoint")
     _layout_args(b)
     c = csub.add_parser("lora-to-hf", help="LoRA run checkpoint -> merged HF model + PEFT adapter")

@@ -43,7 +43,9 @@ from megatron_gspo.yaml_io import read_yaml
 
 @dataclass
 class ModelSection:
-    path: str = ""  # HF checkpoint directory (the starting policy)
+    # the starting policy: an HF checkpoint directory; a Megatron one (`convert hf-to-megatron`)
+    # only with rollout.urls, as the servers train starts load HF weights (`convert megatron-to-hf`)
+    path: str = ""
     dtype: str = "float32"  # float32 | bfloat16
     recompute: Recompute = Recompute.NONE  # activation recompute: none | selective | full
     moe_grouped_gemm: GroupedGemm = GroupedGemm.AUTO  # auto (GPU: grouped) | true | false

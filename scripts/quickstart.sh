@@ -12,7 +12,8 @@
 # go to `train` (every key: docs/config.md). Running it again continues the run from its newest
 # checkpoint and writes its report again; a finished run says so at once (nothing to train):
 # pass train.steps=N to train on. Bad input (no such config, no model.path, a model it cannot
-# make) is one line, exit 2.
+# make, a model.path= given here that does not exist: only the config's own is made) is one
+# line, exit 2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "error: $*" >&2; exit 2; }
@@ -37,7 +38,7 @@ PLAN=$(.venv/bin/python - "$CONFIG" "$@" <<'PY'
 import shlex, sys
 from pathlib import Path
 from megatron_gspo.config import load_config
-from megatron_gspo.data.task_model import make_task_model_flags
+from megatron_gspo.data.task_model import check_model_path, make_task_model_flags
 from megatron_gspo.errors import UserError
 def fail(message):
     print(f"error: {message}", file=sys.stderr)
@@ -47,13 +48,20 @@ try:
 except UserError as e:
     fail(e)
 path, source = cfg.model.path, cfg.data.train
+# a model.path given here must exist (a typo would make and train a model under its name): only
+# the config's own one is made
+given = any(o.partition("=")[0].strip() in ("model.path", "model") for o in sys.argv[2:])
 make = ""
 if not Path(path).is_dir():
+    if given or Path(path).exists():
+        try:
+            check_model_path(path, source)
+        except UserError as e:
+            fail(e)
     if not source.startswith("builtin:"):
         fail(f"model.path {path} does not exist, and the quickstart makes the starting model of "
-             f"a built-in task only (data.train is {source}): point model.path at an HF or "
-             "Megatron checkpoint (megatron-gspo make-task-model makes one for "
-             "data.train=builtin:TASK)")
+             f"a built-in task only (data.train is {source}): point model.path at an HF "
+             "checkpoint (megatron-gspo make-task-model makes one for data.train=builtin:TASK)")
     make = make_task_model_flags(source.removeprefix("builtin:"))
 print(f"MODEL={shlex.quote(path)}\nMAKE={shlex.quote(make)}")
 PY

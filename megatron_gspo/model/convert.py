@@ -30,6 +30,7 @@ from megatron_gspo.hf.shapes import check_tensors
 from megatron_gspo.model import checkpoint as mckpt
 from megatron_gspo.model import weights
 from megatron_gspo.model.checkpoint_reader import DistCheckpointReader
+from megatron_gspo.model.lora_ckpt import LORA_FILE
 from megatron_gspo.model.parallel import ParallelDims, init_distributed
 from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
 from megatron_gspo.outputs import (
@@ -40,9 +41,16 @@ from megatron_gspo.outputs import (
 )
 
 SHARD_BYTES = 4 << 30  # largest HF shard file a rank writes
+# a training run's checkpoint keeps the optimizer's state under these keys (train/optim_state.py)
+OPTIMIZER_PREFIX = "optimizer."
 
 
 def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool):
+    if want_megatron and not _has_model_files(src):
+        raise UserError(
+            f"{src} is neither a Megatron checkpoint (no {mckpt.META}) nor a training run's "
+            "checkpoint (RUN_DIR/checkpoints/step_N); check --megatron"
+        )
     spec, meta = checkpoint_spec(src)
     if want_megatron != (meta is not None):
         kind = "a Megatron" if want_megatron else "an HF"
@@ -52,6 +60,14 @@ def _check_inputs(src: Path, out: Path, dims: ParallelDims, want_megatron: bool)
     if meta is None:  # a missing or truncated file, or weights the config does not describe
         check_tensors(hf_io.HFReader(src).shapes(), spec, str(src))
     return spec
+
+
+def _has_model_files(src: Path) -> bool:
+    """Whether `src` is missing or has what says what model it is: a Megatron checkpoint's
+    metadata, an HF config.json (refused as such), or LoRA adapters (their own line)."""
+    if not src.is_dir() or mckpt.is_megatron_checkpoint(src):
+        return True
+    return (src / "config.json").is_file() or (src / "model" / LORA_FILE).is_file()
 
 
 @contextlib.contextmanager
@@ -150,12 +166,25 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, dims: ParallelDims) -> N
 def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> None:
     meg_dir, out = Path(meg_dir), Path(out)
     spec = _check_inputs(meg_dir, out, dims, want_megatron=True)
+    dist_checkpoint_to_hf(meg_dir / "model", hf_files_dir(meg_dir), spec, out, dims)
+
+
+def dist_checkpoint_to_hf(
+    model_dir: Path, hf_files: Path, spec, out: Path, dims: ParallelDims
+) -> None:
+    """Collective: the model tensors of dist-checkpoint `model_dir` (an optimizer's state beside
+    them, as a training run's checkpoint holds, is left out) as the HF checkpoint `out` of the
+    model `spec` describes, with `hf_files`' config.json, tokenizer and generation files."""
     init_distributed(dims)
     with shared_output(out) as tmp:
-        reader = DistCheckpointReader(meg_dir / "model")
+        reader = DistCheckpointReader(model_dir)
+        reader.tensors = {
+            k: v for k, v in reader.tensors.items() if not k.startswith(OPTIMIZER_PREFIX)
+        }
         try:
             params = weights.stored_params(reader, spec)
-            check_tensors(weights.stored_hf_shapes(reader, params, spec), spec, str(meg_dir))
+            where = str(model_dir.parent)
+            check_tensors(weights.stored_hf_shapes(reader, params, spec), spec, where)
             weights.check_vocab_padding(reader, params, spec)
             mine = _my_share(params, reader)
             tensors = (t for sp in mine for t in weights.read_stored(reader, sp, spec))
@@ -164,7 +193,7 @@ def megatron_to_hf(meg_dir: str | Path, out: str | Path, dims: ParallelDims) -> 
             reader.close()
         name_shards(tmp, written)
         if dist.get_rank() == 0:
-            hf_io.copy_non_weight_files(hf_files_dir(meg_dir), tmp)
+            hf_io.copy_non_weight_files(hf_files, tmp)
 
 
 def _my_share(params: list, reader) -> list:

@@ -127,8 +127,8 @@ TEMPLATE = "configs/tiny_moe_gspo.yaml"
                                     "start from"),
         (["configs/jsonl.yaml"], "model.path runs/mine does not exist, and the quickstart makes "
                                  "the starting model of a built-in task only (data.train is "
-                                 "myplug/guess.jsonl): point model.path at an HF or Megatron "
-                                 "checkpoint (megatron-gspo make-task-model makes one for "
+                                 "myplug/guess.jsonl): point model.path at an HF checkpoint "
+                                 "(megatron-gspo make-task-model makes one for "
                                  "data.train=builtin:TASK)"),
         ([TEMPLATE, "train.steps"], "'train.steps' is not an override; usage: bash "
                                     "scripts/quickstart.sh [CONFIG.yaml] [key.sub=value ...]"),
@@ -147,3 +147,22 @@ def test_quickstart_refuses_bad_input_in_one_line_making_nothing(tmp_path, args,
     proc = run_quickstart(root, tuple(args))
     assert (proc.returncode, proc.stderr, proc.stdout) == (2, f"error: {message}\n", "")
     assert not (root / "runs").exists()
+
+
+@pytest.mark.parametrize("config", [TEMPLATE, "configs/drift_moe_gspo.yaml"])
+def test_a_model_path_given_on_the_command_line_is_never_made(tmp_path, config):
+    """`quickstart.sh CONFIG model.path=/nonexist` used to make a fresh task model there (even
+    outside the repository: "wrote /nonexist") and train on it: a typo trained a tiny model
+    under the name of the real one. A model.path given on the command line must exist (as for
+    `study`); only the config's own (runs/task_model) is made. One line, exit 2, nothing made."""
+    from megatron_gspo.data.task_model import make_task_model_flags
+
+    root = scratch_copy(tmp_path / "repo", steps=2)
+    task = yaml.safe_load((root / config).read_text())["data"]["train"].removeprefix("builtin:")
+    for path in (tmp_path / "elsewhere" / "model", "runs/typo_model"):
+        proc = run_quickstart(root, (config, f"model.path={path}"))
+        fix = f"megatron-gspo make-task-model {make_task_model_flags(task)} --out {path}"
+        assert (proc.returncode, proc.stderr, proc.stdout) == (2, (
+            f"error: model.path {path} does not exist: point model.path at an HF or Megatron "
+            f"checkpoint, or make {task}'s starting model there: {fix}\n"), "")  # fmt: skip
+    assert not (tmp_path / "elsewhere").exists() and not (root / "runs").exists()
