@@ -33,7 +33,7 @@ from pathlib import Path
 
 from megatron_gspo.cli import ALLOW_WITHOUT_RESUME
 from megatron_gspo.config import Config, load_config
-from megatron_gspo.data.task_model import check_model_path
+from megatron_gspo.data.task_model import check_model_path, check_server_weights
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
 from megatron_gspo.rollout.server_config import check_sglang_modes
@@ -287,6 +287,7 @@ def check_model(cfg: Config) -> None:
     error as `train`'s, naming the command that makes a built-in task's starting model (from a
     module without torch or Megatron: this runs before every launch)."""
     check_model_path(cfg.model.path, cfg.data.train)
+    check_server_weights(cfg.model.path, cfg.rollout.urls)
 
 
 def check_server_modes(cfg: Config, lay: Layout) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.hf.tokenizer_files import check_tokenizer
+from megatron_gspo.hf.tokenizer_files import MEGATRON_META, check_tokenizer
 
 # Named model shapes (each with its task); flags and knobs override them. drift: many MoE layers
 # of many small experts and a long answer, where routing drifts and token-level ratios are noisy;
@@ -42,6 +42,21 @@ def check_model_path(path: str, train_source: str) -> None:
         command = f"megatron-gspo make-task-model {make_task_model_flags(task)} --out {path}"
         fix += f", or make {task}'s starting model there: {command}"
     raise UserError(f"model.path {path} does not exist: {fix}")
+
+
+def check_server_weights(path: str, urls: list[str]) -> None:
+    """The rollout servers the trainer or a launch starts (no rollout.urls) load model.path's HF
+    weights, which a Megatron checkpoint does not hold (its hf/ has the config and tokenizer
+    only: each server failed on it after the run directory was written): refused in one line,
+    naming the conversion. Servers of one's own (rollout.urls) load whatever copy they were
+    started on."""
+    if urls or not (Path(path) / MEGATRON_META).is_file():
+        return
+    raise UserError(
+        f"model.path {path} is a Megatron checkpoint, and the rollout servers the trainer starts "
+        "load HF weights: convert it first (megatron-gspo convert megatron-to-hf --megatron "
+        f"{path} --out HF_DIR), then pass model.path=HF_DIR"
+    )
 
 
 def make_task_model_flags(task: str) -> str:

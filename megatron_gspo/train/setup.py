@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from megatron_gspo.config import Config, dump_config
-from megatron_gspo.data.task_model import check_model_path
+from megatron_gspo.data.task_model import check_model_path, check_server_weights
 from megatron_gspo.errors import UserError
 from megatron_gspo.train import checkpointing
 from megatron_gspo.train.metrics import check_wandb
@@ -42,7 +42,7 @@ class TrainerSetup:
         check_model_path(cfg.model.path, cfg.data.train)
         check_sglang_start(cfg)
         check_wandb(cfg.logging.wandb)
-        check_server_weights(cfg)
+        check_server_weights(cfg.model.path, cfg.rollout.urls)
         spec, _ = checkpoint_spec(cfg.model.path)
         cfg.check_context(
             spec.max_position_embeddings, str(hf_files_dir(cfg.model.path) / "config.json")
@@ -210,20 +210,3 @@ def check_sglang_start(cfg: Config) -> None:
     if r.backend == Backend.SGLANG and not r.urls and os.environ.get("RANK", "0") == "0":
         check_sglang_modes(cfg, torch.cuda.is_available())
         check_sglang_python(sglang_python(r.sglang_python))
-
-
-def check_server_weights(cfg: Config) -> None:
-    """The rollout servers the trainer starts itself (no rollout.urls) load the starting model's
-    HF weights from model.path, which a Megatron checkpoint does not hold (its hf/ has the config
-    and tokenizer only): refused in one line before the run directory is made, naming the
-    conversion. Servers of one's own (rollout.urls) load whatever copy they were started on."""
-    from megatron_gspo.model.checkpoint import is_megatron_checkpoint
-
-    path = cfg.model.path
-    if cfg.rollout.urls or not is_megatron_checkpoint(path):
-        return
-    raise UserError(
-        f"model.path {path} is a Megatron checkpoint, and the rollout servers the trainer starts "
-        "load HF weights: convert it first (megatron-gspo convert megatron-to-hf --megatron "
-        f"{path} --out HF_DIR), then pass model.path=HF_DIR"
-    )

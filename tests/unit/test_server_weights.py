@@ -5,14 +5,16 @@ is taken (the end-to-end refusal: tests/e2e/test_run_export.py)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_gspo.config import load_config
+from megatron_gspo.data.task_model import check_server_weights
 from megatron_gspo.errors import UserError
 from megatron_gspo.model.checkpoint import META
-from megatron_gspo.train.setup import check_server_weights
 
 pytestmark = pytest.mark.unit
 
@@ -26,13 +28,36 @@ def test_a_megatron_model_path_is_refused_only_where_the_trainer_starts_the_serv
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     with pytest.raises(UserError) as e:
-        check_server_weights(load_config(CONFIG, [f"model.path={mcore}"]))
+        check_server_weights(str(mcore), [])
     assert str(e.value) == (
         f"model.path {mcore} is a Megatron checkpoint, and the rollout servers the trainer starts "
         f"load HF weights: convert it first (megatron-gspo convert megatron-to-hf --megatron "
         f"{mcore} --out HF_DIR), then pass model.path=HF_DIR"
     )
-    check_server_weights(load_config(CONFIG, [f"model.path={hf}"]))
-    check_server_weights(
-        load_config(CONFIG, [f"model.path={mcore}", "rollout.urls=[http://127.0.0.1:30000]"])
+    check_server_weights(str(hf), [])
+    check_server_weights(str(mcore), ["http://127.0.0.1:30000"])
+
+
+def test_a_launch_refuses_a_megatron_model_path_before_any_server_starts(tmp_path, tiny_models):
+    """launch/serve_node.py started each server on the checkpoint's hf/ (config and tokenizer
+    only), where each failed to load its weights; plan.py (torchrun.sh's check) and serve_node.py
+    now refuse first with train's line."""
+    root = Path(__file__).resolve().parents[2]
+    moe_megatron = tmp_path / "mcore"  # (what the launch reads of one: its meta file and hf/)
+    shutil.copytree(tiny_models["moe"], moe_megatron / "hf")
+    (moe_megatron / META).write_text("{}")
+    line = (
+        f"error: model.path {moe_megatron} is a Megatron checkpoint, and the rollout servers the "
+        "trainer starts load HF weights: convert it first (megatron-gspo convert megatron-to-hf "
+        f"--megatron {moe_megatron} --out HF_DIR), then pass model.path=HF_DIR\n"
     )
+    run = lambda *cmd: subprocess.run(  # noqa: E731
+        [sys.executable, *cmd, f"model.path={moe_megatron}"], capture_output=True, text=True,
+        timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    r = run(str(root / "launch/plan.py"), "--config", str(CONFIG))
+    assert (r.returncode, r.stderr, r.stdout) == (2, line, "")
+    r = run(str(root / "launch/serve_node.py"), "servers", "--config", str(CONFIG),
+            "--log-dir", str(tmp_path / "logs"), "--urls-file", str(tmp_path / "urls.txt"))  # fmt: skip
+    assert (r.returncode, r.stderr) == (2, line)
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "urls.txt").exists()
