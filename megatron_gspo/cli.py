@@ -55,7 +55,7 @@ def _cmd_convert(args) -> None:
         hf_to_megatron(args.hf, args.out, _dims(args))
         _wrote(f"wrote {args.out} (Megatron checkpoint of {args.hf})")
     elif args.direction == "lora-to-hf":
-        lora_to_hf(args.checkpoint, args.out, _dims(args))
+        lora_to_hf(args.checkpoint, args.out, _dims(args), base=args.base)
         adapter = os.path.join(args.out, PEFT_DIR)
         _wrote(f"wrote {args.out} (HF model, adapters merged) and {adapter} (PEFT adapter)")
     else:
@@ -73,9 +73,13 @@ def _cmd_score(args) -> None:
 
 def _cmd_make_tiny(args) -> None:
     with signals_held():
-        from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+        from megatron_gspo.hf.tiny import TinySpec, check_dense_flags, make_tiny_model
 
-    fields = {k: v for k, v in vars(args).items() if k in TinySpec.__dataclass_fields__}
+    # (an MoE flag not given is None: TinySpec's default applies, and a dense --arch refuses
+    # only the flags given, whatever their value)
+    fields = {k: v for k, v in vars(args).items()
+              if k in TinySpec.__dataclass_fields__ and v is not None}  # fmt: skip
+    check_dense_flags(args.arch, fields)
     try:
         make_tiny_model(TinySpec(**fields), args.out)
     except (FileExistsError, ValueError) as e:
@@ -108,22 +112,37 @@ _TINY_SHAPE = (
 )
 
 
+# make-tiny-model's flags that shape only an MoE model (--arch qwen3_moe): given with a dense
+# --arch they are refused (hf/tiny.py), so they default to None, TinySpec's default when not given
+_TINY_MOE = ("moe_ffn", "experts", "topk")
+
+
 def _add_make_tiny(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint with a tokenizer")
     p.add_argument("--out", required=True, help="new directory for the HF checkpoint")
     p.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "qwen3", "qwen2"],
                    help="HF architecture (qwen3_moe: MoE; qwen3, qwen2: dense)")  # fmt: skip
+    moe = p.add_argument_group("experts (qwen3_moe only: refused with a dense architecture)")
     for name, default, what in _TINY_SHAPE:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default,
-                       help=what)  # fmt: skip
-    p.add_argument(
+        flag = "--" + name.replace("_", "-")
+        if name in _TINY_MOE:
+            moe.add_argument(flag, dest=name, type=int, default=None,
+                             help=f"{what} (default {default})")  # fmt: skip
+        else:
+            p.add_argument(flag, dest=name, type=int, default=default, help=what)
+    moe.add_argument(
         "--dense-layers",
         type=_layer_ids,
-        default=[],
-        help="comma-separated dense layer ids, e.g. 0",
+        default=None,
+        help="comma-separated dense layer ids, e.g. 0 (default: every layer MoE)",
     )
-    p.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false",
-                   help="the top-k routing weights not renormalized to sum to 1")  # fmt: skip
+    moe.add_argument(
+        "--no-norm-topk-prob",
+        dest="norm_topk_prob",
+        action="store_false",
+        default=None,
+        help="the top-k routing weights not renormalized to sum to 1",
+    )
     p.add_argument("--tie-embeddings", action="store_true",
                    help="the LM head shares the input embedding's weight")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -149,6 +168,9 @@ def _add_convert(sub) -> None:
     c = csub.add_parser("lora-to-hf", help="LoRA run checkpoint -> merged HF model + PEFT adapter")
     c.add_argument("--checkpoint", required=True, help="a LoRA run's checkpoints/step_N")
     c.add_argument("--out", required=True, help="new directory: merged model, PEFT in adapter/")
+    c.add_argument("--base", default=None, metavar="PATH",
+                   help="the base model, moved since the run (default: base_path in lora.json); "
+                   "its files must be the ones the adapters were trained on")  # fmt: skip
     _layout_args(c)
     p.set_defaults(func=_cmd_convert)
 
@@ -357,6 +379,14 @@ def _quiet_known_warnings() -> None:
     # (its own comment: "throws grad-access warning"); only that call site is silenced.
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf",
                             module=r"megatron\.core\.optimizer\.optimizer")  # fmt: skip
+    # torch's deprecations raised at each dist-checkpoint load (convert lora-to-hf, a resume)
+    # from megatron-core's torch strategy and from torch's planner it calls: not the user's code.
+    mcore_torch = r"megatron\.core\.dist_checkpointing\.strategies\.torch$"
+    warnings.filterwarnings(
+        "ignore", message=r"`load_state_dict` is deprecated", module=mcore_torch
+    )
+    planner = r"torch\.distributed\.checkpoint\.(planner_helpers|default_planner)$"
+    warnings.filterwarnings("ignore", message=r"Please use DTensor instead", module=planner)
 
 
 if __name__ == "__main__":

@@ -209,18 +209,27 @@ MOE_FLAGS = (("experts", "--experts"), ("topk", "--topk"), ("moe_ffn", "--moe-ff
 
 def _check_dense(spec: TinySpec) -> None:
     """A dense --arch with an MoE-only setting changed from its default: refused, not ignored."""
-    if spec.arch == "qwen3_moe":
-        return
     default = TinySpec()
+    changed = {name: getattr(spec, name) for name, _ in MOE_FLAGS
+               if getattr(spec, name) != getattr(default, name)}  # fmt: skip
+    check_dense_flags(spec.arch, changed)
+
+
+def check_dense_flags(arch: str, given: dict[str, Any]) -> None:
+    """A dense `arch` with any MoE-only flag given (`given`: TinySpec field -> value, the flags
+    on the command line), whatever its value: refused, not ignored."""
+    if arch == "qwen3_moe":
+        return
     for name, flag in MOE_FLAGS:
-        value = getattr(spec, name)
-        if value != getattr(default, name):
-            given = f"{flag} {','.join(map(str, value)) if isinstance(value, list) else value}"
-            given = flag if isinstance(value, bool) else given
-            raise UserError(
-                f"{given} sets the experts of an MoE model, and --arch {spec.arch} is dense; "
-                f"drop {flag}, or use --arch qwen3_moe"
-            )
+        if name not in given:
+            continue
+        value = given[name]
+        shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        given_as = flag if isinstance(value, bool) or not shown else f"{flag} {shown}"
+        raise UserError(
+            f"{given_as} sets the experts of an MoE model, and --arch {arch} is dense; "
+            f"drop {flag}, or use --arch qwen3_moe"
+        )
 
 
 def make_tiny_model(spec: TinySpec, out: str | os.PathLike) -> Path:

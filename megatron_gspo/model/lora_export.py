@@ -3,8 +3,10 @@ which any server loads without LoRA support) and the adapters in PEFT's format
 (`adapter_config.json` + `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained` loads
 onto the base model).
 
-The checkpoint names its base (lora.json: path and fingerprint); the base is loaded from there
-and must still match, checked before anything is loaded (a moved base: set base_path there). Adapters load under any layout (dist-checkpoint resharding).
+The checkpoint names its base (lora.json: path and fingerprint); the base is loaded from there,
+or from `--base` (a base moved since: lora.json is listed in the checkpoint's manifest, so it is
+not edited), and must still match, checked before anything is loaded. Adapters load under any
+layout (dist-checkpoint resharding).
 """
 
 from __future__ import annotations
@@ -100,33 +102,34 @@ def load_adapters(chunks, directory: Path) -> None:
         take_over(chunk, state["model"][f"model{i}"], directory, copy=True, keep=is_lora_param)
 
 
-def lora_to_hf(checkpoint: str | Path, out: str | Path, dims: ParallelDims) -> None:
-    """Write the merged HF model to `out` and the PEFT adapter to `out`/adapter (collective)."""
+def lora_to_hf(
+    checkpoint: str | Path, out: str | Path, dims: ParallelDims, base: str | Path | None = None
+) -> None:
+    """Write the merged HF model to `out` and the PEFT adapter to `out`/adapter (collective);
+    the base model is `base` when given, else the one lora.json records."""
     from megatron_gspo.model.convert import name_shards, shared_output, write_rank_shards
     from megatron_gspo.model.policy import load_policy
     from megatron_gspo.model.weights import iter_hf
 
     checkpoint, out = lora_ckpt.checkpoint_dir(Path(checkpoint)), Path(out)
     rec, cfg = read_lora(checkpoint)
-    check_base(checkpoint, rec)
+    base = check_base(checkpoint, rec, base)
     check_new_output(out, "--out")
     init_distributed(dims)
-    chunks = load_policy(rec["base_path"], dims, lora=cfg)
+    chunks = load_policy(base, dims, lora=cfg)
     built = lora_ckpt.lora_record(chunks)
     if built is None:
-        raise UserError(
-            f"{checkpoint}'s lora.json targets no module of the model at {rec['base_path']}"
-        )
+        raise UserError(f"{checkpoint}'s lora.json targets no module of the model at {base}")
     if built["base_fingerprint"] != rec["base_fingerprint"]:  # (changed while loading)
-        raise UserError(f"the base at {rec['base_path']} changed since {checkpoint} was saved")
+        raise UserError(f"the base at {base} changed since {checkpoint} was saved")
     check_adapters(chunks, checkpoint / "model")
     load_adapters(chunks, checkpoint / "model")
     with shared_output(out) as tmp:
         name_shards(tmp, write_rank_shards(iter_hf(chunks), tmp))
         tensors = peft_tensors(all_factors(chunks), cfg)
         if dist.get_rank() == 0:
-            hf_io.copy_non_weight_files(Path(rec["base_path"]), tmp)
-            write_peft(tmp / PEFT_DIR, tensors, cfg, rec["base_path"], chunks[0].model_spec)
+            hf_io.copy_non_weight_files(Path(base), tmp)
+            write_peft(tmp / PEFT_DIR, tensors, cfg, base, chunks[0].model_spec)
 
 
 def read_lora(checkpoint: Path) -> tuple[dict, LoraConfig]:
@@ -141,13 +144,16 @@ def read_lora(checkpoint: Path) -> tuple[dict, LoraConfig]:
     return lora_ckpt.read_record(checkpoint / "model")
 
 
-def check_base(checkpoint: Path, rec: dict) -> None:
-    """The LoRA base that lora.json records (base_path) is there and its files are the ones
-    the adapters were trained on (base_fingerprint), before anything is loaded or written."""
+def check_base(checkpoint: Path, rec: dict, given: str | Path | None = None) -> str:
+    """The LoRA base to load: `given` (--base) or the one lora.json records (base_path), there
+    and with the files the adapters were trained on (base_fingerprint), checked before anything
+    is loaded or written."""
+    if given is not None:
+        return check_given_base(Path(given), checkpoint, rec)
     base, where = rec["base_path"], checkpoint / "model" / lora_ckpt.LORA_FILE
     fix = (
-        f"put the base model the adapters were trained on back there, or set base_path in "
-        f"{where} to where it is now"
+        "put the base model the adapters were trained on back there, or pass --base PATH where "
+        "it is now"
     )
     if not Path(base).is_dir():
         what = "is not a directory" if Path(base).exists() else "does not exist"
@@ -157,6 +163,23 @@ def check_base(checkpoint: Path, rec: dict) -> None:
             f"the LoRA base model {base} (base_path in {where}) changed since {checkpoint} was "
             f"saved (its files differ from base_fingerprint); {fix}"
         )
+    return base
+
+
+def check_given_base(base: Path, checkpoint: Path, rec: dict) -> str:
+    """`--base`, used in place of the recorded base: a directory whose files are the ones the
+    adapters were trained on (base_fingerprint in lora.json); its resolved path."""
+    where = checkpoint / "model" / lora_ckpt.LORA_FILE
+    trained = f"the base model the adapters were trained on ({rec['base_path']} when saved)"
+    if not base.is_dir():
+        what = "is not a directory" if base.exists() else "does not exist"
+        raise UserError(f"--base {base} {what}; pass the directory of {trained}")
+    if lora_ckpt.fingerprint(base) != rec["base_fingerprint"]:
+        raise UserError(
+            f"--base {base} is not {trained}: its files differ from base_fingerprint in {where}; "
+            "pass that model's directory"
+        )
+    return str(base.resolve())
 
 
 def write_peft(directory: Path, tensors: dict, cfg: LoraConfig, base: str, spec) -> None:

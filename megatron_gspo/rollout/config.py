@@ -148,7 +148,8 @@ class EnvSection:
     # tools: the built-in tool-calling environment (Qwen3 <tool_call> blocks, `tools` below);
     # module:function_or_class (or file.py:...): your own, called with each data row
     fn: str | None = None
-    tools: list[str] = field(default_factory=list)  # names (calc) or module:function
+    # tool names (calc), module:function or path/to/file.py:function (as env.fn's)
+    tools: list[str] = field(default_factory=list)
     max_turns: int = 4
     max_turn_tokens: int | None = None  # a model turn's limit (null: rollout.max_new_tokens)
     max_tokens: int = 512  # model and environment tokens of an episode, after the prompt

@@ -303,3 +303,50 @@ def test_a_lora_checkpoint_given_as_a_model_names_lora_to_hf(lora_step, tmp_path
         f"`megatron-gspo convert lora-to-hf --checkpoint {lora_step} --out NEW_DIR` and use that"
     )
     assert not out.exists()
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def test_lora_to_hf_takes_a_moved_base_from_base(tiny_models, tmp_path):
+    """A base moved since the run: the error named editing base_path in lora.json (whose
+    checksum the checkpoint's manifest holds); now --base NEW_PATH exports the same files as
+    before the move (the PEFT adapter naming the base where it is now), and a --base that is
+    another model is one line, nothing written. The export's stderr has no warning: torch's
+    FutureWarnings from the dist-checkpoint load came with their source lines."""
+    base, step = Path(shutil.copytree(tiny_models["moe_all"], tmp_path / "base")), tmp_path / "s"
+    run_distributed(WORKER, 1, str(base), str(tmp_path / "out.pt"), "--resume",
+                    str(step / "model"), out=None)  # fmt: skip
+    convert = ["convert", "lora-to-hf", "--checkpoint", str(step)]
+    proc = run_cli([*convert, "--out", str(tmp_path / "before")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [ln for ln in proc.stderr.splitlines() if "Warning" in ln], proc.stderr
+    moved = base.rename(tmp_path / "moved")
+    proc = run_cli([*convert, "--out", str(tmp_path / "x")])
+    assert proc.returncode == 2 and not (tmp_path / "x").exists()
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            "does not exist; put the base model the adapters were trained on back there, or pass "
+            "--base PATH where it is now"
+        )
+    )
+    proc = run_cli([*convert, "--base", str(moved), "--out", str(tmp_path / "after")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [ln for ln in proc.stderr.splitlines() if "Warning" in ln], proc.stderr
+    before, after = _files(tmp_path / "before"), _files(tmp_path / "after")
+    config = "adapter/adapter_config.json"
+    assert before.pop(config).replace(str(base).encode(), str(moved).encode()) == after.pop(config)
+    assert before == after and "model.safetensors" in after
+    other = tiny_models["moe"]
+    proc = run_cli([*convert, "--base", str(other), "--out", str(tmp_path / "wrong")])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --base {other} is not the base model the adapters were trained on ({base} when "
+        f"saved): its files differ from base_fingerprint in {step / 'model' / 'lora.json'}; "
+        "pass that model's directory"
+    ]
+    assert not (tmp_path / "wrong").exists()

@@ -436,11 +436,18 @@ def test_score_refuses_bad_flags(tmp_path, tiny_models, flags, message, capsys):
         (["--arch", "qwen2", "--topk", "1"], "--topk 1 sets the experts of an MoE model, and --arch qwen2 is dense; drop --topk, or use --arch qwen3_moe"),
         (["--arch", "qwen3", "--dense-layers", "0"], "--dense-layers 0 sets the experts of an MoE model, and --arch qwen3 is dense; drop --dense-layers, or use --arch qwen3_moe"),
         (["--arch", "qwen3", "--no-norm-topk-prob"], "--no-norm-topk-prob sets the experts of an MoE model, and --arch qwen3 is dense; drop --no-norm-topk-prob, or use --arch qwen3_moe"),
+        # an MoE flag given at its default value is refused too
+        (["--arch", "qwen3", "--experts", "8"], "--experts 8 sets the experts of an MoE model, and --arch qwen3 is dense; drop --experts, or use --arch qwen3_moe"),
+        (["--arch", "qwen2", "--topk", "2"], "--topk 2 sets the experts of an MoE model, and --arch qwen2 is dense; drop --topk, or use --arch qwen3_moe"),
+        (["--arch", "qwen3", "--moe-ffn", "32"], "--moe-ffn 32 sets the experts of an MoE model, and --arch qwen3 is dense; drop --moe-ffn, or use --arch qwen3_moe"),
+        (["--arch", "qwen3", "--dense-layers", ""], "--dense-layers sets the experts of an MoE model, and --arch qwen3 is dense; drop --dense-layers, or use --arch qwen3_moe"),
     ],
 )  # fmt: skip
 def test_make_tiny_model_refuses_a_model_the_tools_would_refuse(tmp_path, flags, message, capsys):
     """Each of these used to write a checkpoint with exit 0 (that convert then refused, or that
-    was not the model asked for: a dense --arch ignored the MoE flags), or fail with a RuntimeError traceback (--hidden -1)."""
+    was not the model asked for: a dense --arch ignored the MoE flags, silently so when one was
+    given at its default value, while another value was refused), or fail with a RuntimeError
+    traceback (--hidden -1)."""
     argv = ["make-tiny-model", "--out", str(tmp_path / "m"), *flags]
     assert main_error(argv, capsys) == f"error: {message}"
     assert not list(tmp_path.iterdir())
@@ -459,6 +466,26 @@ def test_a_negative_seed_is_refused_as_trains_seed_is(tmp_path, command, capsys)
     assert line == f"error: --{train.value}"
     assert line == "error: --seed must be an integer in [0, 9223372036854775807], not -1"
     assert not list(tmp_path.iterdir())
+
+
+def _written(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_make_tiny_model_applies_the_moe_defaults_where_not_given(tmp_path, capsys):
+    """The MoE flags default to None (so a dense --arch can tell one given): not given, the
+    model is TinySpec()'s, byte for byte, as when each is given at its default value; a dense
+    --arch without them is TinySpec(arch=...)'s."""
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+
+    moe = ["--experts", "8", "--topk", "2", "--moe-ffn", "32", "--dense-layers", ""]
+    for name, flags in (("plain", []), ("given", moe), ("dense", ["--arch", "qwen3"])):
+        cli.main(["make-tiny-model", "--out", str(tmp_path / name), *flags])
+    make_tiny_model(TinySpec(), tmp_path / "spec")
+    make_tiny_model(TinySpec(arch="qwen3"), tmp_path / "spec_dense")
+    spec = _written(tmp_path / "spec")
+    assert _written(tmp_path / "plain") == spec == _written(tmp_path / "given")
+    assert _written(tmp_path / "dense") == _written(tmp_path / "spec_dense") != spec
 
 
 def test_make_tiny_model_refuses_bad_layer_ids(tmp_path, capsys):

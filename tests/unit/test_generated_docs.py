@@ -124,12 +124,13 @@ def test_every_flag_of_every_command_is_in_its_table():
 
 def test_a_tables_defaults_are_what_the_parser_gives():
     """What argparse fills in when a flag is left out, against the page: make-tiny-model's
-    float32, no dense layers, untied; report's --out optional."""
+    float32, no dense layers (None: not given, TinySpec's default), untied; report's --out
+    optional."""
     blocks = command_blocks(docs_commands.COMMANDS_MD.read_text())
     tiny = vars(parse_args(["make-tiny-model", "--out", "m"]))
     rows = {row[0].split()[0].strip("`"): row[1] for row in blocks["make-tiny-model"]}
     assert rows["--dtype"] == f"`{tiny['dtype']}`" == "`float32`"
-    assert rows["--dense-layers"] == "(none)" and tiny["dense_layers"] == []
+    assert rows["--dense-layers"] == "(none)" and tiny["dense_layers"] is None  # (TinySpec: [])
     assert rows["--tie-embeddings"] == "off" and tiny["tie_embeddings"] is False
     assert rows["--hidden"] == f"`{tiny['hidden']}`"
     report = vars(parse_args(["report", "runs/a"]))

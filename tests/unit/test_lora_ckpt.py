@@ -96,7 +96,9 @@ def _lora_step(tmp_path: Path, base: Path) -> Path:
 def test_lora_to_hf_names_the_recorded_base_and_how_to_supply_it(tmp_path, tiny_models, capsys):
     """The base moved away was "checkpoint BASE does not exist; check the path", though the
     user passed the run's checkpoint, which exists; a changed base named no fix; a full-weight
-    checkpoint was not pointed at megatron-to-hf. Nothing is written in any case."""
+    checkpoint was not pointed at megatron-to-hf. Nothing is written in any case. The fix named
+    for a moved base was to edit base_path in lora.json, which the checkpoint's manifest holds
+    the checksum of: now it is --base."""
     import shutil
 
     from megatron_gspo import cli
@@ -104,7 +106,7 @@ def test_lora_to_hf_names_the_recorded_base_and_how_to_supply_it(tmp_path, tiny_
     base = Path(shutil.copytree(tiny_models["moe"], tmp_path / "base"))
     step = _lora_step(tmp_path, base)
     where = step / "model" / LORA_FILE
-    fix = f"put the base model the adapters were trained on back there, or set base_path in {where} to where it is now"
+    fix = "put the base model the adapters were trained on back there, or pass --base PATH where it is now"
     out = tmp_path / "hf"
     argv = ["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(out)]
 
@@ -132,4 +134,35 @@ def test_lora_to_hf_names_the_recorded_base_and_how_to_supply_it(tmp_path, tiny_
         f"error: {step} holds no LoRA adapters (no model/{LORA_FILE}): a full-weight checkpoint "
         f"converts with: megatron-gspo convert megatron-to-hf --megatron {step} --out OUT"
     )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("given", ["another model", "missing", "a file"])
+def test_lora_to_hf_refuses_a_base_that_is_not_the_trained_one(
+    tmp_path, tiny_models, capsys, given
+):
+    """--base is checked against the fingerprint lora.json records before anything is loaded:
+    another model (here the recorded base is there too, and is not used) is one line naming
+    both paths, and nothing is written."""
+    from megatron_gspo import cli
+
+    step = _lora_step(tmp_path, tiny_models["moe"])
+    where = step / "model" / LORA_FILE
+    (tmp_path / "f").write_text("")
+    base = {"another model": tiny_models["moe_all"], "missing": tmp_path / "nowhere",
+            "a file": tmp_path / "f"}[given]  # fmt: skip
+    out = tmp_path / "hf"
+    argv = ["convert", "lora-to-hf", "--checkpoint", str(step), "--base", str(base)]
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--out", str(out)])
+    assert e.value.code == 2
+    trained = f"the base model the adapters were trained on ({tiny_models['moe']} when saved)"
+    assert capsys.readouterr().err.splitlines() == [
+        {
+            "another model": f"error: --base {base} is not {trained}: its files differ from "
+            f"base_fingerprint in {where}; pass that model's directory",
+            "missing": f"error: --base {base} does not exist; pass the directory of {trained}",
+            "a file": f"error: --base {base} is not a directory; pass the directory of {trained}",
+        }[given]
+    ]
     assert not out.exists()
