@@ -164,7 +164,9 @@ class EnvSection:
         if self.fn is not None:  # (tools: the built-in tool-calling environment)
             plugin_spec(self.fn, "env.fn", ("tools",), "function_or_class")
         if self.fn == "tools" and not self.tools:
-            raise UserError("env.fn tools needs env.tools: tool names (calc) or module:function")
+            raise UserError(
+                "env.fn tools needs env.tools: tool names (calc), module:function or path/to/file.py:function"
+            )
         if self.tools and self.fn != "tools":
             raise UserError("env.tools is used by env.fn=tools only; set env.fn=tools or drop it")
         for name in ("max_turns", "max_tokens"):
