@@ -148,14 +148,7 @@ def test_log_ratio_split_by_moved_routing_over_microbatches():
 
 
 def test_log_ratio_split_leaves_out_an_empty_group():
-    s = log_ratio_split_stats(torch.tensor([[0.1, 0.2]]), torch.ones(1, 2), torch.zeros(1, 2) > 0)
-    base = dict.fromkeys(
-        ("num_tokens", "num_seqs", "clipped_tokens_low", "clipped_tokens_high", "clipped_seqs",
-         "ratio_count", "ratio_minus_one_sum", "ratio_minus_one_sq_sum", "kl_old_k3_sum",
-         "ratio_min", "ratio_max"),
-        torch.tensor(1.0),
-    )  # fmt: skip
-    out = summarize_stats(base | s)
+    out = _split_summary_of([0.1, 0.2], [False, False])
     assert out["tokens_moved_fraction"] == 0.0 and "log_ratio_std_moved" not in out
     assert out["log_ratio_std_same"] == pytest.approx(0.05, rel=1e-6)
 

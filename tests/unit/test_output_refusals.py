@@ -7,22 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import cli
 from megatron_gspo.train.metrics import MetricsLogger
+from tests.unit.test_cli_errors import main_error
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def main_error(argv: list[str], capsys) -> str:
-    """The error line of `megatron-gspo ARGV` run in this process (exit 2, no traceback)."""
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_study_refuses_an_out_it_cannot_write(tmp_path, capsys):
