@@ -16,8 +16,10 @@ GROUPS: dict[str, dict[str, str]] = {
         "dropped; samples whose reward failed left out)",
         "reward/std": "std of those rewards",
         "eval/reward": "greedy reward on held-out prompts (every `train.eval_every` steps, step 0)",
-        "response/length_mean": "mean answer length in tokens",
-        "response/length_max": "longest answer in tokens",
+        "response/length_mean": "mean answer length in tokens (a multi-turn episode's: the "
+        "model's and the environment's tokens after the prompt; `env/model_tokens_mean` is the "
+        "model's alone)",
+        "response/length_max": "longest answer in tokens (as `response/length_mean` counts them)",
         "response/truncated_fraction": "share of answers cut at `rollout.max_new_tokens`",
         "reward/failed_samples": "samples with no reward: reward.fn failed (raised, hung, no finite "
         "number), the episode failed before the model's first turn, or the server ended it for "
