@@ -134,6 +134,7 @@ def _add_make_tiny(sub) -> None:
         "--dense-layers",
         type=_layer_ids,
         default=None,
+        metavar="IDS",
         help="comma-separated dense layer ids, e.g. 0 (default: every layer MoE)",
     )
     moe.add_argument(
@@ -372,6 +373,9 @@ def _run(argv: list[str] | None) -> None:
 
 def _quiet_known_warnings() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # transformers' own progress bars ("Writing model shards" when make-tiny-model saves): the
+    # commands say what they wrote in their own line (read when transformers is imported).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # megatron-core announces at import that optional CUDA extensions are missing; on a CPU run
     # that is expected (model/cpu_compat.py), so keep the console for our own messages.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")

@@ -488,6 +488,12 @@ def test_make_tiny_model_applies_the_moe_defaults_where_not_given(tmp_path, caps
     assert _written(tmp_path / "dense") == _written(tmp_path / "spec_dense") != spec
 
 
+def test_make_tiny_model_says_what_it_wrote_in_its_one_line(tmp_path):
+    """transformers' "Writing model shards: 100%|####| 1/1" progress bar came before it."""
+    proc = run_cli(["make-tiny-model", "--out", str(tmp_path / "m")])
+    assert (proc.returncode, proc.stderr, proc.stdout) == (0, "", f"wrote {tmp_path / 'm'}\n")
+
+
 def test_make_tiny_model_refuses_bad_layer_ids(tmp_path, capsys):
     """--dense-layers x was a ValueError traceback."""
     with pytest.raises(SystemExit) as e:
