@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from megatron_gspo.errors import Interrupted, UserError
+from megatron_gspo.outputs import raise_exit
 
 INTERRUPTED = 130  # the exit code of a command stopped by a Ctrl-C (the shell's: 128 + SIGINT)
 
@@ -65,15 +66,11 @@ def terminate_stops() -> Iterator[None]:
     if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, raise_exit)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 # On the way out nothing is imported: after a SIGINT inside torch's import, importing torch

@@ -62,7 +62,7 @@ def terminate_raises() -> Iterator[None]:
         yield
         return
     got: list[int] = []
-    handlers = {signal.SIGTERM: _raise_exit}
+    handlers = {signal.SIGTERM: raise_exit}
     interrupt = signal.getsignal(signal.SIGINT)  # (Python's, or one that wraps it: noted too)
     if callable(interrupt):
         handlers[signal.SIGINT] = interrupt
@@ -75,7 +75,8 @@ def terminate_raises() -> Iterator[None]:
     stop_if_terminated(got)  # (the block ended as if nothing came: its exception was swallowed)
 
 
-def _raise_exit(signum: int, frame: object) -> None:
+def raise_exit(signum: int, frame: object) -> None:
+    """A handler: the signal ends the process by SystemExit(128 + signum), an exception."""
     raise SystemExit(128 + signum)
 
 
