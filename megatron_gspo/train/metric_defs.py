@@ -1,6 +1,7 @@
 """What each key of `metrics.jsonl` means: one definition per key, the source of docs/metrics.md
-(`python -m megatron_gspo.docs_gen`). A key that a run logs and this table lacks fails the tiny
-configs' end-to-end test, so the glossary cannot fall behind the code.
+(`python -m megatron_gspo.docs_gen`). tests/e2e/test_metric_keys.py ties the table to real runs:
+a key a run logs that this table lacks fails it, and so does a key here that no run (or, for a key
+only a fault writes, its writer) writes, so the glossary cannot fall behind the code or ahead of it.
 
 A key `a/b_<i>` stands for a family (`<i>` a layer index, `<k>` a name); metrics are for logging
 only: the loop decides on typed results, never on these keys.
@@ -51,8 +52,10 @@ GROUPS: dict[str, dict[str, str]] = {
         "sapo/gate_mean": "mean of SAPO's soft gate over the trained tokens (`algo.loss: sapo`)",
         "update/skipped": "updates skipped this step (a non-finite loss or gradient norm)",
         "update/nonfinite": "updates whose loss or gradient norm was not finite",
-        "input/nonfinite_advantages": "non-finite advantages found in the step's batch",
-        "input/nonfinite_logprobs": "non-finite log-probs found in the step's batch",
+        "input/nonfinite_advantages": "non-finite advantages found in the step's batch "
+        "(written only on a step that has some)",
+        "input/nonfinite_logprobs": "non-finite log-probs found in the step's batch (written "
+        "only on a step that has some)",
     },
     "Train-inference mismatch and routing": {
         "mismatch/logprob_abs_diff": "mean abs trainer - rollout log-prob over the trained tokens",
@@ -119,14 +122,21 @@ _FAMILIES = [
 ]
 
 
-def definition(key: str) -> str | None:
-    """What `key` means, or None when it is not defined."""
+def entry(key: str) -> str | None:
+    """The registered key that a logged `key` falls under: itself, or its family
+    (`routing/changed_fraction/layer_3` -> `routing/changed_fraction/layer_<i>`); None: none."""
     if key in DEFINITIONS:
-        return DEFINITIONS[key]
+        return key
     for pattern, family in _FAMILIES:
         if pattern.match(key):
-            return DEFINITIONS[family]
+            return family
     return None
+
+
+def definition(key: str) -> str | None:
+    """What `key` means, or None when it is not defined."""
+    found = entry(key)
+    return None if found is None else DEFINITIONS[found]
 
 
 def undefined(keys) -> list[str]:
