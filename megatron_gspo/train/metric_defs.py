@@ -3,8 +3,8 @@
 a key a run logs that this table lacks fails it, and so does a key here that no run (or, for a key
 only a fault writes, its writer) writes, so the glossary cannot fall behind the code or ahead of it.
 
-A key `a/b_<i>` stands for a family (`<i>` a layer index, `<k>` a name); metrics are for logging
-only: the loop decides on typed results, never on these keys.
+A key `a/b_<i>` stands for a family (`<i>` a layer index); metrics are for logging only: the
+loop decides on typed results, never on these keys.
 """
 
 from __future__ import annotations
