@@ -36,7 +36,12 @@ from megatron_gspo.model.modes import DEFAULT_CHUNK_TOKENS, DEFAULT_KEEP_MB, Gro
 from megatron_gspo.model.optim import OptimConfig
 from megatron_gspo.model.parallel_config import ParallelConfig
 from megatron_gspo.rewards.config import RewardSection
-from megatron_gspo.rollout.config import EnvSection, RolloutSection
+from megatron_gspo.rollout.config import (
+    EnvSection,
+    RolloutSection,
+    longest_prompt,
+    longest_sequence,
+)
 from megatron_gspo.weight_sync.config import SyncConfig
 from megatron_gspo.yaml_io import read_yaml
 
@@ -168,37 +173,60 @@ class Config:
         return self.rollout.max_new_tokens, "rollout.max_new_tokens"
 
     def check_context(self, context: int, where: str) -> None:
-        """A sequence (the longest prompt and what is generated after it) fits the model's
-        context of `context` tokens (max_position_embeddings in `where`): the servers could
-        not generate past it, nor the trainer's position embeddings reach it."""
-        prompt = self.data.max_prompt_tokens
-        after = [("rollout.max_new_tokens", self.rollout.max_new_tokens)]
+        """A sequence (the longest prompt and what is generated after it) fits what SGLang 0.5.23
+        serves in the model's context of `context` tokens (max_position_embeddings in `where`;
+        the built-in server serves the same, and the trainer's position embeddings reach it):
+        a prompt of at most `longest_prompt`, a prompt and its answer of at most
+        `longest_sequence` (past it SGLang cuts max_new_tokens without a word). An episode's last
+        turn may have all but one of its tokens as its prompt: those and the first prompt at
+        most `longest_prompt` + 1."""
+        prompt, top = self.data.max_prompt_tokens, longest_prompt(context)
+        n, most = self.rollout.max_new_tokens, longest_sequence(context)
+        limits = [("rollout.max_new_tokens", n, most, "a rollout", _CUT)]
         if self.env.fn is not None:  # an episode's tokens after the prompt
-            after.append(("env.max_tokens", self.env.max_tokens))
-        for key, n in after:
-            if prompt + n > context:
+            limits.append(("env.max_tokens", self.env.max_tokens, top + 1, "an episode", _TURN))
+        served = f"in the model's context of {context} tokens (max_position_embeddings in {where})"
+        for key, after, limit, what, why in limits:
+            if prompt + after > limit:
                 raise UserError(
-                    f"data.max_prompt_tokens ({prompt}) + {key} ({n}) = {prompt + n} tokens "
-                    f"exceed the model's context of {context} tokens (max_position_embeddings "
-                    f"in {where}); {_context_fix(prompt, key, n, context)}"
+                    f"data.max_prompt_tokens ({prompt}) + {key} ({after}) = {prompt + after} "
+                    f"tokens exceed the {limit} tokens {what} may hold {served}: {why}; "
+                    f"{_context_fix(prompt, key, after, limit, top)}"
                 )
+        if prompt > top:
+            raise UserError(
+                f"data.max_prompt_tokens ({prompt}) exceeds the {top} tokens a prompt may hold "
+                f"{served}: SGLang 0.5.23 refuses a prompt of context - 6 tokens or more; lower "
+                f"data.max_prompt_tokens to at most {top}"
+            )
 
     def to_dict(self) -> dict:
         """Plain values (a mode as its string), as YAML and JSON write them."""
         return dataclasses.asdict(self, dict_factory=_plain)
 
 
-def _context_fix(prompt: int, key: str, n: int, context: int) -> str:
-    """What lowers a prompt budget `prompt` and `n` tokens after it (`key`) into `context`: each
-    one down to what the other leaves, where it leaves at least one token (a prompt alone as long
-    as the context leaves none to generate)."""
+# why a rollout, and an episode, hold fewer tokens than the context (rollout/config.py)
+_CUT = (
+    "SGLang 0.5.23 ends a generation at context - 2 tokens with its prompt, whatever "
+    "max_new_tokens asks"
+)
+_TURN = (
+    "the last turn may have all but one of them in its prompt, and SGLang 0.5.23 takes a prompt "
+    "of at most context - 7 tokens"
+)
+
+
+def _context_fix(prompt: int, key: str, n: int, limit: int, top: int) -> str:
+    """What lowers a prompt budget `prompt` and `n` tokens after it (`key`) into `limit` tokens
+    with the prompt at most `top`: each one down to what the other leaves, where it leaves at
+    least one token (a prompt budget over `top` is lowered whatever `key` is)."""
     fixes = []
-    if prompt < context:
-        fixes.append(f"{key} to at most {context - prompt}")
-    if n < context:
-        fixes.append(f"data.max_prompt_tokens to at most {context - n}")
+    if prompt <= top:
+        fixes.append(f"{key} to at most {limit - prompt}")
+    if min(limit - n, top) >= 1:
+        fixes.append(f"data.max_prompt_tokens to at most {min(limit - n, top)}")
     if not fixes:
-        return f"lower data.max_prompt_tokens and {key} to {context} tokens together"
+        return f"lower data.max_prompt_tokens and {key} to {limit} tokens together"
     return "lower " + " or ".join(fixes)
 
 

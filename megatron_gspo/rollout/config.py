@@ -22,6 +22,27 @@ SERVER_DTYPES = ("float32", "bfloat16", "float16")
 MAX_STALENESS = 8  # batches generated ahead (each holds a batch of samples in memory)
 
 
+# What SGLang 0.5.23 serves in a model context of C tokens, without --allow-auto-truncate and with
+# a KV pool of at least C tokens (the built-in server does the same: server/api.py). Past its
+# TokenizerManager's 400s (a prompt of C tokens or more; prompt + an explicit max_new_tokens > C),
+# its scheduler is stricter: max_req_len = C - 1 and max_req_input_len = max_req_len - 5
+# (srt/managers/tp_worker.py:568-572); a prompt of max_req_input_len tokens or more is a 400
+# (srt/managers/utils.py:272), and max_new_tokens is cut, without a word, to
+# max_req_len - prompt - 1 (srt/managers/scheduler.py:2710-2716): the generation ends early,
+# finish_reason length.
+def longest_prompt(context: int) -> int:
+    """The longest prompt SGLang serves in a context of `context` tokens: context - 7."""
+    max_req_input_len = (context - 1) - 5
+    return max_req_input_len - 1
+
+
+def longest_sequence(context: int) -> int:
+    """The most tokens a prompt and its generation hold on SGLang in a context of `context`
+    tokens (context - 2): a max_new_tokens that asks for more is cut to what is left."""
+    max_req_len = context - 1
+    return max_req_len - 1
+
+
 @dataclass
 class RolloutSection:
     backend: Backend = Backend.BUILTIN

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from megatron_gspo.rollout.config import longest_prompt, longest_sequence
 from megatron_gspo.server.engine import Engine, Request
-from megatron_gspo.server.sampling import parse_sampling_params
+from megatron_gspo.server.sampling import SamplingParams, parse_sampling_params
 from megatron_gspo.server.validate import (
     DEFAULT_LIMITS,
     INT32_MAX,
@@ -63,7 +64,7 @@ def parse_generate(
     params = [parse_sampling_params(sp, vocab_size, limits) for sp in sps]
     for ids, raw, sp in zip(prompts, sps, params):
         given = isinstance(raw, dict) and "max_new_tokens" in raw
-        check_context(len(ids), sp.max_new_tokens if given else None, context_len)
+        fit_context(sp, len(ids), given, context_len)
     total = sum(sp.n for sp in params)
     if total > limits.max_batch:
         raise BadRequest(
@@ -100,25 +101,48 @@ def parse_generate(
     return requests, batched or params[0].n > 1, options
 
 
-def check_context(prompt: int, max_new_tokens: int | None, context_len: int) -> None:
-    """A prompt of `prompt` tokens, and what it asks to generate after it (None: the default,
-    not given), fit the model's context, as SGLang 0.5.23's TokenizerManager checks them (without
-    --allow-auto-truncate): a prompt that leaves no room for a token is refused, and so is an
-    explicit max_new_tokens that runs past the context. A default one is cut at the context (the
-    engine's `Request.limit`; SGLang's scheduler does the same)."""
+def check_context(prompt: int, max_new_tokens: int | None, context_len: int) -> int:
+    """The most tokens SGLang 0.5.23 generates after a prompt of `prompt` tokens with
+    `max_new_tokens` asked for (None: the default, not given) in the model's context, or the 400
+    it answers (without --allow-auto-truncate; the rule is rollout/config.py's). Its
+    TokenizerManager refuses a prompt that leaves no room for a token and an explicit
+    max_new_tokens that runs past the context; its scheduler then refuses a prompt of
+    context - 6 tokens or more, and cuts max_new_tokens without a word to what leaves the prompt
+    and its answer at context - 2 tokens (finish_reason length)."""
+    top, room = longest_prompt(context_len), longest_sequence(context_len) - prompt
     if prompt >= context_len:
         raise BadRequest(
             f"the prompt has {prompt} tokens, which leaves no room for a new token in the "
-            f"model's context length of {context_len} tokens; shorten it to at most "
-            f"{context_len - 1} tokens"
+            f"model's context length of {context_len} tokens; shorten it to at most {top} tokens"
         )
     if max_new_tokens is not None and prompt + max_new_tokens > context_len:
+        fix = (
+            f"lower max_new_tokens to at most {room} (all this server and SGLang generate after "
+            "this prompt) or shorten the prompt"
+            if prompt <= top
+            else f"shorten the prompt to at most {top} tokens"
+        )
         raise BadRequest(
             f"the prompt's {prompt} tokens + sampling_params.max_new_tokens {max_new_tokens} = "
             f"{prompt + max_new_tokens} tokens exceed the model's maximum context length of "
-            f"{context_len} tokens; lower max_new_tokens to at most {context_len - prompt} or "
-            "shorten the prompt"
+            f"{context_len} tokens; {fix}"
         )
+    if prompt > top:
+        raise BadRequest(
+            f"the prompt has {prompt} tokens; in the model's context length of {context_len} "
+            f"tokens a prompt has at most {top} (as in SGLang, whose scheduler refuses a prompt "
+            "of context - 6 tokens or more); shorten it"
+        )
+    return room
+
+
+def fit_context(sp: SamplingParams, prompt: int, given: bool, context_len: int) -> None:
+    """Check a prompt of `prompt` tokens against the context (`check_context`; `given`: the
+    request set max_new_tokens) and cut `sp.max_new_tokens` to what SGLang generates after it,
+    with min_new_tokens at most that (as SGLang's scheduler does)."""
+    room = check_context(prompt, sp.max_new_tokens if given else None, context_len)
+    sp.max_new_tokens = min(sp.max_new_tokens, room)
+    sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
 
 
 # SGLang's GenerateReqInput fields: those this server serves, those that only steer scheduling,

@@ -17,6 +17,7 @@ The real-SGLang half is collected only for `-m contract` or MEGATRON_GSPO_CONTRA
 """
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -173,6 +174,30 @@ def test_a_request_past_the_context_is_refused(server):
 
     with pytest.raises(RolloutError, match="context length"):
         run(with_client(url, go))
+
+
+def test_a_request_at_the_context_is_cut_two_tokens_short(server):
+    """SGLang 0.5.23's scheduler is stricter than its TokenizerManager's 400: max_new_tokens is
+    cut, without a word, so that a prompt and its answer hold context - 2 tokens (finish_reason
+    length), and a prompt of context - 6 tokens or more is a 400 (rollout/config.py). A request
+    of exactly the context, which the TokenizerManager takes, gets an answer 2 tokens short."""
+    _, url = server
+    context = SPEC.max_position_embeddings
+    for prompt, new, got in ((2000, context - 2000, context - 2 - 2000), (2000, 46, 46),
+                             (context - 7, 5, 5), (context - 7, None, 5)):  # fmt: skip
+        sp = {"temperature": 0, "ignore_eos": True}
+        if new is not None:  # (None: not given, the default 128)
+            sp["max_new_tokens"] = new
+        body = {"input_ids": [5] * prompt, "sampling_params": sp}
+        status, text = run(post(url, "/generate", body))
+        assert status == 200, (prompt, new, status, text)
+        out = json.loads(text)
+        assert len(out["output_ids"]) == got, (prompt, new, out["meta_info"])
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": got}
+    for prompt in (context - 6, context - 1):
+        body = {"input_ids": [5] * prompt, "sampling_params": {"max_new_tokens": 1}}
+        status, text = run(post(url, "/generate", body))
+        assert status == 400 and str(prompt) in text, (prompt, status, text)
 
 
 def test_update_weights_from_disk_sets_weight_version(server, ckpts):

@@ -125,25 +125,31 @@ def test_bad_request_field_is_400_naming_it(server, body, field):
 
 
 def test_a_request_past_the_models_context_is_400(server):
-    """As SGLang 0.5.23 (its TokenizerManager, without --allow-auto-truncate): a prompt that
-    leaves no room for a new token, and an explicit max_new_tokens past the context (2048), are
-    refused. The second used to answer 200 with the generation silently cut at the context
-    (finish_reason length); a default max_new_tokens is still cut there."""
+    """As SGLang 0.5.23 (without --allow-auto-truncate), in a context of 2048 tokens: its
+    TokenizerManager refuses a prompt that leaves no room for a new token, and an explicit
+    max_new_tokens past the context; its scheduler refuses a prompt of 2048 - 6 tokens or more and
+    cuts max_new_tokens, without a word, to leave prompt and answer at 2048 - 2 tokens. The
+    built-in server used to take a prompt of 2047 tokens and generate up to the context."""
     ids = [5] * 2000
     status, out = generate(server, {**VALID, "max_new_tokens": 1}, input_ids=[5] * 2048)
     assert_refused(status, out, "the prompt has 2048 tokens")
-    assert "context length of 2048 tokens; shorten it to at most 2047 tokens" in out["message"]
+    assert "context length of 2048 tokens; shorten it to at most 2041 tokens" in out["message"]
     status, out = generate(server, {**VALID, "max_new_tokens": 49}, input_ids=ids)
     assert_refused(status, out, "2000 tokens + sampling_params.max_new_tokens 49 = 2049 tokens")
-    assert "lower max_new_tokens to at most 48" in out["message"]
+    assert "lower max_new_tokens to at most 46 " in out["message"]
     status, out = generate(server, {**VALID, "max_new_tokens": 1}, input_ids=[[5], [5] * 2048])
     assert_refused(status, out, "the prompt has 2048 tokens")  # one of a batch
-    status, out = generate(server, {**VALID, "max_new_tokens": 48}, input_ids=ids)  # exactly
-    assert status == 200 and len(out["output_ids"]) == 48, out
+    for prompt in (2042, 2047):  # the scheduler's refusal
+        status, out = generate(server, {**VALID, "max_new_tokens": 1}, input_ids=[5] * prompt)
+        assert_refused(status, out, f"the prompt has {prompt} tokens; in the model's context")
+        assert "a prompt has at most 2041 " in out["message"]
+    status, out = generate(server, {**VALID, "max_new_tokens": 5}, input_ids=[5] * 2041)
+    assert status == 200 and len(out["output_ids"]) == 5, out
     default = {k: v for k, v in VALID.items() if k != "max_new_tokens"}  # (128)
-    status, out = generate(server, default, input_ids=ids)
-    assert status == 200 and len(out["output_ids"]) == 48, out
-    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    for sp in ({**VALID, "max_new_tokens": 48}, {**VALID, "max_new_tokens": 47}, default):
+        status, out = generate(server, sp, input_ids=ids)  # cut to 2048 - 2 - 2000
+        assert status == 200 and len(out["output_ids"]) == 46, out
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 46}
 
 
 def test_body_too_deep_or_not_json_is_400(server):

@@ -345,27 +345,37 @@ def test_a_malformed_rollout_url_is_refused_at_load(tmp_path, url):
     load_config(_write(tmp_path, "model: {path: m}\n"), ['rollout.urls=["http://[::1]:30000"]'])
 
 
+ROLLOUT_WHY = ("tokens a rollout may hold in the model's context of 2048 tokens "
+               "(max_position_embeddings in m/config.json): SGLang 0.5.23 ends a generation at "
+               "context - 2 tokens with its prompt, whatever max_new_tokens asks; ")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["rollout.max_new_tokens=100000000"], "data.max_prompt_tokens (256) + "
-         "rollout.max_new_tokens (100000000) = 100000256 tokens exceed the model's context of "
-         "2048 tokens (max_position_embeddings in m/config.json); lower rollout.max_new_tokens "
-         "to at most 1792"),
+         "rollout.max_new_tokens (100000000) = 100000256 tokens exceed the 2046 " + ROLLOUT_WHY
+         + "lower rollout.max_new_tokens to at most 1790"),
         (["data.max_prompt_tokens=2000", "rollout.max_new_tokens=49"], "= 2049 tokens exceed "
-         "the model's context of 2048 tokens (max_position_embeddings in m/config.json); lower "
-         "rollout.max_new_tokens to at most 48 or data.max_prompt_tokens to at most 1999"),
-        # a prompt budget as long as the context leaves no new token: only it can be lowered
+         "the 2046 " + ROLLOUT_WHY + "lower rollout.max_new_tokens to at most 46 or "
+         "data.max_prompt_tokens to at most 1997"),
+        # a prompt budget past what SGLang takes as a prompt: only it can be lowered
         (["data.max_prompt_tokens=5000"], "data.max_prompt_tokens (5000) + "
-         "rollout.max_new_tokens (16) = 5016 tokens exceed the model's context of 2048 tokens "
-         "(max_position_embeddings in m/config.json); lower data.max_prompt_tokens to at most "
-         "2032"),
-        (["data.max_prompt_tokens=2048"], "; lower data.max_prompt_tokens to at most 2032"),
+         "rollout.max_new_tokens (16) = 5016 tokens exceed the 2046 " + ROLLOUT_WHY + "lower "
+         "data.max_prompt_tokens to at most 2030"),
+        (["data.max_prompt_tokens=2048"], "; lower data.max_prompt_tokens to at most 2030"),
         (["data.max_prompt_tokens=3000", "rollout.max_new_tokens=3000"], "; lower "
-         "data.max_prompt_tokens and rollout.max_new_tokens to 2048 tokens together"),
+         "data.max_prompt_tokens and rollout.max_new_tokens to 2046 tokens together"),
         (["env.fn=x:y", "env.max_tokens=1800"], "env.max_tokens (1800) = 2056 tokens exceed the "
-         "model's context of 2048 tokens (max_position_embeddings in m/config.json); lower "
-         "env.max_tokens to at most 1792 or data.max_prompt_tokens to at most 248"),
+         "2042 tokens an episode may hold in the model's context of 2048 tokens "
+         "(max_position_embeddings in m/config.json): the last turn may have all but one of them "
+         "in its prompt, and SGLang 0.5.23 takes a prompt of at most context - 7 tokens; lower "
+         "env.max_tokens to at most 1786 or data.max_prompt_tokens to at most 242"),
+        # the sum fits, but SGLang refuses a prompt this long
+        (["data.max_prompt_tokens=2043", "rollout.max_new_tokens=1"], "data.max_prompt_tokens "
+         "(2043) exceeds the 2041 tokens a prompt may hold in the model's context of 2048 tokens "
+         "(max_position_embeddings in m/config.json): SGLang 0.5.23 refuses a prompt of "
+         "context - 6 tokens or more; lower data.max_prompt_tokens to at most 2041"),
     ],
 )  # fmt: skip
 def test_prompt_and_generation_must_fit_the_models_context(tmp_path, overrides, message):
@@ -376,8 +386,62 @@ def test_prompt_and_generation_must_fit_the_models_context(tmp_path, overrides, 
     assert str(e.value).endswith(message.rpartition("; ")[2]), str(e.value)  # the whole hint
     assert "at most 0" not in str(e.value)
     load_config(_write(tmp_path, "model: {path: m}\n")).check_context(2048, "m/config.json")
-    fits = load_config(_write(tmp_path, "model: {path: m}\n"), ["rollout.max_new_tokens=1792"])
-    fits.check_context(2048, "m/config.json")  # exactly the context: fine
+
+
+# SGLang 0.5.23's scheduler, written out (srt/managers/tp_worker.py:568-572, a KV pool of at least
+# the context): a prompt of max_req_input_len tokens or more is refused (srt/managers/utils.py:272),
+# max_new_tokens is cut to max_req_len - prompt - 1 (srt/managers/scheduler.py:2710-2716)
+CONTEXT = 2048
+MAX_REQ_LEN = CONTEXT - 1
+MAX_REQ_INPUT_LEN = MAX_REQ_LEN - 5
+
+
+def sglang_serves(prompt: int, max_new_tokens: int) -> bool:
+    """Whether SGLang takes the request and generates all `max_new_tokens` it asks for."""
+    return prompt < MAX_REQ_INPUT_LEN and max_new_tokens <= MAX_REQ_LEN - prompt - 1
+
+
+def _check(tmp_path, overrides):
+    cfg = load_config(_write(tmp_path, "model: {path: m}\n"), overrides)
+    cfg.check_context(CONTEXT, "m/config.json")
+
+
+@pytest.mark.parametrize(
+    "prompt, new",
+    [(256, CONTEXT - 256), (256, CONTEXT - 257), (256, CONTEXT - 258), (2000, 47), (2000, 46),
+     (MAX_REQ_INPUT_LEN, 1), (MAX_REQ_INPUT_LEN - 1, 1), (MAX_REQ_INPUT_LEN - 1, 5),
+     (MAX_REQ_INPUT_LEN - 1, 6)],
+)  # fmt: skip
+def test_a_config_passes_exactly_when_sglang_serves_its_longest_rollout(tmp_path, prompt, new):
+    """data.max_prompt_tokens + rollout.max_new_tokens equal to the context passed, and SGLang
+    then cut every longest answer 2 tokens short without a word (finish_reason length)."""
+    overrides = [f"data.max_prompt_tokens={prompt}", f"rollout.max_new_tokens={new}"]
+    if sglang_serves(prompt, new):
+        _check(tmp_path, overrides)
+        return
+    with pytest.raises(UserError) as e:
+        _check(tmp_path, overrides)
+    # the hint names the largest values SGLang serves, each with the other as it is
+    most_new = max((n for n in range(1, CONTEXT) if sglang_serves(prompt, n)), default=None)
+    most_prompt = max(p for p in range(1, CONTEXT) if sglang_serves(p, new))
+    hint = f"data.max_prompt_tokens to at most {most_prompt}"
+    if most_new is not None:
+        hint = f"rollout.max_new_tokens to at most {most_new} or {hint}"
+    assert str(e.value).endswith(f"; lower {hint}") and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_episodes_last_turn_is_a_prompt_sglang_serves(tmp_path):
+    """An episode's last turn can be a prompt of data.max_prompt_tokens + env.max_tokens - 1
+    tokens asking for 1 (rollout/episodes.py): SGLang must take it."""
+    prompt = 256
+    most = max(m for m in range(1, CONTEXT) if sglang_serves(prompt + m - 1, 1))
+    for max_tokens in (most, most + 1):
+        env = ["env.fn=x:y", f"data.max_prompt_tokens={prompt}", f"env.max_tokens={max_tokens}"]
+        if max_tokens == most:
+            _check(tmp_path, env)
+            continue
+        with pytest.raises(UserError, match=f"; lower env.max_tokens to at most {most} or "):
+            _check(tmp_path, env)
 
 
 @pytest.mark.parametrize(
