@@ -21,8 +21,9 @@
 # Environment (all optional):
 #   PYTHON            python with megatron-gspo (default: .venv/bin/python, else python3)
 #   NPROC_PER_NODE    trainer ranks per training node (default: the GPUs, 1 on a CPU)
-#   GPUS_PER_NODE     GPUs to place processes on (default: nvidia-smi's count, 0 without one;
-#                     refused above 0 on a machine without a GPU: NPROC_PER_NODE sets the
+#   GPUS_PER_NODE     GPUs to place processes on (default: the GPUs the node sees, nvidia-smi's
+#                     count narrowed by CUDA_VISIBLE_DEVICES, 0 without one; refused above that
+#                     count, and above 0 on a machine without a GPU: NPROC_PER_NODE sets the
 #                     ranks of a CPU run)
 #   NNODES NODE_RANK  nodes in the job and this one's index (default 1 0; Slurm: SLURM_NNODES,
 #                     SLURM_NODEID)
@@ -85,10 +86,25 @@ command -v "$PYTHON" >/dev/null || die "python '$PYTHON' not found; set PYTHON t
 "$PYTHON" -c "import megatron_gspo" 2>/dev/null \
     || die "$PYTHON cannot import megatron_gspo; run scripts/setup.sh or set PYTHON"
 
+# The GPUs this node's processes see (SEEN_GPUS): those nvidia-smi -L lists, narrowed by
+# CUDA_VISIBLE_DEVICES where it is set (its ids; empty: none). Unset where nvidia-smi lists none
+# (torch is asked then). SEEN_HOW says how they were counted, for a refusal's line.
+SEEN_GPUS="" SEEN_HOW=""
+count_visible_gpus() {
+    command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || return 0
+    local listed ids=() id kept=0
+    listed=$(($(nvidia-smi -L | wc -l)))
+    SEEN_GPUS=$listed SEEN_HOW="nvidia-smi -L lists $listed"
+    if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+        IFS=, read -ra ids <<< "$CUDA_VISIBLE_DEVICES"
+        for id in "${ids[@]}"; do [[ -z "${id// /}" ]] || kept=$((kept + 1)); done
+        if ((kept < listed)); then SEEN_GPUS=$kept; fi
+        SEEN_HOW="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES of the $listed nvidia-smi -L lists"
+    fi
+}
+count_visible_gpus
 gpu_count() {
-    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then echo "$SLURM_GPUS_ON_NODE"
-    elif command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then nvidia-smi -L | wc -l
-    else echo 0; fi
+    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then echo "$SLURM_GPUS_ON_NODE"; else echo "${SEEN_GPUS:-0}"; fi
 }
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -112,9 +128,16 @@ NNODES=$((10#$NNODES)) NODE_RANK=$((10#$NODE_RANK))
 # and torch, which decides where the trainer runs, sees none) GPUS_PER_NODE=8 ran 8 gloo ranks and
 # 8 servers on its cores, silently, several times slower: refused. Several CPU ranks are
 # NPROC_PER_NODE's. (torch is asked only then: a GPU machine without nvidia-smi still launches.)
-if ((10#$GPUS_PER_NODE > 0)) && ! { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; } \
+if ((10#$GPUS_PER_NODE > 0)) && [[ -z "$SEEN_GPUS" ]] \
     && [[ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" == 0 ]]; then
     die "GPUS_PER_NODE=$GPUS_PER_NODE, but this machine has no GPU (neither nvidia-smi nor torch finds one); on a CPU leave GPUS_PER_NODE unset (or 0), and set NPROC_PER_NODE=N for N trainer ranks"
+fi
+# Above the GPUs the node sees (GPUS_PER_NODE=8 with 4, or CUDA_VISIBLE_DEVICES narrowing them),
+# ranks and servers would be placed on GPUs that are not there, failing only once started.
+if [[ -n "$SEEN_GPUS" ]] && ((10#$GPUS_PER_NODE > SEEN_GPUS)); then
+    unset_it=", or leave it unset (the GPUs seen)"
+    [[ -z "${SLURM_GPUS_ON_NODE:-}" ]] || unset_it=""  # (unset, it is Slurm's count)
+    die "GPUS_PER_NODE=$GPUS_PER_NODE, but this node sees $SEEN_GPUS GPU(s) ($SEEN_HOW); set GPUS_PER_NODE to at most $SEEN_GPUS$unset_it"
 fi
 if [[ "$NNODES" -gt 1 ]]; then
     [[ -n "${RDZV_ENDPOINT:-}" ]] || die "RDZV_ENDPOINT=host:port of the first node is required with NNODES=$NNODES"

@@ -306,19 +306,13 @@ def _add_study(sub) -> None:
     register(sub)
 
 
-def _cmd_serve(args) -> None:
-    with signals_held():
-        from megatron_gspo.server.serve import serve_main
-
-    serve_main(args)
-
-
 def _add_serve(sub) -> None:
+    from megatron_gspo.server.__main__ import serve  # (python -m megatron_gspo.server's: no torch)
     from megatron_gspo.server.args import add_serve_args
 
     p = sub.add_parser("serve", help="the built-in SGLang-compatible rollout server")
     add_serve_args(p)
-    p.set_defaults(func=_cmd_serve)
+    p.set_defaults(func=serve)
 
 
 def package_version() -> str:

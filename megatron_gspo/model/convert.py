@@ -17,7 +17,6 @@ import contextlib
 import functools
 import gc
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.half_write import HalfWrite
 from megatron_gspo.hf import io as hf_io
 from megatron_gspo.hf.shapes import check_tensors
 from megatron_gspo.model import checkpoint as mckpt
@@ -75,44 +75,37 @@ def shared_output(out: Path) -> Iterator[Path]:
     """Collective: a temporary directory beside `out` (made by rank 0) that every rank writes
     into, renamed to `out` once every rank finished the block. An error on any rank, SIGINT or
     SIGTERM removes it: a signal removes it at once (it stops every rank wherever it is, so the
-    collectives that follow may never complete). Rank 0 always removes it (it renames it only
-    once every rank's `ok` flag came), and so does each other rank cut short before it sent its
-    flag: such a rank, still writing when rank 0 removed it, may have made it again (DCP's writer
-    makes its directory). A rank stopped after sending it leaves it to rank 0: it may be renamed
-    into place, complete."""
+    collectives that follow may never complete). Who removes it is `HalfWrite`'s rule: rank 0
+    always (it renames it only once every rank's `ok` flag came), and each other rank cut short
+    before it sent its flag. A rank stopped after sending it leaves it to rank 0: it may be
+    renamed into place, complete."""
     box: list = [None]
     rank0 = dist.get_rank() == 0
-    removes = True
-    with terminate_raises():
+    half = HalfWrite()
+    with terminate_raises(), half:
+        if rank0:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with signals_held():
+                box[0] = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+                half.path = Path(box[0])
+        dist.broadcast_object_list(box, src=0)
+        half.path = tmp = Path(box[0])
         try:
-            if rank0:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                with signals_held():
-                    box[0] = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-            dist.broadcast_object_list(box, src=0)
-            try:
-                yield Path(box[0])
-            except BaseException as e:
-                if not isinstance(e, Exception):  # SIGINT, SIGTERM: at once
-                    _remove(box[0])
-                _settle(Path(box[0]), out, ok=False)
-                raise
-            removes = rank0  # (its flag goes out: rank 0 may rename the directory from here)
-            _settle(Path(box[0]), out, ok=True)
-        finally:
-            if removes and box[0] is not None:
-                _remove(box[0])  # (rank 0's: gone once renamed)
+            yield tmp
+        except BaseException as e:
+            if not isinstance(e, Exception):  # SIGINT, SIGTERM: at once
+                half.remove()
+            _settle(half, tmp, out, ok=False)
+            raise
+        _settle(half, tmp, out, ok=True)
+        if rank0:
+            half.remove()  # (gone once renamed; left where a rank's flag was not ok)
 
 
-def _remove(tmp: str) -> None:
-    with signals_held():  # (a second Ctrl-C, or torchrun's SIGTERM, waits for it)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _settle(tmp: Path, out: Path, ok: bool) -> None:
-    """Collective: rank 0 renames `tmp` to `out` when every rank's `ok`."""
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, ok)
+def _settle(half: HalfWrite, tmp: Path, out: Path, ok: bool) -> None:
+    """Collective: every rank's `ok` flag to rank 0, which renames `tmp` to `out` when all
+    are."""
+    flags = half.gather(True if ok else None)  # (None: no share sent, this rank still removes)
     if dist.get_rank() == 0 and all(flags):
         stop_if_terminated()
         for f in tmp.rglob("*"):

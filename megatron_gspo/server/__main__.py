@@ -15,10 +15,12 @@ from megatron_gspo.server.args import add_serve_args
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megatron_gspo.server")
     add_serve_args(parser)
-    run_command(lambda: _serve(parser.parse_args(argv)))
+    run_command(lambda: serve(parser.parse_args(argv)))
 
 
-def _serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace) -> None:
+    """Run the server `args` describe (`megatron-gspo serve` runs this too): torch's import,
+    seconds, with SIGINT and SIGTERM held (they take effect once it ends)."""
     with signals_held():
         from megatron_gspo.server.serve import serve_main
 

@@ -12,10 +12,11 @@ after every rank finished writing, the state file is on disk and the manifest wa
 the files as they read back (each rank hashes a share), so a directory named `step_<N>` was
 complete when written; a crash mid-write leaves only a `.tmp` directory, which `latest` ignores
 and the next save of that step replaces. A save cut short by an error, SIGINT or SIGTERM removes
-it, on any number of ranks (`_write`): rank 0 does, and so does any rank stopped before it sent
-its share of the manifest (rank 0 cannot complete the checkpoint without it, and such a rank may
-have made the directory again after rank 0 removed it). Older checkpoints beyond `keep` are
-deleted after the rename, never the new one: it is the last verified checkpoint.
+it, on any number of ranks, as `half_write.HalfWrite` says: rank 0 does, and so does any rank
+stopped before it sent its share of the manifest (rank 0 cannot complete the checkpoint without
+it, and such a rank may have made the directory again after rank 0 removed it). Older
+checkpoints beyond `keep` are deleted after the rename, never the new one: it is the last
+verified checkpoint.
 
 Every `step_<N>` directory is a checkpoint, whatever it holds now: one that lost a file since (its
 state file included) is a damaged checkpoint, never taken for an absent one. A resume uses the
@@ -43,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.outputs import signals_held, stop_if_terminated, terminate_raises
+from megatron_gspo.half_write import HalfWrite
+from megatron_gspo.outputs import stop_if_terminated, terminate_raises
 from megatron_gspo.train.files import fsync_dir
 from megatron_gspo.train.state import TrainState
 
@@ -163,28 +165,21 @@ def restore_rng(path: Path) -> None:
 
 def _write(actor, tmp: Path, state: dict) -> None:
     """Collective: the checkpoint's files into `tmp`, its manifest last. Cut short (an error,
-    SIGINT, SIGTERM), `tmp` is removed by rank 0 (which renames it only after this returns) and
-    by each other rank stopped before it sent its share of the manifest: without that share rank
-    0 cannot complete the checkpoint, and such a rank, still writing when rank 0 removed `tmp`,
-    may have made it again (DCP's writer makes its directory). A rank stopped after sending it
-    leaves `tmp` to rank 0: it may be renamed into place, complete."""
+    SIGINT, SIGTERM), `tmp` is removed as `HalfWrite` says: by rank 0 (which renames it only
+    after this returns) and by each other rank stopped before it sent its share of the manifest
+    (rank 0 cannot complete the checkpoint without it). A rank stopped after sending it leaves
+    `tmp` to rank 0: it may be renamed into place, complete."""
     rank = dist.get_rank()
-    removes = True
-    try:
+    with HalfWrite(tmp) as half:
         actor.save(tmp / "model")
         torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
         dist.barrier()
         if rank == 0:
             _write_json(tmp / STATE_FILE, state)
-        mine = _hash_share(tmp)
-        removes = rank == 0
-        _gather_manifest(tmp, mine)
+        shares = half.gather(_hash_share(tmp))
+        if rank == 0:
+            write_manifest(tmp, {k: v for share in shares for k, v in share.items()})
         stop_if_terminated()  # (a signal whose exception a finalizer swallowed)
-    except BaseException:
-        if removes:
-            with signals_held():  # (a second Ctrl-C, or torchrun's SIGTERM, waits for it)
-                shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _hash_share(directory: Path) -> dict:
@@ -196,15 +191,6 @@ def _hash_share(directory: Path) -> dict:
     files = box[0]
     assert files is not None  # every rank holds rank 0's list after the broadcast
     return {rel: _entry(directory / rel) for rel in files[rank::world]}
-
-
-def _gather_manifest(directory: Path, mine: dict) -> None:
-    """Collective: every rank's share of hashes to rank 0, which writes the manifest."""
-    shares: list = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, mine)
-    if dist.get_rank() == 0:
-        entries = {k: v for share in shares for k, v in share.items()}
-        write_manifest(directory, entries)
 
 
 def write_manifest(directory: Path, entries: dict | None = None) -> None:

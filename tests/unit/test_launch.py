@@ -244,6 +244,66 @@ def test_torchrun_sh_refuses_gpus_per_node_on_a_machine_without_a_gpu(tmp_path):
     assert not run.exists()
 
 
+def fake_nvidia_smi(directory: Path, gpus: int) -> str:
+    """A PATH whose `nvidia-smi -L` lists `gpus` GPUs (the machine's own nvidia-smi, if any,
+    comes after it)."""
+    bin_dir = directory / "bin"
+    bin_dir.mkdir()
+    lines = "".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})\\n" for i in range(gpus))
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f'#!/bin/bash\n[[ "$1" == -L ]] && printf "{lines}"\n')
+    smi.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+@pytest.mark.parametrize(
+    "listed, env, seen",
+    [
+        (2, {"GPUS_PER_NODE": "4"}, "2 GPU(s) (nvidia-smi -L lists 2)"),
+        (4, {"GPUS_PER_NODE": "4", "CUDA_VISIBLE_DEVICES": "1,3"},
+         "2 GPU(s) (CUDA_VISIBLE_DEVICES=1,3 of the 4 nvidia-smi -L lists)"),
+    ],
+    ids=["nvidia-smi", "cuda-visible-devices"],
+)  # fmt: skip
+def test_torchrun_sh_refuses_more_gpus_per_node_than_the_node_sees(
+    tmp_path, monkeypatch, listed, env, seen
+):
+    """GPUS_PER_NODE=4 on a node that sees 2 GPUs was taken: ranks and servers were placed on
+    GPUs that are not there. Now one line naming the count seen and the fix, exit 2, before
+    anything is made."""
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    run = tmp_path / "run"
+    r = torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(run),
+                    PATH=fake_nvidia_smi(tmp_path, listed), **env)  # fmt: skip
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", (
+        f"error: GPUS_PER_NODE=4, but this node sees {seen}; set GPUS_PER_NODE to at most 2, "
+        "or leave it unset (the GPUs seen)\n"))  # fmt: skip
+    assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "listed, env",
+    [(2, {"GPUS_PER_NODE": "2"}), (4, {"CUDA_VISIBLE_DEVICES": "0,1"})],
+    ids=["as-many-as-seen", "default-narrowed"],
+)
+def test_torchrun_sh_takes_as_many_gpus_per_node_as_the_node_sees(
+    tmp_path, monkeypatch, listed, env
+):
+    """GPUS_PER_NODE equal to the GPUs seen (set, or the default, which CUDA_VISIBLE_DEVICES
+    narrows) passes the GPU checks: the launch goes on to plan the layout with 2 GPUs, whose
+    refusal (parallel.tp=3) stops it before anything starts."""
+    for var in ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "GPUS_PER_NODE", "NPROC_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    run = tmp_path / "run"
+    r = torchrun_sh("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir", str(run),
+                    "parallel.tp=3", PATH=fake_nvidia_smi(tmp_path, listed), **env)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "error: 1 training node(s) x 2 ranks = 2 ranks, not a multiple of tp*pp=3" in r.stderr
+    assert "sees" not in r.stderr
+    assert not list((run / "logs" / "ranks").rglob("*.log"))  # nothing started
+
+
 @pytest.mark.parametrize(
     "env, message",
     [
