@@ -129,6 +129,11 @@ def _fill(sp: SamplingParams, raw: dict, vocab_size: int, limits: Limits) -> Non
     for name in ("max_new_tokens", "min_new_tokens"):
         if name in raw:
             setattr(sp, name, integer(raw[name], key(name), 0, INT32_MAX))
+    if sp.min_new_tokens > sp.max_new_tokens:  # SGLang's SamplingParams.verify, the default too
+        raise BadRequest(
+            f"{key('min_new_tokens')} must be in [0, max_new_tokens ({sp.max_new_tokens})], "
+            f"got {sp.min_new_tokens}"
+        )
     if "n" in raw:
         sp.n = integer(raw["n"], key("n"), 1, limits.max_n)
     if "top_k" in raw:

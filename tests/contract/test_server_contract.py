@@ -158,6 +158,20 @@ def test_unknown_sampling_key_is_refused(server):
         run(with_client(url, go))
 
 
+def test_min_new_tokens_past_max_new_tokens_is_refused(server):
+    """SGLang's SamplingParams.verify: min_new_tokens above max_new_tokens, given or the default
+    128, is a 400 naming both (the built-in server used to generate max_new_tokens)."""
+    _, url = server
+    for sp in ({"max_new_tokens": 4, "min_new_tokens": 5}, {"min_new_tokens": 129}):
+        body = {"input_ids": [5, 6], "sampling_params": sp}
+        status, text = run(post(url, "/generate", body))
+        assert status == 400 and "min_new_tokens" in text, (sp, status, text)
+        assert str(sp.get("max_new_tokens", 128)) in text, text
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 4}}
+    status, text = run(post(url, "/generate", body))
+    assert status == 200 and len(json.loads(text)["output_ids"]) == 4, (status, text)
+
+
 def test_a_request_past_the_context_is_refused(server):
     """A prompt as long as the context, and an explicit max_new_tokens that runs past it, are
     400s (SGLang's TokenizerManager without --allow-auto-truncate; the built-in server used to
