@@ -17,7 +17,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.hf import io as hf_io
 from megatron_gspo.model import lora_ckpt
 from megatron_gspo.model.lora import is_lora_param
 from megatron_gspo.model.lora_config import LoraConfig
@@ -107,8 +106,13 @@ def lora_to_hf(
 ) -> None:
     """Write the merged HF model to `out` and the PEFT adapter to `out`/adapter (collective);
     the base model is `base` when given, else the one lora.json records."""
-    from megatron_gspo.model.convert import name_shards, shared_output, write_rank_shards
-    from megatron_gspo.model.policy import load_policy
+    from megatron_gspo.model.convert import (
+        copy_model_files,
+        name_shards,
+        shared_output,
+        write_rank_shards,
+    )
+    from megatron_gspo.model.policy import hf_files_dir, load_policy
     from megatron_gspo.model.weights import iter_hf
 
     checkpoint, out = lora_ckpt.checkpoint_dir(Path(checkpoint)), Path(out)
@@ -128,7 +132,7 @@ def lora_to_hf(
         name_shards(tmp, write_rank_shards(iter_hf(chunks), tmp))
         tensors = peft_tensors(all_factors(chunks), cfg)
         if dist.get_rank() == 0:
-            hf_io.copy_non_weight_files(Path(base), tmp)
+            copy_model_files(hf_files_dir(base), tmp)  # (its dtype: the merged weights')
             write_peft(tmp / PEFT_DIR, tensors, cfg, base, chunks[0].model_spec)
 
 

@@ -1,5 +1,6 @@
 """HF -> Megatron -> HF conversion is bit-exact across layouts, and the result loads in transformers."""
 
+import json
 import subprocess
 import sys
 
@@ -117,6 +118,32 @@ def test_bf16_round_trip_and_transformers_loads_it(tmp_path):
     assert_bit_exact(src, back)
     model = AutoModelForCausalLM.from_pretrained(back)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_the_exported_config_names_the_dtype_of_the_weights(tmp_path):
+    """bf16 weights under a config.json that says float32, in both the `dtype` key and the older
+    `torch_dtype` (an HF export of an earlier version did so) convert back under a config that
+    says bfloat16 in both, the rest of it as it was; transformers loads them in bf16. The export
+    used to copy the config as is."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+
+    src = make_tiny_model(TinySpec(dtype="bfloat16", layers=1), tmp_path / "bf16")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(dtype="float32", torch_dtype="float32")
+    (src / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    meg, back = tmp_path / "megatron", tmp_path / "hf"
+    convert(["hf-to-megatron", "--hf", str(src), "--out", str(meg)], 1)
+    convert(["megatron-to-hf", "--megatron", str(meg), "--out", str(back)], 1)
+    assert_bit_exact(src, back)
+    assert {t.dtype for t in load_file(back / "model.safetensors").values()} == {torch.bfloat16}
+    got = json.loads((back / "config.json").read_text())
+    assert got == {**cfg, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    model = AutoModelForCausalLM.from_pretrained(back)
+    assert model.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 def test_bf16_policy_scores_like_hf_in_bf16(tmp_path):

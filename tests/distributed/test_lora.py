@@ -187,6 +187,29 @@ def test_convert_exports_the_merged_model_and_a_peft_adapter(experts, tiny_model
     assert max((a - b).abs().max() for a, b in zip(untrained, want)) > 1e-3  # it moved
 
 
+def test_the_merged_models_config_names_the_dtype_of_its_weights(tmp_path):
+    """A bf16 base whose config.json says float32 (an HF export of an earlier version did so):
+    the adapters merge into its bf16 weights, and the merged model's config says bfloat16, the
+    rest of it the base's; transformers loads it in bf16. It used to copy the base's config."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+
+    base, step, hf = tmp_path / "base", tmp_path / "step_2", tmp_path / "hf"
+    make_tiny_model(TinySpec(dtype="bfloat16", layers=1), base)
+    cfg = {**json.loads((base / "config.json").read_text()), "dtype": "float32"}
+    (base / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    run_distributed(WORKER, 1, str(base), str(tmp_path / "out.pt"), "--resume",
+                    str(step / "model"), out=None)  # fmt: skip
+    proc = run_cli(["convert", "lora-to-hf", "--checkpoint", str(step), "--out", str(hf)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {t.dtype for t in load_file(hf / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((hf / "config.json").read_text()) == {**cfg, "dtype": "bfloat16"}
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 @pytest.fixture(scope="module")
 def lora_step(tiny_models, tmp_path_factory) -> Path:
     """A LoRA checkpoint (rank 4, every target, per-expert adapters) saved on one rank."""

@@ -95,6 +95,40 @@ def test_a_run_checkpoint_exports_to_hf_with_its_trained_weights(trained_run, ta
         torch.testing.assert_close(torch.tensor(mine[1:]), ref, atol=2e-5, rtol=1e-5)
 
 
+def test_a_bf16_run_exports_its_bf16_weights_under_a_config_that_says_so(task_model, tmp_path):  # noqa: F811
+    """model.dtype=bfloat16 from a float32 model: the export holds the weights as trained, in
+    bfloat16, and its config.json says bfloat16 (the rest of it is the base's). It used to keep
+    the base's "float32", so transformers upcast the weights on load without a word."""
+    from transformers import AutoModelForCausalLM
+
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    bf16 = ("model.dtype=bfloat16", "rollout.dtype=bfloat16", "sync.verify_every=0",
+            "train.checkpoint_every=1")  # fmt: skip
+    rc, out = train(CONFIG, run, task_model, *bf16, steps=1)
+    assert rc == 0, out[-3000:]
+    ckpt = run / "checkpoints" / "step_1"
+    proc = run_cli(["convert", "megatron-to-hf", "--megatron", str(ckpt), "--out", str(hf)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    base_cfg, cfg = (json.loads((d / "config.json").read_text()) for d in (task_model, hf))
+    assert base_cfg["dtype"] == "float32"
+    exported = safetensors_of(hf)  # (safetensors' own loader)
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert cfg["dtype"] == "bfloat16"
+    assert {k: v for k, v in cfg.items() if k != "dtype"} == {
+        k: v for k, v in base_cfg.items() if k != "dtype"
+    }
+    # the trained tensors themselves, not a cast of them
+    want = dcp_model_tensors(ckpt / "model")["embedding.word_embeddings.weight"]
+    got = exported["model.embed_tokens.weight"]
+    assert want.dtype == torch.bfloat16 and torch.equal(got, want[: got.shape[0]])
+
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    assert model.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.equal(model.get_input_embeddings().weight.detach(), got)
+
+
 def test_a_run_checkpoint_that_cannot_be_exported_is_one_line(trained_run, tmp_path):
     """Each is one line naming the fix, exit 2, nothing written: a run directory given for its
     checkpoint, a damaged checkpoint (it verifies against its manifest first), a base model
