@@ -7,6 +7,7 @@ model.safetensors.index.json. Missing or truncated files are a UserError that na
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -241,3 +242,47 @@ def write_index(out: Path, weight_map: dict[str, str], total_bytes: int) -> None
         "weight_map": dict(sorted(weight_map.items())),
     }
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_model_files(hf_files: Path, out: Path) -> None:
+    """Rank 0, once every rank's weights are in `out`: the config, tokenizer and generation files
+    of `hf_files`, with config.json's dtype naming that of the weights written. The weights keep
+    the dtype they are in (a run trained in bfloat16 from a float32 model exports bfloat16), and
+    transformers loads a checkpoint in its config's dtype: a config still saying float32 would
+    have them upcast without a word, and a server's `--dtype auto` run them in float32."""
+    copy_non_weight_files(hf_files, out)
+    dtype = weights_dtype(out)
+    if dtype is not None:
+        set_config_dtype(out / "config.json", dtype)
+
+
+def weights_dtype(directory: Path) -> torch.dtype | None:
+    """The dtype of the floating-point tensors in the safetensors files of `directory` (the one
+    holding the most bytes, should they differ), from the files' headers; None if none."""
+    from safetensors import safe_open
+
+    nbytes: dict[torch.dtype, int] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                dtype = DTYPES_ST.get(t.get_dtype())
+                if dtype is not None and dtype.is_floating_point:
+                    nbytes[dtype] = nbytes.get(dtype, 0) + math.prod(t.get_shape()) * dtype.itemsize
+    return max(nbytes, key=nbytes.__getitem__) if nbytes else None
+
+
+def set_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    """Make config.json at `path` name `dtype`: `dtype` (what transformers 5 writes and reads
+    first) and, where the config has it, the older `torch_dtype`. A config that already names
+    it in every such key is left as it is, byte for byte."""
+    cfg = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    keys = ["dtype", *(["torch_dtype"] if "torch_dtype" in cfg else [])]
+    present = [k for k in keys if k in cfg]
+    if present and all(cfg[k] == name for k in present):
+        return
+    cfg.update({k: name for k in keys})
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, path)  # (a read-only copy of the base's file is replaced, not written)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.hf import io as hf_io
 from megatron_gspo.model import lora_ckpt
 from megatron_gspo.model.lora import is_lora_param
 from megatron_gspo.model.lora_config import LoraConfig
@@ -107,7 +108,6 @@ def lora_to_hf(
     """Write the merged HF model to `out` and the PEFT adapter to `out`/adapter (collective);
     the base model is `base` when given, else the one lora.json records."""
     from megatron_gspo.model.convert import (
-        copy_model_files,
         name_shards,
         shared_output,
         write_rank_shards,
@@ -132,7 +132,7 @@ def lora_to_hf(
         name_shards(tmp, write_rank_shards(iter_hf(chunks), tmp))
         tensors = peft_tensors(all_factors(chunks), cfg)
         if dist.get_rank() == 0:
-            copy_model_files(hf_files_dir(base), tmp)  # (its dtype: the merged weights')
+            hf_io.copy_model_files(hf_files_dir(base), tmp)  # (its dtype: the merged weights')
             write_peft(tmp / PEFT_DIR, tensors, cfg, base, chunks[0].model_spec)
 
 

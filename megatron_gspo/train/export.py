@@ -4,8 +4,9 @@ Its model/ holds the trained weights (beside the optimizer's state) but not what
 that comes from the model the run started from, model.path in RUN_DIR/config.yaml (an HF
 checkpoint, or a Megatron one from `convert hf-to-megatron`), whose config.json and tokenizer go
 with the weights. The weights keep the dtype they were trained in (model.dtype), and config.json's
-dtype is set to it (model/convert.py's `copy_model_files`). The checkpoint is verified against its manifest before anything is written. A
-LoRA run's checkpoint holds adapters only: `convert lora-to-hf` merges them into their base.
+dtype is set to it (hf/io.py's `copy_model_files`). The checkpoint is verified against its
+manifest before anything is written. A LoRA run's checkpoint holds adapters only: `convert
+lora-to-hf` merges them into their base.
 A Megatron checkpoint of `convert hf-to-megatron` goes to model/convert.py as before.
 """
 

@@ -193,7 +193,7 @@ class VersionDirs:
             if stale.name not in shards:
                 stale.unlink()
         hf_io.write_index(tmp, weight_map, total)
-        hf_io.copy_non_weight_files(base_model, tmp)
+        hf_io.copy_model_files(base_model, tmp)  # (config.json naming the weights' dtype)
         tmp.chmod(0o755)
         if out.exists():  # a retried version: the new files replace the old
             shutil.rmtree(out)

@@ -760,3 +760,21 @@ def test_shared_memory_payload_from_another_machine_is_refused_before_any_name_i
     assert is_local_address("127.0.0.1")
     for remote in ("203.0.113.7", "2001:db8::7", "not an address", "", None):
         assert not is_local_address(remote), remote
+
+
+def test_a_version_directorys_config_names_the_dtype_of_its_weights(tmp_path):
+    """A bf16 run syncing through disk from a float32 model: each version directory is an HF
+    checkpoint a server may load on its own, so its config.json says bfloat16, as an export's
+    does (it said the base's float32)."""
+    from safetensors.torch import save_file
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"dtype": "float32", "torch_dtype": "float32"}))
+    dirs = VersionDirs(tmp_path / "sync", keep=2, base=RestorePoint(str(base), "default"))
+    tmp = dirs.start("1")
+    save_file({"w": torch.ones(3, 4, dtype=torch.bfloat16)}, str(tmp / "x.safetensors"))
+    out = dirs.finish("1", [{"weight_map": {"w": "x.safetensors"}, "bytes": 24}], base)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg == {"dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    assert json.loads((base / "config.json").read_text())["dtype"] == "float32"
