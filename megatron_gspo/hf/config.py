@@ -110,7 +110,7 @@ def model_spec(cfg: dict) -> ModelSpec:
         qkv_bias=arch == "qwen2" or _bool(cfg, "attention_bias"),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
-        dtype=_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        dtype=_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
     )
 
 
@@ -231,6 +231,6 @@ def _dtype(name: object) -> torch.dtype:
     t = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(t, torch.dtype) or not t.is_floating_point:
         raise UserError(
-            f"config.json: torch_dtype must be a floating-point dtype, not {show(name)}"
+            f"config.json: dtype (or torch_dtype) must be a floating-point dtype, not {show(name)}"
         )
     return t

@@ -150,7 +150,7 @@ def size_sglang(server: ServerConfig, cfg, hf_dir, longest_prompt: int, gpu: boo
         server.sleep_on_idle = server.disable_overlap_schedule = True
     if "--dtype" not in given:
         hf = load_hf_config(hf_dir)
-        server.dtype = r.dtype or str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+        server.dtype = r.dtype or str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     if not gpu and not {"--max-total-tokens", "--mem-fraction-static"} & given:
         per_sequence = longest_prompt + r.max_new_tokens
         sequences = max(r.prompts_per_step * r.group_size, cfg.train.eval_prompts)

@@ -92,7 +92,7 @@ def add_numerics_args(parser: argparse.ArgumentParser) -> None:
     invariance."""
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help="the model's compute dtype (auto: the checkpoint's torch_dtype)",
+        help="the model's compute dtype (auto: the checkpoint's config.json dtype)",
     )  # fmt: skip
     parser.add_argument(
         "--quantization",

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.hf.config import load_hf_config, model_spec
@@ -163,3 +164,12 @@ def test_mlp_only_layers_outside_the_model_are_named():
         "config.json: mlp_only_layers has layer ids [-1, 2, 5] outside [0, 2) "
         "(num_hidden_layers is 2)"
     )
+
+
+def test_dtype_is_read_before_the_older_torch_dtype_as_transformers_reads_it():
+    """transformers 5 takes `dtype` where a config has both keys (PretrainedConfig's __init__);
+    the model spec, and so the trainer and the built-in server, read `torch_dtype` first."""
+    assert (
+        model_spec({**GOOD, "dtype": "bfloat16", "torch_dtype": "float32"}).dtype == torch.bfloat16
+    )
+    assert model_spec({**GOOD, "torch_dtype": "float16"}).dtype == torch.float16
