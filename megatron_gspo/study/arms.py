@@ -10,6 +10,7 @@ with their family everywhere outside an arm's row (`ALGO_KEYS`, `REWARD_KEYS`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from megatron_gspo.config import Config, build
@@ -17,7 +18,17 @@ from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
 from megatron_gspo.yaml_io import read_yaml
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+def repository_configs() -> Path:
+    """The repository's configs/: beside the package in a checkout (or an editable install),
+    else $MEGATRON_GSPO_HOME/configs (the image sets it: its `pip install .` copies the package
+    alone into site-packages)."""
+    here = Path(__file__).resolve().parents[2] / "configs"
+    home = os.environ.get("MEGATRON_GSPO_HOME")
+    return Path(home) / "configs" if home and not here.is_dir() else here
+
+
+CONFIGS_DIR = repository_configs()
 ALGOS = ("gspo", "grpo", "grpo_r2", "grpo_r3")  # the default arms
 # The keys of a config's `algo` section that make an algorithm; the schedule (minibatches) and
 # everything else stay the base config's, shared by every arm.

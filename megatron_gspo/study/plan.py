@@ -121,8 +121,10 @@ def algo_table(
             path = fallback / path.name
         if not path.is_file():
             have = ", ".join(available_arms(base, configs_dir))
+            fix = (f"choose arms among {have}" if have else f"set MEGATRON_GSPO_HOME to the "
+                   f"repository (no arm's config in {configs_dir})")  # fmt: skip
             raise UserError(f"{path} is missing: an arm's settings are read from its config of "
-                            f"the family; add it, or choose arms among {have}")  # fmt: skip
+                            f"the family; add it, or {fix}")  # fmt: skip
         raw = rename_keys(read_yaml(path) or {}, str(path))
         algo, reward = raw.get("algo") or {}, raw.get("reward") or {}
         table[name] = {k: algo[k] for k in ALGO_KEYS if k in algo}
