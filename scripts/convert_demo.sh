@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
 # Checkpoint tools end to end on a CPU: make a tiny Qwen3-MoE, convert it to a
 # Megatron dist-checkpoint under TP2 x EP2, score token log-probs from it, and convert it back.
+#   [DEMO_DIR=runs/convert_demo] bash scripts/convert_demo.sh
+# Its outputs go to DEMO_DIR (not RUN_DIR: that names the user's run in scripts/quickstart.sh).
+# Run again, it replaces the directory it made before (the one holding its marker file); a
+# DEMO_DIR it did not make is refused (one line, exit 2), never deleted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${RUN_DIR:-runs/convert_demo}
-rm -rf "$RUN"
+RUN=${DEMO_DIR:-runs/convert_demo}
+MARK=.made-by-convert-demo
+if [[ -e "$RUN" || -L "$RUN" ]]; then
+  if [[ ! -d "$RUN" || ! -f "$RUN/$MARK" ]]; then
+    echo "error: $RUN exists and was not made by this demo; set DEMO_DIR to a new directory" >&2
+    exit 2
+  fi
+  rm -rf "$RUN"
+fi
 mkdir -p "$RUN"
+touch "$RUN/$MARK"
 M=".venv/bin/megatron-gspo"
 TORCHRUN=".venv/bin/torchrun --nproc-per-node 4"
 export OMP_NUM_THREADS=1

@@ -21,18 +21,14 @@ make. A model.path given on the command line, or as a sweep value, must exist.
 
 The base config is copied to DIR/base_config.yaml when the study starts and every run reads
 that copy, so editing the source file mid-study cannot change the runs still to come. DIR/study.json
-records each run's resolved overrides; a later invocation whose base config or settings differ for
-a run that already started is refused instead of mixing two settings in one comparison.
+(record.py) records each run's resolved overrides, and the study as last run for --report-only.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +36,6 @@ from megatron_gspo.algo.config import Mismatch, resolve_agg
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.config_renames import rename_keys
 from megatron_gspo.errors import UserError
-from megatron_gspo.outputs import check_new_output, temp_file_for
 from megatron_gspo.study.arms import (
     ALGO_KEYS,
     ALGOS,
@@ -59,7 +54,6 @@ from megatron_gspo.study.overrides import (
 from megatron_gspo.yaml_io import read_yaml
 
 LEVEL = {"gspo": "sequence", "gspo_token": "sequence"}  # the rest: token
-MANIFEST = "study.json"
 SNAPSHOT = "base_config.yaml"
 
 
@@ -265,63 +259,3 @@ def _sets_model(overrides: list[str]) -> bool:
 def task_of(cfg_path: Path, common: list[str]) -> str:
     train = load_config(cfg_path, common).data.train
     return train.split(":", 1)[1] if train.startswith("builtin:") else "arith"
-
-
-# ---- DIR/study.json -------------------------------------------------------------------------
-
-
-def check_manifest(study: Study) -> None:
-    """Refuse to continue a run that was started with other settings; record the new ones and
-    (re)write the base config's copy that the runs read."""
-    check_study_dir(study.out)
-    path = study.out / MANIFEST
-    old = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
-    sha = _sha(study.config)
-    new = {r.name: {"overrides": list(r.overrides), "config_sha256": sha} for r in study.runs}
-    started = [r for r in study.runs if r.run_dir.exists()]
-    for run in started:
-        before = old["runs"].get(run.name)
-        if before is None or before == new[run.name]:
-            continue
-        changed = sorted(set(run.overrides) ^ set(before["overrides"]))
-        what = ", ".join(changed) or f"{study.config} changed since"
-        raise UserError(
-            f"{run.run_dir} was started with other settings ({what}); "
-            "pass a new --out, or delete that run directory to redo it"
-        )
-    record = {"config": str(study.config.resolve()), "runs": old["runs"] | new}
-    _write_json(path, record)
-    snapshot = study.out / SNAPSHOT
-    if not started or not snapshot.is_file():
-        _copy_atomic(study.config, snapshot)
-
-
-def check_study_dir(out: Path) -> None:
-    """`out` (--out) can hold the study: an earlier run of it (a directory, continued) or a
-    path that can be created; else a UserError, before anything is written."""
-    if not out.exists():
-        check_new_output(out, "--out")
-        return
-    if not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a study directory; choose another --out")
-    try:  # (tried, not read from the permission bits: root cannot write in /sys either)
-        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=out))
-    except OSError as e:
-        raise UserError(
-            f"cannot write in study directory {out} ({e.strerror}); choose another --out"
-        ) from None
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    with temp_file_for(dst) as tmp:
-        tmp.write_bytes(Path(src).read_bytes())
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with temp_file_for(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=1) + "\n")

@@ -10,7 +10,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.outputs import temp_file_for
 from megatron_gspo.study.analysis import RunSummary, Spread, spread, summarize_run
 from megatron_gspo.study.figures import CAPTIONS, write_figures
-from megatron_gspo.study.plan import Study
+from megatron_gspo.study.plan import RunSpec, Study
 from megatron_gspo.train.metrics import METRICS_FILE, read_metrics
 from megatron_gspo.train.report import aggregate_seeds
 
@@ -102,17 +102,18 @@ def _scaling(study: Study, summaries, per_seed, figures: list[str]) -> list[str]
     for run in study.runs:
         rows = dict(per_seed.get(run.label, [])).get(run.seed)
         if rows is not None:
-            n = scaling.active_params(_model_path(study, run) / "config.json")
+            n = scaling.active_params(_model_path(run) / "config.json")
             flops[(run.label, run.seed)] = scaling.run_flops(rows, n)
     pts = scaling.points(study, summaries, flops)
     figures.insert(0, scaling.figure(study, pts, study.out))
     return scaling.table(study, pts)
 
 
-def _model_path(study: Study, run) -> Path:
+def _model_path(run: RunSpec) -> Path:
     from megatron_gspo.config import load_config
 
-    return Path(load_config(study.config, list(run.overrides)).model.path)
+    # (the study's copy of the base config: what the run read, there when the source is gone)
+    return Path(load_config(run.train_config, list(run.overrides)).model.path)
 
 
 def _header(study: Study, margin: float, command: str) -> list[str]:

@@ -20,7 +20,8 @@ import yaml
 from megatron_gspo.errors import UserError
 from megatron_gspo.study.analysis import collapse_events
 from megatron_gspo.study.figures import CAPTIONS
-from megatron_gspo.study.plan import algo_table, build_study, check_manifest
+from megatron_gspo.study.plan import algo_table, build_study
+from megatron_gspo.study.record import check_manifest
 from tests.helpers import StepGate, cli_env
 
 pytestmark = [pytest.mark.e2e]
@@ -102,6 +103,37 @@ def test_study_killed_then_resumed_then_skipped(task_model, tmp_path):
     assert rc == 0, text[-3000:]
     assert "2 runs, 2 complete, 0 to run" in text
     assert first.read_bytes() == done_before
+    check_report_only(out)
+
+
+def report_only(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megatron_gspo", "study", *flags, "--out", str(out),
+           "--report-only"]  # fmt: skip
+    env = cli_env() | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+def check_report_only(out: Path) -> None:
+    """--report-only rewrites the report of the study DIR/study.json records, whatever study
+    flags it is given: it used to plan the study from them, so a command without the study's
+    --steps was refused ("delete that run directory to redo it"), and one without its --algos
+    recorded the default arms' runs in study.json and reported them, never run."""
+    report, record = (out / "report.md").read_bytes(), (out / "study.json").read_bytes()
+    quiet = [(), ("--config", str(BASE)), ("--config", str(BASE), "--steps", "3")]
+    for flags in quiet:  # the study's own flags, or none: no note
+        proc = report_only(out, *flags)
+        assert (proc.returncode, proc.stderr) == (0, ""), proc.stdout + proc.stderr
+        assert proc.stdout == f"wrote {out / 'report.md'}\n"
+        assert (out / "report.md").read_bytes() == report
+        assert (out / "study.json").read_bytes() == record
+    proc = report_only(out, "--config", str(BASE), "--algos", "gspo", "--steps", "5", "x.y=1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"note: --report-only reports the study recorded in {out / 'study.json'}; ignoring "
+        "what differs from it: --algos, --steps, the overrides"
+    ]
+    assert (out / "report.md").read_bytes() == report
+    assert (out / "study.json").read_bytes() == record
 
 
 def test_a_run_without_a_checkpoint_is_left_to_the_trainer_not_deleted(tmp_path, capsys):
@@ -250,25 +282,46 @@ def test_a_file_as_model_path_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "S").exists()
 
 
-@pytest.mark.parametrize("made", [False, True])
+@pytest.mark.parametrize("made", [None, "unrecorded", "recorded", "old record"])
 def test_report_only_without_a_study_is_one_line_and_writes_nothing(tmp_path, made):
-    """--report-only where no study ran (no DIR, or a DIR none of whose runs has logged a step):
-    one line, exit 2, and no DIR, report.md, figures or study.json made."""
+    """--report-only where no study ran (no DIR; a DIR without study.json; a study recorded,
+    none of whose runs has logged a step) or whose record predates the study's own entry: one
+    line naming the fix, exit 2, and nothing made or changed (no report.md, figures, study.json)."""
     out = tmp_path / "nostudy"
-    if made:
+    if made is not None:
         (out / "runs" / "gspo" / "seed1").mkdir(parents=True)  # started, killed before a step
         (out / "runs" / "gspo" / "seed1" / "metrics.jsonl").write_text("")
-    before = sorted(tmp_path.rglob("*"))
-    cmd = [sys.executable, "-m", "megatron_gspo", "study", "--config", str(BASE), "--out",
-           str(out), "--report-only"]  # fmt: skip
+    if made in ("recorded", "old record"):
+        check_manifest(build_study(BASE, out, ["gspo", "grpo", "grpo_r2", "grpo_r3"], 1, []))
+    if made == "old record":
+        record = json.loads((out / "study.json").read_text())
+        (out / "study.json").write_text(json.dumps({k: record[k] for k in ("config", "runs")}))
+    before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    proc = report_only(out)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    error = {
+        None: f"no study in {out}: run it without --report-only",
+        "unrecorded": f"no study in {out} (no study.json): run it without --report-only",
+        "recorded": f"no study in {out} (none of its 4 run(s) has logged a step): run it "
+        "without --report-only",
+        "old record": f"{out / 'study.json'} predates the record --report-only reads; run the "
+        "study once without --report-only to record it (its finished runs are skipped)",
+    }[made]
+    assert proc.stderr.strip().splitlines() == [f"error: {error}"]
+    assert proc.stdout == ""
+    assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
+
+
+def test_a_study_runs_only_from_a_config(tmp_path):
+    """--config is optional for --report-only alone: a study to run without it is one line."""
+    cmd = [sys.executable, "-m", "megatron_gspo", "study", "--out", str(tmp_path / "s")]
     env = cli_env() | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    why = " (none of its 4 run(s) has logged a step)" if made else ""
-    assert proc.stderr.strip().splitlines() == [
-        f"error: no study in {out}{why}: run it without --report-only"
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: --config is missing: name the base config the study runs from"
     ]
-    assert proc.stdout == "" and sorted(tmp_path.rglob("*")) == before
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("broken", ["base", "arm"])

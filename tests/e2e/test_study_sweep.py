@@ -1,6 +1,7 @@
 """`megatron-gspo study` over a custom set of arms (SAPO, CISPO) and a two-value sweep of the tiny
 study: every (arm, value) runs, the report has the scaling table and figure, and running the same
-command again runs nothing and rebuilds the report; plus the plan's rules for arms and sweeps."""
+command again runs nothing and rebuilds the report, as --report-only does; plus the plan's rules
+for arms and sweeps."""
 
 from __future__ import annotations
 
@@ -70,7 +71,14 @@ def test_custom_arms_and_a_two_value_sweep_make_the_scaling_report(task_model, t
     rc, text = _study(out, task_model)  # resumable: nothing to run, the report rebuilt
     assert rc == 0, text[-3000:]
     assert "4 runs, 4 complete, 0 to run" in text
-    assert "## Scaling" in (out / "report.md").read_text()
+    report = (out / "report.md").read_bytes()
+    assert b"## Scaling" in report
+
+    # --report-only alone: the same report, from the sweep the study recorded (its run dirs)
+    cmd = [sys.executable, "-m", "megatron_gspo.study", "--out", str(out), "--report-only"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=cli_env(), cwd=ROOT)
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stdout + proc.stderr
+    assert (out / "report.md").read_bytes() == report
 
 
 def test_arms_come_from_the_base_configs_family(tmp_path):
