@@ -31,12 +31,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gspo.cli import ALLOW_WITHOUT_RESUME
 from megatron_gspo.config import Config, load_config
 from megatron_gspo.data.task_model import check_model_path, check_server_weights
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.modes import Backend, Placement
 from megatron_gspo.rollout.server_config import check_sglang_modes
+from megatron_gspo.train.flags import ALLOW_WITHOUT_RESUME, check_steps
 from megatron_gspo.weight_sync.config import SyncMethod
 
 
@@ -313,6 +313,7 @@ def nothing_to_train_line(cfg: Config, args: argparse.Namespace) -> str | None:
     on), asked before any server starts. Only then are the trainer's modules (torch) imported:
     a plain launch plans without them."""
     steps = steps_arg(args.steps)
+    check_steps(steps, cfg.train.steps)  # (train's line)
     if args.allow_config_change and not args.resume:
         raise UserError(ALLOW_WITHOUT_RESUME)  # (train's line)
     if not args.resume:

@@ -10,10 +10,12 @@ import argparse
 import os
 import signal
 import warnings
+from pathlib import Path
 
 from megatron_gspo.entry import run_command, terminate_stops
 from megatron_gspo.errors import Interrupted, UserError
 from megatron_gspo.outputs import signals_held
+from megatron_gspo.train.flags import ALLOW_WITHOUT_RESUME, check_steps
 
 # Each command imports what it runs with SIGINT and SIGTERM held (`signals_held`: they take
 # effect once the import ends, a second or two). Those imports load torch, whose C++ module an
@@ -66,7 +68,9 @@ def _cmd_convert(args) -> None:
 def _cmd_score(args) -> None:
     with signals_held():
         from megatron_gspo.model.score_cmd import run_score
+        from megatron_gspo.train.export import refuse_run_checkpoint
 
+    refuse_run_checkpoint(Path(args.checkpoint), "--checkpoint")
     n = run_score(args.checkpoint, args.input, args.output, _dims(args), args.micro_batch_size)
     _wrote(f"wrote {args.output} ({n} sequences with their per-token log-probs)")
 
@@ -178,7 +182,12 @@ def _add_convert(sub) -> None:
 
 def _add_score(sub) -> None:
     p = sub.add_parser("score", help="per-token log-probs of JSONL token sequences")
-    p.add_argument("--checkpoint", required=True, help="HF or Megatron checkpoint directory")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="HF or Megatron checkpoint directory (a training run's checkpoints/step_N: "
+        "export it with convert megatron-to-hf first)",
+    )
     p.add_argument("--input", required=True, help='JSONL, one {"input_ids": [...]} per line')
     p.add_argument("--output", required=True, help='JSONL with "logprobs" added')
     p.add_argument("--micro-batch-size", type=int, default=8,
@@ -187,15 +196,7 @@ def _add_score(sub) -> None:
     p.set_defaults(func=_cmd_score)
 
 
-ALLOW_WITHOUT_RESUME = (
-    "--allow-config-change applies only with --resume; add --resume to continue the run with "
-    "this config, or leave the flag out to start a new run"
-)
-
-
 def _cmd_train(args) -> None:
-    from pathlib import Path
-
     from megatron_gspo.config import load_config
     from megatron_gspo.train.finished import nothing_left
 
@@ -204,6 +205,7 @@ def _cmd_train(args) -> None:
     if args.allow_config_change and not args.resume:  # (a new run has no config to differ from)
         raise UserError(ALLOW_WITHOUT_RESUME)
     cfg = load_config(args.config, args.overrides)
+    check_steps(args.steps, cfg.train.steps)
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
     resume, change = args.resume, args.allow_config_change
     if resume and nothing_left(cfg, run_dir, args.steps, change):
@@ -226,7 +228,7 @@ def _cmd_train(args) -> None:
                 raise
             from megatron_gspo.train.checkpointing import resume_hint
 
-            raise Interrupted(resume_hint(run_dir), signum) from None
+            raise Interrupted(resume_hint(run_dir, resume), signum) from None
 
 
 def _stop_signal(e: BaseException) -> int | None:
@@ -246,7 +248,8 @@ def _add_train(sub) -> None:
         "--config", required=True, help="YAML run config, e.g. configs/tiny_moe_gspo.yaml"
     )
     p.add_argument("--run-dir", default=None, help="metrics, checkpoints, logs (default runs/NAME)")
-    p.add_argument("--steps", type=int, default=None, help="stop after this step (quick checks)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="stop after this step, at most train.steps (quick checks)")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument(
         "--allow-config-change",

@@ -11,7 +11,8 @@
 # CONFIG defaults to configs/tiny_moe_gspo.yaml (e.g. configs/tiny_moe_grpo.yaml); the overrides
 # go to `train` (every key: docs/config.md). Running it again continues the run from its newest
 # checkpoint and writes its report again; a finished run says so at once (nothing to train):
-# pass train.steps=N to train on. Bad input (no such config, no model.path, a model it cannot
+# pass train.steps=N to train on. Stopped by a Ctrl-C, it says what it kept; running it again
+# goes on from there. Bad input (no such config, no model.path, a model it cannot
 # make, a model.path= given here that does not exist: only the config's own is made) is one
 # line, exit 2.
 set -euo pipefail
@@ -71,7 +72,16 @@ eval "$PLAN"
 [ -z "$MAKE" ] || $M make-task-model $MAKE --out "$MODEL"
 RESUME=()
 [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
-$M train --config "$CONFIG" --run-dir "$RUN" "${RESUME[@]}" "$@"
+rc=0
+$M train --config "$CONFIG" --run-dir "$RUN" "${RESUME[@]}" "$@" || rc=$?
+if [[ $rc -ne 0 ]]; then
+    # stopped by a Ctrl-C (130) or SIGTERM (143) on a first run, train's line says "the same
+    # command with --resume": the quickstart's own command is the one to run again
+    if [[ ${#RESUME[@]} -eq 0 && ( $rc -eq 130 || $rc -eq 143 ) ]]; then
+        echo "(the quickstart passes --resume itself: run it again, with the same arguments, to go on)" >&2
+    fi
+    exit $rc
+fi
 # the report, written again each time: to a new file first, then over the old one (which stays
 # as it was if the new one fails)
 NEW="$RUN/report.new.png"

@@ -59,6 +59,8 @@ class ModelSpec:
 def load_hf_config(path: str | Path) -> dict:
     path = Path(path)
     cfg = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        raise UserError(f"{path} does not exist; point at an HF checkpoint directory")
     if not cfg.is_file():
         raise UserError(f"no config.json in {path}; point at an HF checkpoint directory")
     try:

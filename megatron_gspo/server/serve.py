@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -31,6 +32,8 @@ log = logging.getLogger("megatron_gspo.server.serve")
 
 def serve_main(args: argparse.Namespace) -> None:
     check_serve_args(args)
+    if not Path(args.model).exists():  # (else named by its absolute path, as "no config.json")
+        raise UserError(f"--model {args.model} does not exist; point it at an HF checkpoint")
     check_tokenizer(args.model, "--model")  # (a text request needs it; SGLang's start does too)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     check_host(args.host, args.api_key)

@@ -89,16 +89,16 @@ def only_half_writes(run_dir: Path) -> bool:
     return all(_TMP.match(p.name) and p.is_dir() for p in root.iterdir()) if root.is_dir() else True
 
 
-def resume_hint(run_dir: Path) -> str:
-    """What a run stopped before its end kept, and how to go on: its newest checkpoint
-    and --resume, or that it saved none (the same command starts it again)."""
+def resume_hint(run_dir: Path, resumed: bool = False) -> str:
+    """What a run stopped before its end kept, and how to go on: its newest checkpoint and the
+    same command with --resume (`resumed`: the command had it already, so the same command),
+    or that it saved none (the same command starts it again)."""
     newest = latest(run_dir)
     if newest is None:
-        return (f"{run_dir} holds no checkpoint yet: the same command starts the run again "
-                "(with --resume too)")  # fmt: skip
-    return (
-        f"{newest} is the run's newest checkpoint: the same command with --resume goes on from it"
-    )
+        also = "" if resumed else " (with --resume too)"
+        return f"{run_dir} holds no checkpoint yet: the same command starts the run again{also}"
+    again = "the same command" if resumed else "the same command with --resume"
+    return f"{newest} is the run's newest checkpoint: {again} goes on from it"
 
 
 def saved_step(ckpt: Path) -> int | None:

@@ -44,14 +44,15 @@ class ConsoleProgress:
 
     Seconds per step are wall-clock time between log() calls; once two steps are in, the time
     before the first one (start-up) is left out of the average. Step 0 (before any training step)
-    restarts the clock and shows no rate.
+    restarts the clock and shows no rate. The eval value shown is the newest logged, from
+    `eval_reward` (a resumed run's, from before its checkpoint) until a row brings one.
     """
 
-    def __init__(self, total_steps: int, clock=time.monotonic):
+    def __init__(self, total_steps: int, clock=time.monotonic, eval_reward: float | None = None):
         self.total_steps, self._clock = total_steps, clock
         self._t0 = clock()
         self._times: list[float] = []
-        self._eval: float | None = None
+        self._eval = eval_reward
         self._width = 0
 
     def sec_per_step(self) -> float | None:

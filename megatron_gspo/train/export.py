@@ -44,6 +44,26 @@ def is_run_checkpoint(path: Path) -> bool:
     return any((path / f).is_file() for f in (checkpointing.STATE_FILE, checkpointing.MANIFEST))
 
 
+def refuse_run_checkpoint(path: Path, flag: str) -> None:
+    """A full-weight training run's checkpoint, or its run directory, given as `flag` to a
+    command that loads an HF or Megatron checkpoint (score): its weights sit beside the
+    optimizer's state and its model's files are its run's model.path, so the line names the
+    export that makes an HF checkpoint of it (a LoRA run's checkpoint has its own line)."""
+    ckpt: Path | None = path
+    what = "checkpoint"
+    if not is_run_checkpoint(path) and not (path / "config.json").is_file():
+        ckpt, what = newest_step(path / "checkpoints"), "directory"
+    if ckpt is None or not is_run_checkpoint(ckpt):
+        return
+    which = "it" if ckpt == path else "one of its checkpoints"
+    e_g = "" if ckpt == path else ", e.g. the newest"
+    raise UserError(
+        f"{path} is a training run's {what}, not an HF or Megatron checkpoint; export {which} "
+        f"to HF first{e_g}: megatron-gspo convert megatron-to-hf --megatron {ckpt} --out "
+        f"NEW_DIR, then pass {flag} NEW_DIR"
+    )
+
+
 def run_checkpoint_to_hf(ckpt: Path, out: Path, dims: ParallelDims) -> None:
     """Collective: the trained weights of `ckpt` with its run's model files, at `out`."""
     from megatron_gspo.hf.config import load_hf_config, model_spec

@@ -148,6 +148,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [row for _, row in _complete_rows(path)]
 
 
+def last_eval(run_dir: Path) -> float | None:
+    """The newest `eval/reward` in RUN_DIR/metrics.jsonl (None: none, or no file): what a resumed
+    run's progress line shows until its own first eval, as the interrupted run's did."""
+    path = Path(run_dir) / METRICS_FILE
+    rows = _complete_rows(path) if path.is_file() else []
+    found = [row["eval/reward"] for _, row in rows
+             if isinstance(row.get("eval/reward"), int | float)]  # fmt: skip
+    return float(found[-1]) if found else None
+
+
 def truncate_metrics(run_dir: Path, last_step: int) -> str | None:
     """Keep only the lines with step <= last_step (atomic rewrite); drops a torn last line too,
     and returns the line that says so (`cut_line_note`; None: there was none)."""
@@ -303,8 +313,9 @@ class MetricsLogger:
             self._sinks.append(JsonlSink(self.run_dir, start_step))
             if tensorboard:
                 self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard", start_step))
-            if console:
-                self._sinks.append(ConsoleProgress(total_steps))
+            if console:  # (metrics.jsonl holds the steps up to start_step only, by now)
+                shown = last_eval(self.run_dir) if start_step > 0 else None
+                self._sinks.append(ConsoleProgress(total_steps, eval_reward=shown))
         except BaseException:
             self.close()
             raise

@@ -1,7 +1,8 @@
 """`megatron-gspo train` stopped by a Ctrl-C (SIGINT): one line naming the newest checkpoint and
-exit 130, its rollout servers stopped, and --resume goes on; by a SIGTERM alike (exit 143); and a
-run whose SIGINT is ignored (a background job of a script) goes on with its servers, where it used
-to stop them and hang."""
+exit 130, its rollout servers stopped, and --resume goes on; by a SIGTERM alike (exit 143; a
+command that had --resume is told that the same command goes on); and a run whose SIGINT is
+ignored (a background job of a script) goes on with its servers, where it used to stop them and
+hang."""
 
 from __future__ import annotations
 
@@ -91,17 +92,22 @@ def test_a_ctrl_c_ends_the_run_in_one_line_naming_its_checkpoint_and_resume_goes
 def test_a_sigterm_ends_the_run_as_a_ctrl_c_does(model, tmp_path):
     """SIGTERM (a Slurm preemption, `docker stop`) used to end the run by its default action:
     exit -15, not a word of what was kept. Now it stops the run as SIGINT does: the same line,
-    its servers and every other process it started stopped, exit 143 (128 + SIGTERM)."""
+    its servers and every other process it started stopped, exit 143 (128 + SIGTERM). The
+    command had --resume (as the quickstart's has on its later runs), so the line says that
+    the same command goes on: it said "the same command with --resume"."""
     run = tmp_path / "run"
     gate = StepGate(tmp_path / "gate", run, after=2)
-    proc = start(run, model, gate)
+    proc = start(run, model, gate, "--resume")
     servers = held(proc, gate)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert servers and set(servers) <= set(children)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM, (tmp_path / "run.log").read_text()
     out = (tmp_path / "run.log").read_text()
-    assert out.rstrip().splitlines()[-1] == f"interrupted: {resume_hint(run)}"
+    assert out.rstrip().splitlines()[-1] == (
+        f"interrupted: {run / 'checkpoints' / 'step_2'} is the run's newest checkpoint: the same "
+        "command goes on from it"
+    )
     assert latest(run) == run / "checkpoints" / "step_2"
     assert "Traceback" not in out and "SystemExit" not in out
     gone, alive = psutil.wait_procs(children, timeout=30)

@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import QUICK_TRAIN, cli_env
+from tests.helpers import QUICK_TRAIN, StepGate, cli_env
 
 pytestmark = [pytest.mark.e2e]
 
@@ -108,6 +110,40 @@ def test_quickstart_run_again_continues_the_run_and_writes_its_report_again(tmp_
     assert report.read_bytes() != first and report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "greedy eval reward: step 0 " in out and " -> step 3 " in out
     assert sorted(p.name for p in run.glob("report*")) == ["report.png"]
+
+
+def test_a_ctrl_c_in_the_quickstart_says_to_run_the_quickstart_again(tmp_path):
+    """A Ctrl-C at the terminal (SIGINT to the script and its processes) in a first run: train's
+    line says "the same command with --resume", and the quickstart, which passes --resume itself
+    on a later run, said nothing more (it refuses a --resume of its own). Now it says to run it
+    again, exit 130; run again, it goes on from the checkpoint, whose later line needs no
+    word of the quickstart's (`train --resume`'s line says the same command goes on)."""
+    from megatron_gspo.hf.tiny import TinySpec, make_tiny_model
+
+    root = scratch_copy(tmp_path / "repo", steps=4)
+    run, model = root / "runs" / "quick", make_tiny_model(TinySpec(), tmp_path / "model")
+    gate = StepGate(tmp_path / "gate", run, after=2)
+    args = ("configs/quick.yaml", f"model.path={model}", "train.checkpoint_every=1", gate.override)
+    env = cli_env() | {"PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "out.log", "wb") as log:
+        proc = subprocess.Popen(["bash", "scripts/quickstart.sh", *args], cwd=root, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not gate.holding:
+            assert proc.poll() is None and time.monotonic() < deadline, "never held"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # (the terminal's Ctrl-C: the whole foreground group)
+        assert proc.wait(timeout=120) == 130
+    out = (tmp_path / "out.log").read_text()
+    assert out.rstrip().splitlines()[-2:] == [
+        "interrupted: runs/quick/checkpoints/step_2 is the run's newest checkpoint: the same "
+        "command with --resume goes on from it",
+        "(the quickstart passes --resume itself: run it again, with the same arguments, to go on)",
+    ], out[-3000:]
+    gate.open()
+    rc, out = quickstart(root, args=args)
+    assert rc == 0, out[-3000:]
+    assert steps_logged(run) == [0, 1, 2, 3, 4] and "the quickstart passes" not in out
 
 
 NO_MODEL = "train:\n  steps: 3\n"

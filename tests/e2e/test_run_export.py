@@ -86,6 +86,14 @@ def test_a_run_checkpoint_exports_to_hf_with_its_trained_weights(trained_run, ta
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     seqs = random_sequences(vocab)
     scored = tmp_path / "scored.jsonl"
+    # (the run's checkpoint itself is not scored: its line names the export above; it said
+    # "no config.json in ...; point at an HF checkpoint directory")
+    proc = run_cli(["score", "--checkpoint", str(ckpt), "--input", str(write_jsonl(
+        tmp_path / "in.jsonl", seqs)), "--output", str(scored)])  # fmt: skip
+    assert proc.returncode == 2 and not scored.exists(), proc.stderr[-3000:]
+    assert f"export it to HF first: megatron-gspo convert megatron-to-hf --megatron {ckpt} " in (
+        proc.stderr
+    )
     args = ["score", "--checkpoint", str(back), "--input", str(write_jsonl(tmp_path / "in.jsonl",
             seqs)), "--output", str(scored)]  # fmt: skip
     proc = run_cli(args)

@@ -72,7 +72,7 @@ def test_sbatch_runs_the_tiny_config_end_to_end(slurm_conf, task_model, tmp_path
 def test_scancel_stops_every_process_the_job_started(slurm_conf, task_model, tmp_path):
     run, out = tmp_path / "run", tmp_path / "job.out"
     r = sbatch(slurm_conf, out, "--config", "configs/tiny_moe_gspo.yaml", "--run-dir", str(run),
-               "--steps", "50", f"model.path={task_model}", *QUICK, wait=False)  # fmt: skip
+               "--steps", "40", f"model.path={task_model}", *QUICK, wait=False)  # fmt: skip
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip().split(";")[0]
     env = dict(os.environ, SLURM_CONF=str(slurm_conf))

@@ -12,6 +12,7 @@ from tests.helpers import (
     random_sequences,
     read_logprobs,
     run_cli,
+    saved_checkpoint,
     stopped_mid_write,
     write_jsonl,
 )
@@ -178,6 +179,61 @@ def test_a_model_that_does_not_load_leaves_no_run_directory(tmp_path, tiny_model
     left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
     assert left == [".lock", "logs", "logs/launch.log"]
     assert (run / "logs" / "launch.log").read_text() == "the launch script's\n"
+
+
+def test_train_refuses_steps_past_train_steps_before_anything(tmp_path, tiny_models, capsys):
+    """`train --steps 50` on a config of train.steps 40 trained to step 40 and stopped there
+    without a word (--steps only stops a run earlier: the schedule is train.steps')."""
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe_gspo.yaml"
+    run = tmp_path / "run"
+    argv = ["train", "--config", str(config), "--run-dir", str(run), "--steps", "50",
+            f"model.path={tiny_models['moe']}"]  # fmt: skip
+    assert main_error(argv, capsys) == (
+        "error: --steps 50 is past train.steps 40; set train.steps=50 to train longer (--steps "
+        "only stops a run before train.steps)"
+    )
+    assert not run.exists()
+    assert "--steps 9 is past train.steps 8;" in main_error([*argv[:-2], "9", "train.steps=8"],
+                                                            capsys)  # fmt: skip
+    assert not run.exists()
+
+
+def test_score_names_the_export_for_a_run_checkpoint_or_run_directory(tmp_path, capsys):
+    """`score --checkpoint RUN/checkpoints/step_N` said "no config.json in ...; point at an HF
+    checkpoint directory"; a run's checkpoint is exported to HF first (convert megatron-to-hf)."""
+    run = tmp_path / "run"
+    ckpt = saved_checkpoint(run, 2)  # (its files as a save leaves them: export.py goes by them)
+    tail = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    export = f"megatron-gspo convert megatron-to-hf --megatron {ckpt} --out NEW_DIR"
+    assert main_error(["score", "--checkpoint", str(ckpt), *tail], capsys) == (
+        f"error: {ckpt} is a training run's checkpoint, not an HF or Megatron checkpoint; "
+        f"export it to HF first: {export}, then pass --checkpoint NEW_DIR"
+    )
+    assert main_error(["score", "--checkpoint", str(run), *tail], capsys) == (
+        f"error: {run} is a training run's directory, not an HF or Megatron checkpoint; export "
+        f"one of its checkpoints to HF first, e.g. the newest: {export}, then pass "
+        "--checkpoint NEW_DIR"
+    )
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_serve_says_a_model_path_that_is_not_there_does_not_exist(tmp_path, capsys):
+    """It said "no config.json in /abs/path/nothere; point at an HF checkpoint directory"."""
+    missing = tmp_path / "nothere"
+    assert main_error(["serve", "--model", str(missing), "--port", "0"], capsys) == (
+        f"error: --model {missing} does not exist; point it at an HF checkpoint"
+    )
+
+
+def test_a_config_json_path_that_is_not_there_is_said_not_to_exist(tmp_path):
+    from megatron_gspo.errors import UserError
+    from megatron_gspo.hf.config import load_hf_config
+
+    with pytest.raises(UserError, match=f"^{tmp_path / 'gone'} does not exist; point at an HF"):
+        load_hf_config(tmp_path / "gone")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=f"^no config.json in {tmp_path / 'empty'}; point at"):
+        load_hf_config(tmp_path / "empty")
 
 
 def _without_tokenizer(src: Path, dst: Path) -> Path:

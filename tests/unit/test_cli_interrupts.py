@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_gspo.outputs import interrupts_kept
+from megatron_gspo.train.checkpointing import resume_hint
 from tests.helpers import CTRL_C_IN_WRITER, cli_env, run_hooked
 
 pytestmark = pytest.mark.unit
@@ -170,6 +171,25 @@ def test_a_signal_a_finalizer_swallowed_ends_convert_with_only_its_line(tmp_path
     said = (130, "interrupted\n") if sig == signal.SIGINT else (128 + signal.SIGTERM, "")
     assert (code, err) == said, err[-3000:]
     assert not list(work.iterdir())
+
+
+def test_the_interrupt_line_says_the_same_command_where_it_had_resume(tmp_path):
+    """An interrupted `train` said "the same command with --resume goes on from it" even where
+    the command had --resume already (the quickstart's, on its later runs): then it is the same
+    command that goes on."""
+    run = tmp_path / "run"
+    none_yet = f"{run} holds no checkpoint yet: the same command starts the run again"
+    assert resume_hint(run) == f"{none_yet} (with --resume too)"
+    assert resume_hint(run, resumed=True) == none_yet
+    for step in (2, 10):  # (the newest is step 10's, not the last in name order)
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    newest = run / "checkpoints" / "step_10"
+    assert resume_hint(run) == (
+        f"{newest} is the run's newest checkpoint: the same command with --resume goes on from it"
+    )
+    assert resume_hint(run, resumed=True) == (
+        f"{newest} is the run's newest checkpoint: the same command goes on from it"
+    )
 
 
 def test_closing_the_io_thread_ends_what_still_runs_on_it(caplog):

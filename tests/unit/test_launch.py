@@ -666,6 +666,21 @@ def test_torchrun_sh_refuses_allow_config_change_without_resume(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_torchrun_sh_refuses_steps_past_train_steps(tmp_path):
+    """--steps 50 with train.steps 40 launched a run that stopped at step 40 without a word.
+    Now train's line, exit 2, before anything is made; --steps 40 (train.steps) plans on."""
+    (tmp_path / "model").mkdir()
+    args = ("--config", str(ROOT / "configs/tiny_moe_gspo.yaml"), "--run-dir",
+            str(tmp_path / "run"), f"model.path={tmp_path / 'model'}")  # fmt: skip
+    r = torchrun_sh(*args, "--steps", "50", GPUS_PER_NODE="0")
+    line = "--steps 50 is past train.steps 40; set train.steps=50 to train longer"
+    assert (r.returncode, r.stderr.split(" (")[0]) == (2, f"error: {line}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    r = subprocess.run([sys.executable, str(ROOT / "launch/plan.py"), *args, "--steps", "40"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
 def test_slurm_local_stops_nothing_from_a_directory_another_could_write(tmp_path):
     """slurm_local.sh's state directory (default under /tmp) is where `stop` reads the PIDs it
     kills and `start` writes the config its daemons run: one that another user made, or can

@@ -301,6 +301,42 @@ def test_console_lines(tmp_path, monkeypatch, tty):
     assert "eval 0.20" in frames[2] and frames[2].strip().endswith("ETA 0s")
 
 
+def _eval_shown(err: io.StringIO) -> dict[int, str | None]:
+    """Each progress line's step and its eval part (None: none shown)."""
+    shown = {}
+    for line in err.getvalue().splitlines():
+        parts = line.split(" | ")
+        step = int(parts[0].removeprefix("step ").split("/")[0])
+        shown[step] = next((p for p in parts if p.startswith("eval ")), None)
+    return shown
+
+
+def test_a_resumed_runs_progress_line_shows_the_last_eval_from_before(tmp_path, monkeypatch):
+    """An uninterrupted run shows the newest eval on every line; a resumed run showed none until
+    its own next eval. Now it shows the last one metrics.jsonl kept up to its checkpoint (step
+    4's, not step 6's: the killed run's steps after the checkpoint are dropped)."""
+    whole, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", whole)
+    run_steps(tmp_path / "whole", range(1, 8), total=7, console=True)
+    run_steps(tmp_path / "cut", range(1, 7), total=7)  # killed after step 6, checkpoint at 4
+    monkeypatch.setattr(sys, "stderr", err)
+    run_steps(tmp_path / "cut", range(5, 8), start_step=4, total=7, console=True)
+    assert _eval_shown(err) == {5: "eval 0.40", 6: "eval 0.60", 7: "eval 0.60"}
+    assert _eval_shown(err) == {k: v for k, v in _eval_shown(whole).items() if k >= 5}
+
+
+def test_a_resumed_run_with_no_eval_kept_shows_none(tmp_path, monkeypatch):
+    """No eval up to the checkpoint (step 1 has none), or no metrics.jsonl at all: no eval shown
+    until the run's own."""
+    run_steps(tmp_path / "a", [1], total=3)
+    run_steps(tmp_path / "b", [1, 2], total=3)  # (step 2's eval 0.20, its file then lost)
+    (tmp_path / "b" / "metrics.jsonl").unlink()
+    for run, start in ((tmp_path / "a", 1), (tmp_path / "b", 2)):
+        monkeypatch.setattr(sys, "stderr", err := io.StringIO())
+        run_steps(run, [3], start_step=start, total=3, console=True)
+        assert _eval_shown(err) == {3: None}
+
+
 def test_step_order(tmp_path):
     kw = {"total_steps": 5, "tensorboard": False, "console": False}
     with MetricsLogger(tmp_path, **kw) as logger:
