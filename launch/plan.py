@@ -10,7 +10,8 @@ prints shell assignments (`eval "$(python launch/plan.py ...)"`). launch/serve_n
 `make_layout` to start this node's servers on the GPUs the layout gives them. torchrun.sh also
 passes train's own flags (--run-dir, --steps, --resume, --allow-config-change): --steps is
 checked here, and a --resume of a run with no step left is answered here, before any server
-starts (NOTHING_TO_TRAIN, the line `train` prints; the script prints it and exits 0).
+starts (NOTHING_TO_TRAIN, the line `train` prints; the script prints it and exits 0), as is a
+--resume with a config the run was not trained with (`train`'s refusal, exit 2).
 
 Placement (`rollout.placement`):
   colocated      every node trains and serves: its servers share the trainer's GPUs (SGLang
@@ -321,7 +322,33 @@ def nothing_to_train_line(cfg: Config, args: argparse.Namespace) -> str | None:
     from megatron_gspo.train.finished import launch_line
 
     run_dir = Path(args.run_dir or Path("runs") / Path(args.config).stem)
-    return launch_line(cfg, run_dir, steps, args.allow_config_change)
+    line = launch_line(cfg, run_dir, steps, args.allow_config_change)
+    if line is None:
+        check_resume_config(cfg, run_dir, args.allow_config_change)
+    return line
+
+
+def check_resume_config(cfg: Config, run_dir: Path, allow_config_change: bool) -> None:
+    """--resume of a run that has a checkpoint, with a config that computes something else than
+    its config.yaml (another layout, algorithm, data...): `train`'s refusal (train/run_dir.py
+    `prepare`, the same rule and line), before any server starts, not from the trainer once the
+    servers are up. Reads two files: the checkpoints themselves are the trainer's to verify."""
+    from megatron_gspo.train import checkpointing
+    from megatron_gspo.train.run_dir import CONFIG_FILE, MAY_CHANGE, config_changes
+    from megatron_gspo.yaml_io import read_yaml
+
+    path = run_dir / CONFIG_FILE
+    if allow_config_change or checkpointing.latest(run_dir) is None or not path.is_file():
+        return
+    changes = config_changes(read_yaml(path) or {}, cfg)
+    listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes
+                       if not k.startswith(MAY_CHANGE))  # fmt: skip
+    if listed:
+        raise UserError(
+            f"--resume with a config that differs from the run's: {listed}; resume with the "
+            "run's config, or pass --allow-config-change to resume with this one anyway, or "
+            "--run-dir NEW_DIR to start another run"
+        )
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,9 @@
 # each as rollout.url_nodes, and each rank learns its own node from MEGATRON_GSPO_NODE_RANK (the
 # tensor weight sync relays to a node's servers through a rank on that node). Nodes meet
 # through RUN_DIR/launch/<LAUNCH_ID>/ (a filesystem every node mounts; checkpoints need it anyway):
-# urls/node<R>.txt per serving node, `done` when training ended, `abort` when a node failed.
+# started/node<R> per node, urls/node<R>.txt per serving node, `done` when training ended, `abort`
+# when a node failed. That directory is one launch's: a LAUNCH_ID an earlier launch of the run
+# used is refused (Slurm's default id counts the job's requeues).
 #
 # Logs: RUN_DIR/logs/ranks/node<R>/ (torchrun, one stdout/stderr per rank), RUN_DIR/logs/servers/
 # node<R>/ (one per server, and the router's), RUN_DIR/logs/launch/node<R>.log (this script).
@@ -31,8 +33,10 @@
 #   SERVERS_PER_NODE  servers per serving node (default GPUs / rollout.server_tp, 1 on a CPU)
 #   RDZV_ENDPOINT     c10d rendezvous host:port (default 127.0.0.1:<free port>; set it for
 #                     several nodes)
-#   LAUNCH_ID         the same on every node of one launch, a plain name (letters, digits, . _ -;
-#                     default SLURM_JOB_ID, else time+pid): RUN_DIR/launch/<LAUNCH_ID>/
+#   LAUNCH_ID         the same on every node of one launch and new for each launch, a plain name
+#                     (letters, digits, . _ -; default SLURM_JOB_ID-SLURM_RESTART_COUNT, the
+#                     restart count 0 until Slurm requeues the job, else time+pid):
+#                     RUN_DIR/launch/<LAUNCH_ID>/
 #   SERVER_HOST       address servers bind (default 127.0.0.1 when the job has one node)
 #   SERVER_PORT_BASE  server i listens on BASE+i (default: free ports)
 #   SGLANG_PYTHON     python of SGLang's environment (or rollout.sglang_python)
@@ -158,7 +162,10 @@ HOST_PORT='^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):([0-9]{
 if ! [[ "$RDZV_ENDPOINT" =~ $HOST_PORT ]] || ! in_range "${BASH_REMATCH[3]}" 1 65535; then
     die "RDZV_ENDPOINT=$RDZV_ENDPOINT must be host:port, the first node's address and a free port (e.g. node001:29500)"
 fi
-LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)-$$}}"
+# A Slurm requeue runs the job again under its job id: SLURM_RESTART_COUNT (how many times it
+# was requeued or restarted; unset before) tells the attempts apart.
+LAUNCH_ID="${LAUNCH_ID:-${SLURM_JOB_ID:+$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}}}"
+LAUNCH_ID="${LAUNCH_ID:-$(date +%Y%m%d-%H%M%S)-$$}"
 [[ "$LAUNCH_ID" =~ ^[A-Za-z0-9._-]+$ && "$LAUNCH_ID" != . && "$LAUNCH_ID" != .. ]] \
     || die "LAUNCH_ID=$LAUNCH_ID must be a plain name (letters, digits, . _ -), the same on every node of the launch"
 # The servers and the trainer share an API key: only its holder may drive the servers, and the
@@ -193,13 +200,47 @@ if [[ -n "${NOTHING_TO_TRAIN:-}" ]]; then echo "$NOTHING_TO_TRAIN"; exit 0; fi
 [[ -n "${SGLANG_PYTHON:-}" ]] && export SGLANG_PYTHON
 
 # ---- this launch's directories -------------------------------------------------------------
-mkdir -p "$RUN_DIR"
+# A directory that cannot be made is `train`'s one line, exit 2, not mkdir's (a run directory
+# under a file, on a read-only filesystem, of another user). The reason is mkdir's last words.
+make_dir() {  # make_dir DIR WHAT FIX: mkdir -p DIR, else "error: WHAT (reason); FIX"
+    local out
+    out="$(LC_ALL=C mkdir -p -- "$1" 2>&1)" || die "$2 (${out##*: }); $3"
+}
+make_dir "$RUN_DIR" "cannot make --run-dir $RUN_DIR" "pass --run-dir NEW_DIR"
 RUN_DIR="$(cd "$RUN_DIR" && pwd)"
 STATE="$RUN_DIR/launch/$LAUNCH_ID"
+STARTED="$STATE/started/node$NODE_RANK"
 RANK_LOGS="$RUN_DIR/logs/ranks/node$NODE_RANK"
 SERVER_LOGS="$RUN_DIR/logs/servers/node$NODE_RANK"
 LAUNCH_LOG="$RUN_DIR/logs/launch/node$NODE_RANK.log"
-mkdir -p "$STATE/urls" "$RANK_LOGS" "$SERVER_LOGS" "$(dirname "$LAUNCH_LOG")"
+
+# RUN_DIR/launch/<LAUNCH_ID>/ is this launch's alone. Read as this launch's, an earlier one's
+# files misled every node (a Slurm requeue keeps the job id; a relaunch may repeat LAUNCH_ID):
+# its urls/ named servers long gone, its `done` and `abort` stopped the nodes at once. So each
+# node marks the directory as it starts (started/node<R>), and refuses it where it finds what
+# only an earlier launch can have left: its own mark or URLs, an `abort` it wrote, a `done`
+# (written once training ended, which needs every node). Another node's files are never taken
+# for an earlier launch's: that node may simply have started first.
+earlier_launch() {  # what of an earlier launch under this id is there (nothing: none found)
+    local mine="urls/node$NODE_RANK.txt"
+    if [[ -e "$STARTED" ]]; then echo "started/node$NODE_RANK"
+    elif [[ -e "$STATE/$mine" ]]; then echo "$mine"
+    elif [[ -e "$STATE/done" ]]; then echo "done"
+    elif grep -q "^node $NODE_RANK: " "$STATE/abort" 2>/dev/null; then echo "abort"
+    fi
+}
+used_by_earlier() {  # used_by_earlier WHAT: the refusal, WHAT being what in STATE says so
+    die "LAUNCH_ID=$LAUNCH_ID was an earlier launch's ($STATE holds its $1); give this launch a LAUNCH_ID of its own, the same on every node, or remove that directory once no launch uses it"
+}
+used="$(earlier_launch)"
+[[ -z "$used" ]] || used_by_earlier "$used"
+fix="make it writable (chmod -R u+w $RUN_DIR) and run the command again, or pass --run-dir NEW_DIR"
+for dir in "$STATE/urls" "$STATE/started" "$RANK_LOGS" "$SERVER_LOGS" "$(dirname "$LAUNCH_LOG")"; do
+    make_dir "$dir" "cannot write $dir" "$fix"
+done
+# (made only where absent: a second copy of this node, started under the same id, is refused)
+( set -o noclobber; echo "$(hostname) pid $$ $(date '+%F %T')" > "$STARTED" ) 2>/dev/null \
+    || used_by_earlier "started/node$NODE_RANK"
 
 log() { echo "[node $NODE_RANK $(date +%H:%M:%S)] $*" | tee -a "$LAUNCH_LOG"; }
 fail() { echo "error: $*" | tee -a "$LAUNCH_LOG" >&2; }
@@ -316,13 +357,25 @@ resume_advice() {
         echo "no complete checkpoint yet under $RUN_DIR/checkpoints; rerun (with or without --resume) to start it again"
     fi
 }
-abort_job() {  # abort_job MESSAGE: tell the other nodes, then stop here
-    echo "node $NODE_RANK: $*" >> "$STATE/abort"
-    fail "$*"
+abort_job() {  # abort_job MESSAGE [ADVICE]: tell the other nodes, then stop here
+    echo "node $NODE_RANK: $1" >> "$STATE/abort"
+    fail "$1"
     fail "logs: $RANK_LOGS (per rank), $SERVER_LOGS (servers)"
-    fail "$(resume_advice)"
+    fail "${2:-$(resume_advice)}"
 }
 other_node_failed() { [[ -f "$STATE/abort" ]]; }
+refusal() {  # the trainer's `error:` line (its text) in this launch's rank logs here, if any
+    local dir old f
+    for dir in "$RANK_LOGS"/*; do
+        for old in "${LOGS_BEFORE[@]}"; do [[ "$old" != "$dir" ]] || continue 2; done
+        for f in "$dir"/attempt_*/*/stderr.log; do
+            if [[ -f "$f" ]] && grep -q '^error: ' "$f"; then
+                grep '^error: ' "$f" | tail -1 | sed 's/^error: //'
+                return 0
+            fi
+        done
+    done
+}
 
 # ---- rollout servers on this node ------------------------------------------------------------
 SERVE_LOG="$SERVER_LOGS/serve_node.log"
@@ -405,7 +458,11 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MEGATRON_GSPO_NODE_RANK="$NODE_RANK"  # the node of each rank, as rollout.url_nodes counts
 log "torchrun: $TRAIN_NODES node(s) x $NPROC_PER_NODE ranks, rendezvous $RDZV_ENDPOINT"
-"$PYTHON" -m torch.distributed.run \
+shopt -s nullglob
+LOGS_BEFORE=("$RANK_LOGS"/*)  # (torchrun logs this launch's ranks in a directory it makes there)
+shopt -u nullglob
+# torchrun, but exit code 2 when the first rank to fail refused its input (torchrun_agent.py)
+"$PYTHON" "$HERE/torchrun_agent.py" \
     --nnodes "$TRAIN_NODES" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$LAUNCH_ID" \
     --max-restarts 0 --log-dir "$RANK_LOGS" --tee 3 \
@@ -432,6 +489,14 @@ if [[ "$code" == 0 ]]; then
     [[ "$NODE_RANK" == 0 ]] && echo 0 > "$STATE/done"
     log "training finished; newest checkpoint: $(newest_checkpoint)"
     exit 0
+fi
+if [[ "$code" == 2 ]]; then
+    # The trainer refused its input (a config --resume does not take, data, a run directory):
+    # the same command would be refused again, so the advice is its `error:` line, not --resume.
+    said="$(refusal)"
+    abort_job "training stopped on node $NODE_RANK: the trainer refused its input (exit 2)${said:+: $said}" \
+        "the trainer's error: line above says what it refused; fix that, then run the command again"
+    exit 2
 fi
 abort_job "training stopped on node $NODE_RANK: torchrun exited with code $code (a rank failed or was killed; torchrun's summary above names it)"
 exit "$code"

@@ -44,7 +44,8 @@ def task_model(tmp_path_factory) -> Path:
 
 def _env(**extra: str) -> dict:
     env = cli_env()
-    for k in ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "LAUNCH_ID", "MASTER_ADDR", "MASTER_PORT"):
+    for k in ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "LAUNCH_ID", "MASTER_ADDR", "MASTER_PORT",
+              "SLURM_JOB_ID", "SLURM_RESTART_COUNT"):  # fmt: skip
         env.pop(k, None)
     return env | extra
 
@@ -70,18 +71,22 @@ def torchrun_agents(run_dir: Path, model: Path, *, nnodes: int, nproc: int, step
     return procs
 
 
-def launch_nodes(run_dir: Path, model: Path, *extra: str, steps: int, launch_id: str,
+def launch_nodes(run_dir: Path, model: Path, *extra: str, steps: int, launch_id: str | None,
                  nproc: int = 1, **env_extra: str):  # fmt: skip
-    """Two copies of launch/torchrun.sh, one per simulated node."""
+    """Two copies of launch/torchrun.sh, one per simulated node (launch_id None: the script's
+    default, a Slurm job's when env_extra sets SLURM_JOB_ID)."""
     endpoint = f"127.0.0.1:{free_port()}"
+    slurm = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT")
+    tag = launch_id or "-".join(env_extra.get(k, "") for k in slurm)
+    ids = {"LAUNCH_ID": launch_id} if launch_id else {}
     procs = []
     for node in range(2):
-        env = _env(NNODES="2", NODE_RANK=str(node), RDZV_ENDPOINT=endpoint, LAUNCH_ID=launch_id,
+        env = _env(NNODES="2", NODE_RANK=str(node), RDZV_ENDPOINT=endpoint,
                    NPROC_PER_NODE=str(nproc), PYTHON=sys.executable,
-                   MEGATRON_GSPO_API_KEY=f"key-{launch_id}", **env_extra)  # fmt: skip
+                   MEGATRON_GSPO_API_KEY=f"key-{tag}", **ids, **env_extra)  # fmt: skip
         cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"),
                *_train_args(run_dir, model, steps, *extra)]  # fmt: skip
-        log = open(run_dir.parent / f"{run_dir.name}.{launch_id}.node{node}.log", "wb")
+        log = open(run_dir.parent / f"{run_dir.name}.{tag}.node{node}.log", "wb")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)  # fmt: skip
         proc.log_path = Path(log.name)
@@ -145,12 +150,13 @@ def test_two_simulated_nodes_give_the_metrics_of_one_node(task_model, tmp_path):
 def _worker_pids(launcher: subprocess.Popen) -> list[int]:
     """The trainer ranks under one launch script (not the torchrun agent, not the servers)."""
     pids = []
+    agent = ("torch.distributed.run", "torchrun_agent.py")
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
             cmd = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if "megatron_gspo" in cmd and " train " in cmd and "torch.distributed.run" not in cmd:
+        if "megatron_gspo" in cmd and " train " in cmd and not any(a in cmd for a in agent):
             pids.append(child.pid)
     return pids
 
