@@ -16,8 +16,10 @@
 #   /opt/sglang-venv (SGLANG_PYTHON), together with sglang-router. Rollout servers run as
 #   separate processes anyway; the trainer only talks HTTP (and NCCL / CUDA IPC) to them.
 #   SGLang is the version the contract tests check (scripts/sglang_env.sh).
-# - The project in /opt/megatron-gspo (MEGATRON_GSPO_HOME: launch/, configs/ for Slurm + pyxis),
-#   run as the non-root user `gspo`; the entrypoint is the `megatron-gspo` command.
+# - The project in /opt/megatron-gspo (MEGATRON_GSPO_HOME: its launch/ and configs/, where
+#   `megatron-gspo study` reads its arms' configs, the package itself being installed into
+#   site-packages), run as the non-root user `gspo`; the entrypoint is the `megatron-gspo`
+#   command. A Slurm batch script runs on the host and reads the host's MEGATRON_GSPO_HOME.
 FROM nvcr.io/nvidia/pytorch:25.11-py3
 
 ARG MEGATRON_CORE_VERSION=0.16.1

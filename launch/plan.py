@@ -334,21 +334,10 @@ def check_resume_config(cfg: Config, run_dir: Path, allow_config_change: bool) -
     `prepare`, the same rule and line), before any server starts, not from the trainer once the
     servers are up. Reads two files: the checkpoints themselves are the trainer's to verify."""
     from megatron_gspo.train import checkpointing
-    from megatron_gspo.train.run_dir import CONFIG_FILE, MAY_CHANGE, config_changes
-    from megatron_gspo.yaml_io import read_yaml
+    from megatron_gspo.train.run_dir import check_config
 
-    path = run_dir / CONFIG_FILE
-    if allow_config_change or checkpointing.latest(run_dir) is None or not path.is_file():
-        return
-    changes = config_changes(read_yaml(path) or {}, cfg)
-    listed = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes
-                       if not k.startswith(MAY_CHANGE))  # fmt: skip
-    if listed:
-        raise UserError(
-            f"--resume with a config that differs from the run's: {listed}; resume with the "
-            "run's config, or pass --allow-config-change to resume with this one anyway, or "
-            "--run-dir NEW_DIR to start another run"
-        )
+    if checkpointing.latest(run_dir) is not None:
+        check_config(run_dir, cfg, allow_config_change)
 
 
 def main(argv=None) -> None:

@@ -231,7 +231,7 @@ def prepare(
                 "--resume to continue it or --run-dir NEW_DIR to start another"
             )
         ckpt, skipped = _verified(run_dir)
-        changes = _check_config(run_dir, cfg, allow_config_change)
+        changes = check_config(run_dir, cfg, allow_config_change)
         missing = not (run_dir / CONFIG_FILE).is_file()
         return StartPlan(ckpt, skipped, changes=changes, config_missing=missing)
     left = [name for name in (*ATTEMPT_FILES, CHECKPOINTS) if (run_dir / name).exists()]
@@ -252,7 +252,7 @@ def finished_step(run_dir: Path, cfg: Config, allow_config_change: bool, last: i
     step = None if ckpt is None else checkpointing.saved_step(ckpt)
     if ckpt is None or step is None or step < last or checkpointing.verify(ckpt) is not None:
         return None
-    _check_config(run_dir, cfg, allow_config_change)
+    check_config(run_dir, cfg, allow_config_change)
     return step
 
 
@@ -310,7 +310,7 @@ def _clear_attempt(run_dir: Path, left: list[str]) -> str:
     )
 
 
-def _check_config(run_dir: Path, cfg: Config, allow: bool) -> str | None:
+def check_config(run_dir: Path, cfg: Config, allow: bool) -> str | None:
     """Refuse (unless `allow`) to resume with a config that computes something else; the
     changes allowed, listed (None: none)."""
     path = run_dir / CONFIG_FILE
