@@ -1,12 +1,28 @@
 """Small process-group helpers shared by the trainer's parts: this rank, rank 0's object to every
-rank, a free local port. No Megatron."""
+rank, one rank's refusal made every rank's, a free local port. No Megatron.
+
+A `UserError` found by one rank alone (an input only rank 0 reads, a write that failed on one
+rank) used to end that rank alone: the others waited in their next collective for it and died
+there with gloo's "Connection closed by peer" traceback, which torchrun then named as the root
+cause. Where the other ranks wait for rank 0's outcome anyway (a start's checks) `from_rank0`
+hands it to them; anywhere else the refusing rank posts its line in torchrun's store before it
+exits (`post_refusal`, entry.py), and a rank that fails or is stopped after that says the same
+line (`posted_refusal`). Either way every rank ends on the one line and exit status 2.
+"""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
+
+from megatron_gspo.errors import UserError
+
+T = TypeVar("T")
 
 
 def rank() -> int:
@@ -20,6 +36,74 @@ def bcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def from_rank0(work: Callable[[], T]) -> T:
+    """Collective: rank 0 runs `work` (what only it does: an input it alone reads, servers it
+    alone starts) and every rank gets its result, or raises its UserError, the same line. Any
+    other exception ends rank 0 alone, as it would have."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    box: list = [None]
+    refused: UserError | None = None
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, work())]
+        except UserError as e:
+            refused, box = e, [(False, str(e))]
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if refused is not None:
+        raise refused
+    if not ok:
+        raise UserError(value)
+    return value
+
+
+def post_refusal(line: str) -> str:
+    """Leave this rank's refusal (its one line) in the process group's store before the rank
+    exits: another rank whose collective then fails because this one left, or which torchrun
+    stops, finds it there (`posted_refusal`) and ends on the same line. The first one posted
+    stays, and is returned: ranks refusing together (a full disk's free space measured a moment
+    apart) say the one line."""
+    store = _store()
+    if store is None:
+        return line
+    try:
+        return store.compare_set(_refusal_key(), "", line).decode()
+    except Exception:  # noqa: BLE001 - no store left to tell: the others say their own
+        return line
+
+
+def posted_refusal() -> str | None:
+    """The line a rank of this run posted (`post_refusal`) before it exited, if one did."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        key = _refusal_key()
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - the store gone with its host: nothing to learn there
+        return None
+
+
+def _refusal_key() -> str:
+    # (torchrun's agent keeps its store over a restart of the ranks: a key per attempt)
+    return f"megatron_gspo/refusal/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store():
+    """The default process group's store where torchrun's agent holds it (it outlives the ranks;
+    one rank 0 held is gone with rank 0, and a call to it fails with a C++ stack printed), None
+    elsewhere and without a group of several ranks."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not agent or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return None if get is None else get()
+    except Exception:  # noqa: BLE001 - (a torch without it: the ranks say their own errors)
+        return None
 
 
 _PICK = random.SystemRandom()  # (a seeded `random` would give every process the same picks)

@@ -1,5 +1,6 @@
 """How each entry point (`megatron-gspo`, `python -m megatron_gspo.server`) runs its command:
-bad input (`UserError`) is the one line "error: ..." and exit 2; a Ctrl-C is the one line
+bad input (`UserError`) is the one line "error: ..." and exit 2, under torchrun on every rank
+even where one rank alone refused (comm.py); a Ctrl-C is the one line
 "interrupted" (with what was kept, for `Interrupted`) and exit 130, the shell's code for it (a
 SIGTERM that a command turned into `Interrupted`, as `train` does: the same line, exit 143).
 Each command imports what it runs with SIGINT and SIGTERM held (`outputs.signals_held`)."""
@@ -24,11 +25,13 @@ def run_command(command: Callable[[], object]) -> None:
     try:
         command()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(str(e))
     except BaseException as e:  # a Ctrl-C: one line, not a traceback
         # (a SIGINT inside torch's import or its checkpoint writer comes out as their own error)
         ctrl_c = isinstance(e, (Interrupted, KeyboardInterrupt)) or bool(interrupts)
+        refused = _refusal_behind(e)
+        if refused is not None:
+            _refuse(refused)
         if isinstance(e, SystemExit) or not ctrl_c:
             raise
         if _rank() == 0:
@@ -36,6 +39,40 @@ def run_command(command: Callable[[], object]) -> None:
         sys.exit(128 + e.signum if isinstance(e, Interrupted) else INTERRUPTED)
     finally:
         _shutdown()
+
+
+def _refuse(line: str) -> None:
+    """The one line and exit 2. Under torchrun the line is posted for the other ranks first
+    (comm.py: one that fails or is stopped because this one left says it too). Once one rank has
+    exited torchrun stops the others with SIGTERM, while they are still on their way out (the
+    interpreter's exit takes a second or two after torch): ignored from here, so each ends with
+    the same status, not as killed by the signal. (Ignored, not handled: the interpreter puts
+    back the default action of a handled signal as it exits.)"""
+    comm = sys.modules.get("megatron_gspo.comm")
+    if comm is not None:
+        line = comm.post_refusal(line)
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(2)
+
+
+def _refusal_behind(e: BaseException) -> str | None:
+    """The refusal that `e` came of, None where it came of none (nor is a plain exit): the
+    UserError a stop came during (a signal's exception: SIGTERM's SystemExit(143), a Ctrl-C,
+    `Interrupted`), as the command unwound from it; else the line another rank posted before it
+    exited (comm.py), which this rank's error or stop (torchrun's SIGTERM) came of."""
+    if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:
+        return None
+    seen: set[int] = set()
+    cause = e.__context__ if isinstance(e, (SystemExit, Interrupted, KeyboardInterrupt)) else None
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, UserError):
+            return str(cause)
+        seen.add(id(cause))
+        cause = cause.__context__
+    comm = sys.modules.get("megatron_gspo.comm")
+    return None if comm is None else comm.posted_refusal()
 
 
 def _note_interrupts() -> list[int]:

@@ -48,8 +48,29 @@ def load_prompts(source: str, split: str = "train", seed: int = 0) -> PromptSet:
     A file is one split as it stands: `split` and `seed` do not apply to it (give the eval set as
     its own file); its rows keep the file's order.
     """
+    check_source(source, split)
     if source.startswith(BUILTIN):
         return _load_builtin(source, split, seed)
+    path = Path(source)
+    rows, skipped = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
+    if not rows:
+        raise UserError(
+            f"prompt dataset {source!r} has no usable row ({skipped} broken); {ROW_RULE}"
+        )
+    return PromptSet(rows=rows, skipped=skipped, source=source)
+
+
+def check_source(source: str, split: str = "train") -> None:
+    """What `load_prompts` refuses before it reads a row: an unknown built-in task or split, a
+    file of another format, a file that is not there. Cheap (no row is read), so each rank of a
+    trainer checks it before the ranks first meet and every rank says the same line."""
+    if source.startswith(BUILTIN):
+        task = source[len(BUILTIN) :]
+        if task not in TASKS:
+            raise UserError(f"unknown built-in task {task!r}; choose one of: {', '.join(TASKS)}")
+        if split not in SPLITS:
+            raise UserError(f"unknown split {split!r} for {source}; use 'train' or 'eval'")
+        return
     path = Path(source)
     if path.suffix not in FORMATS:
         raise UserError(
@@ -58,12 +79,6 @@ def load_prompts(source: str, split: str = "train", seed: int = 0) -> PromptSet:
         )
     if not path.is_file():
         raise UserError(f"prompt dataset {source!r} does not exist; check the path")
-    rows, skipped = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
-    if not rows:
-        raise UserError(
-            f"prompt dataset {source!r} has no usable row ({skipped} broken); {ROW_RULE}"
-        )
-    return PromptSet(rows=rows, skipped=skipped, source=source)
 
 
 def broken_rows(ps: PromptSet, key: str) -> str | None:
@@ -82,12 +97,7 @@ def broken_rows(ps: PromptSet, key: str) -> str | None:
 
 
 def _load_builtin(source: str, split: str, seed: int) -> PromptSet:
-    task = source[len(BUILTIN) :]
-    if task not in TASKS:
-        raise UserError(f"unknown built-in task {task!r}; choose one of: {', '.join(TASKS)}")
-    if split not in SPLITS:
-        raise UserError(f"unknown split {split!r} for {source}; use 'train' or 'eval'")
-    rows = [PromptRow(p, a) for p, a in task_rows(task, split)]
+    rows = [PromptRow(p, a) for p, a in task_rows(source[len(BUILTIN) :], split)]
     random.Random(seed).shuffle(rows)
     return PromptSet(rows=rows, skipped=0, source=source)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_gspo.disk_full import hidden_os_error
 from megatron_gspo.errors import UserError, first_line
 from megatron_gspo.outputs import interrupts_kept
 
@@ -148,12 +149,24 @@ def _in_process_strategy(fsync: bool):
     except (ImportError, AttributeError):
         return None
 
+    class Writer(FileSystemWriter):
+        """DCP's writer, with the OSError that torch's zip writer hid (a full disk's ENOSPC)
+        raised in place of its "unexpected pos": DCP hands every rank this rank's error without
+        the context that held the OSError (disk_full.py)."""
+
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except RuntimeError as e:
+                hidden = hidden_os_error(e)
+                if hidden is None:
+                    raise
+                raise OSError(hidden.errno, hidden.strerror) from e
+
     class InProcessTorchDistSave(mtorch.TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
             state, _, _ = replace_keys(sharded_state_dict, self.keep_only_main_replica)
-            writer = FileSystemWriter(
-                str(checkpoint_dir), sync_files=fsync, thread_count=self.thread_count
-            )
+            writer = Writer(str(checkpoint_dir), sync_files=fsync, thread_count=self.thread_count)
             dcp_save(
                 to_pyt(state, False),
                 storage_writer=writer,

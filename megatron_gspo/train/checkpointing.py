@@ -16,7 +16,8 @@ it, on any number of ranks, as `half_write.HalfWrite` says: rank 0 does, and so 
 stopped before it sent its share of the manifest (rank 0 cannot complete the checkpoint without
 it, and such a rank may have made the directory again after rank 0 removed it). Older
 checkpoints beyond `keep` are deleted after the rename, never the new one: it is the last
-verified checkpoint.
+verified checkpoint. A save that the disk running full cuts short is said in one line naming the
+last complete checkpoint (disk_full.py), not as the error torch's writer makes of it.
 
 Every `step_<N>` directory is a checkpoint, whatever it holds now: one that lost a file since (its
 state file included) is a damaged checkpoint, never taken for an absent one. A resume uses the
@@ -32,17 +33,21 @@ overwrites a `step_<N>` already there: it is moved to `unverified/` too.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.disk_full import disk_full, full_line
 from megatron_gspo.errors import UserError
 from megatron_gspo.half_write import HalfWrite
 from megatron_gspo.outputs import stop_if_terminated, terminate_raises
@@ -168,11 +173,14 @@ def _write(actor, tmp: Path, state: dict) -> None:
     SIGINT, SIGTERM), `tmp` is removed as `HalfWrite` says: by rank 0 (which renames it only
     after this returns) and by each other rank stopped before it sent its share of the manifest
     (rank 0 cannot complete the checkpoint without it). A rank stopped after sending it leaves
-    `tmp` to rank 0: it may be renamed into place, complete."""
+    `tmp` to rank 0: it may be renamed into place, complete. A full disk is said in one line
+    (a UserError, before `tmp` is removed: what is free then is what the write left)."""
     rank = dist.get_rank()
-    with HalfWrite(tmp) as half:
+    with HalfWrite(tmp) as half, _full_disk_said(tmp):
         actor.save(tmp / "model")
-        torch.save(torch.get_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        rng = io.BytesIO()  # (written by Python: a full disk is its OSError, not torch's error)
+        torch.save(torch.get_rng_state(), rng)
+        (tmp / "rng" / f"rank{rank}.pt").write_bytes(rng.getvalue())
         dist.barrier()
         if rank == 0:
             _write_json(tmp / STATE_FILE, state)
@@ -180,6 +188,23 @@ def _write(actor, tmp: Path, state: dict) -> None:
         if rank == 0:
             write_manifest(tmp, {k: v for share in shares for k, v in share.items()})
         stop_if_terminated()  # (a signal whose exception a finalizer swallowed)
+
+
+@contextlib.contextmanager
+def _full_disk_said(tmp: Path) -> Iterator[None]:
+    """The block's error, where it is the disk running full under checkpoint write `tmp`
+    (.step_N.tmp), as the one line naming the last complete checkpoint (disk_full.py)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # (DCP's CheckpointException is no Exception)
+        root = tmp.parent
+        if not disk_full(e, root):
+            raise
+        m = _TMP.match(tmp.name)
+        what = f"checkpoint step_{m.group(1) if m else '?'}"
+        raise UserError(full_line(root, what, latest(root.parent))) from None
 
 
 def _hash_share(directory: Path) -> dict:

@@ -28,6 +28,7 @@ import re
 import time
 from pathlib import Path
 
+from megatron_gspo.disk_full import full_line
 from megatron_gspo.errors import UserError
 from megatron_gspo.train.console import ConsoleProgress
 from megatron_gspo.train.files import fsync_dir
@@ -334,16 +335,22 @@ class MetricsLogger:
             for sink in self._sinks:
                 sink.log(row)
         except OSError as e:
-            raise self._sink_error(e) from None
+            raise self._sink_error(e, sink) from None
         self._last = step
 
-    def _sink_error(self, e: OSError | None) -> UserError:
-        """One line for a sink that cannot write: the run directory gone, or why not."""
+    def _sink_error(self, e: OSError | None, sink: object = None) -> UserError:
+        """One line for a sink that cannot write: the run directory gone, its disk full, or why
+        not."""
         if e is None or not self.run_dir.is_dir():
             return UserError(
                 f"the run directory {self.run_dir} disappeared while training (its checkpoints "
                 "with it); start the run again"
             )
+        if e.errno == errno.ENOSPC:
+            from megatron_gspo.train.checkpointing import latest  # (torch: a run has it loaded)
+
+            written = "tensorboard/" if isinstance(sink, TensorBoardSink) else METRICS_FILE
+            return UserError(full_line(self.run_dir, written, latest(self.run_dir)))
         return UserError(
             f"cannot write the metrics in {self.run_dir}: {e}; fix that (space, permissions), "
             "then continue with --resume"

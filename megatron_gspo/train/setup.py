@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from megatron_gspo.comm import from_rank0
 from megatron_gspo.config import Config, dump_config
 from megatron_gspo.data.task_model import check_model_path, check_server_weights
 from megatron_gspo.errors import UserError
@@ -39,8 +40,10 @@ class TrainerSetup:
         from megatron_gspo.model.policy import checkpoint_spec, hf_files_dir
 
         cfg = self.cfg
+        # Inputs every rank checks alike before the ranks first meet (each says the same line);
+        # what only rank 0 can check comes after, its refusal shared (comm.from_rank0).
         check_model_path(cfg.model.path, cfg.data.train)
-        check_sglang_start(cfg)
+        check_prompt_sources(cfg)
         check_wandb(cfg.logging.wandb)
         check_server_weights(cfg.model.path, cfg.rollout.urls)
         spec, _ = checkpoint_spec(cfg.model.path)
@@ -51,6 +54,7 @@ class TrainerSetup:
         dims.validate(spec, keys=True)
         init_distributed(dims, seed=cfg.seed)
         self.rank0 = dist.get_rank() == 0
+        from_rank0(lambda: check_sglang_start(cfg))
         self.made = self.rank0 and not self.run_dir.exists()  # this start makes the directory
         try:
             self.plan = self._claim_run_dir()
@@ -93,22 +97,13 @@ class TrainerSetup:
     def _claim_run_dir(self) -> StartPlan:
         """Rank 0 locks the run directory for this trainer's lifetime and decides what the start
         does there; every rank learns the checkpoint to resume from, or the error."""
-        import torch.distributed as dist
 
-        box: list = [None]
-        if self.rank0:
-            try:
-                self.lock = RunDirLock(self.run_dir).acquire()
-                change = self.allow_config_change
-                plan = prepare(self.run_dir, self.resume, self.cfg, change, new=self.made)
-                box = [("ok", plan)]
-            except UserError as e:
-                box = [("error", str(e))]
-        dist.broadcast_object_list(box, src=0)
-        kind, value = box[0]
-        if kind == "error":
-            raise UserError(value)
-        return value
+        def claim() -> StartPlan:
+            self.lock = RunDirLock(self.run_dir).acquire()
+            change = self.allow_config_change
+            return prepare(self.run_dir, self.resume, self.cfg, change, new=self.made)
+
+        return from_rank0(claim)
 
     def _build_actor(self, dims):
         import torch
@@ -193,10 +188,20 @@ def _launcher_node() -> int | None:
     return int(value)
 
 
+def check_prompt_sources(cfg: Config) -> None:
+    """data.train and data.eval name a built-in task or a file that is there, of a known
+    format (no row is read: rank 0 reads the rows later)."""
+    from megatron_gspo.data.prompts import check_source
+
+    check_source(cfg.data.train, "train")
+    check_source(cfg.data.eval or cfg.data.train, "eval")
+
+
 def check_sglang_start(cfg: Config) -> None:
     """Where the trainer will start SGLang itself (rank 0, no rollout.urls), that it can serve
     the rollout modes asked for on this machine and that its python imports it: refused in one
-    line before the run directory is made, not by each server's failed start after it."""
+    line before the run directory is made, not by each server's failed start after it (rank 0
+    checks, every rank says it: see `TrainerSetup.__enter__`)."""
     import torch
 
     from megatron_gspo.rollout.modes import Backend
@@ -207,6 +212,6 @@ def check_sglang_start(cfg: Config) -> None:
     )
 
     r = cfg.rollout
-    if r.backend == Backend.SGLANG and not r.urls and os.environ.get("RANK", "0") == "0":
+    if r.backend == Backend.SGLANG and not r.urls:
         check_sglang_modes(cfg, torch.cuda.is_available())
         check_sglang_python(sglang_python(r.sglang_python))

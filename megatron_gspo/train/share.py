@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_gspo.comm import bcast
+from megatron_gspo.comm import bcast, from_rank0
 from megatron_gspo.config import Config
 from megatron_gspo.train.fleet import ServerFleet
 from megatron_gspo.train.generate import Generation
@@ -80,22 +80,36 @@ def rollout_side(
     inputs_checked: Callable[[int], None] = lambda n_train_prompts: None,
 ) -> tuple[ServerFleet, SharedRollouts]:
     """The fleet and the batches, as this rank holds them: rank 0 loads the prompts, starts the
-    reward workers, calls `inputs_checked` (with the number of train prompts), then starts the servers and their clients (`stack`
-    closes them, last started first); the other ranks get a view of the fleet (URLs and key, no
-    supervisor) and receive batches."""
-    fleet, producer = None, None
-    if dist.get_rank() == 0:
-        prompts = PromptSet(cfg, hf_dir)
-        io = IoThread()
-        stack.callback(io.close)
-        gen = Generation(cfg, prompts.tokenizer, run_dir)  # (a broken reward fails before servers)
-        stack.callback(gen.close)
-        inputs_checked(len(prompts.train.rows))
-        fleet = ServerFleet.start(cfg, run_dir, hf_dir, io, prompts.longest)
-        stack.callback(fleet.close)
-        assert fleet.generator is not None  # (started: connected)
-        producer = BatchProducer(cfg, prompts, gen, fleet.generator, io)
-    urls, key = bcast((fleet.urls, fleet.api_key) if fleet is not None else None)
-    if fleet is None:
-        fleet = ServerFleet(urls, key, release_memory=cfg.rollout.release_memory)
-    return fleet, SharedRollouts(producer)
+    reward workers, calls `inputs_checked` (with the number of train prompts), then starts the
+    servers and their clients (`stack` closes them, last started first); the other ranks get a
+    view of the fleet (URLs and key, no supervisor) and receive batches. What rank 0 refuses
+    on the way (a dataset's rows, the reward, the servers) every rank says (`from_rank0`)."""
+    held: dict = {}  # rank 0's fleet and producer
+
+    def start() -> tuple[list[str], str | None]:
+        held["fleet"], held["producer"] = _rank0_side(cfg, run_dir, hf_dir, stack, inputs_checked)
+        return held["fleet"].urls, held["fleet"].api_key
+
+    urls, key = from_rank0(start)
+    fleet = held.get("fleet") or ServerFleet(urls, key, release_memory=cfg.rollout.release_memory)
+    return fleet, SharedRollouts(held.get("producer"))
+
+
+def _rank0_side(
+    cfg: Config,
+    run_dir: Path,
+    hf_dir: Path,
+    stack: ExitStack,
+    inputs_checked: Callable[[int], None],
+) -> tuple[ServerFleet, BatchProducer]:
+    """Rank 0's side of `rollout_side`: the prompts, the reward, the servers, the producer."""
+    prompts = PromptSet(cfg, hf_dir)
+    io = IoThread()
+    stack.callback(io.close)
+    gen = Generation(cfg, prompts.tokenizer, run_dir)  # (a broken reward fails before servers)
+    stack.callback(gen.close)
+    inputs_checked(len(prompts.train.rows))
+    fleet = ServerFleet.start(cfg, run_dir, hf_dir, io, prompts.longest)
+    stack.callback(fleet.close)
+    assert fleet.generator is not None  # (started: connected)
+    return fleet, BatchProducer(cfg, prompts, gen, fleet.generator, io)
