@@ -478,7 +478,7 @@ def test_a_checkpoint_with_a_malformed_config_is_a_400(server, model, tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     for i, (key, value) in enumerate([("rms_norm_eps", float("nan")), ("rope_theta", -1),
                                       ("num_hidden_layers", -2), ("hidden_size", "64"),
-                                      ("vocab_size", 2**70), ("torch_dtype", "int8"),
+                                      ("vocab_size", 2**70), ("dtype", "int8"),
                                       ("num_experts_per_tok", 99), ("decoder_sparse_step", 0),
                                       ("rope_parameters", [1]), ("mlp_only_layers", "0")]):  # fmt: skip
         bad = tmp_path / f"bad{i}"

@@ -291,7 +291,8 @@ def test_second_trainer_on_a_run_dir_is_refused(task_model, tmp_path):
     short first run could end, and free the lock, before the second looks: a race, not a
     refusal); it is killed afterwards, and its metrics are its own alone."""
     run_dir = tmp_path / "run"
-    first = train("tiny_moe_gspo.yaml", run_dir, task_model, steps=1000, wait=False)
+    first = train("tiny_moe_gspo.yaml", run_dir, task_model, "train.steps=1000", steps=1000,
+                  wait=False)  # fmt: skip
     try:
         _wait_for(lambda: (run_dir / ".lock").is_file() and (run_dir / ".lock").read_text(), first)
         rc, out = train("tiny_moe_gspo.yaml", run_dir, task_model, "--resume")
