@@ -17,6 +17,8 @@ import errno
 import shutil
 from pathlib import Path
 
+from megatron_gspo.errors import in_context
+
 FULL_BELOW = 16 << 20  # free bytes under which a torch write error is the disk running full
 TORCH_WRITE_ERRORS = ("unexpected pos", "file write failed")
 
@@ -24,14 +26,7 @@ TORCH_WRITE_ERRORS = ("unexpected pos", "file write failed")
 def hidden_os_error(e: BaseException) -> OSError | None:
     """The OSError that torch's zip writer turned into `e` ("unexpected pos"), found as the
     context it left; None where there is none."""
-    seen: set[int] = set()
-    cause = e.__context__
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__context__
-    return None
+    return in_context(e, OSError)
 
 
 def disk_full(e: BaseException, where: Path) -> bool:

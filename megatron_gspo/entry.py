@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-from megatron_gspo.errors import Interrupted, UserError
+from megatron_gspo.errors import Interrupted, UserError, in_context
 from megatron_gspo.outputs import raise_exit
 
 INTERRUPTED = 130  # the exit code of a command stopped by a Ctrl-C (the shell's: 128 + SIGINT)
@@ -64,13 +64,10 @@ def _refusal_behind(e: BaseException) -> str | None:
     exited (comm.py), which this rank's error or stop (torchrun's SIGTERM) came of."""
     if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:
         return None
-    seen: set[int] = set()
-    cause = e.__context__ if isinstance(e, (SystemExit, Interrupted, KeyboardInterrupt)) else None
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, UserError):
-            return str(cause)
-        seen.add(id(cause))
-        cause = cause.__context__
+    if isinstance(e, (SystemExit, Interrupted, KeyboardInterrupt)):
+        during = in_context(e, UserError)
+        if during is not None:
+            return str(during)
     comm = sys.modules.get("megatron_gspo.comm")
     return None if comm is None else comm.posted_refusal()
 
